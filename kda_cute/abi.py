@@ -1,0 +1,166 @@
+"""The kernel-argument contract shared by the AOT build and the DSL-free launcher.
+
+Each kernel's `__call__` arguments are listed once, here, in order. The build turns the list into
+fake tensors for `cute.compile`; the launcher turns it into the raw kernel parameters. The CPU ABI
+test checks the parameter sizes against the parameter table read back from each cubin.
+
+Parameter layout rules (nvidia-cutlass-dsl 4.8, checked against every cubin by the ABI test):
+- a TMA argument becomes two parameters: the 128-byte CUtensorMap (by value) and the TMA
+  coordinate tensor, which holds only the tensor's dynamic shape entries;
+- a tensor argument becomes one struct {u64 pointer; dynamic shape entries; dynamic stride
+  entries} with natural alignment, its size rounded up to 8;
+- i32 / f32 scalars are 4 bytes; static shapes and layouts vanish;
+- `grid_only` arguments size the launch grid and are not kernel parameters.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, field
+
+from .config import PrepConfig, RecurConfig
+
+# Dynamic dimensions: name -> bit width. One name is one run-time value within a kernel.
+SYM_WIDTH = {
+    "T": 32, "H": 32, "HK": 32, "HV": 32, "HC": 32, "NCH": 32, "N1": 32, "NS": 32,
+    "sQ": 64, "sK": 64, "sG": 64, "sB": 64, "sV": 64, "sO": 64, "sS": 64, "sW": 32, "sWc": 32,
+}
+# divisibility promised to the compiler; the launcher validates it
+SYM_DIV = {"sQ": 8, "sK": 8, "sG": 8, "sV": 8}
+
+DTYPE_BYTES = {"bfloat16": 2, "float32": 4, "int32": 4}
+
+
+@dataclass(frozen=True)
+class Arg:
+    name: str
+    kind: str  # "tma" | "tensor" | "i32" | "f32"
+    dtype: str = ""
+    shape: tuple = ()
+    stride: tuple = ()
+    box: tuple = ()  # TMA box, innermost first
+    align: int = 4
+    grid_only: bool = False
+
+    def dynamic(self, entries) -> list[str]:
+        return [e for e in entries if isinstance(e, str)]
+
+
+def _tma(name, dtype, shape, stride, box):
+    return Arg(name, "tma", dtype, shape, stride, box, align=16)
+
+
+def _ten(name, dtype, shape, stride, align=None):
+    return Arg(name, "tensor", dtype, shape, stride, align=align or DTYPE_BYTES[dtype])
+
+
+def prep_args(cfg: PrepConfig) -> list[Arg]:
+    K, C = cfg.head_dim_k, cfg.chunk
+    return [
+        _tma("q", "bfloat16", ("T", "HK"), ("sQ", 1), (K, C)),
+        _tma("k", "bfloat16", ("T", "HK"), ("sK", 1), (K, C)),
+        _tma("g", "bfloat16", ("T", "HK"), ("sG", 1), (K, C)),
+        _ten("beta", "bfloat16", ("T", "H"), ("sB", 1)),
+        _ten("A_log", "float32", ("H",), (1,)),
+        _ten("dt_bias", "float32", ("HK",), (1,)),
+        _ten("cu_seqlens", "int32", ("N1",), (1,)),
+        _ten("cu_chunks", "int32", ("N1",), (1,)),
+        _ten("qg", "float32", ("T", "H", K), ("sW", K, 1), 16),
+        _ten("kg", "float32", ("T", "H", K), ("sW", K, 1), 16),
+        _ten("kd", "float32", ("T", "H", K), ("sW", K, 1), 16),
+        _ten("gl", "float32", ("NCH", "H", K), ("sW", K, 1), 16),
+        _ten("aw", "float32", ("T", "H", C), ("sWc", C, 1), 16),
+        _ten("mq", "float32", ("T", "H", C), ("sWc", C, 1), 16),
+        Arg("num_seqs", "i32"),
+        Arg("num_chunks", "i32", grid_only=True),
+        Arg("num_heads", "i32", grid_only=True),
+        Arg("scale", "f32"),
+        Arg("lower_bound", "f32"),
+        Arg("gate_mode", "i32"),
+        Arg("qk_l2norm", "i32"),
+        Arg("beta_sigmoid", "i32"),
+    ]
+
+
+def recur_args(cfg: RecurConfig) -> list[Arg]:
+    K, V, C, BV = cfg.head_dim_k, cfg.head_dim_v, cfg.chunk, cfg.block_v
+    return [
+        _tma("kg", "float32", ("T", "HK"), ("HK", 1), (K, C)),
+        _tma("qg", "float32", ("T", "HK"), ("HK", 1), (K, C)),
+        _tma("kd", "float32", ("T", "HK"), ("HK", 1), (K, C)),
+        _tma("aw", "float32", ("T", "HC"), ("HC", 1), (C, C)),
+        _tma("mq", "float32", ("T", "HC"), ("HC", 1), (C, C)),
+        _tma("gl", "float32", ("NCH", "HK"), ("HK", 1), (K, 1)),
+        _tma("v", "bfloat16", ("T", "HV"), ("sV", 1), (BV, C)),
+        _ten("out", "bfloat16", ("T", "H", V), ("sO", V, 1)),
+        _ten("s0f", "float32", ("NS", "H", V, K), ("sS", V * K, K, 1)),
+        _ten("s0h", "bfloat16", ("NS", "H", V, K), ("sS", V * K, K, 1)),
+        _ten("s1f", "float32", ("NS", "H", V, K), ("sS", V * K, K, 1)),
+        _ten("s1h", "bfloat16", ("NS", "H", V, K), ("sS", V * K, K, 1)),
+        _ten("cu_seqlens", "int32", ("N1",), (1,)),
+        _ten("cu_chunks", "int32", ("N1",), (1,)),
+        Arg("num_seqs", "i32", grid_only=True),
+        Arg("num_heads", "i32", grid_only=True),
+        Arg("state_in", "i32"),
+        Arg("state_out", "i32"),
+    ]
+
+
+# ------------------------------------------------------------------------------------ packing
+@dataclass
+class _Struct:
+    buf: bytearray = field(default_factory=bytearray)
+    align: int = 1
+
+    def put(self, fmt: str, value) -> None:
+        size = struct.calcsize(fmt)
+        self.buf += b"\0" * (-len(self.buf) % size)
+        self.buf += struct.pack("<" + fmt, value)
+        self.align = max(self.align, size)
+
+    def bytes(self, min_align: int = 1) -> bytes:
+        a = max(self.align, min_align)
+        return bytes(self.buf + b"\0" * (-len(self.buf) % a))
+
+
+def _fmt(sym: str) -> str:
+    return "q" if SYM_WIDTH[sym] == 64 else "i"
+
+
+def pack_dynamic(entries, syms: dict) -> bytes:
+    """The coordinate tensor of a TMA argument: its dynamic shape entries."""
+    s = _Struct()
+    for e in entries:
+        if isinstance(e, str):
+            s.put(_fmt(e), syms[e])
+    return s.bytes()
+
+
+def pack_tensor(arg: Arg, ptr: int, syms: dict) -> bytes:
+    s = _Struct()
+    s.put("Q", ptr)
+    for e in arg.shape + arg.stride:
+        if isinstance(e, str):
+            s.put(_fmt(e), syms[e])
+    return s.bytes(8)
+
+
+def param_sizes(args: list[Arg]) -> list[int]:
+    """Sizes of the kernel parameters the list produces, in order (all syms set to 0)."""
+    zeros = dict.fromkeys(SYM_WIDTH, 0)
+    sizes = []
+    for a in args:
+        if a.grid_only:
+            continue
+        if a.kind == "tma":
+            sizes += [128, len(pack_dynamic(a.shape, zeros))]
+        elif a.kind == "tensor":
+            sizes.append(len(pack_tensor(a, 0, zeros)))
+        else:
+            sizes.append(4)
+    # a TMA coordinate tensor without dynamic entries produces no parameter
+    return [s for s in sizes if s]
+
+
+def pack_scalar(arg: Arg, value) -> bytes:
+    return struct.pack("<i" if arg.kind == "i32" else "<f", value)

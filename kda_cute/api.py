@@ -1,0 +1,295 @@
+"""Public entry points: `fwd` (FlashKDA-compatible) and `chunk_kda` (fla-compatible).
+
+Every input is validated on the host (shapes, dtypes, devices, strides) before anything is
+launched; a bad input raises ValueError / TypeError naming the argument, what was expected and what
+was got. A launch itself does no host sync except the optional check of cu_seqlens' values.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from . import runtime
+from .abi import SYM_DIV
+from .config import GATE_MODES, FwdConfig, select_config
+
+_STATE_CODE = {None: 0, torch.float32: 1, torch.bfloat16: 2}
+
+
+def _err(name: str, expected: str, got) -> ValueError:
+    return ValueError(f"{name}: expected {expected}, got {got}")
+
+
+def _check_tensor(name, t, dtypes, ndim=None, device=None):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        exp = " or ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise TypeError(f"{name}: expected dtype {exp}, got {str(t.dtype).replace('torch.', '')}")
+    if ndim is not None and t.dim() != ndim:
+        raise _err(name, f"a {ndim}-d tensor", f"shape {tuple(t.shape)}")
+    if device is not None and t.device != device:
+        raise _err(name, f"a tensor on {device}", f"one on {t.device}")
+
+
+def _check_shape(name, t, shape):
+    if tuple(t.shape) != tuple(shape):
+        raise _err(name, f"shape {tuple(shape)}", f"{tuple(t.shape)}")
+
+
+@dataclass(frozen=True)
+class Problem:
+    B: int
+    T: int
+    H: int
+    K: int
+    V: int
+    N: int  # sequences
+    varlen: bool
+
+
+def _check_rows(name, t, inner: int, div: int | None):
+    """[B, T, H, D] with D contiguous and heads packed; the token stride is free."""
+    B, T, H, D = t.shape
+    if t.stride(3) != 1 or (H > 1 and t.stride(2) != D):
+        raise _err(name, f"the last two dims contiguous (strides (..., {D}, 1))",
+                   f"strides {tuple(t.stride())}")
+    if B > 1 and T > 0 and t.stride(0) != T * t.stride(1):
+        raise _err(name, "batch stride == T * token stride", f"strides {tuple(t.stride())}")
+    if div and (t.stride(1) % div or t.data_ptr() % 16):
+        raise _err(name, f"token stride a multiple of {div} elements and a 16-byte aligned base",
+                   f"stride {t.stride(1)}, address {t.data_ptr()}")
+
+
+def validate(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state,
+             final_state, cu_seqlens, gate, check_seqlens=True) -> Problem:
+    _check_tensor("q", q, (torch.bfloat16,), 4)
+    dev = q.device
+    if dev.type != "cuda":
+        raise _err("q", "a CUDA tensor", f"one on {dev}")
+    B, T, H, K = q.shape
+    for name, t in (("k", k), ("g", g)):
+        _check_tensor(name, t, (torch.bfloat16,), 4, dev)
+        _check_shape(name, t, (B, T, H, K))
+    _check_tensor("v", v, (torch.bfloat16,), 4, dev)
+    if tuple(v.shape[:3]) != (B, T, H):
+        raise _err("v", f"shape ({B}, {T}, {H}, V)", f"{tuple(v.shape)}")
+    V = v.shape[3]
+    _check_tensor("beta", beta, (torch.bfloat16,), 3, dev)
+    _check_shape("beta", beta, (B, T, H))
+    if H > 1 and beta.stride(2) != 1:
+        raise _err("beta", "the head dim contiguous", f"strides {tuple(beta.stride())}")
+    if out is not None:
+        _check_tensor("out", out, (torch.bfloat16,), 4, dev)
+        _check_shape("out", out, (B, T, H, V))
+        _check_rows("out", out, V, None)
+    for name, t in (("q", q), ("k", k), ("g", g), ("v", v)):
+        _check_rows(name, t, t.shape[3], SYM_DIV["s" + name.upper()])
+    if gate not in GATE_MODES:
+        raise _err("gate", f"one of {sorted(GATE_MODES)}", repr(gate))
+    if not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+        raise _err("scale", "a finite positive float", repr(scale))
+    if gate == "bounded":
+        if not isinstance(lower_bound, (int, float)) or not -5.0 <= lower_bound < 0.0:
+            raise _err("lower_bound", "a float in [-5, 0) for the bounded gate", repr(lower_bound))
+    if gate != "none":
+        if A_log is None and gate == "unbounded":
+            raise _err("A_log", "a float32 tensor [H] for the unbounded gate", None)
+        if A_log is not None:
+            _check_tensor("A_log", A_log, (torch.float32,), None, dev)
+            if A_log.numel() != H or not A_log.is_contiguous():
+                raise _err("A_log", f"a contiguous float32 tensor of {H} elements",
+                           f"shape {tuple(A_log.shape)}")
+        if dt_bias is not None:
+            _check_tensor("dt_bias", dt_bias, (torch.float32,), None, dev)
+            if dt_bias.numel() != H * K or not dt_bias.is_contiguous():
+                raise _err("dt_bias", f"a contiguous float32 tensor [{H}, {K}] or [{H * K}]",
+                           f"shape {tuple(dt_bias.shape)}")
+    if cu_seqlens is not None:
+        _check_tensor("cu_seqlens", cu_seqlens, (torch.int64, torch.int32), 1, dev)
+        if B != 1:
+            raise _err("q", "batch size 1 when cu_seqlens is given", f"batch size {B}")
+        if cu_seqlens.numel() < 2:
+            raise _err("cu_seqlens", "at least 2 entries [N+1]", f"{cu_seqlens.numel()}")
+        N = cu_seqlens.numel() - 1
+        if check_seqlens and not torch.cuda.is_current_stream_capturing():
+            cs = cu_seqlens.cpu()
+            if int(cs[0]) != 0 or bool((cs[1:] < cs[:-1]).any()) or int(cs[-1]) > T:
+                raise _err("cu_seqlens", f"non-decreasing offsets from 0 to at most T={T}",
+                           cs.tolist() if N < 16 else f"{cs[:8].tolist()}...")
+    else:
+        N = B
+    Kv = K
+    for name, st in (("initial_state", initial_state), ("final_state", final_state)):
+        if st is None:
+            continue
+        _check_tensor(name, st, (torch.float32, torch.bfloat16), 4, dev)
+        _check_shape(name, st, (N, H, V, Kv))
+        if not st.is_contiguous():
+            raise _err(name, "a contiguous tensor", f"strides {tuple(st.stride())}")
+    return Problem(B, T, H, K, V, N, cu_seqlens is not None)
+
+
+def config_for(p: Problem) -> FwdConfig:
+    cfg = select_config(p.K, p.V, p.varlen)
+    if cfg is None:
+        raise _err("q/v", "head dims (K, V) with a shipped config: (64, 64), (128, 128), "
+                   "(256, 256)", f"K={p.K}, V={p.V}")
+    return cfg
+
+
+def workspace_bytes(p: Problem, cfg: FwdConfig) -> int:
+    """Bytes of the caller-ownable workspace: K1's fp32 outputs plus the chunk offsets."""
+    C, Tt = cfg.chunk, p.B * p.T
+    nch = Tt // C + p.N
+    floats = 3 * Tt * p.H * p.K + nch * p.H * p.K + 2 * Tt * p.H * C
+    return 4 * floats + 4 * 2 * (p.N + 1) + 256
+
+
+_seq_cache: dict[tuple, tuple] = {}
+
+
+def _offsets(p: Problem, cfg: FwdConfig, cu_seqlens, dev):
+    """int32 cu_seqlens and cu_chunks on the device, without a host sync."""
+    C = cfg.chunk
+    if cu_seqlens is None:
+        key = (p.B, p.T, C, dev)
+        hit = _seq_cache.get(key)
+        if hit is None:
+            ar = torch.arange(p.B + 1, device=dev, dtype=torch.int32)
+            hit = (ar * p.T, ar * ((p.T + C - 1) // C))
+            _seq_cache[key] = hit
+        return hit
+    cs = cu_seqlens.to(torch.int32)
+    nch = (cs[1:] - cs[:-1] + (C - 1)) // C
+    cc = torch.zeros_like(cs)
+    torch.cumsum(nch, 0, out=cc[1:])
+    return cs, cc
+
+
+def launch_forward(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state,
+                   final_state, cu_seqlens, workspace, gate, qk_l2norm, beta_sigmoid, p, cfg):
+    dev = q.device
+    di = dev.index if dev.index is not None else torch.cuda.current_device()
+    arch = runtime.arch_of(dev)
+    k1 = runtime.get_kernel(cfg.prep, arch)
+    k2 = runtime.get_kernel(cfg.recur, arch)
+    C, H, K, V = cfg.chunk, p.H, p.K, p.V
+    Tt = p.B * p.T
+    nch = Tt // C + p.N
+    need = workspace_bytes(p, cfg)
+    if workspace is None:
+        workspace = torch.empty(need, dtype=torch.uint8, device=dev)
+    elif (workspace.dtype != torch.uint8 or workspace.device != dev or workspace.numel() < need
+          or not workspace.is_contiguous()):
+        raise _err("workspace", f"a contiguous uint8 CUDA tensor of >= {need} bytes on {dev}",
+                   f"{workspace.dtype} [{workspace.numel()}] on {workspace.device}")
+    base = (workspace.data_ptr() + 255) // 256 * 256
+    off = [0]
+
+    def take(nfloats):
+        ptr = base + off[0] * 4
+        off[0] += (nfloats + 63) // 64 * 64
+        return ptr
+
+    qg, kg, kd = (take(Tt * H * K) for _ in range(3))
+    gl = take(nch * H * K)
+    aw, mq = (take(Tt * H * C) for _ in range(2))
+    cs, cc = _offsets(p, cfg, cu_seqlens, dev)
+    if A_log is None:
+        A_log = torch.zeros(H, dtype=torch.float32, device=dev)
+    if dt_bias is None:
+        dt_bias = torch.zeros(H * K, dtype=torch.float32, device=dev)
+    stream = torch.cuda.current_stream(dev).cuda_stream
+    syms = {"T": Tt, "H": H, "HK": H * K, "HV": H * V, "HC": H * C, "NCH": nch,
+            "N1": p.N + 1, "NS": p.N, "sQ": q.stride(1), "sK": k.stride(1), "sG": g.stride(1),
+            "sB": beta.stride(1), "sV": v.stride(1), "sO": out.stride(1), "sS": H * V * K,
+            "sW": H * K, "sWc": H * C}
+    if Tt > 0:
+        vals1 = {"q": q.data_ptr(), "k": k.data_ptr(), "g": g.data_ptr(),
+                 "beta": beta.data_ptr(), "A_log": A_log.data_ptr(),
+                 "dt_bias": dt_bias.data_ptr(), "cu_seqlens": cs.data_ptr(),
+                 "cu_chunks": cc.data_ptr(), "qg": qg, "kg": kg, "kd": kd, "gl": gl,
+                 "aw": aw, "mq": mq, "num_seqs": p.N, "num_chunks": nch, "num_heads": H,
+                 "scale": float(scale), "lower_bound": float(lower_bound or 0.0),
+                 "gate_mode": GATE_MODES[gate], "qk_l2norm": int(bool(qk_l2norm)),
+                 "beta_sigmoid": int(bool(beta_sigmoid))}
+        k1.launch((nch, H, 1), runtime.pack_params(k1.args, vals1, syms), stream, di)
+    dummy = out.data_ptr()
+    s_in = _STATE_CODE[initial_state.dtype if initial_state is not None else None]
+    s_out = _STATE_CODE[final_state.dtype if final_state is not None else None]
+    sp_in = initial_state.data_ptr() if initial_state is not None else dummy
+    sp_out = final_state.data_ptr() if final_state is not None else dummy
+    vals2 = {"kg": kg, "qg": qg, "kd": kd, "aw": aw, "mq": mq, "gl": gl, "v": v.data_ptr(),
+             "out": out.data_ptr(), "s0f": sp_in, "s0h": sp_in, "s1f": sp_out, "s1h": sp_out,
+             "cu_seqlens": cs.data_ptr(), "cu_chunks": cc.data_ptr(), "num_seqs": p.N,
+             "num_heads": H, "state_in": s_in, "state_out": s_out}
+    if p.N > 0 and H > 0:
+        k2.launch((V // cfg.recur.block_v, H, p.N), runtime.pack_params(k2.args, vals2, syms),
+                  stream, di)
+
+
+def fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state=None,
+        final_state=None, cu_seqlens=None, workspace=None, *, gate="bounded", qk_l2norm=True,
+        beta_sigmoid=True, check_seqlens=True):
+    """KDA forward, FlashKDA's low-level call: writes `out` and `final_state` in place.
+
+    q, k, g: [B, T, H, K] bf16; v, out: [B, T, H, V] bf16; beta: [B, T, H] bf16 (logits when
+    beta_sigmoid); A_log: [H] fp32; dt_bias: [H, K] fp32 or None; lower_bound in [-5, 0) for the
+    bounded gate. gate: "bounded" (FlashKDA / Kimi-K3), "unbounded" (-exp(A_log) softplus(g +
+    dt_bias), Kimi-Linear) or "none" (g is already the log-space decay). initial_state /
+    final_state: [N, H, V, K] fp32 or bf16, may be the same tensor. cu_seqlens: [N+1] int64/int32
+    with B == 1. workspace: optional caller-owned uint8 CUDA tensor (see `workspace_bytes`).
+    """
+    if out is None:
+        raise _err("out", "a bf16 tensor [B, T, H, V] to write", None)
+    p = validate(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state,
+                 final_state, cu_seqlens, gate, check_seqlens)
+    cfg = config_for(p)
+    launch_forward(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state,
+                   final_state, cu_seqlens, workspace, gate, qk_l2norm, beta_sigmoid, p, cfg)
+
+
+def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+              use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
+              use_beta_sigmoid_in_kernel=False, safe_gate=False, lower_bound=None, A_log=None,
+              dt_bias=None, state_v_first=False, cu_seqlens=None, workspace=None, **kwargs):
+    """fla-compatible forward: returns (o, final_state or None).
+
+    State layout is [N, H, K, V] unless state_v_first=True ([N, H, V, K], the kernels' own).
+    The gate is bounded when use_gate_in_kernel and (safe_gate or lower_bound is set), unbounded
+    when use_gate_in_kernel alone, and taken as the log-space decay otherwise.
+    """
+    unsupported = sorted(k_ for k_, v_ in kwargs.items() if v_ not in (None, False))
+    if unsupported:
+        raise ValueError(f"chunk_kda: unsupported options {unsupported}")
+    if not isinstance(q, torch.Tensor) or q.dim() != 4:
+        raise _err("q", "a 4-d tensor [B, T, H, K]", getattr(q, "shape", type(q).__name__))
+    K = q.shape[-1]
+    if scale is None:
+        scale = K ** -0.5
+    if use_gate_in_kernel:
+        gate = "bounded" if (safe_gate or lower_bound is not None) else "unbounded"
+        if gate == "bounded" and lower_bound is None:
+            raise _err("lower_bound", "a float in [-5, 0) with safe_gate", None)
+    else:
+        gate = "none"
+    out = torch.empty(*q.shape[:3], v.shape[-1], dtype=torch.bfloat16, device=q.device)
+
+    def to_vfirst(s):
+        return s if s is None or state_v_first else s.transpose(-1, -2).contiguous()
+
+    s0 = to_vfirst(initial_state)
+    s1 = None
+    if output_final_state:
+        N = q.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
+        s1 = torch.empty(N, q.shape[2], v.shape[-1], K, dtype=torch.float32, device=q.device)
+    fwd(q, k, v, g, beta, float(scale), out, A_log, dt_bias, lower_bound, s0, s1, cu_seqlens,
+        workspace, gate=gate, qk_l2norm=use_qk_l2norm_in_kernel,
+        beta_sigmoid=use_beta_sigmoid_in_kernel)
+    if s1 is not None and not state_v_first:
+        s1 = s1.transpose(-1, -2).contiguous()
+    return out, s1

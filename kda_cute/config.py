@@ -1,0 +1,116 @@
+"""Tile configs: the one place that names every static kernel parameter.
+
+Shared by the launcher, the AOT build (kernels/build.py) and the tests. No DSL import here: the
+runtime must load without the CuTe DSL installed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+# gate_mode values passed to K1 at run time (one cubin serves all three forms)
+GATE_NONE, GATE_BOUNDED, GATE_UNBOUNDED = 0, 1, 2
+GATE_MODES = {"none": GATE_NONE, "bounded": GATE_BOUNDED, "unbounded": GATE_UNBOUNDED}
+
+HEAD_DIMS = (64, 128, 256)
+
+
+@dataclass(frozen=True)
+class PrepConfig:
+    """K1 (token-parallel preparation)."""
+
+    head_dim_k: int
+    chunk: int = 16
+    threads: int = 128
+
+    @property
+    def name(self) -> str:
+        return f"kda_prep_k{self.head_dim_k}_c{self.chunk}_t{self.threads}"
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class RecurConfig:
+    """K2 (chunk recurrence). One CTA per (sequence, head, block of `block_v` state rows)."""
+
+    head_dim_k: int
+    head_dim_v: int
+    chunk: int = 16
+    block_v: int = 16
+    threads: int = 128
+    stages: int = 2
+
+    @property
+    def name(self) -> str:
+        return (f"kda_recur_k{self.head_dim_k}_v{self.head_dim_v}_c{self.chunk}"
+                f"_bv{self.block_v}_t{self.threads}_s{self.stages}")
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class FwdConfig:
+    """A forward: one K1 and one K2 that agree on the chunk size."""
+
+    prep: PrepConfig
+    recur: RecurConfig
+
+    @property
+    def chunk(self) -> int:
+        return self.prep.chunk
+
+
+def supports_prep(cfg: PrepConfig) -> tuple[bool, str]:
+    if cfg.head_dim_k % 8 or not 8 <= cfg.head_dim_k <= 256:
+        return False, f"head_dim_k must be a multiple of 8 in [8, 256], got {cfg.head_dim_k}"
+    if not 1 <= cfg.chunk <= 32:
+        return False, f"chunk must be in [1, 32], got {cfg.chunk}"
+    if cfg.threads % 32 or cfg.threads < 2 * cfg.chunk:
+        return False, f"threads must be a multiple of 32 and >= 2*chunk, got {cfg.threads}"
+    return True, ""
+
+
+def supports_recur(cfg: RecurConfig) -> tuple[bool, str]:
+    if cfg.head_dim_k % 8 or not 8 <= cfg.head_dim_k <= 256:
+        return False, f"head_dim_k must be a multiple of 8 in [8, 256], got {cfg.head_dim_k}"
+    if cfg.head_dim_v % cfg.block_v:
+        return False, f"block_v {cfg.block_v} must divide head_dim_v {cfg.head_dim_v}"
+    if cfg.threads % cfg.block_v or cfg.head_dim_k % (cfg.threads // cfg.block_v):
+        return False, (f"threads/block_v ({cfg.threads}/{cfg.block_v}) must divide "
+                       f"head_dim_k {cfg.head_dim_k}")
+    if (cfg.threads // cfg.block_v) > 32 or 32 % (cfg.threads // cfg.block_v):
+        return False, "threads per state row must be a power of two <= 32"
+    if not 1 <= cfg.stages <= 4:
+        return False, f"stages must be in [1, 4], got {cfg.stages}"
+    return True, ""
+
+
+def supports(cfg: FwdConfig) -> tuple[bool, str]:
+    if cfg.prep.chunk != cfg.recur.chunk:
+        return False, f"K1 chunk {cfg.prep.chunk} != K2 chunk {cfg.recur.chunk}"
+    if cfg.prep.head_dim_k != cfg.recur.head_dim_k:
+        return False, "K1 and K2 disagree on head_dim_k"
+    for ok, why in (supports_prep(cfg.prep), supports_recur(cfg.recur)):
+        if not ok:
+            return ok, why
+    return True, ""
+
+
+def _fwd(k: int, v: int, chunk: int = 16, block_v: int = 16) -> FwdConfig:
+    return FwdConfig(PrepConfig(k, chunk), RecurConfig(k, v, chunk, block_v))
+
+
+# Every config the build ships. The ladder (select_config) only picks from these.
+SHIPPED: tuple[FwdConfig, ...] = tuple(_fwd(d, d) for d in HEAD_DIMS)
+
+
+def select_config(head_dim_k: int, head_dim_v: int, varlen: bool) -> FwdConfig | None:
+    """The head-dim / layout ladder. First version: one fp32 SIMT config per head dim
+    (chunk 16, 16 state rows per CTA); not yet tuned."""
+    for cfg in SHIPPED:
+        if cfg.prep.head_dim_k == head_dim_k and cfg.recur.head_dim_v == head_dim_v:
+            return cfg
+    return None

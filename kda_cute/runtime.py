@@ -1,0 +1,177 @@
+"""DSL-free launcher: cubins + manifests -> cuLaunchKernel on torch's current stream.
+
+Only torch and cuda.bindings are needed at run time. A manifest (written by kernels/build.py) names
+the entry point, block, dynamic shared memory and the parameter table read from the cubin; the
+argument list in kda_cute.abi says how to build each parameter.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import threading
+from pathlib import Path
+
+from . import abi
+
+CUBIN_ROOT = Path(os.environ.get("KDA_CUTE_CUBIN_DIR", Path(__file__).parent / "_cubins"))
+BUILD_HINT = "build them with `make kernels` (or `python -m kernels.build --arch {arch}`)"
+
+
+class CubinsMissing(RuntimeError):
+    pass
+
+
+def _cu():
+    from cuda.bindings import driver
+    return driver
+
+
+def check(res):
+    """cuda.bindings returns (err, *values): raise on error, return the values."""
+    cu = _cu()
+    if not isinstance(res, tuple):
+        res = (res,)
+    err, vals = res[0], res[1:]
+    if err != cu.CUresult.CUDA_SUCCESS:
+        _, msg = cu.cuGetErrorString(err)
+        raise RuntimeError(f"CUDA driver error {err.name}: {msg.decode() if msg else ''}")
+    if not vals:
+        return None
+    return vals[0] if len(vals) == 1 else vals
+
+
+def arch_of(device) -> str:
+    import torch
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm_{major}{minor}" + ("a" if major >= 9 else "")
+
+
+def load_manifest(name: str, arch: str) -> tuple[dict, Path]:
+    folder = CUBIN_ROOT / arch
+    man, cub = folder / f"{name}.json", folder / f"{name}.cubin"
+    if not (man.exists() and cub.exists()):
+        raise CubinsMissing(f"no cubin '{name}' for {arch} in {folder}: "
+                            + BUILD_HINT.format(arch=arch))
+    return json.loads(man.read_text()), cub
+
+
+class Kernel:
+    """One cubin's kernel, loaded once per process, its CUfunction fetched once per device."""
+
+    def __init__(self, name: str, arch: str, args: list):
+        self.manifest, path = load_manifest(name, arch)
+        self.args = args
+        self.sizes = [p[2] for p in self.manifest["params"]]
+        expected = abi.param_sizes(args)
+        if expected != self.sizes:
+            raise RuntimeError(f"{name}: launcher parameters {expected} disagree with the cubin's "
+                               f"{self.sizes}; rebuild with `make kernels`")
+        self.block = tuple(self.manifest["block"])
+        self.smem = int(self.manifest["dynamic_smem_bytes"])
+        image = path.read_bytes()
+        self._image = ctypes.create_string_buffer(image, len(image))
+        cu = _cu()
+        self._lib = check(cu.cuLibraryLoadData(ctypes.addressof(self._image), None, None, 0,
+                                               None, None, 0))
+        self._kernel = check(cu.cuLibraryGetKernel(self._lib, self.manifest["entry"].encode()))
+        self._funcs: dict[int, object] = {}
+
+    def _function(self, device: int):
+        f = self._funcs.get(device)
+        if f is None:
+            cu = _cu()
+            f = check(cu.cuKernelGetFunction(self._kernel))
+            attr = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+            check(cu.cuFuncSetAttribute(f, attr, self.smem))
+            self._funcs[device] = f
+        return f
+
+    def launch(self, grid, params: list[bytes], stream: int, device: int) -> None:
+        if [len(p) for p in params] != self.sizes:
+            raise RuntimeError(f"{self.manifest['name']}: packed {[len(p) for p in params]}, "
+                               f"cubin expects {self.sizes}")
+        bufs = [ctypes.create_string_buffer(p, len(p)) for p in params]
+        ptrs = (ctypes.c_void_p * len(bufs))(*[ctypes.addressof(b) for b in bufs])
+        cu = _cu()
+        check(cu.cuLaunchKernel(self._function(device), *grid, *self.block, self.smem,
+                                cu.CUstream(stream), ctypes.addressof(ptrs), 0))
+
+
+# ------------------------------------------------------------------------- TMA descriptors
+_desc_cache: dict[tuple, bytes] = {}
+_DESC_CACHE_MAX = 4096
+_lock = threading.Lock()
+
+
+def tma_descriptor(arg: abi.Arg, ptr: int, syms: dict) -> bytes:
+    """128-byte CUtensorMap for a rank-2 row-major tile load described by `arg`."""
+    rows, cols = (syms[e] if isinstance(e, str) else e for e in arg.shape)
+    row_stride = arg.stride[0]
+    row_stride = syms[row_stride] if isinstance(row_stride, str) else row_stride
+    elem = abi.DTYPE_BYTES[arg.dtype]
+    key = (arg.dtype, ptr, rows, cols, row_stride, arg.box)
+    d = _desc_cache.get(key)
+    if d is not None:
+        return d
+    d = encode_tiled(arg.dtype, ptr, (cols, rows), row_stride * elem, arg.box)
+    with _lock:
+        if len(_desc_cache) >= _DESC_CACHE_MAX:
+            _desc_cache.clear()
+        _desc_cache[key] = d
+    return d
+
+
+def encode_tiled(dtype: str, ptr: int, dims_inner_first, row_stride_bytes: int,
+                 box_inner_first) -> bytes:
+    cu = _cu()
+    dt = {"bfloat16": cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+          "float32": cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT32}[dtype]
+    # rows of zero extent are legal tensors but not legal tensor maps
+    dims = [max(1, int(x)) for x in dims_inner_first]
+    tm = check(cu.cuTensorMapEncodeTiled(
+        dt, 2, ptr,
+        [cu.cuuint64_t(x) for x in dims],
+        [cu.cuuint64_t(int(row_stride_bytes))],
+        [cu.cuuint32_t(int(b)) for b in box_inner_first],
+        [cu.cuuint32_t(1), cu.cuuint32_t(1)],
+        cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
+        cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_NONE,
+        cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+        cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE))
+    return ctypes.string_at(tm.getPtr(), 128)
+
+
+def pack_params(args: list, values: dict, syms: dict) -> list[bytes]:
+    """values: name -> data pointer (tma/tensor) or Python number (scalars)."""
+    params = []
+    for a in args:
+        if a.grid_only:
+            continue
+        v = values[a.name]
+        if a.kind == "tma":
+            params.append(tma_descriptor(a, v, syms))
+            coord = abi.pack_dynamic(a.shape, syms)
+            if coord:
+                params.append(coord)
+        elif a.kind == "tensor":
+            params.append(abi.pack_tensor(a, v, syms))
+        else:
+            params.append(abi.pack_scalar(a, v))
+    return params
+
+
+_kernels: dict[tuple, Kernel] = {}
+
+
+def get_kernel(cfg, arch: str) -> Kernel:
+    from .config import PrepConfig
+    key = (cfg, arch)
+    k = _kernels.get(key)
+    if k is None:
+        args = abi.prep_args(cfg) if isinstance(cfg, PrepConfig) else abi.recur_args(cfg)
+        with _lock:
+            k = _kernels.get(key) or Kernel(cfg.name, arch, args)
+            _kernels[key] = k
+    return k

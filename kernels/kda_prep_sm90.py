@@ -1,0 +1,286 @@
+"""K1: the token-parallel half of the KDA forward (sm_90a).
+
+One CTA per (chunk, head). A chunk is `chunk` consecutive tokens of one sequence, starting at the
+sequence's first token, so the last chunk of a sequence may be short; CTAs past the last chunk exit.
+
+Warp roles: none; all `threads` threads run every phase, separated by CTA barriers.
+Pipeline: one mbarrier; one elected thread issues three TMA loads (q, k and g tiles of
+`chunk x K` bf16, row-strided, OOB rows zero-filled) and every thread waits on phase 0.
+Phases:
+  A  thread per key column: L2 norms (block reduction), gate activation, cumulative decay G,
+     and the token-indexed outputs qg = scale qn e^G, kg = kn e^G, kd = kn e^(Gl - G), gl = e^Gl.
+  B  thread per (i, j) entry of the chunk matrices: L and Mqk, each term with e^(G_i - G_j)
+     computed from the difference, so no factor exceeds 1 (the unbounded gate cannot overflow).
+  C  thread per column j: forward substitution for Aw = (I + L)^-1 diag(beta).
+Constraints: K % 8 == 0, K <= 256, chunk <= 32, chunk * chunk <= 2 * threads is not required
+(entries are strided over the threads).
+Outputs are fp32; rows past the chunk's valid length are never written.
+"""
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils as utils
+from cutlass.cute.nvgpu import cpasync
+
+from kda_cute.config import GATE_BOUNDED, GATE_UNBOUNDED, PrepConfig
+
+_SEARCH_STEPS = 24  # binary search over cu_chunks: up to 2^24 sequences
+
+
+class KdaPrepSm90:
+    def __init__(self, cfg: PrepConfig):
+        self.cfg = cfg
+        self.K = cfg.head_dim_k
+        self.C = cfg.chunk
+        self.threads = cfg.threads
+        self.num_warps = cfg.threads // 32
+        self.io_dtype = cutlass.BFloat16
+        self.smem_bytes = 0
+        self.tma_meta = []
+
+    # ------------------------------------------------------------------ host
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # (T, H*K) bf16, row stride dynamic
+        mK: cute.Tensor,
+        mG: cute.Tensor,
+        mBeta: cute.Tensor,  # (T, H) bf16, row stride dynamic
+        mALog: cute.Tensor,  # (H,) fp32
+        mDtBias: cute.Tensor,  # (H*K,) fp32
+        mCuSeq: cute.Tensor,  # (N+1,) int32
+        mCuChunk: cute.Tensor,  # (N+1,) int32
+        mQg: cute.Tensor,  # (T, H, K) fp32
+        mKg: cute.Tensor,
+        mKd: cute.Tensor,
+        mGl: cute.Tensor,  # (num_chunks, H, K) fp32
+        mAw: cute.Tensor,  # (T, H, C) fp32
+        mMq: cute.Tensor,
+        num_seqs: cutlass.Int32,
+        num_chunks: cutlass.Int32,
+        num_heads: cutlass.Int32,
+        scale: cutlass.Float32,
+        lower_bound: cutlass.Float32,
+        gate_mode: cutlass.Int32,
+        qk_l2norm: cutlass.Int32,
+        beta_sigmoid: cutlass.Int32,
+        stream,
+    ):
+        C, K = self.C, self.K
+        s_tile = cute.make_layout((C, K), stride=(K, 1))
+        op = cpasync.CopyBulkTensorTileG2SOp()
+        tma_q, tQ = cpasync.make_tiled_tma_atom(op, mQ, s_tile, (C, K))
+        tma_k, tK = cpasync.make_tiled_tma_atom(op, mK, s_tile, (C, K))
+        tma_g, tG = cpasync.make_tiled_tma_atom(op, mG, s_tile, (C, K))
+        self.tma_meta = [
+            {"name": name, "dtype": "bfloat16", "rank": 2, "box": [K, C], "swizzle": 0}
+            for name in ("q", "k", "g")
+        ]
+
+        @cute.struct
+        class SharedStorage:
+            mbar: cute.struct.MemRange[cutlass.Int64, 1]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.io_dtype, C * K], 128]
+            sK: cute.struct.Align[cute.struct.MemRange[self.io_dtype, C * K], 128]
+            sG: cute.struct.Align[cute.struct.MemRange[self.io_dtype, C * K], 128]
+            # fp32 working copies, rows padded by one word against bank conflicts in phase B
+            fQ: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, C * (K + 1)], 16]
+            fK: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, C * (K + 1)], 16]
+            fG: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, C * (K + 1)], 16]
+            red: cute.struct.MemRange[cutlass.Float32, 2 * C * self.num_warps]
+            norm: cute.struct.MemRange[cutlass.Float32, 2 * C]
+            beta: cute.struct.MemRange[cutlass.Float32, C]
+            L: cute.struct.MemRange[cutlass.Float32, C * C]
+            X: cute.struct.MemRange[cutlass.Float32, C * C]
+
+        self.shared_storage = SharedStorage
+        self.smem_bytes = SharedStorage.size_in_bytes()
+        self.kernel(
+            tma_q, tQ, tma_k, tK, tma_g, tG, mBeta, mALog, mDtBias, mCuSeq, mCuChunk,
+            mQg, mKg, mKd, mGl, mAw, mMq, num_seqs, scale, lower_bound,
+            gate_mode, qk_l2norm, beta_sigmoid, s_tile,
+        ).launch(
+            grid=(num_chunks, num_heads, 1), block=(self.threads, 1, 1),
+            smem=self.smem_bytes, stream=stream,
+        )
+
+    # ---------------------------------------------------------------- device
+    @cute.kernel
+    def kernel(
+        self,
+        tma_q: cute.CopyAtom, tQ: cute.Tensor,
+        tma_k: cute.CopyAtom, tK: cute.Tensor,
+        tma_g: cute.CopyAtom, tG: cute.Tensor,
+        mBeta: cute.Tensor, mALog: cute.Tensor, mDtBias: cute.Tensor,
+        mCuSeq: cute.Tensor, mCuChunk: cute.Tensor,
+        mQg: cute.Tensor, mKg: cute.Tensor, mKd: cute.Tensor, mGl: cute.Tensor,
+        mAw: cute.Tensor, mMq: cute.Tensor,
+        num_seqs: cutlass.Int32,
+        scale: cutlass.Float32, lower_bound: cutlass.Float32,
+        gate_mode: cutlass.Int32, qk_l2norm: cutlass.Int32, beta_sigmoid: cutlass.Int32,
+        s_tile: cute.Layout,
+    ):
+        C, K, NT, NW = self.C, self.K, self.threads, self.num_warps
+        tidx, _, _ = cute.arch.thread_idx()
+        bid, h, _ = cute.arch.block_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        lane = cute.arch.lane_idx()
+
+        # ---- which sequence and chunk this CTA owns --------------------------------------
+        lo = cutlass.Int32(0)
+        hi = num_seqs
+        for _ in cutlass.range_constexpr(_SEARCH_STEPS):
+            mid = (lo + hi) >> 1
+            if hi - lo > 1:
+                if mCuChunk[mid] <= bid:
+                    lo = mid
+                else:
+                    hi = mid
+        seq = lo
+        total_chunks = mCuChunk[num_seqs]
+        t0 = mCuSeq[seq] + (bid - mCuChunk[seq]) * C
+        length = cutlass.min(C, mCuSeq[seq + 1] - t0)
+
+        if bid < total_chunks:
+            smem = utils.SmemAllocator()
+            st = smem.allocate(self.shared_storage)
+            mbar = st.mbar.data_ptr()
+            sQ = st.sQ.get_tensor(s_tile)
+            sK = st.sK.get_tensor(s_tile)
+            sG = st.sG.get_tensor(s_tile)
+            f_layout = cute.make_layout((C, K), stride=(K + 1, 1))
+            fQ = st.fQ.get_tensor(f_layout)
+            fK = st.fK.get_tensor(f_layout)
+            fG = st.fG.get_tensor(f_layout)
+            red = st.red.get_tensor(cute.make_layout((2 * C, NW), stride=(1, 2 * C)))
+            norm = st.norm.get_tensor(cute.make_layout(2 * C))
+            sBeta = st.beta.get_tensor(cute.make_layout(C))
+            sL = st.L.get_tensor(cute.make_layout((C, C), stride=(C, 1)))
+            sX = st.X.get_tensor(cute.make_layout((C, C), stride=(C, 1)))
+
+            # ---- TMA: q, k, g tiles -> smem ----------------------------------------------
+            if warp == 0:
+                with cute.arch.elect_one():
+                    cute.arch.mbarrier_init(mbar, 1)
+            cute.arch.mbarrier_init_fence()
+            cute.arch.sync_threads()
+            if warp == 0:
+                with cute.arch.elect_one():
+                    cute.arch.mbarrier_arrive_and_expect_tx(mbar, 3 * C * K * 2)
+                for tma, tX, sX_ in ((tma_q, tQ, sQ), (tma_k, tK, sK), (tma_g, tG, sG)):
+                    gX = cute.local_tile(cute.domain_offset((t0, h * K), tX), (C, K), (0, 0))
+                    tXs, tXg = cpasync.tma_partition(
+                        tma, 0, cute.make_layout(1), cute.group_modes(sX_, 0, 2),
+                        cute.group_modes(gX, 0, 2))
+                    cute.copy(tma, tXg, tXs, tma_bar_ptr=mbar)
+            if tidx < C:
+                b = cutlass.Float32(0.0)
+                if tidx < length:
+                    b = mBeta[t0 + tidx, h].to(cutlass.Float32)
+                if beta_sigmoid != 0:
+                    b = 1.0 / (1.0 + cute.math.exp(-b))
+                sBeta[tidx] = b
+            cute.arch.mbarrier_wait(mbar, 0)
+
+            # ---- phase A: norms ------------------------------------------------------------
+            part = cute.make_rmem_tensor((2 * C,), cutlass.Float32)
+            for i in cutlass.range_constexpr(2 * C):
+                part[i] = cutlass.Float32(0.0)
+            for d in cutlass.range(tidx, K, NT):
+                for i in cutlass.range_constexpr(C):
+                    qv = sQ[i, d].to(cutlass.Float32)
+                    kv = sK[i, d].to(cutlass.Float32)
+                    part[i] = part[i] + qv * qv
+                    part[C + i] = part[C + i] + kv * kv
+            for i in cutlass.range_constexpr(2 * C):
+                v = part[i]
+                for off in cutlass.range_constexpr(5):
+                    v = v + cute.arch.shuffle_sync_bfly(v, offset=1 << (4 - off))
+                if lane == 0:
+                    red[i, warp] = v
+            cute.arch.sync_threads()
+            if tidx < 2 * C:
+                s = cutlass.Float32(0.0)
+                for w in cutlass.range_constexpr(NW):
+                    s = s + red[tidx, w]
+                r = cutlass.Float32(1.0)
+                if qk_l2norm != 0:
+                    r = cute.math.rsqrt(s + 1e-6)
+                norm[tidx] = r
+            cute.arch.sync_threads()
+
+            # ---- phase A: gates, cumulative decay, token-indexed outputs --------------------
+            a_log = mALog[h]
+            a_exp = cute.math.exp(a_log)
+            for d in cutlass.range(tidx, K, NT):
+                bias = mDtBias[h * K + d]
+                G = cutlass.Float32(0.0)
+                for i in cutlass.range_constexpr(C):
+                    gv = sG[i, d].to(cutlass.Float32)
+                    a = gv
+                    if gate_mode == GATE_BOUNDED:
+                        x = a_exp * (gv + bias)
+                        a = lower_bound / (1.0 + cute.math.exp(-x))
+                    elif gate_mode == GATE_UNBOUNDED:
+                        x = gv + bias
+                        sp = x
+                        if x < 20.0:
+                            sp = cute.math.log1p(cute.math.exp(x))
+                        a = -a_exp * sp
+                    if i < length:
+                        G = G + a
+                    fG[i, d] = G
+                    fQ[i, d] = sQ[i, d].to(cutlass.Float32) * norm[i]
+                    fK[i, d] = sK[i, d].to(cutlass.Float32) * norm[C + i]
+                Gl = G
+                mGl[bid, h, d] = cute.math.exp(Gl)
+                for i in cutlass.range_constexpr(C):
+                    if i < length:
+                        Gi = fG[i, d]
+                        eg = cute.math.exp(Gi)
+                        kn = fK[i, d]
+                        mQg[t0 + i, h, d] = scale * fQ[i, d] * eg
+                        mKg[t0 + i, h, d] = kn * eg
+                        mKd[t0 + i, h, d] = kn * cute.math.exp(Gl - Gi)
+            cute.arch.sync_threads()
+
+            # ---- phase B: L and Mqk ------------------------------------------------------
+            for p in cutlass.range(tidx, C * C, NT):
+                i = p // C
+                j = p - i * C
+                lacc = cutlass.Float32(0.0)
+                macc = cutlass.Float32(0.0)
+                if j <= i and i < length:
+                    for d in cutlass.range(K):
+                        e = cute.math.exp(fG[i, d] - fG[j, d])
+                        kj = fK[j, d] * e
+                        lacc = lacc + fK[i, d] * kj
+                        macc = macc + fQ[i, d] * kj
+                lval = cutlass.Float32(0.0)
+                if j < i:
+                    lval = sBeta[i] * lacc
+                sL[i, j] = lval
+                if i < length:
+                    mMq[t0 + i, h, j] = scale * macc
+            cute.arch.sync_threads()
+
+            # ---- phase C: Aw = (I + L)^-1 diag(beta), one column per thread -----------------
+            if tidx < C:
+                j = tidx
+                for i in cutlass.range_constexpr(C):
+                    x = cutlass.Float32(0.0)
+                    if i == j:
+                        x = sBeta[j]
+                    elif i > j:
+                        for l_ in cutlass.range_constexpr(i):
+                            if l_ >= j:
+                                x = x - sL[i, l_] * sX[l_, j]
+                    if j >= length:
+                        x = cutlass.Float32(0.0)
+                    sX[i, j] = x
+            cute.arch.sync_threads()
+            for p in cutlass.range(tidx, C * C, NT):
+                i = p // C
+                j = p - i * C
+                if i < length:
+                    mAw[t0 + i, h, j] = sX[i, j]

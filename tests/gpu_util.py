@@ -1,0 +1,115 @@
+"""Shared helpers for the GPU tests and the benchmark: inputs like FlashKDA's benchmark, poisoning,
+and a run of kda_cute against the float64 reference."""
+
+from __future__ import annotations
+
+import torch
+
+from kda_cute import fwd
+from kda_cute.reference import kda_reference, rel_err
+
+
+def cuda_ready() -> tuple[bool, str]:
+    if not torch.cuda.is_available():
+        return False, "no CUDA device"
+    major, _ = torch.cuda.get_device_capability()
+    if major != 9:
+        return False, f"kernels target sm_90a, device is sm_{major}x"
+    try:
+        from kda_cute import runtime
+        from kda_cute.config import SHIPPED
+        for cfg in SHIPPED:
+            runtime.load_manifest(cfg.prep.name, "sm_90a")
+            runtime.load_manifest(cfg.recur.name, "sm_90a")
+    except runtime.CubinsMissing as e:
+        return False, str(e)
+    return True, ""
+
+
+def make_inputs(*, B=1, T=64, H=2, K=128, V=None, seqlens=None, gate="bounded", qk_l2norm=True,
+                beta_sigmoid=True, state_dtype=torch.float32, init=True, seed=0, g_shift=0.0,
+                token_stride_pad=0, device="cuda"):
+    """Random inputs (never zeros). With `seqlens`, B must be 1 and T = sum(seqlens)."""
+    V = V or K
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen)
+
+    if seqlens is not None:
+        B, T = 1, int(sum(seqlens))
+        cu = torch.tensor([0] + list(torch.tensor(seqlens).cumsum(0).tolist()), dtype=torch.int64)
+        N = len(seqlens)
+    else:
+        cu, N = None, B
+    width = 3 * H * K + H * V + token_stride_pad
+    # q, k, g, v sliced out of one packed projection when token_stride_pad > 0
+    packed = randn(B, T, width).to(torch.bfloat16)
+    q = packed[..., :H * K].view(B, T, H, K)
+    k = packed[..., H * K:2 * H * K].view(B, T, H, K)
+    g = (packed[..., 2 * H * K:3 * H * K].float() + g_shift).to(torch.bfloat16).view(B, T, H, K)
+    v = packed[..., 3 * H * K:3 * H * K + H * V].view(B, T, H, V)
+    if token_stride_pad == 0:
+        q, k, g, v = (x.contiguous() for x in (q, k, g, v))
+    beta = randn(B, T, H).to(torch.bfloat16)
+    if not qk_l2norm:
+        q = (q.float() / q.float().norm(dim=-1, keepdim=True)).to(torch.bfloat16)
+        k = (k.float() / k.float().norm(dim=-1, keepdim=True)).to(torch.bfloat16)
+    if not beta_sigmoid:
+        beta = torch.sigmoid(beta.float()).to(torch.bfloat16)
+    if gate == "none":
+        g = (-torch.rand(B, T, H, K, generator=gen) * 2.0).to(torch.bfloat16)
+    A_log = torch.rand(H, generator=gen)
+    dt_bias = torch.rand(H, K, generator=gen)
+    s0 = randn(N, H, V, K).to(state_dtype) if init else None
+    d = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "A_log": A_log, "dt_bias": dt_bias,
+         "initial_state": s0, "cu_seqlens": cu}
+    d = {n: (t.to(device) if t is not None else None) for n, t in d.items()}
+    d.update(scale=K ** -0.5, lower_bound=-5.0, gate=gate, qk_l2norm=qk_l2norm,
+             beta_sigmoid=beta_sigmoid, N=N)
+    return d
+
+
+def run_kda(inp, *, final_dtype=torch.float32, in_place=False, cu_dtype=torch.int64):
+    q, v = inp["q"], inp["v"]
+    out = torch.full(v.shape, float("nan"), dtype=torch.bfloat16, device=q.device)
+    H, V, K = q.shape[2], v.shape[3], q.shape[3]
+    if in_place:
+        final = inp["initial_state"].clone()
+        init = final
+    else:
+        init = inp["initial_state"]
+        final = None
+        if final_dtype is not None:
+            final = torch.full((inp["N"], H, V, K), float("nan"), dtype=final_dtype,
+                               device=q.device)
+    cu = inp["cu_seqlens"]
+    if cu is not None:
+        cu = cu.to(cu_dtype)
+    fwd(q, inp["k"], v, inp["g"], inp["beta"], inp["scale"], out, inp["A_log"], inp["dt_bias"],
+        inp["lower_bound"], init, final, cu, gate=inp["gate"], qk_l2norm=inp["qk_l2norm"],
+        beta_sigmoid=inp["beta_sigmoid"])
+    torch.cuda.synchronize()
+    return out, final
+
+
+def reference(inp):
+    """float64 ground truth, computed on the GPU (the loop is launch-bound, not FLOP-bound)."""
+    d = {n: (t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t)
+         for n, t in inp.items()}
+    return kda_reference(d["q"], d["k"], d["v"], d["g"], d["beta"], scale=d["scale"],
+                         initial_state=d["initial_state"], cu_seqlens=d["cu_seqlens"],
+                         A_log=d["A_log"], dt_bias=d["dt_bias"], lower_bound=d["lower_bound"],
+                         gate=d["gate"], qk_l2norm=d["qk_l2norm"],
+                         beta_sigmoid=d["beta_sigmoid"])
+
+
+def errors(inp, **kw) -> dict:
+    out, final = run_kda(inp, **kw)
+    ref_o, ref_s = reference(inp)
+    res = {"out_err": rel_err(out, ref_o),
+           "out_finite": bool(torch.isfinite(out.float()).all())}
+    if final is not None:
+        res["state_err"] = rel_err(final, ref_s)
+        res["state_finite"] = bool(torch.isfinite(final.float()).all())
+    return res
