@@ -40,6 +40,11 @@ def _check_shape(name, t, shape):
         raise _err(name, f"shape {tuple(shape)}", f"{tuple(t.shape)}")
 
 
+def _check_device(name, t):
+    if t.device.type != "cuda":
+        raise _err(name, "a CUDA tensor", f"one on {t.device}")
+
+
 @dataclass(frozen=True)
 class Problem:
     B: int
@@ -67,9 +72,8 @@ def _check_rows(name, t, inner: int, div: int | None):
 def validate(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state,
              final_state, cu_seqlens, gate, check_seqlens=True) -> Problem:
     _check_tensor("q", q, (torch.bfloat16,), 4)
+    _check_device("q", q)
     dev = q.device
-    if dev.type != "cuda":
-        raise _err("q", "a CUDA tensor", f"one on {dev}")
     B, T, H, K = q.shape
     for name, t in (("k", k), ("g", g)):
         _check_tensor(name, t, (torch.bfloat16,), 4, dev)
@@ -146,7 +150,22 @@ def workspace_bytes(p: Problem, cfg: FwdConfig) -> int:
     C, Tt = cfg.chunk, p.B * p.T
     nch = Tt // C + p.N
     floats = 3 * Tt * p.H * p.K + nch * p.H * p.K + 2 * Tt * p.H * C
-    return 4 * floats + 4 * 2 * (p.N + 1) + 256
+    return 4 * floats + 7 * 256
+
+
+def workspace_views(workspace: torch.Tensor, p: Problem, cfg: FwdConfig) -> dict:
+    """K1's outputs as fp32 views into the workspace (each 256-byte aligned)."""
+    C, Tt, H, K = cfg.chunk, p.B * p.T, p.H, p.K
+    nch = Tt // C + p.N
+    shapes = {"qg": (Tt, H, K), "kg": (Tt, H, K), "kd": (Tt, H, K), "gl": (nch, H, K),
+              "aw": (Tt, H, C), "mq": (Tt, H, C)}
+    start = (-workspace.data_ptr()) % 256
+    views = {}
+    for name, shape in shapes.items():
+        n = math.prod(shape) * 4
+        views[name] = workspace[start:start + n].view(torch.float32).view(shape)
+        start += (n + 255) // 256 * 256
+    return views
 
 
 _seq_cache: dict[tuple, tuple] = {}
@@ -171,7 +190,9 @@ def _offsets(p: Problem, cfg: FwdConfig, cu_seqlens, dev):
 
 
 def launch_forward(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state,
-                   final_state, cu_seqlens, workspace, gate, qk_l2norm, beta_sigmoid, p, cfg):
+                   final_state, cu_seqlens, workspace, gate, qk_l2norm, beta_sigmoid, p, cfg,
+                   run_recurrence=True):
+    """Launch K1 then K2 on the current stream; returns the workspace views K1 wrote."""
     dev = q.device
     di = dev.index if dev.index is not None else torch.cuda.current_device()
     arch = runtime.arch_of(dev)
@@ -187,17 +208,8 @@ def launch_forward(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, in
           or not workspace.is_contiguous()):
         raise _err("workspace", f"a contiguous uint8 CUDA tensor of >= {need} bytes on {dev}",
                    f"{workspace.dtype} [{workspace.numel()}] on {workspace.device}")
-    base = (workspace.data_ptr() + 255) // 256 * 256
-    off = [0]
-
-    def take(nfloats):
-        ptr = base + off[0] * 4
-        off[0] += (nfloats + 63) // 64 * 64
-        return ptr
-
-    qg, kg, kd = (take(Tt * H * K) for _ in range(3))
-    gl = take(nch * H * K)
-    aw, mq = (take(Tt * H * C) for _ in range(2))
+    w = workspace_views(workspace, p, cfg)
+    qg, kg, kd, gl, aw, mq = (w[n].data_ptr() for n in ("qg", "kg", "kd", "gl", "aw", "mq"))
     cs, cc = _offsets(p, cfg, cu_seqlens, dev)
     if A_log is None:
         A_log = torch.zeros(H, dtype=torch.float32, device=dev)
@@ -218,6 +230,8 @@ def launch_forward(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, in
                  "gate_mode": GATE_MODES[gate], "qk_l2norm": int(bool(qk_l2norm)),
                  "beta_sigmoid": int(bool(beta_sigmoid))}
         k1.launch((nch, H, 1), runtime.pack_params(k1.args, vals1, syms), stream, di)
+    if not run_recurrence:
+        return w
     dummy = out.data_ptr()
     s_in = _STATE_CODE[initial_state.dtype if initial_state is not None else None]
     s_out = _STATE_CODE[final_state.dtype if final_state is not None else None]
@@ -230,6 +244,7 @@ def launch_forward(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, in
     if p.N > 0 and H > 0:
         k2.launch((V // cfg.recur.block_v, H, p.N), runtime.pack_params(k2.args, vals2, syms),
                   stream, di)
+    return w
 
 
 def fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state=None,

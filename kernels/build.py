@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from kda_cute import abi  # noqa: E402
-from kda_cute.config import SHIPPED, PrepConfig, RecurConfig  # noqa: E402
+from kda_cute.config import SHIPPED, PrepConfig  # noqa: E402
 from kda_cute.cubin import kernel_params  # noqa: E402
 
 DEFAULT_OUT = ROOT / "kda_cute" / "_cubins"

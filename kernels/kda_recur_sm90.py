@@ -246,16 +246,17 @@ class KdaRecurSm90:
     @cute.jit
     def _issue(self, c, bos, chunk_id, loads, head_cols, tma_gl, tGl, sGl, gl_col,
                tma_v, tV, sV, v_col, full):
-        """One elected thread loads chunk c into buffer c % stages."""
+        """Warp 0 loads chunk c into buffer c % stages (one lane arms the barrier)."""
         s = c % self.stages
         t0 = bos + c * self.C
         bar = full + s
         with cute.arch.elect_one():
             cute.arch.mbarrier_arrive_and_expect_tx(bar, self.tx_bytes)
-            for (tma, tX, sX, cols, rows), col in zip(loads, head_cols):
-                self._tile_copy(tma, tX, sX[None, None, s], (t0, col), (rows, cols), bar)
-            self._tile_copy(tma_gl, tGl, sGl[None, None, s], (chunk_id, gl_col), (1, self.K), bar)
-            self._tile_copy(tma_v, tV, sV[None, None, s], (t0, v_col), (self.C, self.BV), bar)
+        # the copies elect their own issuing lane: the whole warp must reach them
+        for (tma, tX, sX, cols, rows), col in zip(loads, head_cols, strict=True):
+            self._tile_copy(tma, tX, sX[None, None, s], (t0, col), (rows, cols), bar)
+        self._tile_copy(tma_gl, tGl, sGl[None, None, s], (chunk_id, gl_col), (1, self.K), bar)
+        self._tile_copy(tma_v, tV, sV[None, None, s], (t0, v_col), (self.C, self.BV), bar)
 
     @cute.jit
     def _tile_copy(self, tma, tX, sX, coord, tile, bar):

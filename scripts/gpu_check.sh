@@ -11,11 +11,12 @@ if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
     --target /tmp/site .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "$OUT/device.txt" 2>&1
-python3 -m pytest -q -m gpu -p no:cacheprovider --junitxml="$OUT/gpu_tests.xml" \
+python3 -m pytest -q -m gpu -p no:cacheprovider --timeout=120 --timeout-method=thread --junitxml="$OUT/gpu_tests.xml" \
   "${GPU_TESTS:-tests}" 2>&1 | tee "$OUT/gpu_tests.log"
 rc=${PIPESTATUS[0]}
-if [ -f bench/bench.py ] && [ -z "${SKIP_BENCH:-}" ]; then
-  python3 bench/bench.py ${BENCH_ARGS:---quick} --out "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
+if [ -z "${SKIP_BENCH:-}" ]; then
+  python3 bench/accuracy.py ${ACC_ARGS:-} --out "$OUT/accuracy.json"
+  python3 bench/bench.py ${BENCH_ARGS:---quick} --out "$OUT/bench.json"
 fi
 python3 scripts/gpu_summary.py "$OUT" | tee "$OUT/summary.json"
 exit "$rc"

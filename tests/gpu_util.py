@@ -31,14 +31,15 @@ def make_inputs(*, B=1, T=64, H=2, K=128, V=None, seqlens=None, gate="bounded", 
                 token_stride_pad=0, device="cuda"):
     """Random inputs (never zeros). With `seqlens`, B must be 1 and T = sum(seqlens)."""
     V = V or K
-    gen = torch.Generator(device="cpu").manual_seed(seed)
+    gen = torch.Generator(device=device).manual_seed(seed)
 
     def randn(*shape):
-        return torch.randn(*shape, generator=gen)
+        return torch.randn(*shape, generator=gen, device=device)
 
     if seqlens is not None:
         B, T = 1, int(sum(seqlens))
-        cu = torch.tensor([0] + list(torch.tensor(seqlens).cumsum(0).tolist()), dtype=torch.int64)
+        cu = torch.tensor([0] + list(torch.tensor(seqlens).cumsum(0).tolist()), dtype=torch.int64,
+                          device=device)
         N = len(seqlens)
     else:
         cu, N = None, B
@@ -51,6 +52,9 @@ def make_inputs(*, B=1, T=64, H=2, K=128, V=None, seqlens=None, gate="bounded", 
     v = packed[..., 3 * H * K:3 * H * K + H * V].view(B, T, H, V)
     if token_stride_pad == 0:
         q, k, g, v = (x.contiguous() for x in (q, k, g, v))
+    else:
+        g = packed[..., 2 * H * K:3 * H * K].view(B, T, H, K)
+        g.add_(g_shift)
     beta = randn(B, T, H).to(torch.bfloat16)
     if not qk_l2norm:
         q = (q.float() / q.float().norm(dim=-1, keepdim=True)).to(torch.bfloat16)
@@ -58,9 +62,9 @@ def make_inputs(*, B=1, T=64, H=2, K=128, V=None, seqlens=None, gate="bounded", 
     if not beta_sigmoid:
         beta = torch.sigmoid(beta.float()).to(torch.bfloat16)
     if gate == "none":
-        g = (-torch.rand(B, T, H, K, generator=gen) * 2.0).to(torch.bfloat16)
-    A_log = torch.rand(H, generator=gen)
-    dt_bias = torch.rand(H, K, generator=gen)
+        g = (-torch.rand(B, T, H, K, generator=gen, device=device) * 2.0).to(torch.bfloat16)
+    A_log = torch.rand(H, generator=gen, device=device)
+    dt_bias = torch.rand(H, K, generator=gen, device=device)
     s0 = randn(N, H, V, K).to(state_dtype) if init else None
     d = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "A_log": A_log, "dt_bias": dt_bias,
          "initial_state": s0, "cu_seqlens": cu}
@@ -112,4 +116,37 @@ def errors(inp, **kw) -> dict:
     if final is not None:
         res["state_err"] = rel_err(final, ref_s)
         res["state_finite"] = bool(torch.isfinite(final.float()).all())
+    return res
+
+
+def prep_errors(inp, chunk=16) -> dict:
+    """K1 alone: its workspace against the float64 chunked twin's intermediates."""
+    from kda_cute import api
+    from kda_cute.reference import chunk_intermediates, preprocess
+
+    q, v = inp["q"], inp["v"]
+    out = torch.empty(v.shape, dtype=torch.bfloat16, device=q.device)
+    p = api.validate(q, inp["k"], v, inp["g"], inp["beta"], inp["scale"], out, inp["A_log"],
+                     inp["dt_bias"], inp["lower_bound"], None, None, inp["cu_seqlens"],
+                     inp["gate"])
+    cfg = api.config_for(p)
+    ws = torch.full((api.workspace_bytes(p, cfg),), 0xFF, dtype=torch.uint8, device=q.device)
+    w = api.launch_forward(q, inp["k"], v, inp["g"], inp["beta"], inp["scale"], out,
+                           inp["A_log"], inp["dt_bias"], inp["lower_bound"], None, None,
+                           inp["cu_seqlens"], ws, inp["gate"], inp["qk_l2norm"],
+                           inp["beta_sigmoid"], p, cfg, run_recurrence=False)
+    torch.cuda.synchronize()
+    d = {n: (t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t)
+         for n, t in inp.items()}
+    qn, kn, a, b = preprocess(d["q"], d["k"], d["g"], d["beta"], A_log=d["A_log"],
+                              dt_bias=d["dt_bias"], lower_bound=d["lower_bound"],
+                              gate=d["gate"], qk_l2norm=d["qk_l2norm"],
+                              beta_sigmoid=d["beta_sigmoid"])
+    ref = chunk_intermediates(qn, kn, a, b, chunk=chunk, scale=d["scale"],
+                              cu_seqlens=d["cu_seqlens"])
+    B, T, H = q.shape[:3]
+    res = {}
+    for name in ("qg", "kg", "kd", "aw", "mq"):
+        r = ref[name.replace("aw", "Aw").replace("mq", "Mq")].reshape(B * T, H, -1)
+        res[name] = rel_err(w[name], r)
     return res

@@ -1,0 +1,256 @@
+"""Benchmark: kda_cute vs fla's Triton chunk_kda on the H200, side by side in one run.
+
+    python bench/bench.py [--quick] [--cases NAME,...] [--head-dims 128] [--out results.json]
+
+Method: CUDA events around each launch, warm-up, median of >= 100 timed iterations; every case
+rotates through enough input sets that their bytes exceed 3x the 60 MB L2, so the inputs are read
+from HBM. The roofline is the compulsory bytes (q, k, v, g, beta read, out written, fp32 states
+read and written) over the device-to-device copy bandwidth measured in the same run. Each case's
+kda_cute output is checked against the float64 reference (and fla's too, when fla is present).
+Writes JSON (device, versions, commit, every figure), a Markdown table and a PNG plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+import zlib
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from kda_cute import fwd  # noqa: E402
+from tests.gpu_util import make_inputs, reference  # noqa: E402
+from kda_cute.reference import rel_err  # noqa: E402
+
+L2_BYTES = 60 * 2**20
+MIX = [1300, 547, 2048, 963, 271, 3063]
+# name -> (B, T, H) or ("varlen", seqlens, H); the issue's table at K = V = 128
+CASES = {
+    "B1 T8192 H96": (1, 8192, 96),
+    "B1 T8192 H64": (1, 8192, 64),
+    "B1 T8192 H32": (1, 8192, 32),
+    "B1 T8192 H16": (1, 8192, 16),
+    "varlen mix H96": ("varlen", MIX, 96),
+    "varlen mix H64": ("varlen", MIX, 64),
+    "varlen 8x1024 H64": ("varlen", [1024] * 8, 64),
+    "B8 T1024 H32": (8, 1024, 32),
+    "B1 T32768 H32": (1, 32768, 32),
+    "B32 T256 H32": (32, 256, 32),
+}
+QUICK = ["B1 T8192 H64", "B1 T8192 H16", "varlen mix H64", "B8 T1024 H32"]
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy, bytes read + written per second (median of 20)."""
+    n = 2 * 2**30
+    a = torch.empty(n, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    ts = []
+    for _ in range(25):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        b.copy_(a)
+        e.record()
+        e.synchronize()
+        ts.append(s.elapsed_time(e) / 1e3)
+    return 2 * n / statistics.median(ts[5:])
+
+
+def case_inputs(spec, K, seed):
+    if spec[0] == "varlen":
+        return make_inputs(seqlens=spec[1], H=spec[2], K=K, seed=seed)
+    B, T, H = spec
+    return make_inputs(B=B, T=T, H=H, K=K, seed=seed)
+
+
+def compulsory_bytes(inp) -> int:
+    q, v = inp["q"], inp["v"]
+    B, T, H, K = q.shape
+    V = v.shape[3]
+    return (3 * B * T * H * K + 2 * B * T * H * V + B * T * H) * 2 + 2 * inp["N"] * H * V * K * 4
+
+
+def time_fn(fn, sets, iters, warmup=10) -> float:
+    """Median ms over `iters` launches, cycling through the input sets."""
+    for i in range(warmup):
+        fn(sets[i % len(sets)])
+    torch.cuda.synchronize()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    for i in range(iters):
+        x = sets[i % len(sets)]
+        starts[i].record()
+        fn(x)
+        ends[i].record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends, strict=True))
+
+
+def kda_runner():
+    def run(x):
+        fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], x["scale"], x["out"], x["A_log"],
+            x["dt_bias"], x["lower_bound"], x["initial_state"], x["final_state"],
+            x["cu_seqlens"], x["workspace"], check_seqlens=False)
+    return run
+
+
+def fla_runner():
+    os.environ.setdefault("FLA_DISABLE_BACKEND_DISPATCH", "1")
+    try:
+        from fla.ops.kda import chunk_kda
+    except Exception as e:  # fla is optional: the table says so when it is absent
+        print(f"fla unavailable: {e!r}", file=sys.stderr)
+        return None
+
+    def run(x):
+        return chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], scale=x["scale"],
+                         initial_state=x["initial_state"], output_final_state=True,
+                         use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                         use_beta_sigmoid_in_kernel=True, safe_gate=True, lower_bound=-5.0,
+                         A_log=x["A_log"], dt_bias=x["dt_bias"], state_v_first=True,
+                         cu_seqlens=x["cu_seqlens"])
+    return run
+
+
+def bench_case(name, spec, K, iters, fla, ceiling):
+    from kda_cute import api
+    base = case_inputs(spec, K, seed=zlib.crc32(name.encode()) % 1000)
+    nbytes = compulsory_bytes(base)
+    n_sets = max(2, math.ceil(3 * L2_BYTES / nbytes))
+    sets = []
+    for i in range(n_sets):
+        x = base if i == 0 else case_inputs(spec, K, seed=i)
+        q, v = x["q"], x["v"]
+        x["out"] = torch.full(v.shape, float("nan"), dtype=torch.bfloat16, device="cuda")
+        x["final_state"] = torch.full_like(x["initial_state"], float("nan"))
+        p = api.validate(q, x["k"], v, x["g"], x["beta"], x["scale"], x["out"], x["A_log"],
+                         x["dt_bias"], x["lower_bound"], x["initial_state"], x["final_state"],
+                         x["cu_seqlens"], "bounded")
+        x["workspace"] = torch.empty(api.workspace_bytes(p, api.config_for(p)),
+                                     dtype=torch.uint8, device="cuda")
+        sets.append(x)
+    run = kda_runner()
+    t_kda = time_fn(run, sets, iters)
+    # correctness of the timed configuration, on the first set
+    run(sets[0])
+    torch.cuda.synchronize()
+    ref_o, ref_s = reference(base)
+    row = {"case": name, "K": K, "bytes": nbytes, "roofline_ms": nbytes / ceiling * 1e3,
+           "kda_ms": t_kda, "kda_out_err": rel_err(sets[0]["out"], ref_o),
+           "kda_state_err": rel_err(sets[0]["final_state"], ref_s), "input_sets": n_sets}
+    row["kda_GBps"] = nbytes / t_kda / 1e6
+    row["kda_pct_roofline"] = 100 * row["roofline_ms"] / t_kda
+    if fla is not None:
+        row["fla_ms"] = time_fn(fla, sets, iters)
+        o, s = fla(sets[0])
+        torch.cuda.synchronize()
+        row["fla_out_err"] = rel_err(o, ref_o)
+        row["fla_state_err"] = rel_err(s, ref_s)
+        row["speedup_vs_fla"] = row["fla_ms"] / t_kda
+    del sets
+    torch.cuda.empty_cache()
+    return row
+
+
+def versions() -> dict:
+    v = {"torch": torch.__version__, "cuda": torch.version.cuda,
+         "device": torch.cuda.get_device_name(), "python": sys.version.split()[0]}
+    try:
+        from importlib.metadata import version
+        v["fla-core"] = version("fla-core")
+        v["triton"] = version("triton")
+    except Exception:
+        pass
+    v["commit"] = os.environ.get("KDA_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+        cwd=ROOT).stdout.strip() or None
+    return v
+
+
+def markdown(rows) -> str:
+    head = ("| case | K | roofline ms | kda_cute ms | % roofline | fla ms | vs fla | "
+            "kda out err | kda state err |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|\n")
+    lines = []
+    for r in rows:
+        fla = f"{r['fla_ms']:.3f}" if "fla_ms" in r else "-"
+        sp = f"{r['speedup_vs_fla']:.2f}x" if "speedup_vs_fla" in r else "-"
+        lines.append(f"| {r['case']} | {r['K']} | {r['roofline_ms']:.3f} | {r['kda_ms']:.3f} | "
+                     f"{r['kda_pct_roofline']:.1f} | {fla} | {sp} | {r['kda_out_err']:.2e} | "
+                     f"{r['kda_state_err']:.2e} |")
+    return head + "\n".join(lines) + "\n"
+
+
+def plot(rows, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    names = [f"{r['case']} K{r['K']}" for r in rows]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(14, 0.45 * len(rows) + 2))
+    y = range(len(rows))
+    a1.barh([i + 0.2 for i in y], [r["kda_ms"] for r in rows], 0.4, label="kda_cute")
+    if all("fla_ms" in r for r in rows):
+        a1.barh([i - 0.2 for i in y], [r["fla_ms"] for r in rows], 0.4, label="fla chunk_kda")
+    a1.set_yticks(list(y), names)
+    a1.set_xlabel("ms (median)")
+    a1.legend()
+    a2.barh(list(y), [r["kda_pct_roofline"] for r in rows])
+    a2.set_yticks(list(y), [""] * len(rows))
+    a2.set_xlabel("% of HBM roofline (kda_cute)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="four cases, 100 iterations")
+    ap.add_argument("--cases", default="", help="comma-separated case names")
+    ap.add_argument("--head-dims", default="128")
+    ap.add_argument("--iters", type=int, default=100)
+    ap.add_argument("--no-fla", action="store_true")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "latest.json"))
+    a = ap.parse_args(argv)
+    names = a.cases.split(",") if a.cases else (QUICK if a.quick else list(CASES))
+    fla = None if a.no_fla else fla_runner()
+    ceiling = copy_bandwidth()
+    print(f"copy ceiling {ceiling / 1e12:.2f} TB/s", flush=True)
+    rows = []
+    for K in (int(k) for k in a.head_dims.split(",")):
+        for name in names:
+            t0 = time.time()
+            rows.append(bench_case(name, CASES[name], K, max(100, a.iters), fla, ceiling))
+            r = rows[-1]
+            print(f"{name:<22} K{K:<4} kda {r['kda_ms']:.3f} ms ({r['kda_pct_roofline']:.1f}% "
+                  f"roofline) fla {r.get('fla_ms', float('nan')):.3f} ms "
+                  f"err {r['kda_out_err']:.2e}/{r['kda_state_err']:.2e} [{time.time() - t0:.0f}s]",
+                  flush=True)
+    sp = [r["speedup_vs_fla"] for r in rows if "speedup_vs_fla" in r]
+    summary = {"cases": len(rows), "copy_TBps": ceiling / 1e12,
+               "geomean_speedup_vs_fla": math.exp(statistics.fmean(map(math.log, sp)))
+               if sp else None,
+               "max_out_err": max(r["kda_out_err"] for r in rows),
+               "max_state_err": max(r["kda_state_err"] for r in rows)}
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    doc = {"versions": versions(), "method": __doc__.strip(), "summary": summary, "rows": rows}
+    out.write_text(json.dumps(doc, indent=1) + "\n")
+    out.with_suffix(".md").write_text(markdown(rows))
+    plot(rows, out.with_suffix(".png"))
+    print(markdown(rows))
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
