@@ -40,6 +40,13 @@ def _check_shape(name, t, shape):
         raise _err(name, f"shape {tuple(shape)}", f"{tuple(t.shape)}")
 
 
+def _capturing(dev) -> bool:
+    if dev.type != "cuda":
+        return False
+    with torch.cuda.device(dev):
+        return torch.cuda.is_current_stream_capturing()
+
+
 def _check_device(name, t):
     if t.device.type != "cuda":
         raise _err(name, "a CUDA tensor", f"one on {t.device}")
@@ -56,11 +63,15 @@ class Problem:
     varlen: bool
 
 
-def _check_rows(name, t, inner: int, div: int | None):
-    """[B, T, H, D] with D contiguous and heads packed; the token stride is free."""
+def _check_rows(name, t, div: int | None):
+    """[B, T, H, D] with D contiguous and heads packed; the token stride is free but rows must not
+    overlap (a kernel reads and writes whole token rows)."""
     B, T, H, D = t.shape
     if t.stride(3) != 1 or (H > 1 and t.stride(2) != D):
         raise _err(name, f"the last two dims contiguous (strides (..., {D}, 1))",
+                   f"strides {tuple(t.stride())}")
+    if T > 1 and t.stride(1) < H * D:
+        raise _err(name, f"a token stride >= H*D = {H * D} (rows must not overlap)",
                    f"strides {tuple(t.stride())}")
     if B > 1 and T > 0 and t.stride(0) != T * t.stride(1):
         raise _err(name, "batch stride == T * token stride", f"strides {tuple(t.stride())}")
@@ -84,17 +95,20 @@ def validate(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_
     V = v.shape[3]
     _check_tensor("beta", beta, (torch.bfloat16,), 3, dev)
     _check_shape("beta", beta, (B, T, H))
-    if H > 1 and beta.stride(2) != 1:
-        raise _err("beta", "the head dim contiguous", f"strides {tuple(beta.stride())}")
+    if (H > 1 and beta.stride(2) != 1) or (T > 1 and beta.stride(1) < H) or (
+            B > 1 and T > 0 and beta.stride(0) != T * beta.stride(1)):
+        raise _err("beta", "heads contiguous, token stride >= H, batch stride == T * token "
+                   "stride", f"strides {tuple(beta.stride())}")
     if out is not None:
         _check_tensor("out", out, (torch.bfloat16,), 4, dev)
         _check_shape("out", out, (B, T, H, V))
-        _check_rows("out", out, V, None)
+        _check_rows("out", out, None)
     for name, t in (("q", q), ("k", k), ("g", g), ("v", v)):
-        _check_rows(name, t, t.shape[3], SYM_DIV["s" + name.upper()])
-    if gate not in GATE_MODES:
+        _check_rows(name, t, SYM_DIV["s" + name.upper()])
+    if not isinstance(gate, str) or gate not in GATE_MODES:
         raise _err("gate", f"one of {sorted(GATE_MODES)}", repr(gate))
-    if not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+    if (isinstance(scale, bool) or not isinstance(scale, (int, float))
+            or not math.isfinite(scale) or scale <= 0):
         raise _err("scale", "a finite positive float", repr(scale))
     if gate == "bounded":
         if not isinstance(lower_bound, (int, float)) or not -5.0 <= lower_bound < 0.0:
@@ -119,7 +133,9 @@ def validate(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_
         if cu_seqlens.numel() < 2:
             raise _err("cu_seqlens", "at least 2 entries [N+1]", f"{cu_seqlens.numel()}")
         N = cu_seqlens.numel() - 1
-        if check_seqlens and not torch.cuda.is_current_stream_capturing():
+        if not cu_seqlens.is_contiguous():
+            raise _err("cu_seqlens", "a contiguous tensor", f"strides {tuple(cu_seqlens.stride())}")
+        if check_seqlens and not _capturing(dev):
             cs = cu_seqlens.cpu()
             if int(cs[0]) != 0 or bool((cs[1:] < cs[:-1]).any()) or int(cs[-1]) > T:
                 raise _err("cu_seqlens", f"non-decreasing offsets from 0 to at most T={T}",
@@ -281,8 +297,11 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     unsupported = sorted(k_ for k_, v_ in kwargs.items() if v_ not in (None, False))
     if unsupported:
         raise ValueError(f"chunk_kda: unsupported options {unsupported}")
-    if not isinstance(q, torch.Tensor) or q.dim() != 4:
-        raise _err("q", "a 4-d tensor [B, T, H, K]", getattr(q, "shape", type(q).__name__))
+    for name, t in (("q", q), ("v", v)):
+        _check_tensor(name, t, (torch.bfloat16,), 4)
+    for name, t in (("initial_state", initial_state), ("cu_seqlens", cu_seqlens)):
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor or None, got {type(t).__name__}")
     K = q.shape[-1]
     if scale is None:
         scale = K ** -0.5

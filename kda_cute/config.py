@@ -76,13 +76,19 @@ def supports_prep(cfg: PrepConfig) -> tuple[bool, str]:
 def supports_recur(cfg: RecurConfig) -> tuple[bool, str]:
     if cfg.head_dim_k % 8 or not 8 <= cfg.head_dim_k <= 256:
         return False, f"head_dim_k must be a multiple of 8 in [8, 256], got {cfg.head_dim_k}"
-    if cfg.head_dim_v % cfg.block_v:
+    if cfg.head_dim_v % 8 or not 8 <= cfg.head_dim_v <= 256:
+        return False, f"head_dim_v must be a multiple of 8 in [8, 256], got {cfg.head_dim_v}"
+    if not 1 <= cfg.chunk <= 32:
+        return False, f"chunk must be in [1, 32], got {cfg.chunk}"
+    if cfg.block_v < 1 or cfg.head_dim_v % cfg.block_v:
         return False, f"block_v {cfg.block_v} must divide head_dim_v {cfg.head_dim_v}"
     if cfg.threads % cfg.block_v or cfg.head_dim_k % (cfg.threads // cfg.block_v):
         return False, (f"threads/block_v ({cfg.threads}/{cfg.block_v}) must divide "
                        f"head_dim_k {cfg.head_dim_k}")
-    if (cfg.threads // cfg.block_v) > 32 or 32 % (cfg.threads // cfg.block_v):
-        return False, "threads per state row must be a power of two <= 32"
+    tpr = cfg.threads // cfg.block_v
+    if tpr > 32 or 32 % tpr:
+        return False, f"threads per state row (threads/block_v) must be a power of two <= 32, " \
+            f"got {tpr}"
     if not 1 <= cfg.stages <= 4:
         return False, f"stages must be in [1, 4], got {cfg.stages}"
     return True, ""
@@ -92,7 +98,8 @@ def supports(cfg: FwdConfig) -> tuple[bool, str]:
     if cfg.prep.chunk != cfg.recur.chunk:
         return False, f"K1 chunk {cfg.prep.chunk} != K2 chunk {cfg.recur.chunk}"
     if cfg.prep.head_dim_k != cfg.recur.head_dim_k:
-        return False, "K1 and K2 disagree on head_dim_k"
+        return False, (f"K1 head_dim_k {cfg.prep.head_dim_k} != K2 head_dim_k "
+                       f"{cfg.recur.head_dim_k}")
     for ok, why in (supports_prep(cfg.prep), supports_recur(cfg.recur)):
         if not ok:
             return ok, why

@@ -2,7 +2,8 @@
 
 The math is in design/KDA.md. `kda_reference` is the float64 loop over tokens that every kernel is
 tested against. `chunk_intermediates` (K1) and `chunk_recurrence` (K2) are the kernels' two phases,
-written with the kernels' workspace definitions so a kernel's workspace can be checked phase by phase;
+written with the kernels' workspace definitions so a kernel's workspace can be checked phase by
+phase;
 `kda_chunked` chains them. `rel_err` is the one error measure the tests use.
 
 Layouts: q, k, g [B, T, H, K]; v and out [B, T, H, V]; beta [B, T, H]; states [N, H, V, K]. With
@@ -38,11 +39,11 @@ def _check_float_tensor(x, name: str, ndim: int) -> None:
 
 def _check_qkgb(q, k, g, beta, names=("q", "k", "g", "beta")) -> tuple[int, int, int, int]:
     """Shapes of the per-key inputs; returns (B, T, H, K)."""
-    for x, name in zip((q, k, g), names[:3]):
+    for x, name in zip((q, k, g), names[:3], strict=True):
         _check_float_tensor(x, name, 4)
     _check_float_tensor(beta, names[3], 3)
     shape = tuple(q.shape)
-    for x, name in zip((k, g), names[1:3]):
+    for x, name in zip((k, g), names[1:3], strict=True):
         if tuple(x.shape) != shape:
             raise ValueError(f"{name}: expected shape {shape} (that of {names[0]}), "
                              f"got {tuple(x.shape)}")
@@ -304,11 +305,12 @@ def chunk_intermediates(qn, kn, a, b, *, chunk, scale, cu_seqlens=None):
 def chunk_recurrence(inter, v, *, chunk, initial_state=None, cu_seqlens=None):
     """K2's math from chunk_intermediates' dict: per sequence, per chunk (local tokens 0..c-1),
     S [V,K]:
-      W = v_chunk - kg_chunk @ S^T ;  U = Aw_chunk[:, :c] @ W ;  O = qg_chunk @ S^T + Mq_chunk[:, :c] @ U
+      W = v_chunk - kg_chunk @ S^T ;  U = Aw_chunk[:, :c] @ W
+      O = qg_chunk @ S^T + Mq_chunk[:, :c] @ U
       S = S * gl_row[None, :] + U^T @ kd_chunk
     Returns (out [B,T,H,V], final_state [N,H,V,K]) in the dtype of the intermediates.
-    Only the valid tokens and columns of each chunk are read, so a kernel's workspace with garbage in
-    its padding can be fed in as is."""
+    Only the valid tokens and columns of each chunk are read, so a kernel's workspace with garbage
+    in its padding can be fed in as is."""
     if not isinstance(inter, dict) or any(key not in inter for key in _INTERMEDIATE_KEYS):
         raise ValueError(f"inter: expected a dict with keys {_INTERMEDIATE_KEYS}, got "
                          f"{sorted(inter) if isinstance(inter, dict) else type(inter).__name__}")
@@ -342,9 +344,9 @@ def chunk_recurrence(inter, v, *, chunk, initial_state=None, cu_seqlens=None):
 
         St = S.transpose(-1, -2)
         U = Aw_m @ (v_m - kg_m @ St)
-        O = qg_m @ St + Mq_m @ U
+        out_m = qg_m @ St + Mq_m @ U
         S = S * gl_m[:, :, None, :] + U.transpose(-1, -2) @ kd_m
-        _scatter_into(out, O.transpose(1, 2), p, ok)
+        _scatter_into(out, out_m.transpose(1, 2), p, ok)
     return out, S
 
 

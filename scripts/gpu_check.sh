@@ -12,7 +12,7 @@ if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
 fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "$OUT/device.txt" 2>&1
 python3 -m pytest -q -m gpu -p no:cacheprovider --timeout=120 --timeout-method=thread --junitxml="$OUT/gpu_tests.xml" \
-  "${GPU_TESTS:-tests}" 2>&1 | tee "$OUT/gpu_tests.log"
+  ${GPU_TESTS:-tests} 2>&1 | tee "$OUT/gpu_tests.log"
 rc=${PIPESTATUS[0]}
 if [ -z "${SKIP_BENCH:-}" ]; then
   python3 bench/accuracy.py ${ACC_ARGS:-} --out "$OUT/accuracy.json"

@@ -30,7 +30,8 @@ def main(out: str) -> None:
         suite = root if root.tag == "testsuite" else root.find("testsuite")
         summary["tests"] = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors",
                                                                 "skipped")}
-        summary["failed"] = [f"{c.get('classname')}::{c.get('name')}" for c in suite.iter("testcase")
+        summary["failed"] = [f"{c.get('classname')}::{c.get('name')}"
+                             for c in suite.iter("testcase")
                              if c.find("failure") is not None or c.find("error") is not None]
     bench = out_dir / "bench.json"
     if bench.exists():

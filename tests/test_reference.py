@@ -46,7 +46,7 @@ class Case:
 
 
 def make_inputs(case: Case, seed_text: str) -> dict:
-    """Fresh random inputs for one case, seeded by its id, as kwargs for kda_reference/kda_chunked."""
+    """Fresh random inputs for one case, seeded by its id, as kda_reference/kda_chunked kwargs."""
     gen = torch.Generator().manual_seed(zlib.crc32(seed_text.encode()))
 
     def randn(*shape):
@@ -414,7 +414,7 @@ def test_chunk_recurrence_ignores_workspace_padding():
         poisoned[name][:, 16:, :, 4:] = math.nan
     ref = chunk_recurrence(inter, kwargs["v"], chunk=8, initial_state=kwargs["initial_state"])
     got = chunk_recurrence(poisoned, kwargs["v"], chunk=8, initial_state=kwargs["initial_state"])
-    for x, y in zip(got, ref):
+    for x, y in zip(got, ref, strict=True):
         assert torch.equal(x, y)
 
 

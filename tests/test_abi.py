@@ -1,0 +1,336 @@
+"""The launcher's parameter contract (kda_cute.abi) against the shipped cubins (CPU only).
+
+A mismatch here is a silent wrong launch on the GPU: the driver copies whatever bytes it is given
+into the kernel's parameter bank. So every size, offset and TMA box is checked against the cubin
+itself, not against what the build believed it produced.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+
+import pytest
+import torch
+
+from kda_cute import abi, runtime
+from kda_cute.config import SHIPPED, PrepConfig, select_config
+from kda_cute.cubin import kernel_params
+
+ARCH = "sm_90a"
+# Kernel parameters live in constant bank 0 from 0x210 on sm_90 (SASS reads the last scalar of
+# the recurrence, table offset 1492, at c[0x0][0x7e4]); the table's offsets are relative to it.
+# Alignment holds for the absolute address, which is why the first 128-byte TMA descriptor sits
+# at table offset 48 and not 0.
+PARAM_BASE = 0x210
+MAX_SMEM = 227 * 1024  # opt-in dynamic shared memory per block on H100 / H200
+
+KERNELS = {}
+for _f in SHIPPED:
+    KERNELS.setdefault(_f.prep.name, (_f.prep, abi.prep_args))
+    KERNELS.setdefault(_f.recur.name, (_f.recur, abi.recur_args))
+KERNEL_IDS = list(KERNELS)
+
+
+def load(name: str) -> tuple[dict, bytes, list]:
+    """(manifest, cubin bytes, the spec's argument list) of one shipped kernel."""
+    cfg, args_of = KERNELS[name]
+    try:
+        manifest, path = runtime.load_manifest(name, ARCH)
+    except runtime.CubinsMissing as e:
+        pytest.skip(f"cubins not built: {e}")
+    return manifest, path.read_bytes(), args_of(cfg)
+
+
+def cubin_table(manifest: dict, data: bytes) -> dict:
+    table = kernel_params(data)
+    assert manifest["entry"] in table, f"entry {manifest['entry']!r} not in {list(table)}"
+    return table[manifest["entry"]]
+
+
+def param_aligns(args: list) -> list[int]:
+    """Natural alignment of each kernel parameter, in the order param_sizes lists them."""
+    aligns = []
+    for a in args:
+        if a.grid_only:
+            continue
+        if a.kind == "tma":
+            aligns.append(64)  # CUtensorMap is declared alignas(64)
+            widths = [abi.SYM_WIDTH[e] // 8 for e in a.dynamic(a.shape)]
+            if widths:
+                aligns.append(max(widths))
+        elif a.kind == "tensor":
+            aligns.append(8)  # the struct opens with its u64 pointer
+        else:
+            aligns.append(4)
+    return aligns
+
+
+# ------------------------------------------------------------------ spec vs cubin, per kernel
+@pytest.mark.parametrize("name", KERNEL_IDS)
+def test_manifest_matches_cubin(name):
+    manifest, data, args = load(name)
+    table = cubin_table(manifest, data)
+    assert [list(p) for p in table["params"]] == manifest["params"]
+    assert table["param_bytes"] == manifest["param_bytes"]
+    assert table["reqntid"] == manifest["reqntid"]
+    assert manifest["name"] == name and manifest["arch"] == ARCH
+    # same-size arguments swapped in the spec pass the size check; the recorded order does not
+    assert manifest["args"] == [a.name for a in args]
+
+
+@pytest.mark.parametrize("name", KERNEL_IDS)
+def test_param_sizes_match_cubin(name):
+    manifest, data, args = load(name)
+    sizes = [p[2] for p in cubin_table(manifest, data)["params"]]
+    assert abi.param_sizes(args) == sizes
+
+
+@pytest.mark.parametrize("name", KERNEL_IDS)
+def test_param_offsets_are_ordered_and_aligned(name):
+    manifest, data, args = load(name)
+    table = cubin_table(manifest, data)
+    ordinals, offsets, sizes = zip(*table["params"], strict=True)
+    assert list(ordinals) == list(range(len(ordinals)))
+    assert offsets[0] >= 48
+    for i in range(len(offsets) - 1):
+        assert offsets[i] + sizes[i] <= offsets[i + 1], f"param {i} overlaps param {i + 1}"
+    assert offsets[-1] + sizes[-1] <= table["param_bytes"]
+    aligns = param_aligns(args)
+    assert len(aligns) == len(offsets)
+    for i, (off, size, align) in enumerate(zip(offsets, sizes, aligns, strict=True)):
+        assert (PARAM_BASE + off) % align == 0, f"param {i} (size {size}) at {off}, align {align}"
+        if size == 128:
+            assert align == 64, f"param {i} has a descriptor's size but is not a TMA descriptor"
+
+
+@pytest.mark.parametrize("name", KERNEL_IDS)
+def test_tma_args_match_manifest(name):
+    manifest, _, args = load(name)
+    spec = [a for a in args if a.kind == "tma"]
+    assert [a.name for a in spec] == [t["name"] for t in manifest["tma"]]
+    for a, t in zip(spec, manifest["tma"], strict=True):
+        assert t["dtype"] == a.dtype, a.name
+        assert t["rank"] == len(a.shape) == len(a.box), a.name
+        assert t["box"] == list(a.box), a.name
+        # runtime.encode_tiled always encodes SWIZZLE_NONE
+        assert t["swizzle"] == 0, a.name
+        # cuTensorMapEncodeTiled refuses boxes over 256 per dim or an inner extent that is not a
+        # multiple of 16 bytes; catch that here rather than at the first launch
+        assert all(1 <= b <= 256 for b in a.box), a.name
+        assert a.box[0] * abi.DTYPE_BYTES[a.dtype] % 16 == 0, a.name
+
+
+@pytest.mark.parametrize("name", KERNEL_IDS)
+def test_launch_geometry(name):
+    manifest, data, _ = load(name)
+    cfg, _ = KERNELS[name]
+    assert manifest["block"] == [cfg.threads, 1, 1]
+    assert cubin_table(manifest, data)["reqntid"] == manifest["block"]
+    assert 0 < manifest["dynamic_smem_bytes"] <= MAX_SMEM
+
+
+@pytest.mark.parametrize("name", KERNEL_IDS)
+def test_manifest_config(name):
+    manifest, _, _ = load(name)
+    cfg, _ = KERNELS[name]
+    assert manifest["config"] == cfg.as_dict()
+    assert manifest["kind"] == ("prep" if isinstance(cfg, PrepConfig) else "recur")
+
+
+# ----------------------------------------------------------------------------------- packing
+PTR = 0x7F12_3456_789A_BCD0
+CFG = select_config(128, 128, False)
+# 64-bit strides above 2**32 so a 32-bit field would truncate them
+SYMS = {"T": 4099, "H": 5, "HK": 5 * 128, "HV": 5 * 128, "HC": 5 * 16, "NCH": 263, "N1": 7,
+        "NS": 6, "sQ": 0x1_0000_0008, "sK": 1928, "sG": 1936, "sB": 0x2_0000_0003,
+        "sV": 1944, "sO": 0x3_0000_0040, "sS": 0x4_0000_2000, "sW": 640, "sWc": 80}
+
+
+def arg_named(args: list, name: str) -> abi.Arg:
+    (a,) = [a for a in args if a.name == name]
+    return a
+
+
+def layout(size: int, *fields) -> bytes:
+    """The bytes a struct of `size` should hold: (offset, struct format, value) fields, zeros
+    elsewhere."""
+    buf = bytearray(size)
+    for off, fmt, value in fields:
+        struct.pack_into("<" + fmt, buf, off, value)
+    return bytes(buf)
+
+
+# id -> (argument list, argument, expected bytes); offsets written out by hand from the C rules
+PACK_TENSOR = {
+    "prep-beta": (abi.prep_args, "beta", layout(
+        24, (0, "Q", PTR), (8, "i", SYMS["T"]), (12, "i", SYMS["H"]), (16, "q", SYMS["sB"]))),
+    "prep-qg": (abi.prep_args, "qg", layout(
+        24, (0, "Q", PTR), (8, "i", SYMS["T"]), (12, "i", SYMS["H"]), (16, "i", SYMS["sW"]))),
+    "prep-gl": (abi.prep_args, "gl", layout(
+        24, (0, "Q", PTR), (8, "i", SYMS["NCH"]), (12, "i", SYMS["H"]),
+        (16, "i", SYMS["sW"]))),
+    "prep-aw": (abi.prep_args, "aw", layout(
+        24, (0, "Q", PTR), (8, "i", SYMS["T"]), (12, "i", SYMS["H"]),
+        (16, "i", SYMS["sWc"]))),
+    "prep-A_log": (abi.prep_args, "A_log", layout(16, (0, "Q", PTR), (8, "i", SYMS["H"]))),
+    "prep-dt_bias": (abi.prep_args, "dt_bias", layout(16, (0, "Q", PTR),
+                                                      (8, "i", SYMS["HK"]))),
+    "prep-cu_seqlens": (abi.prep_args, "cu_seqlens", layout(16, (0, "Q", PTR),
+                                                            (8, "i", SYMS["N1"]))),
+    "recur-out": (abi.recur_args, "out", layout(
+        24, (0, "Q", PTR), (8, "i", SYMS["T"]), (12, "i", SYMS["H"]), (16, "q", SYMS["sO"]))),
+    "recur-s0h": (abi.recur_args, "s0h", layout(
+        24, (0, "Q", PTR), (8, "i", SYMS["NS"]), (12, "i", SYMS["H"]),
+        (16, "q", SYMS["sS"]))),
+    "recur-cu_chunks": (abi.recur_args, "cu_chunks", layout(16, (0, "Q", PTR),
+                                                            (8, "i", SYMS["N1"]))),
+}
+
+
+@pytest.mark.parametrize("case_id", list(PACK_TENSOR))
+def test_pack_tensor_layout(case_id):
+    args_of, name, expected = PACK_TENSOR[case_id]
+    cfg = CFG.prep if args_of is abi.prep_args else CFG.recur
+    a = arg_named(args_of(cfg), name)
+    assert abi.pack_tensor(a, PTR, SYMS) == expected
+
+
+# id -> (argument list, TMA argument, expected coordinate-tensor bytes)
+PACK_DYNAMIC = {
+    "prep-q": (abi.prep_args, "q", layout(8, (0, "i", SYMS["T"]), (4, "i", SYMS["HK"]))),
+    "recur-aw": (abi.recur_args, "aw", layout(8, (0, "i", SYMS["T"]), (4, "i", SYMS["HC"]))),
+    "recur-gl": (abi.recur_args, "gl", layout(8, (0, "i", SYMS["NCH"]),
+                                              (4, "i", SYMS["HK"]))),
+    "recur-v": (abi.recur_args, "v", layout(8, (0, "i", SYMS["T"]), (4, "i", SYMS["HV"]))),
+}
+
+
+@pytest.mark.parametrize("case_id", list(PACK_DYNAMIC))
+def test_pack_dynamic_layout(case_id):
+    args_of, name, expected = PACK_DYNAMIC[case_id]
+    cfg = CFG.prep if args_of is abi.prep_args else CFG.recur
+    a = arg_named(args_of(cfg), name)
+    assert a.kind == "tma"
+    assert abi.pack_dynamic(a.shape, SYMS) == expected
+
+
+def test_pack_dynamic_static_shape_is_empty():
+    # a fully static TMA tensor has no coordinate parameter, only its descriptor
+    static = abi.Arg("x", "tma", "float32", (16, 128), (128, 1), (128, 16))
+    assert abi.pack_dynamic(static.shape, SYMS) == b""
+    assert abi.param_sizes([static]) == [128]
+
+
+# id -> (Arg, value, expected bytes)
+PACK_SCALAR = {
+    "i32-negative": (abi.Arg("gate_mode", "i32"), -7, struct.pack("<i", -7)),
+    "i32-max": (abi.Arg("num_seqs", "i32"), 2**31 - 1, b"\xff\xff\xff\x7f"),
+    "f32-scale": (abi.Arg("scale", "f32"), 0.125, b"\x00\x00\x00\x3e"),
+    "f32-lower_bound": (abi.Arg("lower_bound", "f32"), -5.0, b"\x00\x00\xa0\xc0"),
+}
+
+
+@pytest.mark.parametrize("case_id", list(PACK_SCALAR))
+def test_pack_scalar(case_id):
+    a, value, expected = PACK_SCALAR[case_id]
+    assert abi.pack_scalar(a, value) == expected
+
+
+def test_pack_scalar_refuses_overflow():
+    # a silently wrapped count would launch over the wrong number of sequences
+    with pytest.raises(struct.error):
+        abi.pack_scalar(abi.Arg("num_seqs", "i32"), 2**31)
+
+
+@pytest.mark.parametrize("name", KERNEL_IDS)
+def test_pack_params_match_cubin(name, monkeypatch):
+    """The whole launcher packing, with the CUDA-only descriptor encoder stubbed out."""
+    manifest, data, args = load(name)
+    encoded = []
+
+    def fake_descriptor(a, ptr, syms):
+        encoded.append((a.name, ptr))
+        return bytes(128)
+
+    monkeypatch.setattr(runtime, "tma_descriptor", fake_descriptor)
+    ptrs = {a.name: PTR + 256 * i for i, a in enumerate(args) if a.kind in ("tma", "tensor")}
+    scalars = {a.name: 3 + i for i, a in enumerate(args) if a.kind == "i32"}
+    scalars.update({a.name: 0.5 + i for i, a in enumerate(args) if a.kind == "f32"})
+    params = runtime.pack_params(args, {**ptrs, **scalars}, SYMS)
+    sizes = [p[2] for p in cubin_table(manifest, data)["params"]]
+    assert [len(p) for p in params] == sizes
+    assert encoded == [(a.name, ptrs[a.name]) for a in args if a.kind == "tma"]
+    # walk the spec: each tensor struct opens with its own pointer, each scalar is its own value
+    it = iter(params)
+    for a in args:
+        if a.grid_only:
+            continue
+        p = next(it)
+        if a.kind == "tma":
+            if a.dynamic(a.shape):
+                assert next(it) == abi.pack_dynamic(a.shape, SYMS), a.name
+        elif a.kind == "tensor":
+            assert struct.unpack_from("<Q", p)[0] == ptrs[a.name], a.name
+        else:
+            fmt = "<i" if a.kind == "i32" else "<f"
+            assert struct.unpack(fmt, p)[0] == scalars[a.name], a.name
+    assert next(it, None) is None
+
+
+# ------------------------------------------------------------------ the check can fail
+def _drop_last(args, monkeypatch):
+    last = max(i for i, a in enumerate(args) if not a.grid_only)
+    return args[:last] + args[last + 1:]
+
+
+def _drop_first_tma(args, monkeypatch):
+    i = next(i for i, a in enumerate(args) if a.kind == "tma")
+    return args[:i] + args[i + 1:]
+
+
+def _grid_arg_as_param(args, monkeypatch):
+    i = next(i for i, a in enumerate(args) if a.grid_only)
+    return args[:i] + [dataclasses.replace(args[i], grid_only=False)] + args[i + 1:]
+
+
+def _tma_as_tensor(args, monkeypatch):
+    i = next(i for i, a in enumerate(args) if a.kind == "tma")
+    return args[:i] + [dataclasses.replace(args[i], kind="tensor", align=8)] + args[i + 1:]
+
+
+def _T_64bit(args, monkeypatch):
+    monkeypatch.setitem(abi.SYM_WIDTH, "T", 64)
+    return args
+
+
+MUTATIONS = {"drop-last-param": _drop_last, "drop-first-tma": _drop_first_tma,
+             "grid-arg-as-param": _grid_arg_as_param, "tma-as-tensor": _tma_as_tensor,
+             "T-64bit": _T_64bit}
+
+
+@pytest.mark.parametrize("mutation", list(MUTATIONS))
+@pytest.mark.parametrize("name", KERNEL_IDS)
+def test_mutated_spec_disagrees_with_cubin(name, mutation, monkeypatch):
+    manifest, data, args = load(name)
+    sizes = [p[2] for p in cubin_table(manifest, data)["params"]]
+    assert abi.param_sizes(args) == sizes
+    assert abi.param_sizes(MUTATIONS[mutation](list(args), monkeypatch)) != sizes
+
+
+@pytest.mark.parametrize("name", KERNEL_IDS)
+def test_kernel_refuses_mismatched_args(name, monkeypatch):
+    """Kernel() compares sizes before it touches the driver, so this runs without a GPU; if the
+    comparison ever moved after cuLibraryLoadData this would fail here on a CPU machine."""
+    _, _, args = load(name)
+    with pytest.raises(RuntimeError, match="disagree with the cubin"):
+        runtime.Kernel(name, ARCH, _drop_last(list(args), monkeypatch))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="loading a cubin needs a CUDA device")
+@pytest.mark.parametrize("name", KERNEL_IDS)
+def test_kernel_loads(name):
+    manifest, _, args = load(name)
+    k = runtime.Kernel(name, ARCH, args)
+    assert k.sizes == [p[2] for p in manifest["params"]]
+    assert k.block == tuple(manifest["block"])

@@ -1,0 +1,207 @@
+"""Tile configs, the head-dim ladder and the build's bookkeeping (CPU only)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from kda_cute import runtime
+from kda_cute.config import (
+    HEAD_DIMS,
+    SHIPPED,
+    FwdConfig,
+    PrepConfig,
+    RecurConfig,
+    select_config,
+    supports,
+    supports_prep,
+    supports_recur,
+)
+from kernels.build import build_key, jobs_for, up_to_date
+
+ARCH = "sm_90a"
+FWD_IDS = [f"k{f.prep.head_dim_k}_v{f.recur.head_dim_v}" for f in SHIPPED]
+
+
+# ------------------------------------------------------------------------------- supports
+@pytest.mark.parametrize("fwd_cfg", SHIPPED, ids=FWD_IDS)
+def test_shipped_configs_supported(fwd_cfg):
+    assert supports(fwd_cfg) == (True, "")
+    assert supports_prep(fwd_cfg.prep) == (True, "")
+    assert supports_recur(fwd_cfg.recur) == (True, "")
+
+
+# Legal configs at the edges of each range: the checks must not be stricter than stated.
+ACCEPTED = {
+    "prep-k8": (supports_prep, PrepConfig(8)),
+    "prep-k256-c32-t64": (supports_prep, PrepConfig(256, chunk=32, threads=64)),
+    "prep-c1": (supports_prep, PrepConfig(64, chunk=1)),
+    "recur-bv32": (supports_recur, RecurConfig(64, 64, block_v=32)),
+    "recur-s1": (supports_recur, RecurConfig(128, 128, stages=1)),
+    "recur-s4": (supports_recur, RecurConfig(128, 128, stages=4)),
+    "fwd-c32": (supports, FwdConfig(PrepConfig(128, chunk=32), RecurConfig(128, 64, chunk=32))),
+}
+
+
+@pytest.mark.parametrize("case_id", list(ACCEPTED))
+def test_supports_accepts(case_id):
+    check, cfg = ACCEPTED[case_id]
+    assert check(cfg) == (True, "")
+
+
+# id -> (check, config, field named in the reason, got-value shown in the reason)
+REJECTED = {
+    "prep-k-not-mult8": (supports_prep, PrepConfig(100), "head_dim_k", "100"),
+    "prep-k-over-256": (supports_prep, PrepConfig(264), "head_dim_k", "264"),
+    "prep-k0": (supports_prep, PrepConfig(0), "head_dim_k", "0"),
+    "prep-chunk0": (supports_prep, PrepConfig(64, chunk=0), "chunk", "0"),
+    "prep-chunk64": (supports_prep, PrepConfig(64, chunk=64), "chunk", "64"),
+    "prep-threads-not-warps": (supports_prep, PrepConfig(64, threads=100), "threads", "100"),
+    "prep-threads-below-2chunk": (supports_prep, PrepConfig(64, chunk=32, threads=32),
+                                  "threads", "32"),
+    "recur-k-not-mult8": (supports_recur, RecurConfig(100, 64), "head_dim_k", "100"),
+    "recur-k-over-256": (supports_recur, RecurConfig(512, 64), "head_dim_k", "512"),
+    "recur-block_v-not-dividing-v": (supports_recur, RecurConfig(64, 64, block_v=24),
+                                     "block_v", "24"),
+    "recur-block_v-over-v": (supports_recur, RecurConfig(64, 64, block_v=128), "block_v",
+                             "128"),
+    "recur-threads-per-row-not-dividing-k": (supports_recur,
+                                             RecurConfig(40, 64, threads=256), "threads", "40"),
+    "recur-threads-per-row-over-32": (supports_recur, RecurConfig(64, 64, block_v=2),
+                                      "threads", ""),
+    "recur-stages0": (supports_recur, RecurConfig(64, 64, stages=0), "stages", "0"),
+    "recur-stages5": (supports_recur, RecurConfig(64, 64, stages=5), "stages", "5"),
+    "fwd-chunk-mismatch": (supports, FwdConfig(PrepConfig(64), RecurConfig(64, 64, chunk=32)),
+                           "chunk", "32"),
+    "fwd-head_dim_k-mismatch": (supports, FwdConfig(PrepConfig(64), RecurConfig(128, 128)),
+                                "head_dim_k", ""),
+    "fwd-bad-prep": (supports, FwdConfig(PrepConfig(64, threads=100), RecurConfig(64, 64)),
+                     "threads", "100"),
+    "fwd-bad-recur": (supports, FwdConfig(PrepConfig(64), RecurConfig(64, 64, stages=9)),
+                      "stages", "9"),
+}
+
+
+@pytest.mark.parametrize("case_id", list(REJECTED))
+def test_supports_rejects_naming_field(case_id):
+    check, cfg, field, got = REJECTED[case_id]
+    ok, reason = check(cfg)
+    assert ok is False
+    assert field in reason and got in reason, reason
+
+
+# ------------------------------------------------------------------------------ the ladder
+@pytest.mark.parametrize("varlen", [False, True], ids=["fixed", "varlen"])
+@pytest.mark.parametrize("d", HEAD_DIMS, ids=[f"d{d}" for d in HEAD_DIMS])
+def test_select_config_shipped(d, varlen):
+    cfg = select_config(d, d, varlen)
+    assert cfg in SHIPPED
+    assert (cfg.prep.head_dim_k, cfg.recur.head_dim_k, cfg.recur.head_dim_v) == (d, d, d)
+    assert supports(cfg)[0]
+
+
+NO_CONFIG = {"k96": (96, 96), "k32": (32, 32), "k512": (512, 512), "k128-v64": (128, 64),
+             "k64-v128": (64, 128), "k0": (0, 0)}
+
+
+@pytest.mark.parametrize("varlen", [False, True], ids=["fixed", "varlen"])
+@pytest.mark.parametrize("case_id", list(NO_CONFIG))
+def test_select_config_none(case_id, varlen):
+    assert select_config(*NO_CONFIG[case_id], varlen) is None
+
+
+# ------------------------------------------------------------------------------- names, jobs
+def test_kernel_names_unique():
+    jobs = jobs_for(SHIPPED)
+    names = [c.name for c in jobs]
+    assert len(set(names)) == len(names), names
+    assert len({f.prep.name for f in SHIPPED} | {f.recur.name for f in SHIPPED}) == len(jobs)
+
+
+NAME_FIELDS = [(PrepConfig(128), f.name) for f in dataclasses.fields(PrepConfig)]
+NAME_FIELDS += [(RecurConfig(128, 128), f.name) for f in dataclasses.fields(RecurConfig)]
+
+
+@pytest.mark.parametrize("cfg,field", NAME_FIELDS,
+                         ids=[f"{type(c).__name__}-{f}" for c, f in NAME_FIELDS])
+def test_name_encodes_every_field(cfg, field):
+    """Two configs with one name would overwrite each other's cubin and manifest."""
+    other = dataclasses.replace(cfg, **{field: getattr(cfg, field) * 2})
+    assert other.name != cfg.name
+
+
+def test_jobs_for_dedupes():
+    jobs = jobs_for(SHIPPED)
+    assert jobs == jobs_for(SHIPPED + SHIPPED)
+    assert set(jobs) == {f.prep for f in SHIPPED} | {f.recur for f in SHIPPED}
+    assert len(jobs) == 2 * len(SHIPPED)
+
+
+def test_jobs_for_shares_prep():
+    # two forwards with one K and chunk share K1's cubin
+    a = FwdConfig(PrepConfig(128), RecurConfig(128, 128))
+    b = FwdConfig(PrepConfig(128), RecurConfig(128, 64))
+    assert jobs_for([a, b]) == [a.prep, a.recur, b.recur]
+
+
+# -------------------------------------------------------------------------------- build key
+def test_build_key_stable():
+    for cfg in jobs_for(SHIPPED):
+        assert build_key(cfg, ARCH) == build_key(cfg, ARCH)
+
+
+KEY_PAIRS = {
+    "prep-head_dim": (PrepConfig(64), PrepConfig(128)),
+    "prep-chunk": (PrepConfig(128), PrepConfig(128, chunk=32)),
+    "recur-stages": (RecurConfig(128, 128), RecurConfig(128, 128, stages=3)),
+    "recur-block_v": (RecurConfig(128, 128), RecurConfig(128, 128, block_v=32)),
+    "recur-head_dim_v": (RecurConfig(128, 128), RecurConfig(128, 64)),
+}
+
+
+@pytest.mark.parametrize("case_id", list(KEY_PAIRS))
+def test_build_key_changes_with_config(case_id):
+    a, b = KEY_PAIRS[case_id]
+    assert build_key(a, ARCH) != build_key(b, ARCH)
+
+
+def test_build_key_changes_with_arch():
+    cfg = SHIPPED[0].recur
+    assert build_key(cfg, "sm_90a") != build_key(cfg, "sm_100a")
+
+
+def test_build_keys_of_shipped_jobs_distinct():
+    keys = [build_key(c, ARCH) for c in jobs_for(SHIPPED)]
+    assert len(set(keys)) == len(keys)
+
+
+UP_TO_DATE = {
+    "current": (True, True, None),
+    "stale-key": (True, True, "0123456789abcdef"),
+    "no-cubin": (True, False, None),
+    "no-manifest": (False, True, None),
+}
+
+
+@pytest.mark.parametrize("case_id", list(UP_TO_DATE))
+def test_up_to_date(tmp_path, case_id):
+    with_manifest, with_cubin, key = UP_TO_DATE[case_id]
+    cfg = SHIPPED[0].prep
+    if with_manifest:
+        (tmp_path / f"{cfg.name}.json").write_text(
+            json.dumps({"build_key": key or build_key(cfg, ARCH)}))
+    if with_cubin:
+        (tmp_path / f"{cfg.name}.cubin").write_bytes(b"\x7fELF")
+    assert up_to_date(cfg, ARCH, tmp_path) is (case_id == "current")
+
+
+# -------------------------------------------------------------------------- missing cubins
+@pytest.mark.parametrize("name,arch", [("nope", ARCH), (SHIPPED[0].prep.name, "sm_00a")],
+                         ids=["unknown-kernel", "unknown-arch"])
+def test_load_manifest_missing(name, arch):
+    with pytest.raises(runtime.CubinsMissing) as info:
+        runtime.load_manifest(name, arch)
+    msg = str(info.value)
+    assert "make kernels" in msg and name in msg and arch in msg, msg
