@@ -15,7 +15,7 @@ python3 -m pytest -q -m gpu -p no:cacheprovider --timeout=120 --timeout-method=t
   ${GPU_TESTS:-tests} 2>&1 | tee "$OUT/gpu_tests.log"
 rc=${PIPESTATUS[0]}
 if [ -z "${SKIP_BENCH:-}" ]; then
-  python3 bench/accuracy.py ${ACC_ARGS:-} --out "$OUT/accuracy.json"
+  [ -n "${SKIP_ACC:-}" ] || python3 bench/accuracy.py ${ACC_ARGS:-} --out "$OUT/accuracy.json"
   python3 bench/bench.py ${BENCH_ARGS:---quick} --out "$OUT/bench.json"
 fi
 python3 scripts/gpu_summary.py "$OUT" | tee "$OUT/summary.json"
