@@ -19,7 +19,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.gpu_util import errors, make_inputs  # noqa: E402
+from kda_cute.testing import errors, make_inputs  # noqa: E402
 
 CASES = [
     # (name, kwargs)

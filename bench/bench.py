@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 from kda_cute import fwd  # noqa: E402
 from kda_cute.reference import rel_err  # noqa: E402
-from tests.gpu_util import make_inputs, reference  # noqa: E402
+from kda_cute.testing import make_inputs, reference  # noqa: E402
 
 L2_BYTES = 60 * 2**20
 REF_HEADS = 4
@@ -252,20 +252,27 @@ def main(argv=None):
                   f"roofline) fla {r.get('fla_ms', float('nan')):.3f} ms "
                   f"err {r['kda_out_err']:.2e}/{r['kda_state_err']:.2e} [{time.time() - t0:.0f}s]",
                   flush=True)
+            write_results(rows, ceiling, Path(a.out), final=False)
+    write_results(rows, ceiling, Path(a.out), final=True)
+
+
+def write_results(rows, ceiling, out: Path, final: bool):
+    """Rewritten after every case, so a run cut short still leaves its figures."""
     sp = [r["speedup_vs_fla"] for r in rows if "speedup_vs_fla" in r]
     summary = {"cases": len(rows), "copy_TBps": ceiling / 1e12,
                "geomean_speedup_vs_fla": math.exp(statistics.fmean(map(math.log, sp)))
                if sp else None,
                "max_out_err": max(r["kda_out_err"] for r in rows),
                "max_state_err": max(r["kda_state_err"] for r in rows)}
-    out = Path(a.out)
+    summary["complete"] = final
     out.parent.mkdir(parents=True, exist_ok=True)
     doc = {"versions": versions(), "method": __doc__.strip(), "summary": summary, "rows": rows}
     out.write_text(json.dumps(doc, indent=1) + "\n")
     out.with_suffix(".md").write_text(markdown(rows))
-    plot(rows, out.with_suffix(".png"))
-    print(markdown(rows))
-    print(json.dumps(summary))
+    if final:
+        plot(rows, out.with_suffix(".png"))
+        print(markdown(rows))
+        print(json.dumps(summary))
 
 
 if __name__ == "__main__":

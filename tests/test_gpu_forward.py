@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tests.gpu_util import cuda_ready, errors, make_inputs, run_kda
+from kda_cute.testing import cuda_ready, errors, make_inputs, run_kda
 
 ok, why = cuda_ready()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not ok, reason=why)]

@@ -2,7 +2,7 @@
 
 import pytest
 
-from tests.gpu_util import cuda_ready, make_inputs, prep_errors
+from kda_cute.testing import cuda_ready, make_inputs, prep_errors
 
 ok, why = cuda_ready()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not ok, reason=why)]

@@ -1,5 +1,5 @@
-"""Shared helpers for the GPU tests and the benchmark: inputs like FlashKDA's benchmark, poisoning,
-and a run of kda_cute against the float64 reference."""
+"""Shared by the GPU tests, the demo and the benchmark: random inputs like FlashKDA's benchmark,
+poisoned outputs, and a run of kda_cute against the float64 reference (a CUDA device is needed)."""
 
 from __future__ import annotations
 
