@@ -280,8 +280,10 @@ def fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state
     p = validate(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state,
                  final_state, cu_seqlens, gate, check_seqlens)
     cfg = config_for(p)
-    launch_forward(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state,
-                   final_state, cu_seqlens, workspace, gate, qk_l2norm, beta_sigmoid, p, cfg)
+    # the kernel handles and the stream belong to q's device, whatever device is current
+    with torch.cuda.device(q.device):
+        launch_forward(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state,
+                       final_state, cu_seqlens, workspace, gate, qk_l2norm, beta_sigmoid, p, cfg)
 
 
 def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,

@@ -116,3 +116,46 @@ def test_accuracy_bar(T):
     """The issue's bar on FlashKDA-benchmark-like inputs, K = V = 128."""
     inp = make_inputs(B=1, T=T, H=4, K=128, seed=T)
     _assert(errors(inp))
+
+
+def test_cuda_graph_capture_and_replay():
+    """No host sync in a launch: capture once (varlen, caller workspace), replay on new values."""
+    from kda_cute import api, fwd
+    from kda_cute.reference import rel_err
+    from kda_cute.testing import reference
+
+    inp = make_inputs(seqlens=[40, 0, 77], H=2, K=128, seed=21)
+    q, v = inp["q"], inp["v"]
+    out = torch.full(v.shape, float("nan"), dtype=torch.bfloat16, device="cuda")
+    final = torch.full_like(inp["initial_state"], float("nan"), dtype=torch.float32)
+    p = api.validate(q, inp["k"], v, inp["g"], inp["beta"], inp["scale"], out, inp["A_log"],
+                     inp["dt_bias"], inp["lower_bound"], inp["initial_state"], final,
+                     inp["cu_seqlens"], "bounded")
+    ws = torch.empty(api.workspace_bytes(p, api.config_for(p)), dtype=torch.uint8, device="cuda")
+
+    def step():
+        fwd(q, inp["k"], v, inp["g"], inp["beta"], inp["scale"], out, inp["A_log"],
+            inp["dt_bias"], inp["lower_bound"], inp["initial_state"], final, inp["cu_seqlens"],
+            ws, check_seqlens=False)
+
+    step()  # loads the cubins outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    fresh = make_inputs(seqlens=[40, 0, 77], H=2, K=128, seed=22)
+    for name in ("q", "k", "v", "g", "beta", "initial_state"):
+        inp[name].copy_(fresh[name])
+    out.fill_(float("nan"))
+    final.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    ref_o, ref_s = reference(inp)
+    assert rel_err(out, ref_o) < OUT_TOL
+    assert rel_err(final, ref_s) < STATE_TOL
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_second_device():
+    inp = make_inputs(B=1, T=50, H=2, K=64, seed=23, device="cuda:1")
+    _assert(errors(inp))
