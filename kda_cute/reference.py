@@ -302,7 +302,7 @@ def chunk_intermediates(qn, kn, a, b, *, chunk, scale, cu_seqlens=None):
     return out
 
 
-def chunk_recurrence(inter, v, *, chunk, initial_state=None, cu_seqlens=None):
+def chunk_recurrence(inter, v, *, chunk, initial_state=None, cu_seqlens=None, operand_round=None):
     """K2's math from chunk_intermediates' dict: per sequence, per chunk (local tokens 0..c-1),
     S [V,K]:
       W = v_chunk - kg_chunk @ S^T ;  U = Aw_chunk[:, :c] @ W
@@ -310,7 +310,10 @@ def chunk_recurrence(inter, v, *, chunk, initial_state=None, cu_seqlens=None):
       S = S * gl_row[None, :] + U^T @ kd_chunk
     Returns (out [B,T,H,V], final_state [N,H,V,K]) in the dtype of the intermediates.
     Only the valid tokens and columns of each chunk are read, so a kernel's workspace with garbage
-    in its padding can be fed in as is."""
+    in its padding can be fed in as is.
+    operand_round: optional function applied to both operands of the three state products
+    (kg S^T, qg S^T, U^T kd), to emulate the input precision of tensor cores (e.g. `round_tf32`);
+    accumulation stays in the intermediates' dtype."""
     if not isinstance(inter, dict) or any(key not in inter for key in _INTERMEDIATE_KEYS):
         raise ValueError(f"inter: expected a dict with keys {_INTERMEDIATE_KEYS}, got "
                          f"{sorted(inter) if isinstance(inter, dict) else type(inter).__name__}")
@@ -342,10 +345,11 @@ def chunk_recurrence(inter, v, *, chunk, initial_state=None, cu_seqlens=None):
         Aw_m, Mq_m = (torch.where(col_ok, _gather(x, p, ok).transpose(1, 2), 0) for x in (Aw, Mq))
         gl_m = torch.where(ok[:, 0, None, None], gl_flat[p[:, 0]], one)  # [N, H, K]
 
-        St = S.transpose(-1, -2)
-        U = Aw_m @ (v_m - kg_m @ St)
-        out_m = qg_m @ St + Mq_m @ U
-        S = S * gl_m[:, :, None, :] + U.transpose(-1, -2) @ kd_m
+        r = operand_round or (lambda x: x)
+        St = r(S).transpose(-1, -2)
+        U = Aw_m @ (v_m - r(kg_m) @ St)
+        out_m = r(qg_m) @ St + Mq_m @ U
+        S = S * gl_m[:, :, None, :] + r(U).transpose(-1, -2) @ r(kd_m)
         _scatter_into(out, out_m.transpose(1, 2), p, ok)
     return out, S
 
@@ -364,6 +368,18 @@ def kda_chunked(q, k, v, g, beta, *, chunk=16, dtype=torch.float64, scale=None, 
                                 cu_seqlens=cu_seqlens)
     return chunk_recurrence(inter, v.to(dtype), chunk=chunk, initial_state=initial_state,
                             cu_seqlens=cu_seqlens)
+
+
+def round_bf16(x: torch.Tensor) -> torch.Tensor:
+    """Round to bfloat16 and back (the operand precision of bf16 tensor-core products)."""
+    return x.to(torch.bfloat16).to(x.dtype)
+
+
+def round_tf32(x: torch.Tensor) -> torch.Tensor:
+    """Round float32 to the 10-bit mantissa of tf32 (nearest, ties away) and back."""
+    bits = x.float().view(torch.int32)
+    bits = (bits + 0x1000) & ~0x1FFF
+    return bits.view(torch.float32).to(x.dtype)
 
 
 def rel_err(x, ref) -> float:

@@ -29,6 +29,7 @@ from kda_cute.cubin import kernel_params  # noqa: E402
 DEFAULT_OUT = ROOT / "kda_cute" / "_cubins"
 TESTED_ARCHS = ("sm_90a",)
 SOURCES = ("kernels/kda_prep_sm90.py", "kernels/kda_recur_sm90.py", "kernels/build.py",
+           "kernels/common.py",
            "kda_cute/abi.py", "kda_cute/config.py")
 
 

@@ -23,6 +23,7 @@ import cutlass.utils as utils
 from cutlass.cute.nvgpu import cpasync
 
 from kda_cute.config import GATE_BOUNDED, GATE_UNBOUNDED, PrepConfig
+from kernels.common import tma_meta
 
 _SEARCH_STEPS = 24  # binary search over cu_chunks: up to 2^24 sequences
 
@@ -72,10 +73,8 @@ class KdaPrepSm90:
         tma_q, tQ = cpasync.make_tiled_tma_atom(op, mQ, s_tile, (C, K))
         tma_k, tK = cpasync.make_tiled_tma_atom(op, mK, s_tile, (C, K))
         tma_g, tG = cpasync.make_tiled_tma_atom(op, mG, s_tile, (C, K))
-        self.tma_meta = [
-            {"name": name, "dtype": "bfloat16", "rank": 2, "box": [K, C], "swizzle": 0}
-            for name in ("q", "k", "g")
-        ]
+        self.tma_meta = [tma_meta(n, a, "bfloat16")
+                         for n, a in (("q", tma_q), ("k", tma_k), ("g", tma_g))]
 
         @cute.struct
         class SharedStorage:

@@ -19,6 +19,7 @@ import cutlass.utils as utils
 from cutlass.cute.nvgpu import cpasync
 
 from kda_cute.config import RecurConfig
+from kernels.common import tma_meta
 
 STATE_NONE, STATE_F32, STATE_BF16 = 0, 1, 2
 
@@ -72,14 +73,11 @@ class KdaRecurSm90:
         tma_mq, tMq = cpasync.make_tiled_tma_atom(op, mMq, l_cc, (C, C))
         tma_gl, tGl = cpasync.make_tiled_tma_atom(op, mGl, l_1k, (1, K))
         tma_v, tV = cpasync.make_tiled_tma_atom(op, mV, l_cv, (C, BV))
-        self.tma_meta = (
-            [{"name": n, "dtype": "float32", "rank": 2, "box": [K, C], "swizzle": 0}
-             for n in ("kg", "qg", "kd")]
-            + [{"name": n, "dtype": "float32", "rank": 2, "box": [C, C], "swizzle": 0}
-               for n in ("aw", "mq")]
-            + [{"name": "gl", "dtype": "float32", "rank": 2, "box": [K, 1], "swizzle": 0},
-               {"name": "v", "dtype": "bfloat16", "rank": 2, "box": [BV, C], "swizzle": 0}]
-        )
+        self.tma_meta = [
+            tma_meta(n, a, d) for n, a, d in (
+                ("kg", tma_kg, "float32"), ("qg", tma_qg, "float32"), ("kd", tma_kd, "float32"),
+                ("aw", tma_aw, "float32"), ("mq", tma_mq, "float32"), ("gl", tma_gl, "float32"),
+                ("v", tma_v, "bfloat16"))]
         self.tx_bytes = (3 * C * K + 2 * C * C + K) * 4 + C * BV * 2
 
         @cute.struct

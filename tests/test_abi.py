@@ -8,6 +8,7 @@ itself, not against what the build believed it produced.
 from __future__ import annotations
 
 import dataclasses
+import math
 import struct
 
 import pytest
@@ -113,6 +114,8 @@ def test_tma_args_match_manifest(name):
         assert t["dtype"] == a.dtype, a.name
         assert t["rank"] == len(a.shape) == len(a.box), a.name
         assert t["box"] == list(a.box), a.name
+        # the compiled copy moves exactly one box per load (the kernels arm their barriers so)
+        assert t["bytes"] == math.prod(a.box) * abi.DTYPE_BYTES[a.dtype], a.name
         # runtime.encode_tiled always encodes SWIZZLE_NONE
         assert t["swizzle"] == 0, a.name
         # cuTensorMapEncodeTiled refuses boxes over 256 per dim or an inner extent that is not a

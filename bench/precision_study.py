@@ -1,0 +1,68 @@
+"""CPU study: what tensor-core operand precision does to KDA's accuracy, before writing the kernel.
+
+Runs the chunked twin (kda_cute.reference) in float32 with the operands of K2's three state
+products rounded to bf16 or tf32 (accumulation in fp32), the output rounded to bf16 as the
+kernel's is, against the float64 loop, on FlashKDA-benchmark-like inputs (K = V = 128,
+lower_bound -5).
+
+    python bench/precision_study.py [--T 1024] [--H 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from kda_cute.reference import (  # noqa: E402
+    chunk_intermediates,
+    chunk_recurrence,
+    kda_reference,
+    preprocess,
+    rel_err,
+    round_bf16,
+    round_tf32,
+)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--T", type=int, default=1024)
+    ap.add_argument("--H", type=int, default=2)
+    ap.add_argument("--K", type=int, default=128)
+    a = ap.parse_args(argv)
+    gen = torch.Generator().manual_seed(0)
+    B, T, H, K = 1, a.T, a.H, a.K
+    q, k, g, v = (torch.randn(B, T, H, K, generator=gen).to(torch.bfloat16) for _ in range(4))
+    beta = torch.randn(B, T, H, generator=gen).to(torch.bfloat16)
+    A_log, dt_bias = torch.rand(H, generator=gen), torch.rand(H, K, generator=gen)
+    s0 = torch.randn(B, H, K, K, generator=gen)
+    kw = dict(A_log=A_log.double(), dt_bias=dt_bias.double(), lower_bound=-5.0, gate="bounded")
+    ref_o, ref_s = kda_reference(q.double(), k.double(), v.double(), g.double(), beta.double(),
+                                 initial_state=s0.double(), **kw)
+    rows = []
+    for chunk in (16, 64):
+        qn, kn, al, b = preprocess(q.float(), k.float(), g.float(), beta.float(),
+                                   dtype=torch.float32, **{**kw, "A_log": A_log,
+                                                           "dt_bias": dt_bias})
+        inter = chunk_intermediates(qn, kn, al, b, chunk=chunk, scale=K ** -0.5)
+        for name, rnd, ws in (("fp32", None, None), ("tf32 operands", round_tf32, None),
+                              ("bf16 operands", round_bf16, None),
+                              ("tf32 operands, bf16 workspace", round_tf32, round_bf16)):
+            it = {n: (ws(x) if ws is not None and n in ("qg", "kg", "kd") else x)
+                  for n, x in inter.items()}
+            o, s = chunk_recurrence(it, v.float(), chunk=chunk, initial_state=s0,
+                                    operand_round=rnd)
+            row = {"chunk": chunk, "variant": name,
+                   "out_err": rel_err(o.to(torch.bfloat16), ref_o), "state_err": rel_err(s, ref_s)}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()
