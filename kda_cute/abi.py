@@ -9,7 +9,8 @@ Parameter layout rules (nvidia-cutlass-dsl 4.8, checked against every cubin by t
   coordinate tensor, which holds only the tensor's dynamic shape entries;
 - a tensor argument becomes one struct {u64 pointer; dynamic shape entries; dynamic stride
   entries} with natural alignment, its size rounded up to 8;
-- i32 / f32 scalars are 4 bytes; static shapes and layouts vanish;
+- i32 / f32 scalars are 4 bytes; a TiledMma passed to the kernel is its 1-byte accumulate flag
+  (the kernel sets it before every MMA); static shapes and layouts vanish;
 - `grid_only` arguments size the launch grid and are not kernel parameters.
 """
 
@@ -34,13 +35,14 @@ DTYPE_BYTES = {"bfloat16": 2, "float32": 4, "int32": 4}
 @dataclass(frozen=True)
 class Arg:
     name: str
-    kind: str  # "tma" | "tensor" | "i32" | "f32"
+    kind: str  # "tma" | "tensor" | "i32" | "f32" | "mma" (a TiledMma: its 1-byte accumulate flag)
     dtype: str = ""
     shape: tuple = ()
     stride: tuple = ()
     box: tuple = ()  # TMA box, innermost first
     align: int = 4
     grid_only: bool = False
+    kernel_only: bool = False  # made inside __call__ (a TiledMma), not one of its arguments
 
     def dynamic(self, entries) -> list[str]:
         return [e for e in entries if isinstance(e, str)]
@@ -103,7 +105,10 @@ def recur_args(cfg: RecurConfig) -> list[Arg]:
         Arg("num_heads", "i32", grid_only=True),
         Arg("state_in", "i32"),
         Arg("state_out", "i32"),
-    ]
+    ] + (_MMA_FLAGS if cfg.mma == "wgmma" else [])
+
+
+_MMA_FLAGS = [Arg("mma_p", "mma", kernel_only=True), Arg("mma_s", "mma", kernel_only=True)]
 
 
 # ------------------------------------------------------------------------------------ packing
@@ -156,6 +161,8 @@ def param_sizes(args: list[Arg]) -> list[int]:
             sizes += [128, len(pack_dynamic(a.shape, zeros))]
         elif a.kind == "tensor":
             sizes.append(len(pack_tensor(a, 0, zeros)))
+        elif a.kind == "mma":
+            sizes.append(1)
         else:
             sizes.append(4)
     # a TMA coordinate tensor without dynamic entries produces no parameter

@@ -14,7 +14,7 @@ import torch
 
 from . import runtime
 from .abi import SYM_DIV
-from .config import GATE_MODES, FwdConfig, select_config
+from .config import GATE_MODES, FwdConfig, select_config, supports
 
 _STATE_CODE = {None: 0, torch.float32: 1, torch.bfloat16: 2}
 
@@ -153,7 +153,17 @@ def validate(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_
     return Problem(B, T, H, K, V, N, cu_seqlens is not None)
 
 
-def config_for(p: Problem) -> FwdConfig:
+def config_for(p: Problem, config: FwdConfig | None = None) -> FwdConfig:
+    if config is not None:
+        if not isinstance(config, FwdConfig):
+            raise TypeError(f"config: expected a FwdConfig, got {type(config).__name__}")
+        ok, why = supports(config)
+        if not ok:
+            raise _err("config", "a supported config", why)
+        if (config.prep.head_dim_k, config.recur.head_dim_v) != (p.K, p.V):
+            raise _err("config", f"head dims ({p.K}, {p.V})",
+                       f"({config.prep.head_dim_k}, {config.recur.head_dim_v})")
+        return config
     cfg = select_config(p.K, p.V, p.varlen)
     if cfg is None:
         raise _err("q/v", "head dims (K, V) with a shipped config: (64, 64), (128, 128), "
@@ -265,7 +275,7 @@ def launch_forward(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, in
 
 def fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state=None,
         final_state=None, cu_seqlens=None, workspace=None, *, gate="bounded", qk_l2norm=True,
-        beta_sigmoid=True, check_seqlens=True):
+        beta_sigmoid=True, check_seqlens=True, config=None):
     """KDA forward, FlashKDA's low-level call: writes `out` and `final_state` in place.
 
     q, k, g: [B, T, H, K] bf16; v, out: [B, T, H, V] bf16; beta: [B, T, H] bf16 (logits when
@@ -274,12 +284,13 @@ def fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state
     dt_bias), Kimi-Linear) or "none" (g is already the log-space decay). initial_state /
     final_state: [N, H, V, K] fp32 or bf16, may be the same tensor. cu_seqlens: [N+1] int64/int32
     with B == 1. workspace: optional caller-owned uint8 CUDA tensor (see `workspace_bytes`).
+    config: a FwdConfig to use instead of the ladder's choice (kernel development, sweeps).
     """
     if out is None:
         raise _err("out", "a bf16 tensor [B, T, H, V] to write", None)
     p = validate(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state,
                  final_state, cu_seqlens, gate, check_seqlens)
-    cfg = config_for(p)
+    cfg = config_for(p, config)
     # the kernel handles and the stream belong to q's device, whatever device is current
     with torch.cuda.device(q.device):
         launch_forward(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state,

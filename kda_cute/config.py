@@ -41,10 +41,12 @@ class RecurConfig:
     block_v: int = 16
     threads: int = 128
     stages: int = 2
+    mma: str = "simt"  # "simt": fp32 CUDA cores; "wgmma": bf16 warpgroup MMA (hi/lo update)
 
     @property
     def name(self) -> str:
-        return (f"kda_recur_k{self.head_dim_k}_v{self.head_dim_v}_c{self.chunk}"
+        tag = "" if self.mma == "simt" else f"_{self.mma}"
+        return (f"kda_recur{tag}_k{self.head_dim_k}_v{self.head_dim_v}_c{self.chunk}"
                 f"_bv{self.block_v}_t{self.threads}_s{self.stages}")
 
     def as_dict(self) -> dict:
@@ -91,6 +93,13 @@ def supports_recur(cfg: RecurConfig) -> tuple[bool, str]:
             f"got {tpr}"
     if not 1 <= cfg.stages <= 4:
         return False, f"stages must be in [1, 4], got {cfg.stages}"
+    if cfg.mma not in ("simt", "wgmma"):
+        return False, f"mma must be 'simt' or 'wgmma', got {cfg.mma!r}"
+    if cfg.mma == "wgmma" and (cfg.block_v != 64 or cfg.threads != 128
+                               or cfg.head_dim_k % 64 or cfg.chunk % 16):
+        return False, (f"mma 'wgmma' needs block_v 64, threads 128, head_dim_k % 64 == 0 and "
+                       f"chunk % 16 == 0, got {cfg.block_v}, {cfg.threads}, {cfg.head_dim_k}, "
+                       f"{cfg.chunk}")
     return True, ""
 
 
@@ -107,11 +116,17 @@ def supports(cfg: FwdConfig) -> tuple[bool, str]:
 
 
 def _fwd(k: int, v: int, chunk: int = 16, block_v: int = 16) -> FwdConfig:
+    """The first (fp32 SIMT) forward."""
     return FwdConfig(PrepConfig(k, chunk), RecurConfig(k, v, chunk, block_v))
 
 
 # Every config the build ships. The ladder (select_config) only picks from these.
 SHIPPED: tuple[FwdConfig, ...] = tuple(_fwd(d, d) for d in HEAD_DIMS)
+
+# Built and ABI-checked like the shipped ones, reachable through fwd(config=...), but not picked by
+# the ladder until their GPU tests have passed on the H200: K2 on bf16 warpgroup MMA.
+EXPERIMENTAL: tuple[FwdConfig, ...] = tuple(
+    FwdConfig(PrepConfig(d, 16), RecurConfig(d, d, 16, 64, mma="wgmma")) for d in HEAD_DIMS)
 
 
 def select_config(head_dim_k: int, head_dim_v: int, varlen: bool) -> FwdConfig | None:

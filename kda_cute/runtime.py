@@ -149,6 +149,9 @@ def pack_params(args: list, values: dict, syms: dict) -> list[bytes]:
     for a in args:
         if a.grid_only:
             continue
+        if a.kind == "mma":
+            params.append(b"\0")
+            continue
         v = values[a.name]
         if a.kind == "tma":
             params.append(tma_descriptor(a, v, syms))

@@ -74,7 +74,8 @@ def make_inputs(*, B=1, T=64, H=2, K=128, V=None, seqlens=None, gate="bounded", 
     return d
 
 
-def run_kda(inp, *, final_dtype=torch.float32, in_place=False, cu_dtype=torch.int64):
+def run_kda(inp, *, final_dtype=torch.float32, in_place=False, cu_dtype=torch.int64,
+            config=None):
     q, v = inp["q"], inp["v"]
     out = torch.full(v.shape, float("nan"), dtype=torch.bfloat16, device=q.device)
     H, V, K = q.shape[2], v.shape[3], q.shape[3]
@@ -92,7 +93,7 @@ def run_kda(inp, *, final_dtype=torch.float32, in_place=False, cu_dtype=torch.in
         cu = cu.to(cu_dtype)
     fwd(q, inp["k"], v, inp["g"], inp["beta"], inp["scale"], out, inp["A_log"], inp["dt_bias"],
         inp["lower_bound"], init, final, cu, gate=inp["gate"], qk_l2norm=inp["qk_l2norm"],
-        beta_sigmoid=inp["beta_sigmoid"])
+        beta_sigmoid=inp["beta_sigmoid"], config=config)
     torch.cuda.synchronize()
     return out, final
 

@@ -14,6 +14,7 @@ import concurrent.futures as cf
 import hashlib
 import json
 import os
+import re
 import sys
 import tempfile
 import time
@@ -23,13 +24,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from kda_cute import abi  # noqa: E402
-from kda_cute.config import SHIPPED, PrepConfig  # noqa: E402
+from kda_cute.config import EXPERIMENTAL, SHIPPED, PrepConfig  # noqa: E402
 from kda_cute.cubin import kernel_params  # noqa: E402
 
 DEFAULT_OUT = ROOT / "kda_cute" / "_cubins"
 TESTED_ARCHS = ("sm_90a",)
 SOURCES = ("kernels/kda_prep_sm90.py", "kernels/kda_recur_sm90.py", "kernels/build.py",
-           "kernels/common.py",
+           "kernels/common.py", "kernels/kda_recur_tc_sm90.py",
            "kda_cute/abi.py", "kda_cute/config.py")
 
 
@@ -81,6 +82,8 @@ def _fake_args(args, cutlass, cute):
 
     out = []
     for a in args:
+        if a.kernel_only:
+            continue
         if a.kind in ("tma", "tensor"):
             out.append(make_fake_tensor(dtypes[a.dtype], tuple(sym(e) for e in a.shape),
                                         stride=tuple(sym(e) for e in a.stride),
@@ -105,6 +108,8 @@ def compile_one(cfg, arch: str, out_dir: str) -> dict:
 
     if isinstance(cfg, PrepConfig):
         from kernels.kda_prep_sm90 import KdaPrepSm90 as Kernel
+    elif cfg.mma == "wgmma":
+        from kernels.kda_recur_tc_sm90 import KdaRecurTcSm90 as Kernel
     else:
         from kernels.kda_recur_sm90 import KdaRecurSm90 as Kernel
     kern = Kernel(cfg)
@@ -139,6 +144,12 @@ def compile_one(cfg, arch: str, out_dir: str) -> dict:
     return manifest
 
 
+def _one_line(e: Exception) -> str:
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(e))
+    lines = [ln.strip() for ln in text.splitlines() if "error" in ln.lower()]
+    return f"{type(e).__name__}: {(lines[-1] if lines else text.strip())[:300]}"
+
+
 def up_to_date(cfg, arch: str, out_dir: Path) -> bool:
     man, cub = out_dir / f"{cfg.name}.json", out_dir / f"{cfg.name}.cubin"
     if not (man.exists() and cub.exists()):
@@ -160,7 +171,7 @@ def main(argv=None) -> int:
         print(f"warning: {a.arch} compiles but is untested", file=sys.stderr)
     out_dir = Path(a.out) / a.arch
     todo, skipped = [], []
-    for cfg in jobs_for(SHIPPED):
+    for cfg in jobs_for(SHIPPED + EXPERIMENTAL):
         (skipped if not a.force and up_to_date(cfg, a.arch, out_dir) else todo).append(cfg)
     t0 = time.time()
     results, failed = [], []
@@ -171,7 +182,7 @@ def main(argv=None) -> int:
                 try:
                     results.append(fut.result())
                 except Exception as e:  # report every failing config, then fail the build
-                    failed.append((futs[fut].name, repr(e)))
+                    failed.append((futs[fut].name, _one_line(e)))
     print(f"{'config':<44} {'status':<8} {'compile_s':>9} {'smem':>7}")
     for m in sorted(results, key=lambda m: m["name"]):
         print(f"{m['name']:<44} {'built':<8} {m['compile_s']:>9.2f} {m['dynamic_smem_bytes']:>7}")

@@ -2,6 +2,9 @@
 
 import re
 
+import cutlass.cute as cute
+from cutlass.cute.nvgpu import cpasync
+
 _GBASIS = re.compile(r'tma_gbasis = <"\(([^)]*)\):\(([^)]*)\)">')
 _BITS = re.compile(r"copy_bits = (\d+)")
 
@@ -21,3 +24,51 @@ def tma_meta(name: str, atom, dtype: str, swizzle: int = 0) -> dict:
     return {"name": name, "dtype": dtype, "rank": rank,
             "box": [box.get(i, 1) for i in reversed(range(rank))],
             "bytes": int(bits.group(1)) // 8, "swizzle": swizzle}
+
+
+class ChunkTileLoader:
+    """The K2 load side shared by its variants: one chunk's K1 workspace tiles and v tile, TMA'd
+    into buffer c % stages on that buffer's mbarrier. Needs self.C, K, V, BV, stages, tx_bytes."""
+
+    def _make_loads(self, mKg, mQg, mKd, mAw, mMq, mGl, mV):
+        """Host side: the seven TMA atoms (plain row-major smem tiles), their manifest records and
+        the bytes one chunk's loads complete on its barrier."""
+        C, K, BV = self.C, self.K, self.BV
+        l_ck = cute.make_layout((C, K), stride=(K, 1))
+        l_cc = cute.make_layout((C, C), stride=(C, 1))
+        l_1k = cute.make_layout((1, K), stride=(K, 1))
+        l_cv = cute.make_layout((C, BV), stride=(BV, 1))
+        specs = (("kg", mKg, l_ck, (C, K), "float32"), ("qg", mQg, l_ck, (C, K), "float32"),
+                 ("kd", mKd, l_ck, (C, K), "float32"), ("aw", mAw, l_cc, (C, C), "float32"),
+                 ("mq", mMq, l_cc, (C, C), "float32"), ("gl", mGl, l_1k, (1, K), "float32"),
+                 ("v", mV, l_cv, (C, BV), "bfloat16"))
+        atoms, self.tma_meta = [], []
+        for name, m, layout, tile, dtype in specs:
+            atom, tX = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), m, layout,
+                                                   tile)
+            atoms += [atom, tX]
+            self.tma_meta.append(tma_meta(name, atom, dtype))
+        self.tx_bytes = (3 * C * K + 2 * C * C + K) * 4 + C * BV * 2
+        return tuple(atoms), (l_ck, l_cc, l_1k, l_cv)
+
+    @cute.jit
+    def _issue(self, c, bos, chunk_id, loads, head_cols, tma_gl, tGl, sGl, gl_col,
+               tma_v, tV, sV, v_col, full):
+        """Warp 0 loads chunk c (one lane arms the barrier; the copies elect their own lane, so
+        the whole warp must reach them)."""
+        s = c % self.stages
+        t0 = bos + c * self.C
+        bar = full + s
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_arrive_and_expect_tx(bar, self.tx_bytes)
+        for (tma, tX, sX, cols, rows), col in zip(loads, head_cols, strict=True):
+            self._tile_copy(tma, tX, sX[None, None, s], (t0, col), (rows, cols), bar)
+        self._tile_copy(tma_gl, tGl, sGl[None, None, s], (chunk_id, gl_col), (1, self.K), bar)
+        self._tile_copy(tma_v, tV, sV[None, None, s], (t0, v_col), (self.C, self.BV), bar)
+
+    @cute.jit
+    def _tile_copy(self, tma, tX, sX, coord, tile, bar):
+        gX = cute.local_tile(cute.domain_offset(coord, tX), tile, (0, 0))
+        tXs, tXg = cpasync.tma_partition(
+            tma, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2), cute.group_modes(gX, 0, 2))
+        cute.copy(tma, tXg, tXs, tma_bar_ptr=bar)

@@ -16,15 +16,14 @@ Constraints: see kda_cute.config.supports_recur.
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils as utils
-from cutlass.cute.nvgpu import cpasync
 
 from kda_cute.config import RecurConfig
-from kernels.common import tma_meta
+from kernels.common import ChunkTileLoader
 
 STATE_NONE, STATE_F32, STATE_BF16 = 0, 1, 2
 
 
-class KdaRecurSm90:
+class KdaRecurSm90(ChunkTileLoader):
     def __init__(self, cfg: RecurConfig):
         self.cfg = cfg
         self.K, self.V = cfg.head_dim_k, cfg.head_dim_v
@@ -61,24 +60,8 @@ class KdaRecurSm90:
         stream,
     ):
         C, K, BV, S = self.C, self.K, self.BV, self.stages
-        op = cpasync.CopyBulkTensorTileG2SOp()
-        l_ck = cute.make_layout((C, K), stride=(K, 1))
-        l_cc = cute.make_layout((C, C), stride=(C, 1))
-        l_1k = cute.make_layout((1, K), stride=(K, 1))
-        l_cv = cute.make_layout((C, BV), stride=(BV, 1))
-        tma_kg, tKg = cpasync.make_tiled_tma_atom(op, mKg, l_ck, (C, K))
-        tma_qg, tQg = cpasync.make_tiled_tma_atom(op, mQg, l_ck, (C, K))
-        tma_kd, tKd = cpasync.make_tiled_tma_atom(op, mKd, l_ck, (C, K))
-        tma_aw, tAw = cpasync.make_tiled_tma_atom(op, mAw, l_cc, (C, C))
-        tma_mq, tMq = cpasync.make_tiled_tma_atom(op, mMq, l_cc, (C, C))
-        tma_gl, tGl = cpasync.make_tiled_tma_atom(op, mGl, l_1k, (1, K))
-        tma_v, tV = cpasync.make_tiled_tma_atom(op, mV, l_cv, (C, BV))
-        self.tma_meta = [
-            tma_meta(n, a, d) for n, a, d in (
-                ("kg", tma_kg, "float32"), ("qg", tma_qg, "float32"), ("kd", tma_kd, "float32"),
-                ("aw", tma_aw, "float32"), ("mq", tma_mq, "float32"), ("gl", tma_gl, "float32"),
-                ("v", tma_v, "bfloat16"))]
-        self.tx_bytes = (3 * C * K + 2 * C * C + K) * 4 + C * BV * 2
+        (tma_kg, tKg, tma_qg, tQg, tma_kd, tKd, tma_aw, tAw, tma_mq, tMq, tma_gl, tGl, tma_v,
+         tV), (l_ck, l_cc, l_1k, l_cv) = self._make_loads(mKg, mQg, mKd, mAw, mMq, mGl, mV)
 
         @cute.struct
         class SharedStorage:
@@ -240,25 +223,3 @@ class KdaRecurSm90:
                 mS1f[seq, h, v_idx, d] = state[m]
             elif state_out == STATE_BF16:
                 mS1h[seq, h, v_idx, d] = state[m].to(cutlass.BFloat16)
-
-    @cute.jit
-    def _issue(self, c, bos, chunk_id, loads, head_cols, tma_gl, tGl, sGl, gl_col,
-               tma_v, tV, sV, v_col, full):
-        """Warp 0 loads chunk c into buffer c % stages (one lane arms the barrier)."""
-        s = c % self.stages
-        t0 = bos + c * self.C
-        bar = full + s
-        with cute.arch.elect_one():
-            cute.arch.mbarrier_arrive_and_expect_tx(bar, self.tx_bytes)
-        # the copies elect their own issuing lane: the whole warp must reach them
-        for (tma, tX, sX, cols, rows), col in zip(loads, head_cols, strict=True):
-            self._tile_copy(tma, tX, sX[None, None, s], (t0, col), (rows, cols), bar)
-        self._tile_copy(tma_gl, tGl, sGl[None, None, s], (chunk_id, gl_col), (1, self.K), bar)
-        self._tile_copy(tma_v, tV, sV[None, None, s], (t0, v_col), (self.C, self.BV), bar)
-
-    @cute.jit
-    def _tile_copy(self, tma, tX, sX, coord, tile, bar):
-        gX = cute.local_tile(cute.domain_offset(coord, tX), tile, (0, 0))
-        tXs, tXg = cpasync.tma_partition(
-            tma, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2), cute.group_modes(gX, 0, 2))
-        cute.copy(tma, tXg, tXs, tma_bar_ptr=bar)

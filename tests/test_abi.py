@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kda_cute import abi, runtime
-from kda_cute.config import SHIPPED, PrepConfig, select_config
+from kda_cute.config import EXPERIMENTAL, SHIPPED, PrepConfig, select_config
 from kda_cute.cubin import kernel_params
 
 ARCH = "sm_90a"
@@ -27,7 +27,7 @@ PARAM_BASE = 0x210
 MAX_SMEM = 227 * 1024  # opt-in dynamic shared memory per block on H100 / H200
 
 KERNELS = {}
-for _f in SHIPPED:
+for _f in SHIPPED + EXPERIMENTAL:
     KERNELS.setdefault(_f.prep.name, (_f.prep, abi.prep_args))
     KERNELS.setdefault(_f.recur.name, (_f.recur, abi.recur_args))
 KERNEL_IDS = list(KERNELS)
@@ -62,6 +62,8 @@ def param_aligns(args: list) -> list[int]:
                 aligns.append(max(widths))
         elif a.kind == "tensor":
             aligns.append(8)  # the struct opens with its u64 pointer
+        elif a.kind == "mma":
+            aligns.append(1)  # a TiledMma's accumulate flag is one byte
         else:
             aligns.append(4)
     return aligns
@@ -275,6 +277,8 @@ def test_pack_params_match_cubin(name, monkeypatch):
                 assert next(it) == abi.pack_dynamic(a.shape, SYMS), a.name
         elif a.kind == "tensor":
             assert struct.unpack_from("<Q", p)[0] == ptrs[a.name], a.name
+        elif a.kind == "mma":
+            assert p == b"\0", a.name  # the kernel sets the flag itself before every MMA
         else:
             fmt = "<i" if a.kind == "i32" else "<f"
             assert struct.unpack(fmt, p)[0] == scalars[a.name], a.name

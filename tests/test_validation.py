@@ -357,6 +357,26 @@ def test_fwd_requires_out(no_cuda_check):
     assert msg.startswith("out:") and "None" in msg, msg
 
 
+def _config_cases():
+    from kda_cute.config import FwdConfig, PrepConfig, RecurConfig
+    return {
+        "not-a-config": ("fast", TypeError, "str"),
+        "other-head-dim": (FwdConfig(PrepConfig(128), RecurConfig(128, 128)), ValueError,
+                           "(128, 128)"),
+        "unsupported": (FwdConfig(PrepConfig(K), RecurConfig(K, V, block_v=3)), ValueError,
+                        "block_v"),
+    }
+
+
+@pytest.mark.parametrize("case_id", list(_config_cases()))
+def test_fwd_config_override_rejected(no_cuda_check, case_id):
+    config, exc, got = _config_cases()[case_id]
+    with pytest.raises(exc) as info:
+        fwd(**inputs(), config=config)
+    msg = str(info.value)
+    assert msg.startswith("config:") and got in msg, msg
+
+
 # ----------------------------------------------------------------------------------- chunk_kda
 def chunk_kw(**over) -> dict:
     """chunk_kda keyword arguments for a valid bounded-gate call (fla's state layout [N,H,K,V])."""
