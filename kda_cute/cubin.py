@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import struct
 
+_EIATTR_REGCOUNT = 0x2F
+_EIATTR_FRAME_SIZE = 0x11
 _EIATTR_KPARAM_INFO = 0x17
 _EIATTR_CBANK_PARAM_SIZE = 0x19
 _EIATTR_REQNTID = 0x10
@@ -62,4 +64,44 @@ def kernel_params(data: bytes) -> dict[str, dict]:
             elif attr == _EIATTR_REQNTID:
                 k["reqntid"] = list(struct.unpack_from("<III", payload))
         k["params"].sort()
+    return out
+
+
+def _symbols(data: bytes, secs) -> list[str]:
+    by_name = {n: (off, size) for n, off, size in secs}
+    sym_off, sym_size = by_name[".symtab"]
+    str_off, _ = by_name[".strtab"]
+    names = []
+    for i in range(sym_size // 24):  # Elf64_Sym
+        st_name = struct.unpack_from("<I", data, sym_off + i * 24)[0]
+        start = str_off + st_name
+        names.append(data[start:data.index(b"\0", start)].decode())
+    return names
+
+
+def kernel_resources(data: bytes) -> dict[str, dict]:
+    """{function: {"registers": n, "frame_bytes": n}} from the global `.nv.info` section: the
+    compiler's register count and stack frame (a non-zero frame means spills or local arrays)."""
+    secs = _sections(data)
+    names = _symbols(data, secs)
+    out: dict[str, dict] = {}
+    for name, off, size in secs:
+        if name != ".nv.info":
+            continue
+        p, end = off, off + size
+        while p < end:
+            fmt, attr = data[p], data[p + 1]
+            if fmt == _EIFMT_SVAL:
+                n = struct.unpack_from("<H", data, p + 2)[0]
+                if n == 8 and attr in (_EIATTR_REGCOUNT, _EIATTR_FRAME_SIZE):
+                    sym, value = struct.unpack_from("<II", data, p + 4)
+                    key = "registers" if attr == _EIATTR_REGCOUNT else "frame_bytes"
+                    out.setdefault(names[sym], {})[key] = value
+                p += 4 + n
+            elif fmt == _EIFMT_HVAL:
+                p += 4
+            elif fmt == _EIFMT_NVAL:
+                p += 2
+            else:
+                break
     return out

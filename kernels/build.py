@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 
 from kda_cute import abi  # noqa: E402
 from kda_cute.config import EXPERIMENTAL, SHIPPED, PrepConfig  # noqa: E402
-from kda_cute.cubin import kernel_params  # noqa: E402
+from kda_cute.cubin import kernel_params, kernel_resources  # noqa: E402
 
 DEFAULT_OUT = ROOT / "kda_cute" / "_cubins"
 TESTED_ARCHS = ("sm_90a",)
@@ -120,6 +120,7 @@ def compile_one(cfg, arch: str, out_dir: str) -> dict:
         cubin = Path(cubin).read_bytes()
     (entry,) = list(compiled.kernel_info.keys())
     table = kernel_params(cubin)[entry]
+    res = kernel_resources(cubin).get(entry, {})
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{cfg.name}.cubin").write_bytes(cubin)
@@ -134,6 +135,8 @@ def compile_one(cfg, arch: str, out_dir: str) -> dict:
         "params": [list(p) for p in table["params"]],
         "param_bytes": table["param_bytes"],
         "reqntid": table["reqntid"],
+        "registers": res.get("registers"),
+        "frame_bytes": res.get("frame_bytes"),
         "args": [a.name for a in args],
         "tma": kern.tma_meta,
         "dsl_version": dsl_version(),
@@ -183,9 +186,10 @@ def main(argv=None) -> int:
                     results.append(fut.result())
                 except Exception as e:  # report every failing config, then fail the build
                     failed.append((futs[fut].name, _one_line(e)))
-    print(f"{'config':<44} {'status':<8} {'compile_s':>9} {'smem':>7}")
+    print(f"{'config':<44} {'status':<8} {'compile_s':>9} {'smem':>7} {'regs':>5} {'frame':>5}")
     for m in sorted(results, key=lambda m: m["name"]):
-        print(f"{m['name']:<44} {'built':<8} {m['compile_s']:>9.2f} {m['dynamic_smem_bytes']:>7}")
+        print(f"{m['name']:<44} {'built':<8} {m['compile_s']:>9.2f} {m['dynamic_smem_bytes']:>7} "
+              f"{m['registers']:>5} {m['frame_bytes']:>5}")
     for cfg in skipped:
         print(f"{cfg.name:<44} {'cached':<8} {'-':>9} {'-':>7}")
     for name, err in failed:

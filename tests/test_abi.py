@@ -16,7 +16,7 @@ import torch
 
 from kda_cute import abi, runtime
 from kda_cute.config import EXPERIMENTAL, SHIPPED, PrepConfig, select_config
-from kda_cute.cubin import kernel_params
+from kda_cute.cubin import kernel_params, kernel_resources
 
 ARCH = "sm_90a"
 # Kernel parameters live in constant bank 0 from 0x210 on sm_90 (SASS reads the last scalar of
@@ -341,3 +341,14 @@ def test_kernel_loads(name):
     k = runtime.Kernel(name, ARCH, args)
     assert k.sizes == [p[2] for p in manifest["params"]]
     assert k.block == tuple(manifest["block"])
+
+
+@pytest.mark.parametrize("name", [n for n in KERNEL_IDS
+                                  if n in {c.name for f in SHIPPED for c in (f.prep, f.recur)}])
+def test_shipped_kernels_do_not_spill(name):
+    """A stack frame means spills or a register array indexed at run time: slow local memory."""
+    manifest, data, _ = load(name)
+    res = kernel_resources(data)[manifest["entry"]]
+    assert res == {"registers": manifest["registers"], "frame_bytes": manifest["frame_bytes"]}
+    assert res["frame_bytes"] == 0, res
+    assert res["registers"] <= 255, res
