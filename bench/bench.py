@@ -109,11 +109,11 @@ def time_fn(fn, sets, iters, warmup=10) -> float:
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends, strict=True))
 
 
-def kda_runner():
+def kda_runner(config=None):
     def run(x):
         fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], x["scale"], x["out"], x["A_log"],
             x["dt_bias"], x["lower_bound"], x["initial_state"], x["final_state"],
-            x["cu_seqlens"], x["workspace"], check_seqlens=False)
+            x["cu_seqlens"], x["workspace"], check_seqlens=False, config=config)
     return run
 
 
@@ -135,7 +135,7 @@ def fla_runner():
     return run
 
 
-def bench_case(name, spec, K, iters, fla, ceiling):
+def bench_case(name, spec, K, iters, fla, ceiling, wgmma=False):
     from kda_cute import api
     base = case_inputs(spec, K, seed=zlib.crc32(name.encode()) % 1000)
     nbytes = compulsory_bytes(base)
@@ -164,6 +164,17 @@ def bench_case(name, spec, K, iters, fla, ceiling):
            "kda_ms": t_kda, "kda_out_err": rel_err(sets[0]["out"][:, :, :nh], ref_o),
            "kda_state_err": rel_err(sets[0]["final_state"][:, :nh], ref_s),
            "input_sets": n_sets, "checked_heads": nh}
+    if wgmma:
+        from kda_cute.config import EXPERIMENTAL
+        (cfg,) = [c for c in EXPERIMENTAL if c.prep.head_dim_k == K]
+        run_tc = kda_runner(cfg)
+        row["wgmma_ms"] = time_fn(run_tc, sets, iters)
+        sets[0]["out"].fill_(float("nan"))
+        sets[0]["final_state"].fill_(float("nan"))
+        run_tc(sets[0])
+        torch.cuda.synchronize()
+        row["wgmma_out_err"] = rel_err(sets[0]["out"][:, :, :nh], ref_o)
+        row["wgmma_state_err"] = rel_err(sets[0]["final_state"][:, :nh], ref_s)
     row["kda_GBps"] = nbytes / t_kda / 1e6
     row["kda_pct_roofline"] = 100 * row["roofline_ms"] / t_kda
     if fla is not None:
@@ -236,6 +247,8 @@ def main(argv=None):
     ap.add_argument("--head-dims", default="128")
     ap.add_argument("--iters", type=int, default=100)
     ap.add_argument("--no-fla", action="store_true")
+    ap.add_argument("--wgmma", action="store_true",
+                    help="also time the experimental K2 on warpgroup MMA (fwd(config=...))")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "latest.json"))
     a = ap.parse_args(argv)
     names = a.cases.split(",") if a.cases else (QUICK if a.quick else list(CASES))
@@ -246,11 +259,15 @@ def main(argv=None):
     for K in (int(k) for k in a.head_dims.split(",")):
         for name in names:
             t0 = time.time()
-            rows.append(bench_case(name, CASES[name], K, max(100, a.iters), fla, ceiling))
+            rows.append(bench_case(name, CASES[name], K, max(100, a.iters), fla, ceiling,
+                                   a.wgmma))
             r = rows[-1]
             print(f"{name:<22} K{K:<4} kda {r['kda_ms']:.3f} ms ({r['kda_pct_roofline']:.1f}% "
                   f"roofline) fla {r.get('fla_ms', float('nan')):.3f} ms "
-                  f"err {r['kda_out_err']:.2e}/{r['kda_state_err']:.2e} [{time.time() - t0:.0f}s]",
+                  f"err {r['kda_out_err']:.2e}/{r['kda_state_err']:.2e} "
+                  f"wgmma {r.get('wgmma_ms', float('nan')):.3f} ms "
+                  f"err {r.get('wgmma_out_err', float('nan')):.2e}/"
+                  f"{r.get('wgmma_state_err', float('nan')):.2e} [{time.time() - t0:.0f}s]",
                   flush=True)
             write_results(rows, ceiling, Path(a.out), final=False)
     write_results(rows, ceiling, Path(a.out), final=True)
