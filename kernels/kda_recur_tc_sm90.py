@@ -229,7 +229,11 @@ class KdaRecurTcSm90(ChunkTileLoader):
                 d = idx - i * K
                 bKg[i, d, 0] = sKg[i, d, s].to(bf16)
                 bQg[i, d, 0] = sQg[i, d, s].to(bf16)
-                x = sKd[i, d, s]
+                # kd rows past `length` meet U^T columns that are zero; zero them too, since a
+                # workspace row no sequence covers may hold NaN bits (0 * NaN = NaN)
+                x = cutlass.Float32(0.0)
+                if i < length:
+                    x = sKd[i, d, s]
                 hi = x.to(bf16)
                 bKdHi[d, i, 0] = hi
                 bKdLo[d, i, 0] = (x - hi.to(cutlass.Float32)).to(bf16)

@@ -179,3 +179,38 @@ def test_wgmma_recurrence(name):
     kw = TC_CASES[name]
     (cfg,) = [c for c in EXPERIMENTAL if c.prep.head_dim_k == kw["K"]]
     _assert(errors(make_inputs(seed=len(name) + 31, **kw), config=cfg))
+
+
+@pytest.mark.parametrize("mma", ["simt", "wgmma"])
+def test_tokens_past_the_last_sequence(mma):
+    """cu_seqlens[-1] < T: the trailing tokens belong to no sequence. Their output rows stay
+    untouched, and the workspace rows K1 never writes (poisoned with NaN bits here) must not leak
+    into any sequence."""
+    from kda_cute import api, fwd
+    from kda_cute.config import EXPERIMENTAL
+    from kda_cute.reference import rel_err
+    from kda_cute.testing import reference
+
+    lens, pad = [20, 7, 33], 19
+    full = make_inputs(seqlens=lens + [pad], H=2, K=128, seed=41)
+    inp = dict(full, cu_seqlens=full["cu_seqlens"][:-1], N=len(lens),
+               initial_state=full["initial_state"][:-1].contiguous())
+    q, v = inp["q"], inp["v"]
+    out = torch.full(v.shape, float("nan"), dtype=torch.bfloat16, device="cuda")
+    final = torch.full_like(inp["initial_state"], float("nan"))
+    config = None if mma == "simt" else [c for c in EXPERIMENTAL
+                                         if c.prep.head_dim_k == 128][0]
+    p = api.validate(q, inp["k"], v, inp["g"], inp["beta"], inp["scale"], out, inp["A_log"],
+                     inp["dt_bias"], inp["lower_bound"], inp["initial_state"], final,
+                     inp["cu_seqlens"], "bounded")
+    ws = torch.full((api.workspace_bytes(p, api.config_for(p, config)),), 0xFF,
+                    dtype=torch.uint8, device="cuda")
+    fwd(q, inp["k"], v, inp["g"], inp["beta"], inp["scale"], out, inp["A_log"], inp["dt_bias"],
+        inp["lower_bound"], inp["initial_state"], final, inp["cu_seqlens"], ws, config=config)
+    torch.cuda.synchronize()
+    T = sum(lens)
+    trimmed = {n: (t[:, :T] if n in ("q", "k", "v", "g", "beta") else t) for n, t in inp.items()}
+    ref_o, ref_s = reference(trimmed)
+    assert rel_err(out[:, :T], ref_o) < OUT_TOL
+    assert rel_err(final, ref_s) < STATE_TOL
+    assert torch.isnan(out[:, T:].float()).all(), "rows of no sequence were written"
