@@ -10,7 +10,9 @@ from pathlib import Path
 
 def main(out: str) -> None:
     out_dir = Path(out)
-    summary = {"device": (out_dir / "device.txt").read_text().strip().splitlines()[-1:]}
+    device_txt = Path(os.environ.get("KDA_DEVICE_TXT", out_dir / "device.txt"))
+    summary = {"device": device_txt.read_text().strip().splitlines()[-1:]
+               if device_txt.exists() else None}
     try:
         import torch
         summary["torch"] = torch.__version__
