@@ -117,6 +117,21 @@ def kda_runner(config=None):
     return run
 
 
+def k1_runner():
+    """K1 alone (the same launch path, stopping before K2)."""
+    from kda_cute import api
+
+    def run(x):
+        p = api.validate(x["q"], x["k"], x["v"], x["g"], x["beta"], x["scale"], x["out"],
+                         x["A_log"], x["dt_bias"], x["lower_bound"], x["initial_state"],
+                         x["final_state"], x["cu_seqlens"], "bounded", check_seqlens=False)
+        api.launch_forward(x["q"], x["k"], x["v"], x["g"], x["beta"], x["scale"], x["out"],
+                           x["A_log"], x["dt_bias"], x["lower_bound"], x["initial_state"],
+                           x["final_state"], x["cu_seqlens"], x["workspace"], "bounded", True,
+                           True, p, api.config_for(p), run_recurrence=False)
+    return run
+
+
 def fla_runner():
     os.environ.setdefault("FLA_DISABLE_BACKEND_DISPATCH", "1")
     try:
@@ -154,6 +169,7 @@ def bench_case(name, spec, K, iters, fla, ceiling, wgmma=False):
         sets.append(x)
     run = kda_runner()
     t_kda = time_fn(run, sets, iters)
+    t_k1 = time_fn(k1_runner(), sets, iters)  # K2's share is the difference
     # correctness of the timed configuration, on the first set
     run(sets[0])
     torch.cuda.synchronize()
@@ -161,7 +177,8 @@ def bench_case(name, spec, K, iters, fla, ceiling, wgmma=False):
     nh = min(REF_HEADS, base["q"].shape[2])
     ref_o, ref_s = reference(head_slice(base, nh))
     row = {"case": name, "K": K, "bytes": nbytes, "roofline_ms": nbytes / ceiling * 1e3,
-           "kda_ms": t_kda, "kda_out_err": rel_err(sets[0]["out"][:, :, :nh], ref_o),
+           "kda_ms": t_kda, "kda_k1_ms": t_k1,
+           "kda_out_err": rel_err(sets[0]["out"][:, :, :nh], ref_o),
            "kda_state_err": rel_err(sets[0]["final_state"][:, :nh], ref_s),
            "input_sets": n_sets, "checked_heads": nh}
     if wgmma:
@@ -262,7 +279,8 @@ def main(argv=None):
             rows.append(bench_case(name, CASES[name], K, max(100, a.iters), fla, ceiling,
                                    a.wgmma))
             r = rows[-1]
-            print(f"{name:<22} K{K:<4} kda {r['kda_ms']:.3f} ms ({r['kda_pct_roofline']:.1f}% "
+            print(f"{name:<22} K{K:<4} kda {r['kda_ms']:.3f} ms (K1 {r['kda_k1_ms']:.3f}; "
+                  f"{r['kda_pct_roofline']:.1f}% "
                   f"roofline) fla {r.get('fla_ms', float('nan')):.3f} ms "
                   f"err {r['kda_out_err']:.2e}/{r['kda_state_err']:.2e} "
                   f"wgmma {r.get('wgmma_ms', float('nan')):.3f} ms "
