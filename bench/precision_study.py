@@ -46,6 +46,18 @@ def main(argv=None):
     ref_o, ref_s = kda_reference(q.double(), k.double(), v.double(), g.double(), beta.double(),
                                  initial_state=s0.double(), **kw)
     rows = []
+    # K1 on tensor cores: chunk 64, sub-chunks of 16 factored, the factored operands in bf16
+    qn, kn, al, b = preprocess(q.float(), k.float(), g.float(), beta.float(),
+                               dtype=torch.float32, **{**kw, "A_log": A_log, "dt_bias": dt_bias})
+    for sub, rnd in ((16, None), (16, round_bf16)):
+        inter = chunk_intermediates(qn, kn, al, b, chunk=64, scale=K ** -0.5, sub=sub,
+                                    operand_round=rnd)
+        o, s = chunk_recurrence(inter, v.float(), chunk=64, initial_state=s0)
+        row = {"chunk": 64, "variant": f"K1 factored sub {sub}, "
+               f"{'bf16' if rnd else 'fp32'} operands; K2 fp32",
+               "out_err": rel_err(o.to(torch.bfloat16), ref_o), "state_err": rel_err(s, ref_s)}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
     for chunk in (16, 64):
         qn, kn, al, b = preprocess(q.float(), k.float(), g.float(), beta.float(),
                                    dtype=torch.float32, **{**kw, "A_log": A_log,

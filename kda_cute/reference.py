@@ -243,7 +243,8 @@ def _unit_lower_inverse(L: torch.Tensor) -> torch.Tensor:
     return X
 
 
-def chunk_intermediates(qn, kn, a, b, *, chunk, scale, cu_seqlens=None):
+def chunk_intermediates(qn, kn, a, b, *, chunk, scale, cu_seqlens=None, sub=None,
+                        operand_round=None):
     """K1's outputs, token-indexed. Inputs are already preprocessed (from `preprocess`), any float
     dtype; computed in qn's dtype. Shapes as above ([B,T,H,K] etc). Chunks start at each sequence's
     start (for cu_seqlens: at cu_seqlens[n]; for fixed length: at t=0 of each batch row) and have
@@ -260,7 +261,11 @@ def chunk_intermediates(qn, kn, a, b, *, chunk, scale, cu_seqlens=None):
       L[i,j]   = b_i * sum_d kn_i,d kn_j,d e_ij,d        for j < i, else 0
       Mqk[i,j] = scale * sum_d qn_i,d kn_j,d e_ij,d      for j <= i, else 0
     e_ij is exp of the difference, never exp(-G) alone, which overflows for strong unbounded
-    decays. Columns >= the chunk's valid length are zero."""
+    decays. Columns >= the chunk's valid length are zero.
+    sub: compute the pairs of different sub-chunks of `sub` tokens as matrix products factored
+    through the sub-chunk boundary r (e^(G_i - r) e^(r - G_j), both factors <= 1), the way a
+    tensor-core K1 does; pairs inside one sub-chunk stay elementwise. operand_round rounds the
+    factored operands (e.g. `round_bf16`) to emulate the tensor cores' input precision."""
     B, T, H, _ = _check_qkgb(qn, kn, a, b, names=("qn", "kn", "a", "b"))
     _check_chunk(chunk)
     dtype = qn.dtype
@@ -291,6 +296,8 @@ def chunk_intermediates(qn, kn, a, b, *, chunk, scale, cu_seqlens=None):
         kj = k_c[:, j:j + 1] * e
         Mq[..., j] = scale * (q_c * kj).sum(-1)
         L[..., j] = b_c * (k_c * kj).sum(-1)  # diagonal unused: the inverse reads tril(L, -1)
+    if sub is not None:
+        _factor_off_diagonal(L, Mq, q_c, k_c, b_c, G, scale, sub, operand_round)
     inv = _unit_lower_inverse(L.transpose(1, 2))  # [NC, H, C, C]
     blocks["Aw"] = (inv * b_c.transpose(1, 2).unsqueeze(-2)).transpose(1, 2)
     blocks["Mq"] = Mq
@@ -300,6 +307,23 @@ def chunk_intermediates(qn, kn, a, b, *, chunk, scale, cu_seqlens=None):
         out[name] = blk.new_zeros(B, T, *blk.shape[2:])
         _scatter_into(out[name], blk, pos, valid)
     return out
+
+
+def _factor_off_diagonal(L, Mq, q_c, k_c, b_c, G, scale, sub, operand_round):
+    """Overwrite the blocks of L and Mq below the diagonal sub-blocks with factored products."""
+    C = G.shape[1]
+    if sub < 1 or C % sub:
+        raise ValueError(f"sub: expected a positive divisor of chunk {C}, got {sub}")
+    rnd = operand_round or (lambda x: x)
+    for start in range(sub, C, sub):
+        rows = slice(start, start + sub)
+        r = G[:, start - 1:start]  # G at the boundary: G_i - r <= 0 <= G_j - r for j < start
+        fwd = torch.exp(G[:, rows] - r)
+        left_k, left_q = rnd(k_c[:, rows] * fwd), rnd(q_c[:, rows] * fwd)
+        right = rnd(k_c[:, :start] * torch.exp(r - G[:, :start]))
+        L[:, rows, :, :start] = b_c[:, rows, :, None] * torch.einsum(
+            "nihd,njhd->nihj", left_k, right)
+        Mq[:, rows, :, :start] = scale * torch.einsum("nihd,njhd->nihj", left_q, right)
 
 
 def chunk_recurrence(inter, v, *, chunk, initial_state=None, cu_seqlens=None, operand_round=None):

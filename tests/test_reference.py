@@ -478,3 +478,36 @@ def test_bad_inputs_raise(case_id, fn):
     error, match = BAD_INPUT_CASES[case_id]
     with pytest.raises(error, match=match):
         fn(**_bad_inputs(case_id))
+
+
+FACTORED = {
+    "bounded-c64-s16": ("bounded", 0.0, 64, 16),
+    "unbounded-strong-c64-s16": ("unbounded", 20.0, 64, 16),
+    "bounded-c32-s8": ("bounded", 0.0, 32, 8),
+}
+
+
+@pytest.mark.parametrize("case_id", list(FACTORED))
+def test_factored_intermediates_match_elementwise(case_id):
+    """Sub-chunk factoring (what a tensor-core K1 computes) changes nothing but rounding."""
+    gate, shift, chunk, sub = FACTORED[case_id]
+    gen = torch.Generator().manual_seed(zlib.crc32(case_id.encode()))
+    B, T, H, K = 1, 150, 2, 32
+    q, k, g = (torch.randn(B, T, H, K, generator=gen, dtype=torch.float64) for _ in range(3))
+    beta = torch.randn(B, T, H, generator=gen, dtype=torch.float64)
+    A_log = torch.rand(H, generator=gen, dtype=torch.float64)
+    dt_bias = torch.rand(H, K, generator=gen, dtype=torch.float64)
+    qn, kn, a, b = preprocess(q, k, g + shift, beta, A_log=A_log, dt_bias=dt_bias,
+                              lower_bound=-5.0, gate=gate)
+    exact = chunk_intermediates(qn, kn, a, b, chunk=chunk, scale=K ** -0.5)
+    factored = chunk_intermediates(qn, kn, a, b, chunk=chunk, scale=K ** -0.5, sub=sub)
+    for name in exact:
+        assert torch.isfinite(factored[name]).all(), name
+        assert rel_err(factored[name], exact[name]) < 1e-12, name
+
+
+def test_factored_intermediates_reject_bad_sub():
+    x = torch.randn(1, 8, 1, 8, dtype=torch.float64)
+    b = torch.rand(1, 8, 1, dtype=torch.float64)
+    with pytest.raises(ValueError, match="sub"):
+        chunk_intermediates(x, x, -x.abs(), b, chunk=8, scale=1.0, sub=3)
