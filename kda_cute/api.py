@@ -246,7 +246,7 @@ def launch_forward(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, in
             "N1": p.N + 1, "NS": p.N, "sQ": q.stride(1), "sK": k.stride(1), "sG": g.stride(1),
             "sB": beta.stride(1), "sV": v.stride(1), "sO": out.stride(1), "sS": H * V * K,
             "sW": H * K, "sWc": H * C}
-    if Tt > 0:
+    if Tt > 0 and H > 0:
         vals1 = {"q": q.data_ptr(), "k": k.data_ptr(), "g": g.data_ptr(),
                  "beta": beta.data_ptr(), "A_log": A_log.data_ptr(),
                  "dt_bias": dt_bias.data_ptr(), "cu_seqlens": cs.data_ptr(),
