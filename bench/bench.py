@@ -260,7 +260,8 @@ def plot(rows, path):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="four cases, 100 iterations")
-    ap.add_argument("--cases", default="", help="comma-separated case names")
+    ap.add_argument("--cases", default="",
+                    help="comma-separated case names ('_' for ' ', e.g. B1_T8192_H64)")
     ap.add_argument("--head-dims", default="128")
     ap.add_argument("--iters", type=int, default=100)
     ap.add_argument("--no-fla", action="store_true")
@@ -268,7 +269,12 @@ def main(argv=None):
                     help="also time the experimental K2 on warpgroup MMA (fwd(config=...))")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "latest.json"))
     a = ap.parse_args(argv)
-    names = a.cases.split(",") if a.cases else (QUICK if a.quick else list(CASES))
+    # '_' may stand for ' ' in case names, so a shell variable can carry them unquoted
+    names = ([n.replace("_", " ") for n in a.cases.split(",")] if a.cases
+             else (QUICK if a.quick else list(CASES)))
+    unknown = [n for n in names if n not in CASES]
+    if unknown:
+        ap.error(f"--cases: unknown {unknown}; known: {list(CASES)}")
     fla = None if a.no_fla else fla_runner()
     ceiling = copy_bandwidth()
     print(f"copy ceiling {ceiling / 1e12:.2f} TB/s", flush=True)
