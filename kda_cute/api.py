@@ -142,12 +142,11 @@ def validate(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_
                            cs.tolist() if N < 16 else f"{cs[:8].tolist()}...")
     else:
         N = B
-    Kv = K
     for name, st in (("initial_state", initial_state), ("final_state", final_state)):
         if st is None:
             continue
         _check_tensor(name, st, (torch.float32, torch.bfloat16), 4, dev)
-        _check_shape(name, st, (N, H, V, Kv))
+        _check_shape(name, st, (N, H, V, K))
         if not st.is_contiguous():
             raise _err(name, "a contiguous tensor", f"strides {tuple(st.stride())}")
     return Problem(B, T, H, K, V, N, cu_seqlens is not None)

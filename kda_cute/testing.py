@@ -98,10 +98,14 @@ def run_kda(inp, *, final_dtype=torch.float32, in_place=False, cu_dtype=torch.in
     return out, final
 
 
+def _as_double(inp) -> dict:
+    return {n: (t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t)
+            for n, t in inp.items()}
+
+
 def reference(inp):
     """float64 ground truth, computed on the GPU (the loop is launch-bound, not FLOP-bound)."""
-    d = {n: (t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t)
-         for n, t in inp.items()}
+    d = _as_double(inp)
     return kda_reference(d["q"], d["k"], d["v"], d["g"], d["beta"], scale=d["scale"],
                          initial_state=d["initial_state"], cu_seqlens=d["cu_seqlens"],
                          A_log=d["A_log"], dt_bias=d["dt_bias"], lower_bound=d["lower_bound"],
@@ -137,8 +141,7 @@ def prep_errors(inp, chunk=16) -> dict:
                            inp["cu_seqlens"], ws, inp["gate"], inp["qk_l2norm"],
                            inp["beta_sigmoid"], p, cfg, run_recurrence=False)
     torch.cuda.synchronize()
-    d = {n: (t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t)
-         for n, t in inp.items()}
+    d = _as_double(inp)
     qn, kn, a, b = preprocess(d["q"], d["k"], d["g"], d["beta"], A_log=d["A_log"],
                               dt_bias=d["dt_bias"], lower_bound=d["lower_bound"],
                               gate=d["gate"], qk_l2norm=d["qk_l2norm"],
