@@ -117,7 +117,7 @@ def kda_runner(config=None):
     return run
 
 
-def k1_runner():
+def k1_runner(config=None):
     """K1 alone (the same launch path, stopping before K2)."""
     from kda_cute import api
 
@@ -128,7 +128,7 @@ def k1_runner():
         api.launch_forward(x["q"], x["k"], x["v"], x["g"], x["beta"], x["scale"], x["out"],
                            x["A_log"], x["dt_bias"], x["lower_bound"], x["initial_state"],
                            x["final_state"], x["cu_seqlens"], x["workspace"], "bounded", True,
-                           True, p, api.config_for(p), run_recurrence=False)
+                           True, p, api.config_for(p, config), run_recurrence=False)
     return run
 
 
@@ -152,6 +152,8 @@ def fla_runner():
 
 def bench_case(name, spec, K, iters, fla, ceiling, wgmma=False):
     from kda_cute import api
+    from kda_cute.config import EXPERIMENTAL
+    tc_cfg = next((c for c in EXPERIMENTAL if c.prep.head_dim_k == K), None) if wgmma else None
     base = case_inputs(spec, K, seed=zlib.crc32(name.encode()) % 1000)
     nbytes = compulsory_bytes(base)
     n_sets = max(2, math.ceil(3 * L2_BYTES / nbytes))
@@ -164,8 +166,8 @@ def bench_case(name, spec, K, iters, fla, ceiling, wgmma=False):
         p = api.validate(q, x["k"], v, x["g"], x["beta"], x["scale"], x["out"], x["A_log"],
                          x["dt_bias"], x["lower_bound"], x["initial_state"], x["final_state"],
                          x["cu_seqlens"], "bounded")
-        x["workspace"] = torch.empty(api.workspace_bytes(p, api.config_for(p)),
-                                     dtype=torch.uint8, device="cuda")
+        ws = max(api.workspace_bytes(p, api.config_for(p, c)) for c in (None, tc_cfg))
+        x["workspace"] = torch.empty(ws, dtype=torch.uint8, device="cuda")
         sets.append(x)
     run = kda_runner()
     t_kda = time_fn(run, sets, iters)
@@ -181,11 +183,10 @@ def bench_case(name, spec, K, iters, fla, ceiling, wgmma=False):
            "kda_out_err": rel_err(sets[0]["out"][:, :, :nh], ref_o),
            "kda_state_err": rel_err(sets[0]["final_state"][:, :nh], ref_s),
            "input_sets": n_sets, "checked_heads": nh}
-    if wgmma:
-        from kda_cute.config import EXPERIMENTAL
-        (cfg,) = [c for c in EXPERIMENTAL if c.prep.head_dim_k == K]
-        run_tc = kda_runner(cfg)
+    if tc_cfg is not None:
+        run_tc = kda_runner(tc_cfg)
         row["wgmma_ms"] = time_fn(run_tc, sets, iters)
+        row["wgmma_k1_ms"] = time_fn(k1_runner(tc_cfg), sets, iters)
         sets[0]["out"].fill_(float("nan"))
         sets[0]["final_state"].fill_(float("nan"))
         run_tc(sets[0])
@@ -290,6 +291,7 @@ def main(argv=None):
                   f"roofline) fla {r.get('fla_ms', float('nan')):.3f} ms "
                   f"err {r['kda_out_err']:.2e}/{r['kda_state_err']:.2e} "
                   f"wgmma {r.get('wgmma_ms', float('nan')):.3f} ms "
+                  f"(K1 {r.get('wgmma_k1_ms', float('nan')):.3f}) "
                   f"err {r.get('wgmma_out_err', float('nan')):.2e}/"
                   f"{r.get('wgmma_state_err', float('nan')):.2e} [{time.time() - t0:.0f}s]",
                   flush=True)

@@ -25,6 +25,7 @@ from .config import PrepConfig, RecurConfig
 SYM_WIDTH = {
     "T": 32, "H": 32, "HK": 32, "HV": 32, "HC": 32, "NCH": 32, "N1": 32, "NS": 32,
     "sQ": 64, "sK": 64, "sG": 64, "sB": 64, "sV": 64, "sO": 64, "sS": 64, "sW": 32, "sWc": 32,
+    "sP": 64, "sPc": 64,
 }
 # divisibility promised to the compiler; the launcher validates it
 SYM_DIV = {"sQ": 8, "sK": 8, "sG": 8, "sV": 8}
@@ -40,6 +41,7 @@ class Arg:
     shape: tuple = ()
     stride: tuple = ()
     box: tuple = ()  # TMA box, innermost first
+    swizzle: int = 0  # TMA smem swizzle span in bytes (0, 32, 64, 128)
     align: int = 4
     grid_only: bool = False
     kernel_only: bool = False  # made inside __call__ (a TiledMma), not one of its arguments
@@ -48,8 +50,18 @@ class Arg:
         return [e for e in entries if isinstance(e, str)]
 
 
-def _tma(name, dtype, shape, stride, box):
-    return Arg(name, "tma", dtype, shape, stride, box, align=16)
+def _tma(name, dtype, shape, stride, box, swizzle=0):
+    return Arg(name, "tma", dtype, shape, stride, box, swizzle, align=16)
+
+
+def _operand_tma(name, cols, rows, inner, mn_major=False):
+    """A bf16 MMA operand tile loaded by TMA into a swizzled smem layout: `inner` contiguous
+    elements per row, `rows` rows. The swizzle span is the row's bytes (32, 64 or 128); rows of
+    more than 128 bytes are loaded as several 128-byte-wide boxes. An MN-major operand (kd) is
+    declared as the transposed view (cols, T) of the same row-major tensor."""
+    span = min(128, inner * 2)
+    shape, stride = ((cols, "T"), (1, cols)) if mn_major else (("T", cols), (cols, 1))
+    return _tma(name, "bfloat16", shape, stride, (span // 2, rows), span)
 
 
 def _ten(name, dtype, shape, stride, align=None):
@@ -58,6 +70,24 @@ def _ten(name, dtype, shape, stride, align=None):
 
 def prep_args(cfg: PrepConfig) -> list[Arg]:
     K, C = cfg.head_dim_k, cfg.chunk
+    if cfg.operands == "bf16":
+        outs = [
+            _ten("qg", "bfloat16", ("T", "H", K), ("sW", K, 1), 16),
+            _ten("kg", "bfloat16", ("T", "H", K), ("sW", K, 1), 16),
+            _ten("kd", "bfloat16", (2, "T", "H", K), ("sP", "sW", K, 1), 16),
+            _ten("gl", "float32", ("NCH", "H", K), ("sW", K, 1), 16),
+            _ten("aw", "bfloat16", (2, "T", "H", C), ("sPc", "sWc", C, 1), 16),
+            _ten("mq", "bfloat16", ("T", "H", C), ("sWc", C, 1), 16),
+        ]
+    else:
+        outs = [
+            _ten("qg", "float32", ("T", "H", K), ("sW", K, 1), 16),
+            _ten("kg", "float32", ("T", "H", K), ("sW", K, 1), 16),
+            _ten("kd", "float32", ("T", "H", K), ("sW", K, 1), 16),
+            _ten("gl", "float32", ("NCH", "H", K), ("sW", K, 1), 16),
+            _ten("aw", "float32", ("T", "H", C), ("sWc", C, 1), 16),
+            _ten("mq", "float32", ("T", "H", C), ("sWc", C, 1), 16),
+        ]
     return [
         _tma("q", "bfloat16", ("T", "HK"), ("sQ", 1), (K, C)),
         _tma("k", "bfloat16", ("T", "HK"), ("sK", 1), (K, C)),
@@ -67,12 +97,7 @@ def prep_args(cfg: PrepConfig) -> list[Arg]:
         _ten("dt_bias", "float32", ("HK",), (1,)),
         _ten("cu_seqlens", "int32", ("N1",), (1,)),
         _ten("cu_chunks", "int32", ("N1",), (1,)),
-        _ten("qg", "float32", ("T", "H", K), ("sW", K, 1), 16),
-        _ten("kg", "float32", ("T", "H", K), ("sW", K, 1), 16),
-        _ten("kd", "float32", ("T", "H", K), ("sW", K, 1), 16),
-        _ten("gl", "float32", ("NCH", "H", K), ("sW", K, 1), 16),
-        _ten("aw", "float32", ("T", "H", C), ("sWc", C, 1), 16),
-        _ten("mq", "float32", ("T", "H", C), ("sWc", C, 1), 16),
+        *outs,
         Arg("num_seqs", "i32"),
         Arg("num_chunks", "i32", grid_only=True),
         Arg("num_heads", "i32", grid_only=True),
@@ -85,13 +110,33 @@ def prep_args(cfg: PrepConfig) -> list[Arg]:
 
 
 def recur_args(cfg: RecurConfig) -> list[Arg]:
-    K, V, C, BV = cfg.head_dim_k, cfg.head_dim_v, cfg.chunk, cfg.block_v
+    K, C = cfg.head_dim_k, cfg.chunk
+    if cfg.mma == "wgmma":
+        return [
+            _operand_tma("kg", "HK", C, K),
+            _operand_tma("qg", "HK", C, K),
+            _operand_tma("kdh", "HK", C, K, mn_major=True),
+            _operand_tma("kdl", "HK", C, K, mn_major=True),
+            _operand_tma("awh", "HC", C, C),
+            _operand_tma("awl", "HC", C, C),
+            _operand_tma("mq", "HC", C, C),
+            *_recur_common(cfg),
+            Arg("mma_p", "mma", kernel_only=True),
+            Arg("mma_s", "mma", kernel_only=True),
+        ]
     return [
         _tma("kg", "float32", ("T", "HK"), ("HK", 1), (K, C)),
         _tma("qg", "float32", ("T", "HK"), ("HK", 1), (K, C)),
         _tma("kd", "float32", ("T", "HK"), ("HK", 1), (K, C)),
         _tma("aw", "float32", ("T", "HC"), ("HC", 1), (C, C)),
         _tma("mq", "float32", ("T", "HC"), ("HC", 1), (C, C)),
+        *_recur_common(cfg),
+    ]
+
+
+def _recur_common(cfg: RecurConfig) -> list[Arg]:
+    K, V, C, BV = cfg.head_dim_k, cfg.head_dim_v, cfg.chunk, cfg.block_v
+    return [
         _tma("gl", "float32", ("NCH", "HK"), ("HK", 1), (K, 1)),
         _tma("v", "bfloat16", ("T", "HV"), ("sV", 1), (BV, C)),
         _ten("out", "bfloat16", ("T", "H", V), ("sO", V, 1)),
@@ -105,10 +150,7 @@ def recur_args(cfg: RecurConfig) -> list[Arg]:
         Arg("num_heads", "i32", grid_only=True),
         Arg("state_in", "i32"),
         Arg("state_out", "i32"),
-    ] + (_MMA_FLAGS if cfg.mma == "wgmma" else [])
-
-
-_MMA_FLAGS = [Arg("mma_p", "mma", kernel_only=True), Arg("mma_s", "mma", kernel_only=True)]
+    ]
 
 
 # ------------------------------------------------------------------------------------ packing

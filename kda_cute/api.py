@@ -170,25 +170,36 @@ def config_for(p: Problem, config: FwdConfig | None = None) -> FwdConfig:
     return cfg
 
 
-def workspace_bytes(p: Problem, cfg: FwdConfig) -> int:
-    """Bytes of the caller-ownable workspace: K1's fp32 outputs plus the chunk offsets."""
-    C, Tt = cfg.chunk, p.B * p.T
+def _workspace_layout(p: Problem, cfg: FwdConfig) -> list[tuple[str, tuple, torch.dtype]]:
+    """K1's outputs, in workspace order: fp32 for the SIMT K2; for the tensor-core K2 its bf16
+    operands, kd and Aw as (hi, lo) planes."""
+    C, Tt, H, K = cfg.chunk, p.B * p.T, p.H, p.K
     nch = Tt // C + p.N
-    floats = 3 * Tt * p.H * p.K + nch * p.H * p.K + 2 * Tt * p.H * C
-    return 4 * floats + 7 * 256
+    f32, bf16 = torch.float32, torch.bfloat16
+    if cfg.prep.operands == "bf16":
+        return [("qg", (Tt, H, K), bf16), ("kg", (Tt, H, K), bf16), ("kd", (2, Tt, H, K), bf16),
+                ("gl", (nch, H, K), f32), ("aw", (2, Tt, H, C), bf16), ("mq", (Tt, H, C), bf16)]
+    return [("qg", (Tt, H, K), f32), ("kg", (Tt, H, K), f32), ("kd", (Tt, H, K), f32),
+            ("gl", (nch, H, K), f32), ("aw", (Tt, H, C), f32), ("mq", (Tt, H, C), f32)]
+
+
+def _nbytes(shape, dtype) -> int:
+    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+
+
+def workspace_bytes(p: Problem, cfg: FwdConfig) -> int:
+    """Bytes of the caller-ownable workspace: K1's outputs, each 256-byte aligned."""
+    layout = _workspace_layout(p, cfg)
+    return sum((_nbytes(s, d) + 255) // 256 * 256 for _, s, d in layout) + 256
 
 
 def workspace_views(workspace: torch.Tensor, p: Problem, cfg: FwdConfig) -> dict:
-    """K1's outputs as fp32 views into the workspace (each 256-byte aligned)."""
-    C, Tt, H, K = cfg.chunk, p.B * p.T, p.H, p.K
-    nch = Tt // C + p.N
-    shapes = {"qg": (Tt, H, K), "kg": (Tt, H, K), "kd": (Tt, H, K), "gl": (nch, H, K),
-              "aw": (Tt, H, C), "mq": (Tt, H, C)}
+    """K1's outputs as typed views into the workspace (each 256-byte aligned)."""
     start = (-workspace.data_ptr()) % 256
     views = {}
-    for name, shape in shapes.items():
-        n = math.prod(shape) * 4
-        views[name] = workspace[start:start + n].view(torch.float32).view(shape)
+    for name, shape, dtype in _workspace_layout(p, cfg):
+        n = _nbytes(shape, dtype)
+        views[name] = workspace[start:start + n].view(dtype).view(shape)
         start += (n + 255) // 256 * 256
     return views
 
@@ -235,6 +246,8 @@ def launch_forward(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, in
                    f"{workspace.dtype} [{workspace.numel()}] on {workspace.device}")
     w = workspace_views(workspace, p, cfg)
     qg, kg, kd, gl, aw, mq = (w[n].data_ptr() for n in ("qg", "kg", "kd", "gl", "aw", "mq"))
+    kd_plane = w["kd"][0].numel() * w["kd"].element_size()  # bf16 operands: lo after hi
+    aw_plane = w["aw"][0].numel() * w["aw"].element_size()
     cs, cc = _offsets(p, cfg, cu_seqlens, dev)
     if A_log is None:
         A_log = torch.zeros(H, dtype=torch.float32, device=dev)
@@ -244,7 +257,7 @@ def launch_forward(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, in
     syms = {"T": Tt, "H": H, "HK": H * K, "HV": H * V, "HC": H * C, "NCH": nch,
             "N1": p.N + 1, "NS": p.N, "sQ": q.stride(1), "sK": k.stride(1), "sG": g.stride(1),
             "sB": beta.stride(1), "sV": v.stride(1), "sO": out.stride(1), "sS": H * V * K,
-            "sW": H * K, "sWc": H * C}
+            "sW": H * K, "sWc": H * C, "sP": kd_plane // 2, "sPc": aw_plane // 2}
     if Tt > 0 and H > 0:
         vals1 = {"q": q.data_ptr(), "k": k.data_ptr(), "g": g.data_ptr(),
                  "beta": beta.data_ptr(), "A_log": A_log.data_ptr(),
@@ -263,6 +276,7 @@ def launch_forward(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, in
     sp_in = initial_state.data_ptr() if initial_state is not None else dummy
     sp_out = final_state.data_ptr() if final_state is not None else dummy
     vals2 = {"kg": kg, "qg": qg, "kd": kd, "aw": aw, "mq": mq, "gl": gl, "v": v.data_ptr(),
+             "kdh": kd, "kdl": kd + kd_plane, "awh": aw, "awl": aw + aw_plane,
              "out": out.data_ptr(), "s0f": sp_in, "s0h": sp_in, "s1f": sp_out, "s1h": sp_out,
              "cu_seqlens": cs.data_ptr(), "cu_chunks": cc.data_ptr(), "num_seqs": p.N,
              "num_heads": H, "state_in": s_in, "state_out": s_out}

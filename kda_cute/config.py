@@ -22,10 +22,18 @@ class PrepConfig:
     head_dim_k: int
     chunk: int = 16
     threads: int = 128
+    # "f32": fp32 workspace, read by the SIMT K2. "bf16": the tensor-core K2's operands (bf16 qg,
+    # kg, Mq; kd and Aw as bf16 hi + lo pairs; fp32 gl), laid out for its TMA loads
+    operands: str = "f32"
 
     @property
     def name(self) -> str:
-        return f"kda_prep_k{self.head_dim_k}_c{self.chunk}_t{self.threads}"
+        tag = "" if self.operands == "f32" else f"_{self.operands}"
+        return f"kda_prep{tag}_k{self.head_dim_k}_c{self.chunk}_t{self.threads}"
+
+    @property
+    def block_threads(self) -> int:
+        return self.threads
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -48,6 +56,11 @@ class RecurConfig:
         tag = "" if self.mma == "simt" else f"_{self.mma}"
         return (f"kda_recur{tag}_k{self.head_dim_k}_v{self.head_dim_v}_c{self.chunk}"
                 f"_bv{self.block_v}_t{self.threads}_s{self.stages}")
+
+    @property
+    def block_threads(self) -> int:
+        """Threads per CTA: `threads` compute threads, plus one TMA producer warp for wgmma."""
+        return self.threads + (32 if self.mma == "wgmma" else 0)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -72,6 +85,8 @@ def supports_prep(cfg: PrepConfig) -> tuple[bool, str]:
         return False, f"chunk must be in [1, 32], got {cfg.chunk}"
     if cfg.threads % 32 or cfg.threads < 2 * cfg.chunk:
         return False, f"threads must be a multiple of 32 and >= 2*chunk, got {cfg.threads}"
+    if cfg.operands not in ("f32", "bf16"):
+        return False, f"operands must be 'f32' or 'bf16', got {cfg.operands!r}"
     return True, ""
 
 
@@ -96,10 +111,10 @@ def supports_recur(cfg: RecurConfig) -> tuple[bool, str]:
     if cfg.mma not in ("simt", "wgmma"):
         return False, f"mma must be 'simt' or 'wgmma', got {cfg.mma!r}"
     if cfg.mma == "wgmma" and (cfg.block_v != 64 or cfg.threads != 128
-                               or cfg.head_dim_k % 64 or cfg.chunk % 16):
-        return False, (f"mma 'wgmma' needs block_v 64, threads 128, head_dim_k % 64 == 0 and "
-                       f"chunk % 16 == 0, got {cfg.block_v}, {cfg.threads}, {cfg.head_dim_k}, "
-                       f"{cfg.chunk}")
+                               or cfg.head_dim_k % 64 or cfg.chunk != 16 or cfg.stages < 2):
+        return False, (f"mma 'wgmma' needs block_v 64, threads 128, head_dim_k % 64 == 0, "
+                       f"chunk 16 and stages >= 2, got {cfg.block_v}, {cfg.threads}, "
+                       f"{cfg.head_dim_k}, {cfg.chunk}, {cfg.stages}")
     return True, ""
 
 
@@ -109,6 +124,10 @@ def supports(cfg: FwdConfig) -> tuple[bool, str]:
     if cfg.prep.head_dim_k != cfg.recur.head_dim_k:
         return False, (f"K1 head_dim_k {cfg.prep.head_dim_k} != K2 head_dim_k "
                        f"{cfg.recur.head_dim_k}")
+    want = "bf16" if cfg.recur.mma == "wgmma" else "f32"
+    if cfg.prep.operands != want:
+        return False, (f"K2 mma {cfg.recur.mma!r} reads K1 operands {want!r}, got "
+                       f"{cfg.prep.operands!r}")
     for ok, why in (supports_prep(cfg.prep), supports_recur(cfg.recur)):
         if not ok:
             return ok, why
@@ -126,7 +145,8 @@ SHIPPED: tuple[FwdConfig, ...] = tuple(_fwd(d, d) for d in HEAD_DIMS)
 # Built and ABI-checked like the shipped ones, reachable through fwd(config=...), but not picked by
 # the ladder until their GPU tests have passed on the H200: K2 on bf16 warpgroup MMA.
 EXPERIMENTAL: tuple[FwdConfig, ...] = tuple(
-    FwdConfig(PrepConfig(d, 16), RecurConfig(d, d, 16, 64, mma="wgmma")) for d in HEAD_DIMS)
+    FwdConfig(PrepConfig(d, 16, operands="bf16"), RecurConfig(d, d, 16, 64, stages=4, mma="wgmma"))
+    for d in HEAD_DIMS)
 
 
 def select_config(head_dim_k: int, head_dim_v: int, varlen: bool) -> FwdConfig | None:

@@ -106,16 +106,18 @@ _lock = threading.Lock()
 
 
 def tma_descriptor(arg: abi.Arg, ptr: int, syms: dict) -> bytes:
-    """128-byte CUtensorMap for a rank-2 row-major tile load described by `arg`."""
-    rows, cols = (syms[e] if isinstance(e, str) else e for e in arg.shape)
-    row_stride = arg.stride[0]
-    row_stride = syms[row_stride] if isinstance(row_stride, str) else row_stride
+    """128-byte CUtensorMap for a rank-2 tile load described by `arg` (one mode of stride 1)."""
+    shape = [syms[e] if isinstance(e, str) else e for e in arg.shape]
+    stride = [syms[e] if isinstance(e, str) else e for e in arg.stride]
+    inner = arg.stride.index(1)
+    cols, rows = shape[inner], shape[1 - inner]
+    row_stride = stride[1 - inner]
     elem = abi.DTYPE_BYTES[arg.dtype]
-    key = (arg.dtype, ptr, rows, cols, row_stride, arg.box)
+    key = (arg.dtype, ptr, rows, cols, row_stride, arg.box, arg.swizzle)
     d = _desc_cache.get(key)
     if d is not None:
         return d
-    d = encode_tiled(arg.dtype, ptr, (cols, rows), row_stride * elem, arg.box)
+    d = encode_tiled(arg.dtype, ptr, (cols, rows), row_stride * elem, arg.box, arg.swizzle)
     with _lock:
         if len(_desc_cache) >= _DESC_CACHE_MAX:
             _desc_cache.clear()
@@ -124,8 +126,11 @@ def tma_descriptor(arg: abi.Arg, ptr: int, syms: dict) -> bytes:
 
 
 def encode_tiled(dtype: str, ptr: int, dims_inner_first, row_stride_bytes: int,
-                 box_inner_first) -> bytes:
+                 box_inner_first, swizzle: int = 0) -> bytes:
     cu = _cu()
+    sw = cu.CUtensorMapSwizzle
+    swz = {0: sw.CU_TENSOR_MAP_SWIZZLE_NONE, 32: sw.CU_TENSOR_MAP_SWIZZLE_32B,
+           64: sw.CU_TENSOR_MAP_SWIZZLE_64B, 128: sw.CU_TENSOR_MAP_SWIZZLE_128B}[swizzle]
     dt = {"bfloat16": cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
           "float32": cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT32}[dtype]
     # rows of zero extent are legal tensors but not legal tensor maps
@@ -137,7 +142,7 @@ def encode_tiled(dtype: str, ptr: int, dims_inner_first, row_stride_bytes: int,
         [cu.cuuint32_t(int(b)) for b in box_inner_first],
         [cu.cuuint32_t(1), cu.cuuint32_t(1)],
         cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
-        cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_NONE,
+        swz,
         cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
         cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE))
     return ctypes.string_at(tm.getPtr(), 128)

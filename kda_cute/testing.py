@@ -124,8 +124,9 @@ def errors(inp, **kw) -> dict:
     return res
 
 
-def prep_errors(inp, chunk=16) -> dict:
-    """K1 alone: its workspace against the float64 chunked twin's intermediates."""
+def prep_errors(inp, config=None) -> dict:
+    """K1 alone: its workspace against the float64 chunked twin's intermediates. With bf16
+    operands (config.prep.operands), kd and Aw are compared as hi + lo."""
     from kda_cute import api
     from kda_cute.reference import chunk_intermediates, preprocess
 
@@ -134,7 +135,8 @@ def prep_errors(inp, chunk=16) -> dict:
     p = api.validate(q, inp["k"], v, inp["g"], inp["beta"], inp["scale"], out, inp["A_log"],
                      inp["dt_bias"], inp["lower_bound"], None, None, inp["cu_seqlens"],
                      inp["gate"])
-    cfg = api.config_for(p)
+    cfg = api.config_for(p, config)
+    chunk = cfg.chunk
     ws = torch.full((api.workspace_bytes(p, cfg),), 0xFF, dtype=torch.uint8, device=q.device)
     w = api.launch_forward(q, inp["k"], v, inp["g"], inp["beta"], inp["scale"], out,
                            inp["A_log"], inp["dt_bias"], inp["lower_bound"], None, None,
@@ -152,5 +154,8 @@ def prep_errors(inp, chunk=16) -> dict:
     res = {}
     for name in ("qg", "kg", "kd", "aw", "mq"):
         r = ref[name.replace("aw", "Aw").replace("mq", "Mq")].reshape(B * T, H, -1)
-        res[name] = rel_err(w[name], r)
+        x = w[name]
+        if cfg.prep.operands == "bf16" and name in ("kd", "aw"):
+            x = x[0].double() + x[1].double()
+        res[name] = rel_err(x, r)
     return res

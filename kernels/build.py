@@ -130,7 +130,7 @@ def compile_one(cfg, arch: str, out_dir: str) -> dict:
         "config": cfg.as_dict(),
         "arch": arch,
         "entry": entry,
-        "block": [cfg.threads, 1, 1],
+        "block": [cfg.block_threads, 1, 1],
         "dynamic_smem_bytes": int(kern.smem_bytes),
         "params": [list(p) for p in table["params"]],
         "param_bytes": table["param_bytes"],

@@ -9,9 +9,10 @@ _GBASIS = re.compile(r'tma_gbasis = <"\(([^)]*)\):\(([^)]*)\)">')
 _BITS = re.compile(r"copy_bits = (\d+)")
 
 
-def tma_meta(name: str, atom, dtype: str, swizzle: int = 0) -> dict:
+def tma_meta(name: str, atom, dtype: str, swizzle: int = 0, inner_mode: int | None = None) -> dict:
     """What a compiled TMA load expects of its descriptor, read back from the atom's type: the box
-    per global mode, innermost (mode 1 of our row-major rank-2 views) first, and its byte count.
+    per global mode, innermost first (mode 1 of our row-major rank-2 views unless `inner_mode`
+    says otherwise), its byte count and the smem swizzle span in bytes.
     The manifest records it and the ABI test compares it with what the launcher encodes."""
     text = str(atom.type)
     m, bits = _GBASIS.search(text), _BITS.search(text)
@@ -21,9 +22,18 @@ def tma_meta(name: str, atom, dtype: str, swizzle: int = 0) -> dict:
     modes = [int(b.split("@")[1]) for b in m.group(2).split(",")]
     box = {mode: size for size, mode in zip(sizes, modes, strict=True)}
     rank = max(modes) + 1
+    inner = rank - 1 if inner_mode is None else inner_mode
+    order = [inner] + [i for i in reversed(range(rank)) if i != inner]
     return {"name": name, "dtype": dtype, "rank": rank,
-            "box": [box.get(i, 1) for i in reversed(range(rank))],
+            "box": [box.get(i, 1) for i in order],
             "bytes": int(bits.group(1)) // 8, "swizzle": swizzle}
+
+
+def swizzle_bytes(layout) -> int:
+    """The swizzle span in bytes of a swizzled 16-bit smem layout (its Swizzle<B, 4, 3> has
+    2^B 16-byte units per row of the pattern); 0 for a plain layout."""
+    m = re.search(r"S<(\d+),(\d+),(\d+)>", str(getattr(layout, "inner", "")))
+    return 0 if m is None or int(m.group(1)) == 0 else 16 << int(m.group(1))
 
 
 class ChunkTileLoader:

@@ -9,12 +9,15 @@ Pipeline: one mbarrier; one elected thread issues three TMA loads (q, k and g ti
 Phases:
   A  thread per key column: L2 norms (block reduction), gate activation, cumulative decay G,
      and the token-indexed outputs qg = scale qn e^G, kg = kn e^G, kd = kn e^(Gl - G), gl = e^Gl.
-  B  thread per (i, j) entry of the chunk matrices: L and Mqk, each term with e^(G_i - G_j)
-     computed from the difference, so no factor exceeds 1 (the unbounded gate cannot overflow).
+  B  thread per (i, j) entry of the chunk matrices L and Mqk. When every |G| of the chunk is at
+     most 80 (always, for the bounded gate at chunk 16), a term is the product of the factors
+     (kn_i e^G_i)(kn_j e^-G_j), each inside fp32 range; otherwise each term takes
+     e^(G_i - G_j) from the difference, so no factor exceeds 1 (strong unbounded decays).
   C  thread per column j: forward substitution for Aw = (I + L)^-1 diag(beta).
-Constraints: K % 8 == 0, K <= 256, chunk <= 32, chunk * chunk <= 2 * threads is not required
-(entries are strided over the threads).
-Outputs are fp32; rows past the chunk's valid length are never written.
+Outputs (config `operands`): "f32" writes fp32 tensors for the SIMT K2; "bf16" writes the
+tensor-core K2's operands: bf16 qg, kg and Mq, kd and Aw as bf16 hi + lo planes (x = hi + lo to
+~16 bits), fp32 gl. Constraints: K % 8 == 0, K <= 256, chunk <= 32.
+Rows past the chunk's valid length are never written.
 """
 
 import cutlass
@@ -36,6 +39,7 @@ class KdaPrepSm90:
         self.threads = cfg.threads
         self.num_warps = cfg.threads // 32
         self.io_dtype = cutlass.BFloat16
+        self.split = cfg.operands == "bf16"  # outputs as bf16 (hi + lo planes for kd and Aw)
         self.smem_bytes = 0
         self.tma_meta = []
 
@@ -51,12 +55,12 @@ class KdaPrepSm90:
         mDtBias: cute.Tensor,  # (H*K,) fp32
         mCuSeq: cute.Tensor,  # (N+1,) int32
         mCuChunk: cute.Tensor,  # (N+1,) int32
-        mQg: cute.Tensor,  # (T, H, K) fp32
+        mQg: cute.Tensor,  # (T, H, K) fp32 | bf16
         mKg: cute.Tensor,
-        mKd: cute.Tensor,
+        mKd: cute.Tensor,  # (T, H, K) fp32 | (2, T, H, K) bf16 hi, lo
         mGl: cute.Tensor,  # (num_chunks, H, K) fp32
-        mAw: cute.Tensor,  # (T, H, C) fp32
-        mMq: cute.Tensor,
+        mAw: cute.Tensor,  # (T, H, C) fp32 | (2, T, H, C) bf16 hi, lo
+        mMq: cute.Tensor,  # (T, H, C) fp32 | bf16
         num_seqs: cutlass.Int32,
         num_chunks: cutlass.Int32,
         num_heads: cutlass.Int32,
@@ -86,6 +90,11 @@ class KdaPrepSm90:
             fQ: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, C * (K + 1)], 16]
             fK: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, C * (K + 1)], 16]
             fG: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, C * (K + 1)], 16]
+            # the factored phase B's operands: qn e^G, kn e^G, kn e^-G
+            fQe: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, C * (K + 1)], 16]
+            fKe: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, C * (K + 1)], 16]
+            fKi: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, C * (K + 1)], 16]
+            unsafe: cute.struct.MemRange[cutlass.Int32, 1]
             red: cute.struct.MemRange[cutlass.Float32, 2 * C * self.num_warps]
             norm: cute.struct.MemRange[cutlass.Float32, 2 * C]
             beta: cute.struct.MemRange[cutlass.Float32, C]
@@ -151,6 +160,10 @@ class KdaPrepSm90:
             fQ = st.fQ.get_tensor(f_layout)
             fK = st.fK.get_tensor(f_layout)
             fG = st.fG.get_tensor(f_layout)
+            fQe = st.fQe.get_tensor(f_layout)
+            fKe = st.fKe.get_tensor(f_layout)
+            fKi = st.fKi.get_tensor(f_layout)
+            unsafe = st.unsafe.get_tensor(cute.make_layout(1))
             red = st.red.get_tensor(cute.make_layout((2 * C, NW), stride=(1, 2 * C)))
             norm = st.norm.get_tensor(cute.make_layout(2 * C))
             sBeta = st.beta.get_tensor(cute.make_layout(C))
@@ -161,6 +174,8 @@ class KdaPrepSm90:
             if warp == 0:
                 with cute.arch.elect_one():
                     cute.arch.mbarrier_init(mbar, 1)
+            if tidx == 0:
+                unsafe[0] = cutlass.Int32(0)
             cute.arch.mbarrier_init_fence()
             cute.arch.sync_threads()
             if warp == 0:
@@ -233,34 +248,62 @@ class KdaPrepSm90:
                     fK[i, d] = sK[i, d].to(cutlass.Float32) * norm[C + i]
                 Gl = G
                 mGl[bid, h, d] = cute.math.exp(Gl)
+                big = cutlass.Int32(0)
                 for i in cutlass.range_constexpr(C):
+                    Gi = fG[i, d]
+                    eg = cute.math.exp(Gi)
+                    kn = fK[i, d]
+                    qe = fQ[i, d] * eg
+                    ke = kn * eg
+                    fQe[i, d] = qe
+                    fKe[i, d] = ke
+                    fKi[i, d] = kn * cute.math.exp(-Gi)
+                    if Gi < -80.0:
+                        big = cutlass.Int32(1)
+                    if Gi > 80.0:
+                        big = cutlass.Int32(1)
                     if i < length:
-                        Gi = fG[i, d]
-                        eg = cute.math.exp(Gi)
-                        kn = fK[i, d]
-                        mQg[t0 + i, h, d] = scale * fQ[i, d] * eg
-                        mKg[t0 + i, h, d] = kn * eg
-                        mKd[t0 + i, h, d] = kn * cute.math.exp(Gl - Gi)
+                        kd = kn * cute.math.exp(Gl - Gi)
+                        if cutlass.const_expr(self.split):
+                            mQg[t0 + i, h, d] = (scale * qe).to(self.io_dtype)
+                            mKg[t0 + i, h, d] = ke.to(self.io_dtype)
+                            self._store_split(mKd, (t0 + i, h, d), kd)
+                        else:
+                            mQg[t0 + i, h, d] = scale * qe
+                            mKg[t0 + i, h, d] = ke
+                            mKd[t0 + i, h, d] = kd
+                if big != 0:
+                    unsafe[0] = big
             cute.arch.sync_threads()
 
             # ---- phase B: L and Mqk ------------------------------------------------------
+            factored = unsafe[0] == 0
             for p in cutlass.range(tidx, C * C, NT):
                 i = p // C
                 j = p - i * C
                 lacc = cutlass.Float32(0.0)
                 macc = cutlass.Float32(0.0)
                 if j <= i and i < length:
-                    for d in cutlass.range(K):
-                        e = cute.math.exp(fG[i, d] - fG[j, d])
-                        kj = fK[j, d] * e
-                        lacc = lacc + fK[i, d] * kj
-                        macc = macc + fQ[i, d] * kj
+                    if factored:
+                        for d in cutlass.range(K, unroll=8):
+                            kj = fKi[j, d]
+                            lacc = lacc + fKe[i, d] * kj
+                            macc = macc + fQe[i, d] * kj
+                    else:
+                        for d in cutlass.range(K):
+                            e = cute.math.exp(fG[i, d] - fG[j, d])
+                            kj = fK[j, d] * e
+                            lacc = lacc + fK[i, d] * kj
+                            macc = macc + fQ[i, d] * kj
                 lval = cutlass.Float32(0.0)
                 if j < i:
                     lval = sBeta[i] * lacc
                 sL[i, j] = lval
                 if i < length:
-                    mMq[t0 + i, h, j] = scale * macc
+                    if cutlass.const_expr(self.split):
+                        mMq[t0 + i, h, j] = (scale * macc).to(self.io_dtype)
+                    else:
+                        mMq[t0 + i, h, j] = scale * macc
             cute.arch.sync_threads()
 
             # ---- phase C: Aw = (I + L)^-1 diag(beta), one column per thread -----------------
@@ -282,4 +325,15 @@ class KdaPrepSm90:
                 i = p // C
                 j = p - i * C
                 if i < length:
-                    mAw[t0 + i, h, j] = sX[i, j]
+                    if cutlass.const_expr(self.split):
+                        self._store_split(mAw, (t0 + i, h, j), sX[i, j])
+                    else:
+                        mAw[t0 + i, h, j] = sX[i, j]
+
+    @cute.jit
+    def _store_split(self, mX: cute.Tensor, coord, x: cutlass.Float32):
+        """x as a bf16 hi + lo pair in planes 0 and 1 of mX."""
+        hi = x.to(self.io_dtype)
+        t, h, c = coord
+        mX[0, t, h, c] = hi
+        mX[1, t, h, c] = (x - hi.to(cutlass.Float32)).to(self.io_dtype)

@@ -1,40 +1,67 @@
-"""K2 on tensor cores: the chunk recurrence with the state products on bf16 warpgroup MMA (sm_90a).
+"""K2 on tensor cores: the chunk recurrence with every product on bf16 warpgroup MMA (sm_90a).
 
-One CTA (one warpgroup, 128 threads) per (block of 64 state rows, head, sequence). The state is
-kept transposed-free as S [64 rows of V, K] in the fp32 accumulator registers of the update MMA, so
-every product has the 64-row side wgmma needs (M = 64):
-  P  = S kg^T   (M 64, N chunk, reduction K)      bf16 operands, fp32 accumulate
-  Pq = S qg^T   (same)
-  W^T = v^T - P ; U^T = W^T Aw^T ; O^T = Pq + U^T Mq^T     fp32 on the CUDA cores (chunk x chunk)
-  S = S * gl + U^T kd  (M 64, N K, reduction chunk)  as three bf16 MMAs on hi/lo splits of U and kd
-The hi/lo split keeps the final state at fp32 accuracy (bench/NOTES.md: bf16 U and kd alone put the
-state error at the 2.5e-3 bar; the output tolerates bf16 operands).
+One CTA per (block of 64 state rows, head, sequence): one consumer warpgroup (warps 0-3) owns the
+state S [64 rows of V, K] in the fp32 accumulator registers of the update MMA; one producer warp
+(warp 4) streams each chunk's operands into a `stages`-deep `cutlass.pipeline.PipelineTmaAsync`.
+Every product has the 64-row side wgmma needs (M = 64) and takes its A operand from registers
+(the previous product's accumulator, converted to bf16), its B operand from swizzled smem that
+TMA fills straight from K1's bf16 workspace (no conversion pass, no S round trip through smem):
 
-Loads: the same `stages`-deep TMA + mbarrier pipeline of K1's fp32 workspace tiles as the SIMT K2
-(same kernel arguments, same launcher); threads convert each tile into the swizzled bf16 operand
-buffers. kd is read as an MN-major B operand, so it needs no transpose.
-Constraints: block_v == 64, threads == 128, head_dim_k % 64 == 0, chunk % 16 == 0.
+  P   = S kg^T            M 64, N chunk, reduction K     A = bf16(S)
+  Pq  = S qg^T            M 64, N chunk, reduction K     A = bf16(S)
+  W^T = v^T - P           registers; token columns past the chunk's length are zero
+  U^T = W^T Aw^T          M 64, N chunk, reduction chunk A = W hi/lo, B = Aw hi/lo (3 products)
+  O^T = Pq + U^T Mq^T     M 64, N chunk, reduction chunk A = U hi             -> out
+  S   = S diag(gl) + U^T kd   M 64, N K, reduction chunk  A = U hi/lo, B = kd hi/lo (3 products)
+
+x hi/lo is the pair (bf16(x), bf16(x - bf16(x))): hi*hi + hi*lo + lo*hi carries ~16 mantissa
+bits, which keeps the fp32 final state at fp32-level accuracy (bench/NOTES.md: plain bf16 for U
+and kd puts the state error at the 2.5e-3 bar; the output tolerates bf16 operands).
+kd is read as an MN-major B operand (a transposed TMA view), so nothing is transposed on chip.
+Rows of kd past the last token of a sequence may hold anything (even NaN) when the caller's
+tensors run past the last sequence: the consumers zero those smem rows before the update.
+Constraints: block_v == 64, threads == 128 (+ 32 producer), chunk == 16, head_dim_k % 64 == 0.
 """
 
 import cutlass
 import cutlass.cute as cute
+import cutlass.pipeline as pipeline
 import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass.cute.nvgpu import warpgroup
+from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.utils import LayoutEnum
 
 from kda_cute.config import RecurConfig
-from kernels.common import ChunkTileLoader
+from kernels.common import swizzle_bytes, tma_meta
 
 STATE_NONE, STATE_F32, STATE_BF16 = 0, 1, 2
+_CONSUMER_BARRIER = 1  # named barrier id of the consumer warpgroup (0 is __syncthreads)
 
 
-class KdaRecurTcSm90(ChunkTileLoader):
+def acc_as_operand_a(acc: cute.Tensor) -> cute.Tensor:
+    """View an m64nN fp32 accumulator fragment ((2, 2, N/8), M, N') as the A-operand fragment of a
+    following m64nXk16 wgmma ((2, 2, 2), M, (N/16, N')): for 16-bit operands the accumulator's
+    16-column slabs hold exactly the registers an A fragment of one k-block needs."""
+    dv = cute.logical_divide(acc.layout, ((None, None, 2), None, None))
+    layout = cute.make_layout(
+        ((dv.shape[0][0], dv.shape[0][1], dv.shape[0][2][0]), dv.shape[1],
+         (dv.shape[0][2][1], dv.shape[2])),
+        stride=((dv.stride[0][0], dv.stride[0][1], dv.stride[0][2][0]), dv.stride[1],
+                (dv.stride[0][2][1], dv.stride[2])))
+    return cute.make_tensor(acc.iterator, layout)
+
+
+class KdaRecurTcSm90:
     def __init__(self, cfg: RecurConfig):
         self.cfg = cfg
         self.K, self.V = cfg.head_dim_k, cfg.head_dim_v
         self.C, self.BV = cfg.chunk, cfg.block_v
-        self.threads, self.stages = cfg.threads, cfg.stages
+        self.stages = cfg.stages
+        self.mma_threads = cfg.threads
+        self.threads = cfg.threads + 32  # + the producer warp
+        self.producer_warp = cfg.threads // 32
+        C, K, BV = self.C, self.K, self.BV
+        self.tx_bytes = (4 * C * K + 3 * C * C + C * BV) * 2 + K * 4
         self.smem_bytes = 0
         self.tma_meta = []
 
@@ -42,8 +69,11 @@ class KdaRecurTcSm90(ChunkTileLoader):
     @cute.jit
     def __call__(
         self,
-        mKg: cute.Tensor, mQg: cute.Tensor, mKd: cute.Tensor,
-        mAw: cute.Tensor, mMq: cute.Tensor, mGl: cute.Tensor, mV: cute.Tensor,
+        mKg: cute.Tensor, mQg: cute.Tensor,  # (T, H*K) bf16
+        mKdh: cute.Tensor, mKdl: cute.Tensor,  # (H*K, T) bf16: transposed views
+        mAwh: cute.Tensor, mAwl: cute.Tensor, mMq: cute.Tensor,  # (T, H*C) bf16
+        mGl: cute.Tensor,  # (num_chunks, H*K) fp32
+        mV: cute.Tensor,  # (T, H*V) bf16, row stride dynamic
         mOut: cute.Tensor,
         mS0f: cute.Tensor, mS0h: cute.Tensor, mS1f: cute.Tensor, mS1h: cute.Tensor,
         mCuSeq: cute.Tensor, mCuChunk: cute.Tensor,
@@ -53,51 +83,61 @@ class KdaRecurTcSm90(ChunkTileLoader):
     ):
         C, K, BV, S = self.C, self.K, self.BV, self.stages
         bf16 = cutlass.BFloat16
-        (tma_kg, tKg, tma_qg, tQg, tma_kd, tKd, tma_aw, tAw, tma_mq, tMq, tma_gl, tGl, tma_v,
-         tV), (l_ck, l_cc, l_1k, l_cv) = self._make_loads(mKg, mQg, mKd, mAw, mMq, mGl, mV)
-
-        # P = S kg^T: A = S [BV, K] K-major, B = kg [C, K] K-major
+        k_major = LayoutEnum.ROW_MAJOR.sm90_mma_major_mode()
+        rmem = warpgroup.OperandSource.RMEM
+        # N = chunk products (P, Pq, U, O): B K-major
         mma_p = sm90_utils.make_trivial_tiled_mma(
-            bf16, bf16, LayoutEnum.ROW_MAJOR.sm90_mma_major_mode(),
-            LayoutEnum.ROW_MAJOR.sm90_mma_major_mode(), cutlass.Float32, (1, 1, 1),
-            tiler_mn=(BV, C))
-        # S += U^T kd: A = U^T [BV, C] K-major, B = kd [C, K] read as [K, C] MN-major
+            bf16, bf16, k_major, k_major, cutlass.Float32, (1, 1, 1), tiler_mn=(BV, C),
+            a_source=rmem)
+        # the state update: B = kd [chunk, K] read as (K, chunk), MN-major
         mma_s = sm90_utils.make_trivial_tiled_mma(
-            bf16, bf16, LayoutEnum.ROW_MAJOR.sm90_mma_major_mode(),
-            LayoutEnum.COL_MAJOR.sm90_mma_major_mode(), cutlass.Float32, (1, 1, 1),
-            tiler_mn=(BV, K))
-        l_sS = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (BV, C, K), bf16, 1)
-        l_sKg = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (BV, C, K), bf16, 1)
-        l_sU = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (BV, K, C), bf16, 1)
-        l_sKd = sm90_utils.make_smem_layout_b(LayoutEnum.COL_MAJOR, (BV, K, C), bf16, 1)
-        l_f = cute.make_layout((BV, C), stride=(C + 1, 1))  # fp32 W^T / U^T, padded rows
+            bf16, bf16, k_major, LayoutEnum.COL_MAJOR.sm90_mma_major_mode(), cutlass.Float32,
+            (1, 1, 1), tiler_mn=(BV, K), a_source=rmem)
+        l_ck = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (BV, C, K), bf16, S)
+        l_cc = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (BV, C, C), bf16, S)
+        l_kc = sm90_utils.make_smem_layout_b(LayoutEnum.COL_MAJOR, (BV, K, C), bf16, S)
+        l_gl = cute.make_layout((1, K, S), stride=(K, 1, K))
+        l_v = cute.make_layout((C, BV, S), stride=(BV, 1, C * BV))
+
+        op = cpasync.CopyBulkTensorTileG2SOp()
+        one = (None, None, 0)
+        atoms, self.tma_meta = [], []
+        for name, m, layout, tile, inner in (
+                ("kg", mKg, l_ck, (C, K), None), ("qg", mQg, l_ck, (C, K), None),
+                ("kdh", mKdh, l_kc, (K, C), 0), ("kdl", mKdl, l_kc, (K, C), 0),
+                ("awh", mAwh, l_cc, (C, C), None), ("awl", mAwl, l_cc, (C, C), None),
+                ("mq", mMq, l_cc, (C, C), None)):
+            atom, tX = cpasync.make_tiled_tma_atom(op, m, cute.slice_(layout, one), tile)
+            atoms += [atom, tX]
+            self.tma_meta.append(tma_meta(name, atom, "bfloat16", swizzle_bytes(layout),
+                                          inner_mode=inner))
+        for name, m, layout, tile, dtype in (("gl", mGl, l_gl, (1, K), "float32"),
+                                             ("v", mV, l_v, (C, BV), "bfloat16")):
+            atom, tX = cpasync.make_tiled_tma_atom(op, m, cute.slice_(layout, one), tile)
+            atoms += [atom, tX]
+            self.tma_meta.append(tma_meta(name, atom, dtype))
+
+        buf = cute.struct.MemRange
+        align = cute.struct.Align
 
         @cute.struct
         class SharedStorage:
-            full: cute.struct.MemRange[cutlass.Int64, S]
-            sKg: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, S * C * K], 128]
-            sQg: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, S * C * K], 128]
-            sKd: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, S * C * K], 128]
-            sAw: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, S * C * C], 128]
-            sMq: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, S * C * C], 128]
-            sGl: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, S * K], 128]
-            sV: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, S * C * BV], 128]
-            bS: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(l_sS)], 1024]
-            bKg: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(l_sKg)], 1024]
-            bQg: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(l_sKg)], 1024]
-            bKdHi: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(l_sKd)], 1024]
-            bKdLo: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(l_sKd)], 1024]
-            bUHi: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(l_sU)], 1024]
-            bULo: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(l_sU)], 1024]
-            fW: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, cute.cosize(l_f)], 16]
-            fU: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, cute.cosize(l_f)], 16]
+            bars: buf[cutlass.Int64, 2 * S]
+            sKg: align[buf[bf16, cute.cosize(l_ck)], 1024]
+            sQg: align[buf[bf16, cute.cosize(l_ck)], 1024]
+            sKdh: align[buf[bf16, cute.cosize(l_kc)], 1024]
+            sKdl: align[buf[bf16, cute.cosize(l_kc)], 1024]
+            sAwh: align[buf[bf16, cute.cosize(l_cc)], 1024]
+            sAwl: align[buf[bf16, cute.cosize(l_cc)], 1024]
+            sMq: align[buf[bf16, cute.cosize(l_cc)], 1024]
+            sGl: align[buf[cutlass.Float32, cute.cosize(l_gl)], 128]
+            sV: align[buf[bf16, cute.cosize(l_v)], 128]
 
         self.shared_storage = SharedStorage
         self.smem_bytes = SharedStorage.size_in_bytes()
         self.kernel(
-            tma_kg, tKg, tma_qg, tQg, tma_kd, tKd, tma_aw, tAw, tma_mq, tMq, tma_gl, tGl,
-            tma_v, tV, mOut, mS0f, mS0h, mS1f, mS1h, mCuSeq, mCuChunk, state_in, state_out,
-            mma_p, mma_s, l_ck, l_cc, l_1k, l_cv, l_sS, l_sKg, l_sU, l_sKd, l_f,
+            *atoms, mOut, mS0f, mS0h, mS1f, mS1h, mCuSeq, mCuChunk, state_in, state_out,
+            mma_p, mma_s, l_ck, l_cc, l_kc, l_gl, l_v,
         ).launch(
             grid=(self.V // BV, num_heads, num_seqs), block=(self.threads, 1, 1),
             smem=self.smem_bytes, stream=stream,
@@ -109,8 +149,10 @@ class KdaRecurTcSm90(ChunkTileLoader):
         self,
         tma_kg: cute.CopyAtom, tKg: cute.Tensor,
         tma_qg: cute.CopyAtom, tQg: cute.Tensor,
-        tma_kd: cute.CopyAtom, tKd: cute.Tensor,
-        tma_aw: cute.CopyAtom, tAw: cute.Tensor,
+        tma_kdh: cute.CopyAtom, tKdh: cute.Tensor,
+        tma_kdl: cute.CopyAtom, tKdl: cute.Tensor,
+        tma_awh: cute.CopyAtom, tAwh: cute.Tensor,
+        tma_awl: cute.CopyAtom, tAwl: cute.Tensor,
         tma_mq: cute.CopyAtom, tMq: cute.Tensor,
         tma_gl: cute.CopyAtom, tGl: cute.Tensor,
         tma_v: cute.CopyAtom, tV: cute.Tensor,
@@ -119,12 +161,10 @@ class KdaRecurTcSm90(ChunkTileLoader):
         mCuSeq: cute.Tensor, mCuChunk: cute.Tensor,
         state_in: cutlass.Int32, state_out: cutlass.Int32,
         mma_p: cute.TiledMma, mma_s: cute.TiledMma,
-        l_ck: cute.Layout, l_cc: cute.Layout, l_1k: cute.Layout, l_cv: cute.Layout,
-        l_sS: cute.ComposedLayout, l_sKg: cute.ComposedLayout, l_sU: cute.ComposedLayout,
-        l_sKd: cute.ComposedLayout, l_f: cute.Layout,
+        l_ck: cute.ComposedLayout, l_cc: cute.ComposedLayout, l_kc: cute.ComposedLayout,
+        l_gl: cute.Layout, l_v: cute.Layout,
     ):
-        C, K, BV, S, NT = self.C, self.K, self.BV, self.stages, self.threads
-        bf16 = cutlass.BFloat16
+        C, K, BV, S = self.C, self.K, self.BV, self.stages
         tidx, _, _ = cute.arch.thread_idx()
         vb, h, seq = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -137,160 +177,149 @@ class KdaRecurTcSm90(ChunkTileLoader):
 
         smem = utils.SmemAllocator()
         st = smem.allocate(self.shared_storage)
-        full = st.full.data_ptr()
+        sKg = st.sKg.get_tensor(l_ck.outer, swizzle=l_ck.inner)  # (C, K, S)
+        sQg = st.sQg.get_tensor(l_ck.outer, swizzle=l_ck.inner)
+        sKdh = st.sKdh.get_tensor(l_kc.outer, swizzle=l_kc.inner)  # (K, C, S)
+        sKdl = st.sKdl.get_tensor(l_kc.outer, swizzle=l_kc.inner)
+        sAwh = st.sAwh.get_tensor(l_cc.outer, swizzle=l_cc.inner)  # (C, C, S)
+        sAwl = st.sAwl.get_tensor(l_cc.outer, swizzle=l_cc.inner)
+        sMq = st.sMq.get_tensor(l_cc.outer, swizzle=l_cc.inner)
+        sGl = st.sGl.get_tensor(l_gl)  # (1, K, S)
+        sV = st.sV.get_tensor(l_v)  # (C, BV, S)
 
-        def staged(layout):
-            return cute.append(layout, cute.make_layout(S, stride=cute.cosize(layout)))
+        pipe = pipeline.PipelineTmaAsync.create(
+            barrier_storage=st.bars.data_ptr(), num_stages=S,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
+                                                     self.mma_threads // 32),
+            tx_count=self.tx_bytes)
 
-        sKg = st.sKg.get_tensor(staged(l_ck))
-        sQg = st.sQg.get_tensor(staged(l_ck))
-        sKd = st.sKd.get_tensor(staged(l_ck))
-        sAw = st.sAw.get_tensor(staged(l_cc))
-        sMq = st.sMq.get_tensor(staged(l_cc))
-        sGl = st.sGl.get_tensor(staged(l_1k))
-        sV = st.sV.get_tensor(staged(l_cv))
-        bS = st.bS.get_tensor(l_sS.outer, swizzle=l_sS.inner)  # (BV, K, 1)
-        bKg = st.bKg.get_tensor(l_sKg.outer, swizzle=l_sKg.inner)  # (C, K, 1)
-        bQg = st.bQg.get_tensor(l_sKg.outer, swizzle=l_sKg.inner)
-        bKdHi = st.bKdHi.get_tensor(l_sKd.outer, swizzle=l_sKd.inner)  # (K, C, 1)
-        bKdLo = st.bKdLo.get_tensor(l_sKd.outer, swizzle=l_sKd.inner)
-        bUHi = st.bUHi.get_tensor(l_sU.outer, swizzle=l_sU.inner)  # (BV, C, 1)
-        bULo = st.bULo.get_tensor(l_sU.outer, swizzle=l_sU.inner)
-        fW = st.fW.get_tensor(l_f)
-        fU = st.fU.get_tensor(l_f)
+        if warp == self.producer_warp:
+            # ---- producer: one chunk's tiles per stage -----------------------------------
+            loads = ((tma_kg, tKg, sKg, (C, K), False), (tma_qg, tQg, sQg, (C, K), False),
+                     (tma_kdh, tKdh, sKdh, (K, C), True), (tma_kdl, tKdl, sKdl, (K, C), True),
+                     (tma_awh, tAwh, sAwh, (C, C), False), (tma_awl, tAwl, sAwl, (C, C), False),
+                     (tma_mq, tMq, sMq, (C, C), False))
+            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, S)
+            for c in cutlass.range(num_chunks):
+                pipe.producer_acquire(state)
+                bar = pipe.producer_get_barrier(state)
+                s = state.index
+                t0 = bos + c * C
+                for tma, tX, sX, tile, transposed in loads:
+                    col = h * tile[1] if not transposed else h * tile[0]
+                    coord = (col, t0) if transposed else (t0, col)
+                    self._tile_copy(tma, tX, sX[None, None, s], coord, tile, bar)
+                self._tile_copy(tma_gl, tGl, sGl[None, None, s], (chunk0 + c, h * K), (1, K),
+                                bar)
+                self._tile_copy(tma_v, tV, sV[None, None, s], (t0, h * self.V + v0), (C, BV),
+                                bar)
+                pipe.producer_commit(state)
+                state.advance()
+        else:
+            self._consume(pipe, sKg, sQg, sKdh, sKdl, sAwh, sAwl, sMq, sGl, sV, mOut,
+                          mS0f, mS0h, mS1f, mS1h, state_in, state_out, mma_p, mma_s,
+                          tidx, h, seq, v0, bos, eos, num_chunks)
 
-        if warp == 0:
-            with cute.arch.elect_one():
-                for s in cutlass.range_constexpr(S):
-                    cute.arch.mbarrier_init(full + s, 1)
-        cute.arch.mbarrier_init_fence()
-        cute.arch.sync_threads()
-
-        # ---- MMA partitions --------------------------------------------------------------
-        wg_p = mma_p.get_slice(0)  # A/B smem descriptors are per warpgroup
-        wg_s = mma_s.get_slice(0)
+    @cute.jit
+    def _consume(self, pipe, sKg, sQg, sKdh, sKdl, sAwh, sAwl, sMq, sGl, sV, mOut,
+                 mS0f, mS0h, mS1f, mS1h, state_in, state_out, mma_p: cute.TiledMma,
+                 mma_s: cute.TiledMma, tidx, h, seq, v0, bos, eos, num_chunks):
+        C, K, BV = self.C, self.K, self.BV
+        bf16, f32 = cutlass.BFloat16, cutlass.Float32
         thr_p = mma_p.get_slice(tidx)
         thr_s = mma_s.get_slice(tidx)
-        rA_p = mma_p.make_fragment_A(wg_p.partition_A(bS))
-        rB_kg = mma_p.make_fragment_B(wg_p.partition_B(bKg))
-        rB_qg = mma_p.make_fragment_B(wg_p.partition_B(bQg))
-        rA_uhi = mma_s.make_fragment_A(wg_s.partition_A(bUHi))
-        rA_ulo = mma_s.make_fragment_A(wg_s.partition_A(bULo))
-        rB_kdhi = mma_s.make_fragment_B(wg_s.partition_B(bKdHi))
-        rB_kdlo = mma_s.make_fragment_B(wg_s.partition_B(bKdLo))
-        cP = thr_p.partition_C(cute.make_identity_tensor((BV, C)))  # (row, token) per element
-        cS = thr_s.partition_C(cute.make_identity_tensor((BV, K)))  # (row, key) per element
-        acc_p = cute.make_rmem_tensor(cP.shape, cutlass.Float32)
-        acc_q = cute.make_rmem_tensor(cP.shape, cutlass.Float32)
-        acc_s = cute.make_rmem_tensor(cS.shape, cutlass.Float32)
-        # S as the A operand of P: the thread's accumulator elements land where partition_C of
-        # the (BV, K) smem view puts them
-        tSbS = thr_s.partition_C(cute.slice_(bS, (None, None, 0)))
+        # B operands: smem descriptors per stage, (MMA, N, k-blocks, stages)
+        bKg = mma_p.make_fragment_B(thr_p.partition_B(sKg))
+        bQg = mma_p.make_fragment_B(thr_p.partition_B(sQg))
+        bAwh = mma_p.make_fragment_B(thr_p.partition_B(sAwh))
+        bAwl = mma_p.make_fragment_B(thr_p.partition_B(sAwl))
+        bMq = mma_p.make_fragment_B(thr_p.partition_B(sMq))
+        bKdh = mma_s.make_fragment_B(thr_s.partition_B(sKdh))
+        bKdl = mma_s.make_fragment_B(thr_s.partition_B(sKdl))
+        # accumulators and the (row, column) each of their elements holds
+        acc_s = cute.make_rmem_tensor(thr_s.partition_shape_C((BV, K)), f32)
+        acc_p = cute.make_rmem_tensor(thr_p.partition_shape_C((BV, C)), f32)
+        acc_o = cute.make_rmem_tensor(thr_p.partition_shape_C((BV, C)), f32)
+        acc_u = cute.make_rmem_tensor(thr_p.partition_shape_C((BV, C)), f32)
+        cS = thr_s.partition_C(cute.make_identity_tensor((BV, K)))
+        cP = thr_p.partition_C(cute.make_identity_tensor((BV, C)))
+        # A operands in registers: views of the accumulators, converted to bf16
+        vS, vW, vU = acc_as_operand_a(acc_s), acc_as_operand_a(acc_p), acc_as_operand_a(acc_u)
+        aS = cute.make_rmem_tensor_like(vS, bf16)
+        aWh = cute.make_rmem_tensor_like(vW, bf16)
+        aWl = cute.make_rmem_tensor_like(vW, bf16)
+        aUh = cute.make_rmem_tensor_like(vU, bf16)
+        aUl = cute.make_rmem_tensor_like(vU, bf16)
 
-        loads = (
-            (tma_kg, tKg, sKg, K, C), (tma_qg, tQg, sQg, K, C), (tma_kd, tKd, sKd, K, C),
-            (tma_aw, tAw, sAw, C, C), (tma_mq, tMq, sMq, C, C),
-        )
-        head_cols = (h * K, h * K, h * K, h * C, h * C)
-
-        # ---- initial state -> accumulator registers ----------------------------------------
+        # ---- initial state -> accumulator registers --------------------------------------
         for e in cutlass.range_constexpr(cute.size(acc_s)):
             r, d = cS[e]
-            x = cutlass.Float32(0.0)
+            x = f32(0.0)
             if state_in == STATE_F32:
                 x = mS0f[seq, h, v0 + r, d]
             elif state_in == STATE_BF16:
-                x = mS0h[seq, h, v0 + r, d].to(cutlass.Float32)
+                x = mS0h[seq, h, v0 + r, d].to(f32)
             acc_s[e] = x
 
-        if warp == 0:
-            for c in cutlass.range_constexpr(S - 1):
-                if c < num_chunks:
-                    self._issue(c, bos, chunk0 + c, loads, head_cols, tma_gl, tGl, sGl, h * K,
-                                tma_v, tV, sV, h * self.V + v0, full)
-
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         for c in cutlass.range(num_chunks):
-            cute.arch.sync_threads()  # buffer (c - 1) % S is free: refill it
-            if warp == 0:
-                if c + S - 1 < num_chunks:
-                    self._issue(c + S - 1, bos, chunk0 + c + S - 1, loads, head_cols, tma_gl,
-                                tGl, sGl, h * K, tma_v, tV, sV, h * self.V + v0, full)
-            s = c % S
-            cute.arch.mbarrier_wait(full + s, (c // S) % 2)
+            pipe.consumer_wait(state)
+            s = state.index
             t0 = bos + c * C
             length = cutlass.min(C, eos - t0)
 
-            # ---- operands to bf16: S (from registers), kg, qg, kd hi/lo ------------------
-            for e in cutlass.range_constexpr(cute.size(acc_s)):
-                tSbS[e] = acc_s[e].to(bf16)
-            for p in cutlass.range_constexpr(C * K // NT):
-                idx = tidx + p * NT
-                i = idx // K
-                d = idx - i * K
-                bKg[i, d, 0] = sKg[i, d, s].to(bf16)
-                bQg[i, d, 0] = sQg[i, d, s].to(bf16)
-                # kd rows past `length` meet U^T columns that are zero; zero them too, since a
-                # workspace row no sequence covers may hold NaN bits (0 * NaN = NaN)
-                x = cutlass.Float32(0.0)
-                if i < length:
-                    x = sKd[i, d, s]
-                hi = x.to(bf16)
-                bKdHi[d, i, 0] = hi
-                bKdLo[d, i, 0] = (x - hi.to(cutlass.Float32)).to(bf16)
-            cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.sync_threads()
-
-            # ---- P = S kg^T, Pq = S qg^T -------------------------------------------------
-            self._gemm(mma_p, acc_p, rA_p, rB_kg, False)
-            self._gemm(mma_p, acc_q, rA_p, rB_qg, False)
+            # ---- P = S kg^T, Pq = S qg^T ---------------------------------------------------
+            aS.store(vS.load().to(bf16))
+            self._gemm(mma_p, acc_p, aS, bKg[None, None, None, s], True)
+            self._gemm(mma_p, acc_o, aS, bQg[None, None, None, s], True)
             warpgroup.commit_group()
             warpgroup.wait_group(0)
 
-            # ---- W^T = v^T - P (tokens past `length` are zero) -----------------------------
+            # ---- W^T = v^T - P; tokens past the chunk's length are zero -------------------
             for e in cutlass.range_constexpr(cute.size(acc_p)):
                 r, i = cP[e]
-                w = cutlass.Float32(0.0)
+                w = f32(0.0)
                 if i < length:
-                    w = sV[i, r, s].to(cutlass.Float32) - acc_p[e]
-                fW[r, i] = w
-            cute.arch.sync_threads()
+                    w = sV[i, r, s].to(f32) - acc_p[e]
+                acc_p[e] = w
+            self._split(vW, aWh, aWl)
 
-            # ---- U^T = W^T Aw^T in fp32; hi/lo bf16 copies for the update ------------------
-            for p in cutlass.range_constexpr(BV * C // NT):
-                idx = tidx + p * NT
-                r = idx // C
-                i = idx - r * C
-                u = cutlass.Float32(0.0)
-                if i < length:
-                    for j in cutlass.range_constexpr(C):
-                        if j <= i:
-                            u = u + fW[r, j] * sAw[i, j, s]
-                fU[r, i] = u
-                hi = u.to(bf16)
-                bUHi[r, i, 0] = hi
-                bULo[r, i, 0] = (u - hi.to(cutlass.Float32)).to(bf16)
-            cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.sync_threads()
+            # ---- U^T = W^T Aw^T ------------------------------------------------------------
+            self._gemm(mma_p, acc_u, aWh, bAwh[None, None, None, s], True)
+            self._gemm(mma_p, acc_u, aWh, bAwl[None, None, None, s], False)
+            self._gemm(mma_p, acc_u, aWl, bAwh[None, None, None, s], False)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+            for e in cutlass.range_constexpr(cute.size(acc_u)):
+                _, i = cP[e]
+                if i >= length:  # Aw rows past the length may be anything
+                    acc_u[e] = f32(0.0)
+            self._split(vU, aUh, aUl)
 
-            # ---- O^T = Pq + U^T Mq^T -> out ------------------------------------------------
-            for e in cutlass.range_constexpr(cute.size(acc_q)):
-                r, i = cP[e]
-                if i < length:
-                    o = acc_q[e]
-                    for j in cutlass.range_constexpr(C):
-                        if j <= i:
-                            o = o + fU[r, j] * sMq[i, j, s]
-                    mOut[t0 + i, h, v0 + r] = o.to(bf16)
+            # ---- O^T = Pq + U^T Mq^T ---------------------------------------------------------
+            self._gemm(mma_p, acc_o, aUh, bMq[None, None, None, s], False)
+            warpgroup.commit_group()
 
-            # ---- S = S * gl + U^T kd (hi*hi + hi*lo + lo*hi) --------------------------------
+            # ---- S = S diag(gl) + U^T kd -----------------------------------------------------
+            if length < C:
+                self._zero_kd_tail(sKdh, sKdl, s, length, tidx)
             for e in cutlass.range_constexpr(cute.size(acc_s)):
                 _, d = cS[e]
                 acc_s[e] = acc_s[e] * sGl[0, d, s]
-            self._gemm(mma_s, acc_s, rA_uhi, rB_kdhi, True)
-            self._gemm(mma_s, acc_s, rA_uhi, rB_kdlo, True)
-            self._gemm(mma_s, acc_s, rA_ulo, rB_kdhi, True)
+            self._gemm(mma_s, acc_s, aUh, bKdh[None, None, None, s], False)
+            self._gemm(mma_s, acc_s, aUh, bKdl[None, None, None, s], False)
+            self._gemm(mma_s, acc_s, aUl, bKdh[None, None, None, s], False)
             warpgroup.commit_group()
+
+            warpgroup.wait_group(1)  # O done; the update runs on while the output is stored
+            for e in cutlass.range_constexpr(cute.size(acc_o)):
+                r, i = cP[e]
+                if i < length:
+                    mOut[t0 + i, h, v0 + r] = acc_o[e].to(bf16)
             warpgroup.wait_group(0)
+            pipe.consumer_release(state)
+            state.advance()
 
         # ---- final state ------------------------------------------------------------------
         for e in cutlass.range_constexpr(cute.size(acc_s)):
@@ -301,10 +330,40 @@ class KdaRecurTcSm90(ChunkTileLoader):
                 mS1h[seq, h, v0 + r, d] = acc_s[e].to(bf16)
 
     @cute.jit
-    def _gemm(self, mma, acc, rA, rB, accumulate: cutlass.Constexpr):
-        """acc (+)= A B^T over all k-blocks of the (single-stage) operand fragments."""
-        mma.set(warpgroup.Field.ACCUMULATE, accumulate)
+    def _split(self, acc_view: cute.Tensor, hi: cute.Tensor, lo: cute.Tensor):
+        """hi = bf16(x), lo = bf16(x - hi) of an fp32 accumulator (operand-A view)."""
+        x = acc_view.load()
+        h = x.to(cutlass.BFloat16)
+        hi.store(h)
+        lo.store((x - h.to(cutlass.Float32)).to(cutlass.BFloat16))
+
+    @cute.jit
+    def _zero_kd_tail(self, sKdh, sKdl, s, length, tidx):
+        """Zero kd's smem rows (tokens) >= length of stage s before the update reads them."""
+        K, C, NT = self.K, self.C, self.mma_threads
+        for p in cutlass.range_constexpr(K * C // NT):
+            idx = tidx + p * NT
+            i = idx // K
+            d = idx - i * K
+            if i >= length:
+                sKdh[d, i, s] = cutlass.BFloat16(0.0)
+                sKdl[d, i, s] = cutlass.BFloat16(0.0)
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.barrier(barrier_id=_CONSUMER_BARRIER, number_of_threads=NT)
+
+    @cute.jit
+    def _gemm(self, mma: cute.TiledMma, acc, rA, rB, zero_init: cutlass.Constexpr):
+        """acc (+)= A B^T over every k-block of the fragments (A in registers, B in smem)."""
+        mma.set(warpgroup.Field.ACCUMULATE, not zero_init)
         warpgroup.fence()
-        for kb in cutlass.range_constexpr(cute.size(rA, mode=[2])):
-            cute.gemm(mma, acc, rA[None, None, kb, 0], rB[None, None, kb, 0], acc)
+        for kb in cutlass.range_constexpr(cute.size(rB, mode=[2])):
+            cute.gemm(mma, acc, rA[None, None, kb], rB[None, None, kb], acc)
             mma.set(warpgroup.Field.ACCUMULATE, True)
+
+    @cute.jit
+    def _tile_copy(self, tma, tX, sX, coord, tile, bar):
+        gX = cute.local_tile(cute.domain_offset(coord, tX), tile, (0, 0))
+        tXs, tXg = cpasync.tma_partition(
+            tma, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2), cute.group_modes(gX, 0, 2))
+        cute.copy(tma, tXg, tXs, tma_bar_ptr=bar)
+

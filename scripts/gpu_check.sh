@@ -10,10 +10,12 @@ if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
-# fla's Triton kernels autotune per shape (~80 s a case on a bare machine): keep Triton's cache in
-# the repo (.triton_cache, git-ignored), carry it, and send it back as one archive
-export TRITON_CACHE_DIR="$PWD/.triton_cache"
+# fla's Triton kernels autotune per shape (~80 s a case on a bare machine): keep Triton's cache
+# (kernels and autotuning results) in the repo (git-ignored), carry it, send it back as one archive
+export TRITON_CACHE_DIR="$PWD/.triton_cache" TRITON_CACHE_AUTOTUNING=1
 mkdir -p "$TRITON_CACHE_DIR"
+# the cache travels packed (.triton_cache.tgz, ~15 MB; unpacked it is ~100 MB)
+[ -f .triton_cache.tgz ] && tar xzf .triton_cache.tgz -C "$TRITON_CACHE_DIR"
 # at most 8 files come back from $OUT: the device line goes into the summary instead
 export KDA_DEVICE_TXT=/tmp/kda_device.txt
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "$KDA_DEVICE_TXT" 2>&1

@@ -118,8 +118,10 @@ def test_tma_args_match_manifest(name):
         assert t["box"] == list(a.box), a.name
         # the compiled copy moves exactly one box per load (the kernels arm their barriers so)
         assert t["bytes"] == math.prod(a.box) * abi.DTYPE_BYTES[a.dtype], a.name
-        # runtime.encode_tiled always encodes SWIZZLE_NONE
-        assert t["swizzle"] == 0, a.name
+        # the launcher encodes the swizzle the kernel's smem layout was compiled for
+        assert t["swizzle"] == a.swizzle, a.name
+        if a.swizzle:
+            assert a.box[0] * abi.DTYPE_BYTES[a.dtype] <= a.swizzle, a.name
         # cuTensorMapEncodeTiled refuses boxes over 256 per dim or an inner extent that is not a
         # multiple of 16 bytes; catch that here rather than at the first launch
         assert all(1 <= b <= 256 for b in a.box), a.name
@@ -130,7 +132,7 @@ def test_tma_args_match_manifest(name):
 def test_launch_geometry(name):
     manifest, data, _ = load(name)
     cfg, _ = KERNELS[name]
-    assert manifest["block"] == [cfg.threads, 1, 1]
+    assert manifest["block"] == [cfg.block_threads, 1, 1]
     assert cubin_table(manifest, data)["reqntid"] == manifest["block"]
     assert 0 < manifest["dynamic_smem_bytes"] <= MAX_SMEM
 
@@ -149,7 +151,8 @@ CFG = select_config(128, 128, False)
 # 64-bit strides above 2**32 so a 32-bit field would truncate them
 SYMS = {"T": 4099, "H": 5, "HK": 5 * 128, "HV": 5 * 128, "HC": 5 * 16, "NCH": 263, "N1": 7,
         "NS": 6, "sQ": 0x1_0000_0008, "sK": 1928, "sG": 1936, "sB": 0x2_0000_0003,
-        "sV": 1944, "sO": 0x3_0000_0040, "sS": 0x4_0000_2000, "sW": 640, "sWc": 80}
+        "sV": 1944, "sO": 0x3_0000_0040, "sS": 0x4_0000_2000, "sW": 640, "sWc": 80,
+        "sP": 0x5_0000_0100, "sPc": 0x6_0000_0010}
 
 
 def arg_named(args: list, name: str) -> abi.Arg:

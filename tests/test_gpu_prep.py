@@ -2,6 +2,7 @@
 
 import pytest
 
+from kda_cute.config import EXPERIMENTAL
 from kda_cute.testing import cuda_ready, make_inputs, prep_errors
 
 ok, why = cuda_ready()
@@ -12,6 +13,8 @@ CASES = {
     "fixed-K64-unbounded": dict(B=2, T=20, H=2, K=64, gate="unbounded"),
     "fixed-K256-none": dict(B=1, T=40, H=2, K=256, gate="none"),
     "varlen": dict(seqlens=[5, 0, 33, 16, 1], H=2, K=128),
+    # |G| > 80 inside a chunk: phase B takes e^(G_i - G_j) per term instead of the factored form
+    "strong-decay": dict(B=1, T=64, H=2, K=128, gate="unbounded", g_shift=20.0),
 }
 
 
@@ -20,3 +23,14 @@ def test_prep_matches_chunked_twin(name):
     res = prep_errors(make_inputs(seed=len(name), **CASES[name]))
     # fp32 arithmetic on bf16 inputs: only fp32 rounding separates K1 from the float64 twin
     assert all(e < 1e-5 for e in res.values()), res
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_prep_bf16_operands(name):
+    """The tensor-core K2's workspace: bf16 qg, kg, Mq (rounding only) and hi + lo kd, Aw
+    (~16 mantissa bits)."""
+    kw = CASES[name]
+    (cfg,) = [c for c in EXPERIMENTAL if c.prep.head_dim_k == kw["K"]]
+    res = prep_errors(make_inputs(seed=len(name), **kw), config=cfg)
+    assert all(res[n] < 3e-3 for n in ("qg", "kg", "mq")), res
+    assert all(res[n] < 3e-5 for n in ("kd", "aw")), res
