@@ -150,10 +150,10 @@ def fla_runner():
     return run
 
 
-def bench_case(name, spec, K, iters, fla, ceiling, wgmma=False):
+def bench_case(name, spec, K, iters, fla, ceiling, simt=False):
     from kda_cute import api
-    from kda_cute.config import EXPERIMENTAL
-    tc_cfg = next((c for c in EXPERIMENTAL if c.prep.head_dim_k == K), None) if wgmma else None
+    from kda_cute.config import SIMT
+    simt_cfg = next((c for c in SIMT if c.prep.head_dim_k == K), None) if simt else None
     base = case_inputs(spec, K, seed=zlib.crc32(name.encode()) % 1000)
     nbytes = compulsory_bytes(base)
     n_sets = max(2, math.ceil(3 * L2_BYTES / nbytes))
@@ -166,7 +166,7 @@ def bench_case(name, spec, K, iters, fla, ceiling, wgmma=False):
         p = api.validate(q, x["k"], v, x["g"], x["beta"], x["scale"], x["out"], x["A_log"],
                          x["dt_bias"], x["lower_bound"], x["initial_state"], x["final_state"],
                          x["cu_seqlens"], "bounded")
-        ws = max(api.workspace_bytes(p, api.config_for(p, c)) for c in (None, tc_cfg))
+        ws = max(api.workspace_bytes(p, api.config_for(p, c)) for c in (None, simt_cfg))
         x["workspace"] = torch.empty(ws, dtype=torch.uint8, device="cuda")
         sets.append(x)
     run = kda_runner()
@@ -183,16 +183,16 @@ def bench_case(name, spec, K, iters, fla, ceiling, wgmma=False):
            "kda_out_err": rel_err(sets[0]["out"][:, :, :nh], ref_o),
            "kda_state_err": rel_err(sets[0]["final_state"][:, :nh], ref_s),
            "input_sets": n_sets, "checked_heads": nh}
-    if tc_cfg is not None:
-        run_tc = kda_runner(tc_cfg)
-        row["wgmma_ms"] = time_fn(run_tc, sets, iters)
-        row["wgmma_k1_ms"] = time_fn(k1_runner(tc_cfg), sets, iters)
+    if simt_cfg is not None:
+        run_tc = kda_runner(simt_cfg)
+        row["simt_ms"] = time_fn(run_tc, sets, iters)
+        row["simt_k1_ms"] = time_fn(k1_runner(simt_cfg), sets, iters)
         sets[0]["out"].fill_(float("nan"))
         sets[0]["final_state"].fill_(float("nan"))
         run_tc(sets[0])
         torch.cuda.synchronize()
-        row["wgmma_out_err"] = rel_err(sets[0]["out"][:, :, :nh], ref_o)
-        row["wgmma_state_err"] = rel_err(sets[0]["final_state"][:, :nh], ref_s)
+        row["simt_out_err"] = rel_err(sets[0]["out"][:, :, :nh], ref_o)
+        row["simt_state_err"] = rel_err(sets[0]["final_state"][:, :nh], ref_s)
     row["kda_GBps"] = nbytes / t_kda / 1e6
     row["kda_pct_roofline"] = 100 * row["roofline_ms"] / t_kda
     if fla is not None:
@@ -266,8 +266,8 @@ def main(argv=None):
     ap.add_argument("--head-dims", default="128")
     ap.add_argument("--iters", type=int, default=100)
     ap.add_argument("--no-fla", action="store_true")
-    ap.add_argument("--wgmma", action="store_true",
-                    help="also time the experimental K2 on warpgroup MMA (fwd(config=...))")
+    ap.add_argument("--simt", action="store_true",
+                    help="also time the fp32 CUDA-core baseline forward (config.SIMT)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "latest.json"))
     a = ap.parse_args(argv)
     # '_' may stand for ' ' in case names, so a shell variable can carry them unquoted
@@ -284,16 +284,16 @@ def main(argv=None):
         for name in names:
             t0 = time.time()
             rows.append(bench_case(name, CASES[name], K, max(100, a.iters), fla, ceiling,
-                                   a.wgmma))
+                                   a.simt))
             r = rows[-1]
             print(f"{name:<22} K{K:<4} kda {r['kda_ms']:.3f} ms (K1 {r['kda_k1_ms']:.3f}; "
                   f"{r['kda_pct_roofline']:.1f}% "
                   f"roofline) fla {r.get('fla_ms', float('nan')):.3f} ms "
                   f"err {r['kda_out_err']:.2e}/{r['kda_state_err']:.2e} "
-                  f"wgmma {r.get('wgmma_ms', float('nan')):.3f} ms "
-                  f"(K1 {r.get('wgmma_k1_ms', float('nan')):.3f}) "
-                  f"err {r.get('wgmma_out_err', float('nan')):.2e}/"
-                  f"{r.get('wgmma_state_err', float('nan')):.2e} [{time.time() - t0:.0f}s]",
+                  f"simt {r.get('simt_ms', float('nan')):.3f} ms "
+                  f"(K1 {r.get('simt_k1_ms', float('nan')):.3f}) "
+                  f"err {r.get('simt_out_err', float('nan')):.2e}/"
+                  f"{r.get('simt_state_err', float('nan')):.2e} [{time.time() - t0:.0f}s]",
                   flush=True)
             write_results(rows, ceiling, Path(a.out), final=False)
     write_results(rows, ceiling, Path(a.out), final=True)

@@ -77,7 +77,7 @@ def prep_args(cfg: PrepConfig) -> list[Arg]:
             _ten("kd", "bfloat16", (2, "T", "H", K), ("sP", "sW", K, 1), 16),
             _ten("gl", "float32", ("NCH", "H", K), ("sW", K, 1), 16),
             _ten("aw", "bfloat16", (2, "T", "H", C), ("sPc", "sWc", C, 1), 16),
-            _ten("mq", "bfloat16", ("T", "H", C), ("sWc", C, 1), 16),
+            _ten("mq", "bfloat16", (2, "T", "H", C), ("sPc", "sWc", C, 1), 16),
         ]
     else:
         outs = [
@@ -119,7 +119,8 @@ def recur_args(cfg: RecurConfig) -> list[Arg]:
             _operand_tma("kdl", "HK", C, K, mn_major=True),
             _operand_tma("awh", "HC", C, C),
             _operand_tma("awl", "HC", C, C),
-            _operand_tma("mq", "HC", C, C),
+            _operand_tma("mqh", "HC", C, C),
+            _operand_tma("mql", "HC", C, C),
             *_recur_common(cfg),
             Arg("mma_p", "mma", kernel_only=True),
             Arg("mma_s", "mma", kernel_only=True),

@@ -172,13 +172,14 @@ def config_for(p: Problem, config: FwdConfig | None = None) -> FwdConfig:
 
 def _workspace_layout(p: Problem, cfg: FwdConfig) -> list[tuple[str, tuple, torch.dtype]]:
     """K1's outputs, in workspace order: fp32 for the SIMT K2; for the tensor-core K2 its bf16
-    operands, kd and Aw as (hi, lo) planes."""
+    operands, kd, Aw and Mq as (hi, lo) planes."""
     C, Tt, H, K = cfg.chunk, p.B * p.T, p.H, p.K
     nch = Tt // C + p.N
     f32, bf16 = torch.float32, torch.bfloat16
     if cfg.prep.operands == "bf16":
         return [("qg", (Tt, H, K), bf16), ("kg", (Tt, H, K), bf16), ("kd", (2, Tt, H, K), bf16),
-                ("gl", (nch, H, K), f32), ("aw", (2, Tt, H, C), bf16), ("mq", (Tt, H, C), bf16)]
+                ("gl", (nch, H, K), f32), ("aw", (2, Tt, H, C), bf16),
+                ("mq", (2, Tt, H, C), bf16)]
     return [("qg", (Tt, H, K), f32), ("kg", (Tt, H, K), f32), ("kd", (Tt, H, K), f32),
             ("gl", (nch, H, K), f32), ("aw", (Tt, H, C), f32), ("mq", (Tt, H, C), f32)]
 
@@ -277,6 +278,7 @@ def launch_forward(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, in
     sp_out = final_state.data_ptr() if final_state is not None else dummy
     vals2 = {"kg": kg, "qg": qg, "kd": kd, "aw": aw, "mq": mq, "gl": gl, "v": v.data_ptr(),
              "kdh": kd, "kdl": kd + kd_plane, "awh": aw, "awl": aw + aw_plane,
+             "mqh": mq, "mql": mq + aw_plane,
              "out": out.data_ptr(), "s0f": sp_in, "s0h": sp_in, "s1f": sp_out, "s1h": sp_out,
              "cu_seqlens": cs.data_ptr(), "cu_chunks": cc.data_ptr(), "num_seqs": p.N,
              "num_heads": H, "state_in": s_in, "state_out": s_out}

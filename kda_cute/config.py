@@ -134,24 +134,40 @@ def supports(cfg: FwdConfig) -> tuple[bool, str]:
     return True, ""
 
 
+def _prep_threads(k: int) -> int:
+    """K1 threads: one per key column (K1's phase A maps threads to columns)."""
+    return max(128, k)
+
+
 def _fwd(k: int, v: int, chunk: int = 16, block_v: int = 16) -> FwdConfig:
     """The first (fp32 SIMT) forward."""
-    return FwdConfig(PrepConfig(k, chunk), RecurConfig(k, v, chunk, block_v))
+    return FwdConfig(PrepConfig(k, chunk, _prep_threads(k)), RecurConfig(k, v, chunk, block_v))
 
+
+def _tc_fwd(k: int, v: int) -> FwdConfig:
+    """The tensor-core forward: K1 writes bf16 operands, K2 runs every product on wgmma."""
+    return FwdConfig(PrepConfig(k, 16, _prep_threads(k), operands="bf16"),
+                     RecurConfig(k, v, 16, 64, stages=4, mma="wgmma"))
+
+
+# The tensor-core forwards: what the ladder picks.
+TENSOR_CORE: tuple[FwdConfig, ...] = tuple(_tc_fwd(d, d) for d in HEAD_DIMS)
+# The fp32 CUDA-core forwards: the accuracy baseline (fp32 products throughout), reachable with
+# fwd(config=...), used by the tests and the benchmark's --simt comparison.
+SIMT: tuple[FwdConfig, ...] = tuple(_fwd(d, d) for d in HEAD_DIMS)
 
 # Every config the build ships. The ladder (select_config) only picks from these.
-SHIPPED: tuple[FwdConfig, ...] = tuple(_fwd(d, d) for d in HEAD_DIMS)
+SHIPPED: tuple[FwdConfig, ...] = TENSOR_CORE + SIMT
 
 # Built and ABI-checked like the shipped ones, reachable through fwd(config=...), but not picked by
-# the ladder until their GPU tests have passed on the H200: K2 on bf16 warpgroup MMA.
-EXPERIMENTAL: tuple[FwdConfig, ...] = tuple(
-    FwdConfig(PrepConfig(d, 16, operands="bf16"), RecurConfig(d, d, 16, 64, stages=4, mma="wgmma"))
-    for d in HEAD_DIMS)
+# the ladder until their GPU tests have passed on the H200. None at present.
+EXPERIMENTAL: tuple[FwdConfig, ...] = ()
 
 
 def select_config(head_dim_k: int, head_dim_v: int, varlen: bool) -> FwdConfig | None:
-    """The head-dim / layout ladder. First version: one fp32 SIMT config per head dim
-    (chunk 16, 16 state rows per CTA); not yet tuned."""
+    """The head-dim / layout ladder: the first shipped config for (K, V), tensor-core first.
+    One config per head dim so far (chunk 16, 64 state rows per CTA); `varlen` is accepted for
+    layout-specific entries and not used yet."""
     for cfg in SHIPPED:
         if cfg.prep.head_dim_k == head_dim_k and cfg.recur.head_dim_v == head_dim_v:
             return cfg

@@ -126,7 +126,7 @@ def errors(inp, **kw) -> dict:
 
 def prep_errors(inp, config=None) -> dict:
     """K1 alone: its workspace against the float64 chunked twin's intermediates. With bf16
-    operands (config.prep.operands), kd and Aw are compared as hi + lo."""
+    operands (config.prep.operands), kd, Aw and Mq are compared as hi + lo."""
     from kda_cute import api
     from kda_cute.reference import chunk_intermediates, preprocess
 
@@ -155,7 +155,7 @@ def prep_errors(inp, config=None) -> dict:
     for name in ("qg", "kg", "kd", "aw", "mq"):
         r = ref[name.replace("aw", "Aw").replace("mq", "Mq")].reshape(B * T, H, -1)
         x = w[name]
-        if cfg.prep.operands == "bf16" and name in ("kd", "aw"):
+        if cfg.prep.operands == "bf16" and name in ("kd", "aw", "mq"):
             x = x[0].double() + x[1].double()
         res[name] = rel_err(x, r)
     return res

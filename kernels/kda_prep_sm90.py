@@ -15,8 +15,8 @@ Phases:
      e^(G_i - G_j) from the difference, so no factor exceeds 1 (strong unbounded decays).
   C  thread per column j: forward substitution for Aw = (I + L)^-1 diag(beta).
 Outputs (config `operands`): "f32" writes fp32 tensors for the SIMT K2; "bf16" writes the
-tensor-core K2's operands: bf16 qg, kg and Mq, kd and Aw as bf16 hi + lo planes (x = hi + lo to
-~16 bits), fp32 gl. Constraints: K % 8 == 0, K <= 256, chunk <= 32.
+tensor-core K2's operands: bf16 qg and kg; kd, Aw and Mq as bf16 hi + lo planes (x = hi + lo to
+~16 bits); fp32 gl. Constraints: K % 8 == 0, K <= 256, chunk <= 32.
 Rows past the chunk's valid length are never written.
 """
 
@@ -60,7 +60,7 @@ class KdaPrepSm90:
         mKd: cute.Tensor,  # (T, H, K) fp32 | (2, T, H, K) bf16 hi, lo
         mGl: cute.Tensor,  # (num_chunks, H, K) fp32
         mAw: cute.Tensor,  # (T, H, C) fp32 | (2, T, H, C) bf16 hi, lo
-        mMq: cute.Tensor,  # (T, H, C) fp32 | bf16
+        mMq: cute.Tensor,  # (T, H, C) fp32 | (2, T, H, C) bf16 hi, lo
         num_seqs: cutlass.Int32,
         num_chunks: cutlass.Int32,
         num_heads: cutlass.Int32,
@@ -86,20 +86,16 @@ class KdaPrepSm90:
             sQ: cute.struct.Align[cute.struct.MemRange[self.io_dtype, C * K], 128]
             sK: cute.struct.Align[cute.struct.MemRange[self.io_dtype, C * K], 128]
             sG: cute.struct.Align[cute.struct.MemRange[self.io_dtype, C * K], 128]
-            # fp32 working copies, rows padded by one word against bank conflicts in phase B
-            fQ: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, C * (K + 1)], 16]
-            fK: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, C * (K + 1)], 16]
+            # fp32 working rows, padded by one word against bank conflicts in phase B:
+            # factored chunks hold (qn e^G, kn e^G, kn e^-G), others (qn, kn, G)
+            fA: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, C * (K + 1)], 16]
+            fB: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, C * (K + 1)], 16]
             fG: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, C * (K + 1)], 16]
-            # the factored phase B's operands: qn e^G, kn e^G, kn e^-G
-            fQe: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, C * (K + 1)], 16]
-            fKe: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, C * (K + 1)], 16]
-            fKi: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, C * (K + 1)], 16]
-            unsafe: cute.struct.MemRange[cutlass.Int32, 1]
             red: cute.struct.MemRange[cutlass.Float32, 2 * C * self.num_warps]
             norm: cute.struct.MemRange[cutlass.Float32, 2 * C]
             beta: cute.struct.MemRange[cutlass.Float32, C]
             L: cute.struct.MemRange[cutlass.Float32, C * C]
-            X: cute.struct.MemRange[cutlass.Float32, C * C]
+            unsafe: cute.struct.MemRange[cutlass.Int32, 1]
 
         self.shared_storage = SharedStorage
         self.smem_bytes = SharedStorage.size_in_bytes()
@@ -157,18 +153,14 @@ class KdaPrepSm90:
             sK = st.sK.get_tensor(s_tile)
             sG = st.sG.get_tensor(s_tile)
             f_layout = cute.make_layout((C, K), stride=(K + 1, 1))
-            fQ = st.fQ.get_tensor(f_layout)
-            fK = st.fK.get_tensor(f_layout)
+            fA = st.fA.get_tensor(f_layout)
+            fB = st.fB.get_tensor(f_layout)
             fG = st.fG.get_tensor(f_layout)
-            fQe = st.fQe.get_tensor(f_layout)
-            fKe = st.fKe.get_tensor(f_layout)
-            fKi = st.fKi.get_tensor(f_layout)
-            unsafe = st.unsafe.get_tensor(cute.make_layout(1))
             red = st.red.get_tensor(cute.make_layout((2 * C, NW), stride=(1, 2 * C)))
             norm = st.norm.get_tensor(cute.make_layout(2 * C))
             sBeta = st.beta.get_tensor(cute.make_layout(C))
             sL = st.L.get_tensor(cute.make_layout((C, C), stride=(C, 1)))
-            sX = st.X.get_tensor(cute.make_layout((C, C), stride=(C, 1)))
+            unsafe = st.unsafe.get_tensor(cute.make_layout(1))
 
             # ---- TMA: q, k, g tiles -> smem ----------------------------------------------
             if warp == 0:
@@ -223,12 +215,13 @@ class KdaPrepSm90:
                 norm[tidx] = r
             cute.arch.sync_threads()
 
-            # ---- phase A: gates, cumulative decay, token-indexed outputs --------------------
+            # ---- phase A: gates and cumulative decay G (chunk-local) ---------------------
             a_log = mALog[h]
             a_exp = cute.math.exp(a_log)
             for d in cutlass.range(tidx, K, NT):
                 bias = mDtBias[h * K + d]
                 G = cutlass.Float32(0.0)
+                big = cutlass.Int32(0)
                 for i in cutlass.range_constexpr(C):
                     gv = sG[i, d].to(cutlass.Float32)
                     a = gv
@@ -244,24 +237,33 @@ class KdaPrepSm90:
                     if i < length:
                         G = G + a
                     fG[i, d] = G
-                    fQ[i, d] = sQ[i, d].to(cutlass.Float32) * norm[i]
-                    fK[i, d] = sK[i, d].to(cutlass.Float32) * norm[C + i]
-                Gl = G
-                mGl[bid, h, d] = cute.math.exp(Gl)
-                big = cutlass.Int32(0)
+                    if G < -80.0:
+                        big = cutlass.Int32(1)
+                    if G > 80.0:
+                        big = cutlass.Int32(1)
+                mGl[bid, h, d] = cute.math.exp(G)
+                if big != 0:
+                    unsafe[0] = big
+            cute.arch.sync_threads()
+
+            # ---- phase A: token-indexed outputs and phase B's operands -----------------------
+            factored = unsafe[0] == 0
+            for d in cutlass.range(tidx, K, NT):
+                Gl = fG[C - 1, d]
                 for i in cutlass.range_constexpr(C):
                     Gi = fG[i, d]
                     eg = cute.math.exp(Gi)
-                    kn = fK[i, d]
-                    qe = fQ[i, d] * eg
+                    qn = sQ[i, d].to(cutlass.Float32) * norm[i]
+                    kn = sK[i, d].to(cutlass.Float32) * norm[C + i]
+                    qe = qn * eg
                     ke = kn * eg
-                    fQe[i, d] = qe
-                    fKe[i, d] = ke
-                    fKi[i, d] = kn * cute.math.exp(-Gi)
-                    if Gi < -80.0:
-                        big = cutlass.Int32(1)
-                    if Gi > 80.0:
-                        big = cutlass.Int32(1)
+                    if factored:
+                        fA[i, d] = qe
+                        fB[i, d] = ke
+                        fG[i, d] = kn * cute.math.exp(-Gi)
+                    else:
+                        fA[i, d] = qn
+                        fB[i, d] = kn
                     if i < length:
                         kd = kn * cute.math.exp(Gl - Gi)
                         if cutlass.const_expr(self.split):
@@ -272,63 +274,80 @@ class KdaPrepSm90:
                             mQg[t0 + i, h, d] = scale * qe
                             mKg[t0 + i, h, d] = ke
                             mKd[t0 + i, h, d] = kd
-                if big != 0:
-                    unsafe[0] = big
             cute.arch.sync_threads()
 
-            # ---- phase B: L and Mqk ------------------------------------------------------
-            factored = unsafe[0] == 0
-            for p in cutlass.range(tidx, C * C, NT):
-                i = p // C
-                j = p - i * C
-                lacc = cutlass.Float32(0.0)
-                macc = cutlass.Float32(0.0)
-                if j <= i and i < length:
+            # ---- phase B: L and Mqk, two columns j per thread ---------------------------------
+            HC = C // 2
+            for p in cutlass.range(tidx, C * HC, NT):
+                i = p // HC
+                j1 = p - i * HC
+                j2 = j1 + HC
+                l1 = cutlass.Float32(0.0)
+                l2 = cutlass.Float32(0.0)
+                m1 = cutlass.Float32(0.0)
+                m2 = cutlass.Float32(0.0)
+                if j1 <= i and i < length:
                     if factored:
                         for d in cutlass.range(K, unroll=8):
-                            kj = fKi[j, d]
-                            lacc = lacc + fKe[i, d] * kj
-                            macc = macc + fQe[i, d] * kj
+                            ki = fB[i, d]
+                            qi = fA[i, d]
+                            b1 = fG[j1, d]
+                            b2 = fG[j2, d]
+                            l1 = l1 + ki * b1
+                            m1 = m1 + qi * b1
+                            l2 = l2 + ki * b2
+                            m2 = m2 + qi * b2
                     else:
-                        for d in cutlass.range(K):
-                            e = cute.math.exp(fG[i, d] - fG[j, d])
-                            kj = fK[j, d] * e
-                            lacc = lacc + fK[i, d] * kj
-                            macc = macc + fQ[i, d] * kj
-                lval = cutlass.Float32(0.0)
-                if j < i:
-                    lval = sBeta[i] * lacc
-                sL[i, j] = lval
-                if i < length:
-                    if cutlass.const_expr(self.split):
-                        mMq[t0 + i, h, j] = (scale * macc).to(self.io_dtype)
-                    else:
-                        mMq[t0 + i, h, j] = scale * macc
+                        for d in cutlass.range(K, unroll=2):
+                            gi = fG[i, d]
+                            ki = fB[i, d]
+                            qi = fA[i, d]
+                            e1 = cute.math.exp(gi - fG[j1, d]) * fB[j1, d]
+                            e2 = cute.math.exp(gi - fG[j2, d]) * fB[j2, d]
+                            l1 = l1 + ki * e1
+                            m1 = m1 + qi * e1
+                            l2 = l2 + ki * e2
+                            m2 = m2 + qi * e2
+                self._store_pair(sL, sBeta, mMq, t0, h, i, j1, l1, m1, scale, length)
+                self._store_pair(sL, sBeta, mMq, t0, h, i, j2, l2, m2, scale, length)
             cute.arch.sync_threads()
 
-            # ---- phase C: Aw = (I + L)^-1 diag(beta), one column per thread -----------------
+            # ---- phase C: Aw = (I + L)^-1 diag(beta), one column per thread ------------------
+            # forward substitution with the column in registers; L rows are smem broadcasts
             if tidx < C:
                 j = tidx
+                xs = cute.make_rmem_tensor((C,), cutlass.Float32)
+                bj = sBeta[j]
                 for i in cutlass.range_constexpr(C):
                     x = cutlass.Float32(0.0)
-                    if i == j:
-                        x = sBeta[j]
-                    elif i > j:
-                        for l_ in cutlass.range_constexpr(i):
-                            if l_ >= j:
-                                x = x - sL[i, l_] * sX[l_, j]
+                    if j == i:
+                        x = bj
+                    for l_ in cutlass.range_constexpr(i):
+                        x = x - sL[i, l_] * xs[l_]
+                    xs[i] = x
                     if j >= length:
                         x = cutlass.Float32(0.0)
-                    sX[i, j] = x
-            cute.arch.sync_threads()
-            for p in cutlass.range(tidx, C * C, NT):
-                i = p // C
-                j = p - i * C
-                if i < length:
-                    if cutlass.const_expr(self.split):
-                        self._store_split(mAw, (t0 + i, h, j), sX[i, j])
-                    else:
-                        mAw[t0 + i, h, j] = sX[i, j]
+                    if i < length:
+                        if cutlass.const_expr(self.split):
+                            self._store_split(mAw, (t0 + i, h, j), x)
+                        else:
+                            mAw[t0 + i, h, j] = x
+
+    @cute.jit
+    def _store_pair(self, sL, sBeta, mMq, t0, h, i, j, lacc, macc, scale, length):
+        """Entry (i, j) of L (beta_i k_i . k_j decayed, strictly lower) and Mqk (lower)."""
+        lval = cutlass.Float32(0.0)
+        if j < i:
+            lval = sBeta[i] * lacc
+        sL[i, j] = lval
+        if i < length:
+            m = cutlass.Float32(0.0)
+            if j <= i:
+                m = scale * macc
+            if cutlass.const_expr(self.split):
+                self._store_split(mMq, (t0 + i, h, j), m)
+            else:
+                mMq[t0 + i, h, j] = m
 
     @cute.jit
     def _store_split(self, mX: cute.Tensor, coord, x: cutlass.Float32):

@@ -11,7 +11,7 @@ TMA fills straight from K1's bf16 workspace (no conversion pass, no S round trip
   Pq  = S qg^T            M 64, N chunk, reduction K     A = bf16(S)
   W^T = v^T - P           registers; token columns past the chunk's length are zero
   U^T = W^T Aw^T          M 64, N chunk, reduction chunk A = W hi/lo, B = Aw hi/lo (3 products)
-  O^T = Pq + U^T Mq^T     M 64, N chunk, reduction chunk A = U hi             -> out
+  O^T = Pq + U^T Mq^T     M 64, N chunk, reduction chunk A = U hi/lo, B = Mq hi/lo (3 products)
   S   = S diag(gl) + U^T kd   M 64, N K, reduction chunk  A = U hi/lo, B = kd hi/lo (3 products)
 
 x hi/lo is the pair (bf16(x), bf16(x - bf16(x))): hi*hi + hi*lo + lo*hi carries ~16 mantissa
@@ -61,7 +61,7 @@ class KdaRecurTcSm90:
         self.threads = cfg.threads + 32  # + the producer warp
         self.producer_warp = cfg.threads // 32
         C, K, BV = self.C, self.K, self.BV
-        self.tx_bytes = (4 * C * K + 3 * C * C + C * BV) * 2 + K * 4
+        self.tx_bytes = (4 * C * K + 4 * C * C + C * BV) * 2 + K * 4
         self.smem_bytes = 0
         self.tma_meta = []
 
@@ -71,7 +71,8 @@ class KdaRecurTcSm90:
         self,
         mKg: cute.Tensor, mQg: cute.Tensor,  # (T, H*K) bf16
         mKdh: cute.Tensor, mKdl: cute.Tensor,  # (H*K, T) bf16: transposed views
-        mAwh: cute.Tensor, mAwl: cute.Tensor, mMq: cute.Tensor,  # (T, H*C) bf16
+        mAwh: cute.Tensor, mAwl: cute.Tensor,  # (T, H*C) bf16
+        mMqh: cute.Tensor, mMql: cute.Tensor,
         mGl: cute.Tensor,  # (num_chunks, H*K) fp32
         mV: cute.Tensor,  # (T, H*V) bf16, row stride dynamic
         mOut: cute.Tensor,
@@ -106,7 +107,7 @@ class KdaRecurTcSm90:
                 ("kg", mKg, l_ck, (C, K), None), ("qg", mQg, l_ck, (C, K), None),
                 ("kdh", mKdh, l_kc, (K, C), 0), ("kdl", mKdl, l_kc, (K, C), 0),
                 ("awh", mAwh, l_cc, (C, C), None), ("awl", mAwl, l_cc, (C, C), None),
-                ("mq", mMq, l_cc, (C, C), None)):
+                ("mqh", mMqh, l_cc, (C, C), None), ("mql", mMql, l_cc, (C, C), None)):
             atom, tX = cpasync.make_tiled_tma_atom(op, m, cute.slice_(layout, one), tile)
             atoms += [atom, tX]
             self.tma_meta.append(tma_meta(name, atom, "bfloat16", swizzle_bytes(layout),
@@ -129,7 +130,8 @@ class KdaRecurTcSm90:
             sKdl: align[buf[bf16, cute.cosize(l_kc)], 1024]
             sAwh: align[buf[bf16, cute.cosize(l_cc)], 1024]
             sAwl: align[buf[bf16, cute.cosize(l_cc)], 1024]
-            sMq: align[buf[bf16, cute.cosize(l_cc)], 1024]
+            sMqh: align[buf[bf16, cute.cosize(l_cc)], 1024]
+            sMql: align[buf[bf16, cute.cosize(l_cc)], 1024]
             sGl: align[buf[cutlass.Float32, cute.cosize(l_gl)], 128]
             sV: align[buf[bf16, cute.cosize(l_v)], 128]
 
@@ -153,7 +155,8 @@ class KdaRecurTcSm90:
         tma_kdl: cute.CopyAtom, tKdl: cute.Tensor,
         tma_awh: cute.CopyAtom, tAwh: cute.Tensor,
         tma_awl: cute.CopyAtom, tAwl: cute.Tensor,
-        tma_mq: cute.CopyAtom, tMq: cute.Tensor,
+        tma_mqh: cute.CopyAtom, tMqh: cute.Tensor,
+        tma_mql: cute.CopyAtom, tMql: cute.Tensor,
         tma_gl: cute.CopyAtom, tGl: cute.Tensor,
         tma_v: cute.CopyAtom, tV: cute.Tensor,
         mOut: cute.Tensor,
@@ -183,7 +186,8 @@ class KdaRecurTcSm90:
         sKdl = st.sKdl.get_tensor(l_kc.outer, swizzle=l_kc.inner)
         sAwh = st.sAwh.get_tensor(l_cc.outer, swizzle=l_cc.inner)  # (C, C, S)
         sAwl = st.sAwl.get_tensor(l_cc.outer, swizzle=l_cc.inner)
-        sMq = st.sMq.get_tensor(l_cc.outer, swizzle=l_cc.inner)
+        sMqh = st.sMqh.get_tensor(l_cc.outer, swizzle=l_cc.inner)
+        sMql = st.sMql.get_tensor(l_cc.outer, swizzle=l_cc.inner)
         sGl = st.sGl.get_tensor(l_gl)  # (1, K, S)
         sV = st.sV.get_tensor(l_v)  # (C, BV, S)
 
@@ -199,7 +203,7 @@ class KdaRecurTcSm90:
             loads = ((tma_kg, tKg, sKg, (C, K), False), (tma_qg, tQg, sQg, (C, K), False),
                      (tma_kdh, tKdh, sKdh, (K, C), True), (tma_kdl, tKdl, sKdl, (K, C), True),
                      (tma_awh, tAwh, sAwh, (C, C), False), (tma_awl, tAwl, sAwl, (C, C), False),
-                     (tma_mq, tMq, sMq, (C, C), False))
+                     (tma_mqh, tMqh, sMqh, (C, C), False), (tma_mql, tMql, sMql, (C, C), False))
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, S)
             for c in cutlass.range(num_chunks):
                 pipe.producer_acquire(state)
@@ -217,12 +221,12 @@ class KdaRecurTcSm90:
                 pipe.producer_commit(state)
                 state.advance()
         else:
-            self._consume(pipe, sKg, sQg, sKdh, sKdl, sAwh, sAwl, sMq, sGl, sV, mOut,
+            self._consume(pipe, sKg, sQg, sKdh, sKdl, sAwh, sAwl, sMqh, sMql, sGl, sV, mOut,
                           mS0f, mS0h, mS1f, mS1h, state_in, state_out, mma_p, mma_s,
                           tidx, h, seq, v0, bos, eos, num_chunks)
 
     @cute.jit
-    def _consume(self, pipe, sKg, sQg, sKdh, sKdl, sAwh, sAwl, sMq, sGl, sV, mOut,
+    def _consume(self, pipe, sKg, sQg, sKdh, sKdl, sAwh, sAwl, sMqh, sMql, sGl, sV, mOut,
                  mS0f, mS0h, mS1f, mS1h, state_in, state_out, mma_p: cute.TiledMma,
                  mma_s: cute.TiledMma, tidx, h, seq, v0, bos, eos, num_chunks):
         C, K, BV = self.C, self.K, self.BV
@@ -234,7 +238,8 @@ class KdaRecurTcSm90:
         bQg = mma_p.make_fragment_B(thr_p.partition_B(sQg))
         bAwh = mma_p.make_fragment_B(thr_p.partition_B(sAwh))
         bAwl = mma_p.make_fragment_B(thr_p.partition_B(sAwl))
-        bMq = mma_p.make_fragment_B(thr_p.partition_B(sMq))
+        bMqh = mma_p.make_fragment_B(thr_p.partition_B(sMqh))
+        bMql = mma_p.make_fragment_B(thr_p.partition_B(sMql))
         bKdh = mma_s.make_fragment_B(thr_s.partition_B(sKdh))
         bKdl = mma_s.make_fragment_B(thr_s.partition_B(sKdl))
         # accumulators and the (row, column) each of their elements holds
@@ -246,7 +251,10 @@ class KdaRecurTcSm90:
         cP = thr_p.partition_C(cute.make_identity_tensor((BV, C)))
         # A operands in registers: views of the accumulators, converted to bf16
         vS, vW, vU = acc_as_operand_a(acc_s), acc_as_operand_a(acc_p), acc_as_operand_a(acc_u)
-        aS = cute.make_rmem_tensor_like(vS, bf16)
+        # bf16(S) in `nsplit` slabs of K (two at K = 256, which keeps it inside 255 registers)
+        nsplit = max(1, K // 128)
+        kb_slab = K // 16 // nsplit
+        aS = thr_p.make_fragment_A(thr_p.partition_shape_A((BV, K // nsplit)))
         aWh = cute.make_rmem_tensor_like(vW, bf16)
         aWl = cute.make_rmem_tensor_like(vW, bf16)
         aUh = cute.make_rmem_tensor_like(vU, bf16)
@@ -269,19 +277,31 @@ class KdaRecurTcSm90:
             t0 = bos + c * C
             length = cutlass.min(C, eos - t0)
 
-            # ---- P = S kg^T, Pq = S qg^T ---------------------------------------------------
-            aS.store(vS.load().to(bf16))
-            self._gemm(mma_p, acc_p, aS, bKg[None, None, None, s], True)
-            self._gemm(mma_p, acc_o, aS, bQg[None, None, None, s], True)
-            warpgroup.commit_group()
-            warpgroup.wait_group(0)
+            # ---- P = S kg^T, Pq = S qg^T (A: a bf16 copy of S, so S stays writable) -------
+            for part in cutlass.range_constexpr(nsplit):
+                if part > 0:
+                    warpgroup.wait_group(0)  # the previous slab's products still read aS
+                for kb in cutlass.range_constexpr(kb_slab):
+                    aS[None, None, kb].store(vS[None, None, part * kb_slab + kb].load().to(bf16))
+                self._gemm(mma_p, acc_p, aS, bKg[None, None, None, s], part == 0,
+                           part * kb_slab)
+                warpgroup.commit_group()
+                self._gemm(mma_p, acc_o, aS, bQg[None, None, None, s], part == 0,
+                           part * kb_slab)
+                warpgroup.commit_group()
+            # while they run: this thread's v^T entries
+            vT = cute.make_rmem_tensor_like(acc_p, f32)
+            for e in cutlass.range_constexpr(cute.size(acc_p)):
+                r, i = cP[e]
+                vT[e] = sV[i, r, s].to(f32)
+            warpgroup.wait_group(1)
 
             # ---- W^T = v^T - P; tokens past the chunk's length are zero -------------------
             for e in cutlass.range_constexpr(cute.size(acc_p)):
-                r, i = cP[e]
+                _, i = cP[e]
                 w = f32(0.0)
                 if i < length:
-                    w = sV[i, r, s].to(f32) - acc_p[e]
+                    w = vT[e] - acc_p[e]
                 acc_p[e] = w
             self._split(vW, aWh, aWl)
 
@@ -290,6 +310,9 @@ class KdaRecurTcSm90:
             self._gemm(mma_p, acc_u, aWh, bAwl[None, None, None, s], False)
             self._gemm(mma_p, acc_u, aWl, bAwh[None, None, None, s], False)
             warpgroup.commit_group()
+            for e in cutlass.range_constexpr(cute.size(acc_s)):  # S diag(gl) meanwhile
+                _, d = cS[e]
+                acc_s[e] = acc_s[e] * sGl[0, d, s]
             warpgroup.wait_group(0)
             for e in cutlass.range_constexpr(cute.size(acc_u)):
                 _, i = cP[e]
@@ -298,15 +321,14 @@ class KdaRecurTcSm90:
             self._split(vU, aUh, aUl)
 
             # ---- O^T = Pq + U^T Mq^T ---------------------------------------------------------
-            self._gemm(mma_p, acc_o, aUh, bMq[None, None, None, s], False)
+            self._gemm(mma_p, acc_o, aUh, bMqh[None, None, None, s], False)
+            self._gemm(mma_p, acc_o, aUh, bMql[None, None, None, s], False)
+            self._gemm(mma_p, acc_o, aUl, bMqh[None, None, None, s], False)
             warpgroup.commit_group()
 
             # ---- S = S diag(gl) + U^T kd -----------------------------------------------------
             if length < C:
                 self._zero_kd_tail(sKdh, sKdl, s, length, tidx)
-            for e in cutlass.range_constexpr(cute.size(acc_s)):
-                _, d = cS[e]
-                acc_s[e] = acc_s[e] * sGl[0, d, s]
             self._gemm(mma_s, acc_s, aUh, bKdh[None, None, None, s], False)
             self._gemm(mma_s, acc_s, aUh, bKdl[None, None, None, s], False)
             self._gemm(mma_s, acc_s, aUl, bKdh[None, None, None, s], False)
@@ -352,12 +374,14 @@ class KdaRecurTcSm90:
         cute.arch.barrier(barrier_id=_CONSUMER_BARRIER, number_of_threads=NT)
 
     @cute.jit
-    def _gemm(self, mma: cute.TiledMma, acc, rA, rB, zero_init: cutlass.Constexpr):
-        """acc (+)= A B^T over every k-block of the fragments (A in registers, B in smem)."""
+    def _gemm(self, mma: cute.TiledMma, acc, rA, rB, zero_init: cutlass.Constexpr,
+              b_offset: cutlass.Constexpr = 0):
+        """acc (+)= A B^T over every k-block of A (registers), against B's k-blocks from
+        `b_offset` on (smem)."""
         mma.set(warpgroup.Field.ACCUMULATE, not zero_init)
         warpgroup.fence()
-        for kb in cutlass.range_constexpr(cute.size(rB, mode=[2])):
-            cute.gemm(mma, acc, rA[None, None, kb], rB[None, None, kb], acc)
+        for kb in cutlass.range_constexpr(cute.size(rA, mode=[2])):
+            cute.gemm(mma, acc, rA[None, None, kb], rB[None, None, kb + b_offset], acc)
             mma.set(warpgroup.Field.ACCUMULATE, True)
 
     @cute.jit

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kda_cute import abi, runtime
-from kda_cute.config import EXPERIMENTAL, SHIPPED, PrepConfig, select_config
+from kda_cute.config import EXPERIMENTAL, SHIPPED, SIMT, PrepConfig, select_config
 from kda_cute.cubin import kernel_params, kernel_resources
 
 ARCH = "sm_90a"
@@ -147,7 +147,8 @@ def test_manifest_config(name):
 
 # ----------------------------------------------------------------------------------- packing
 PTR = 0x7F12_3456_789A_BCD0
-CFG = select_config(128, 128, False)
+SIMT_CFG = [c for c in SIMT if c.prep.head_dim_k == 128][0]
+TC_CFG = select_config(128, 128, False)
 # 64-bit strides above 2**32 so a 32-bit field would truncate them
 SYMS = {"T": 4099, "H": 5, "HK": 5 * 128, "HV": 5 * 128, "HC": 5 * 16, "NCH": 263, "N1": 7,
         "NS": 6, "sQ": 0x1_0000_0008, "sK": 1928, "sG": 1936, "sB": 0x2_0000_0003,
@@ -171,6 +172,13 @@ def layout(size: int, *fields) -> bytes:
 
 # id -> (argument list, argument, expected bytes); offsets written out by hand from the C rules
 PACK_TENSOR = {
+    # the tensor-core K1's hi/lo planes: a static plane mode with a 64-bit stride in front
+    "prep-kd-planes": (abi.prep_args, "kd", layout(
+        32, (0, "Q", PTR), (8, "i", SYMS["T"]), (12, "i", SYMS["H"]), (16, "q", SYMS["sP"]),
+        (24, "i", SYMS["sW"])), "tc"),
+    "prep-mq-planes": (abi.prep_args, "mq", layout(
+        32, (0, "Q", PTR), (8, "i", SYMS["T"]), (12, "i", SYMS["H"]), (16, "q", SYMS["sPc"]),
+        (24, "i", SYMS["sWc"])), "tc"),
     "prep-beta": (abi.prep_args, "beta", layout(
         24, (0, "Q", PTR), (8, "i", SYMS["T"]), (12, "i", SYMS["H"]), (16, "q", SYMS["sB"]))),
     "prep-qg": (abi.prep_args, "qg", layout(
@@ -198,8 +206,9 @@ PACK_TENSOR = {
 
 @pytest.mark.parametrize("case_id", list(PACK_TENSOR))
 def test_pack_tensor_layout(case_id):
-    args_of, name, expected = PACK_TENSOR[case_id]
-    cfg = CFG.prep if args_of is abi.prep_args else CFG.recur
+    args_of, name, expected, *which = PACK_TENSOR[case_id]
+    fwd = TC_CFG if which == ["tc"] else SIMT_CFG
+    cfg = fwd.prep if args_of is abi.prep_args else fwd.recur
     a = arg_named(args_of(cfg), name)
     assert abi.pack_tensor(a, PTR, SYMS) == expected
 
@@ -211,13 +220,19 @@ PACK_DYNAMIC = {
     "recur-gl": (abi.recur_args, "gl", layout(8, (0, "i", SYMS["NCH"]),
                                               (4, "i", SYMS["HK"]))),
     "recur-v": (abi.recur_args, "v", layout(8, (0, "i", SYMS["T"]), (4, "i", SYMS["HV"]))),
+    # kd is declared as its transposed view (H*K, T): the coordinate tensor follows that order
+    "recur-kdh-transposed": (abi.recur_args, "kdh", layout(8, (0, "i", SYMS["HK"]),
+                                                          (4, "i", SYMS["T"])), "tc"),
+    "recur-mqh": (abi.recur_args, "mqh", layout(8, (0, "i", SYMS["T"]), (4, "i", SYMS["HC"])),
+                  "tc"),
 }
 
 
 @pytest.mark.parametrize("case_id", list(PACK_DYNAMIC))
 def test_pack_dynamic_layout(case_id):
-    args_of, name, expected = PACK_DYNAMIC[case_id]
-    cfg = CFG.prep if args_of is abi.prep_args else CFG.recur
+    args_of, name, expected, *which = PACK_DYNAMIC[case_id]
+    fwd = TC_CFG if which == ["tc"] else SIMT_CFG
+    cfg = fwd.prep if args_of is abi.prep_args else fwd.recur
     a = arg_named(args_of(cfg), name)
     assert a.kind == "tma"
     assert abi.pack_dynamic(a.shape, SYMS) == expected

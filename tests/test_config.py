@@ -11,6 +11,7 @@ from kda_cute import runtime
 from kda_cute.config import (
     HEAD_DIMS,
     SHIPPED,
+    TENSOR_CORE,
     FwdConfig,
     PrepConfig,
     RecurConfig,
@@ -98,6 +99,7 @@ def test_supports_rejects_naming_field(case_id):
 def test_select_config_shipped(d, varlen):
     cfg = select_config(d, d, varlen)
     assert cfg in SHIPPED
+    assert cfg in TENSOR_CORE  # verified on the H200: the ladder picks the tensor-core forward
     assert (cfg.prep.head_dim_k, cfg.recur.head_dim_k, cfg.recur.head_dim_v) == (d, d, d)
     assert supports(cfg)[0]
 

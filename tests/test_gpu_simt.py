@@ -1,7 +1,7 @@
-"""K2 on bf16 warpgroup MMA (config.EXPERIMENTAL) on the H200 against the float64 reference.
+"""The fp32 CUDA-core forward (config.SIMT) on the H200 against the float64 reference.
 
-Kept in its own file, which pytest runs last, so that a fault in the unproven kernel cannot take
-the shipped kernels' results down with it. The ladder picks these configs only once this passes.
+It is the accuracy baseline (fp32 products throughout) the tensor-core ladder is compared with,
+reachable through fwd(config=...). The ladder's own configs run in test_gpu_forward.py.
 """
 
 import pytest
@@ -14,7 +14,7 @@ ok, why = cuda_ready()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not ok, reason=why)]
 
 
-TC_CASES = {
+SIMT_CASES = {
     "fixed-K128": dict(B=2, T=100, H=2, K=128),
     "fixed-K64-unbounded": dict(B=2, T=37, H=2, K=64, gate="unbounded"),
     "fixed-K256": dict(B=1, T=70, H=2, K=256),
@@ -25,13 +25,17 @@ TC_CASES = {
 }
 
 
-@pytest.mark.parametrize("name", list(TC_CASES))
-def test_wgmma_recurrence(name):
-    from kda_cute.config import EXPERIMENTAL
-    kw = TC_CASES[name]
-    (cfg,) = [c for c in EXPERIMENTAL if c.prep.head_dim_k == kw["K"]]
-    _assert(errors(make_inputs(seed=len(name) + 31, **kw), config=cfg))
+def _simt(K):
+    from kda_cute.config import SIMT
+    (cfg,) = [c for c in SIMT if c.prep.head_dim_k == K]
+    return cfg
 
 
-def test_wgmma_tokens_past_the_last_sequence():
-    check_tokens_past_the_last_sequence("wgmma")
+@pytest.mark.parametrize("name", list(SIMT_CASES))
+def test_simt_forward(name):
+    kw = SIMT_CASES[name]
+    _assert(errors(make_inputs(seed=len(name) + 31, **kw), config=_simt(kw["K"])))
+
+
+def test_simt_tokens_past_the_last_sequence():
+    check_tokens_past_the_last_sequence(_simt(128))
