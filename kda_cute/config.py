@@ -81,10 +81,15 @@ class FwdConfig:
 def supports_prep(cfg: PrepConfig) -> tuple[bool, str]:
     if cfg.head_dim_k % 8 or not 8 <= cfg.head_dim_k <= 256:
         return False, f"head_dim_k must be a multiple of 8 in [8, 256], got {cfg.head_dim_k}"
-    if not 1 <= cfg.chunk <= 32:
-        return False, f"chunk must be in [1, 32], got {cfg.chunk}"
-    if cfg.threads % 32 or cfg.threads < 2 * cfg.chunk:
-        return False, f"threads must be a multiple of 32 and >= 2*chunk, got {cfg.threads}"
+    if cfg.chunk != 16:
+        return False, f"chunk must be 16 (phase B's m16 MMA tiles), got {cfg.chunk}"
+    if cfg.head_dim_k % 32:
+        return False, f"head_dim_k must be a multiple of 32, got {cfg.head_dim_k}"
+    tpr = cfg.threads // (2 * cfg.chunk)
+    if (cfg.threads < 128 or cfg.threads % (2 * cfg.chunk) or tpr & (tpr - 1) or tpr > 32
+            or cfg.head_dim_k % tpr):
+        return False, (f"threads must be >= 128 and 2*chunk times a power of two dividing "
+                       f"head_dim_k, got {cfg.threads}")
     if cfg.operands not in ("f32", "bf16"):
         return False, f"operands must be 'f32' or 'bf16', got {cfg.operands!r}"
     return True, ""

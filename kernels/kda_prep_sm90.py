@@ -24,6 +24,7 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.utils as utils
 from cutlass.cute.nvgpu import cpasync
+from cutlass.cute.nvgpu import warp as warp_mma
 
 from kda_cute.config import GATE_BOUNDED, GATE_UNBOUNDED, PrepConfig
 from kernels.common import tma_meta
@@ -91,7 +92,6 @@ class KdaPrepSm90:
             fA: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, C * (K + 1)], 16]
             fB: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, C * (K + 1)], 16]
             fG: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, C * (K + 1)], 16]
-            red: cute.struct.MemRange[cutlass.Float32, 2 * C * self.num_warps]
             norm: cute.struct.MemRange[cutlass.Float32, 2 * C]
             beta: cute.struct.MemRange[cutlass.Float32, C]
             L: cute.struct.MemRange[cutlass.Float32, C * C]
@@ -124,7 +124,7 @@ class KdaPrepSm90:
         gate_mode: cutlass.Int32, qk_l2norm: cutlass.Int32, beta_sigmoid: cutlass.Int32,
         s_tile: cute.Layout,
     ):
-        C, K, NT, NW = self.C, self.K, self.threads, self.num_warps
+        C, K, NT = self.C, self.K, self.threads
         tidx, _, _ = cute.arch.thread_idx()
         bid, h, _ = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -156,7 +156,6 @@ class KdaPrepSm90:
             fA = st.fA.get_tensor(f_layout)
             fB = st.fB.get_tensor(f_layout)
             fG = st.fG.get_tensor(f_layout)
-            red = st.red.get_tensor(cute.make_layout((2 * C, NW), stride=(1, 2 * C)))
             norm = st.norm.get_tensor(cute.make_layout(2 * C))
             sBeta = st.beta.get_tensor(cute.make_layout(C))
             sL = st.L.get_tensor(cute.make_layout((C, C), stride=(C, 1)))
@@ -188,31 +187,28 @@ class KdaPrepSm90:
                 sBeta[tidx] = b
             cute.arch.mbarrier_wait(mbar, 0)
 
-            # ---- phase A: norms ------------------------------------------------------------
-            part = cute.make_rmem_tensor((2 * C,), cutlass.Float32)
-            for i in cutlass.range_constexpr(2 * C):
-                part[i] = cutlass.Float32(0.0)
-            for d in cutlass.range(tidx, K, NT):
-                for i in cutlass.range_constexpr(C):
-                    qv = sQ[i, d].to(cutlass.Float32)
-                    kv = sK[i, d].to(cutlass.Float32)
-                    part[i] = part[i] + qv * qv
-                    part[C + i] = part[C + i] + kv * kv
-            for i in cutlass.range_constexpr(2 * C):
-                v = part[i]
-                for off in cutlass.range_constexpr(5):
-                    v = v + cute.arch.shuffle_sync_bfly(v, offset=1 << (4 - off))
-                if lane == 0:
-                    red[i, warp] = v
-            cute.arch.sync_threads()
-            if tidx < 2 * C:
-                s = cutlass.Float32(0.0)
-                for w in cutlass.range_constexpr(NW):
-                    s = s + red[tidx, w]
+            # ---- phase A: norms, TPR threads per row of q (rows 0..C-1) and k (C..2C-1) ---
+            TPR = NT // (2 * C)
+            per = K // TPR
+            row = tidx // TPR
+            sub_ = tidx - row * TPR
+            acc2 = cutlass.Float32(0.0)
+            for m in cutlass.range_constexpr(per):
+                # rotate the column order by row, against bank conflicts between rows
+                d = sub_ + TPR * ((m + row) % per)
+                x = cutlass.Float32(0.0)
+                if row < C:
+                    x = sQ[row, d].to(cutlass.Float32)
+                else:
+                    x = sK[row - C, d].to(cutlass.Float32)
+                acc2 = acc2 + x * x
+            for off in cutlass.range_constexpr(TPR.bit_length() - 1):
+                acc2 = acc2 + cute.arch.shuffle_sync_bfly(acc2, offset=1 << off)
+            if sub_ == 0:
                 r = cutlass.Float32(1.0)
                 if qk_l2norm != 0:
-                    r = cute.math.rsqrt(s + 1e-6)
-                norm[tidx] = r
+                    r = cute.math.rsqrt(acc2 + 1e-6)
+                norm[row] = r
             cute.arch.sync_threads()
 
             # ---- phase A: gates and cumulative decay G (chunk-local) ---------------------
@@ -227,7 +223,8 @@ class KdaPrepSm90:
                     a = gv
                     if gate_mode == GATE_BOUNDED:
                         x = a_exp * (gv + bias)
-                        a = lower_bound / (1.0 + cute.math.exp(-x))
+                        a = lower_bound * cute.arch.rcp_approx(
+                            1.0 + cute.math.exp(-x, fastmath=True))
                     elif gate_mode == GATE_UNBOUNDED:
                         x = gv + bias
                         sp = x
@@ -241,7 +238,7 @@ class KdaPrepSm90:
                         big = cutlass.Int32(1)
                     if G > 80.0:
                         big = cutlass.Int32(1)
-                mGl[bid, h, d] = cute.math.exp(G)
+                mGl[bid, h, d] = cute.math.exp(G, fastmath=True)
                 if big != 0:
                     unsafe[0] = big
             cute.arch.sync_threads()
@@ -252,7 +249,7 @@ class KdaPrepSm90:
                 Gl = fG[C - 1, d]
                 for i in cutlass.range_constexpr(C):
                     Gi = fG[i, d]
-                    eg = cute.math.exp(Gi)
+                    eg = cute.math.exp(Gi, fastmath=True)
                     qn = sQ[i, d].to(cutlass.Float32) * norm[i]
                     kn = sK[i, d].to(cutlass.Float32) * norm[C + i]
                     qe = qn * eg
@@ -260,12 +257,12 @@ class KdaPrepSm90:
                     if factored:
                         fA[i, d] = qe
                         fB[i, d] = ke
-                        fG[i, d] = kn * cute.math.exp(-Gi)
+                        fG[i, d] = kn * cute.math.exp(-Gi, fastmath=True)
                     else:
                         fA[i, d] = qn
                         fB[i, d] = kn
                     if i < length:
-                        kd = kn * cute.math.exp(Gl - Gi)
+                        kd = kn * cute.math.exp(Gl - Gi, fastmath=True)
                         if cutlass.const_expr(self.split):
                             mQg[t0 + i, h, d] = (scale * qe).to(self.io_dtype)
                             mKg[t0 + i, h, d] = ke.to(self.io_dtype)
@@ -276,28 +273,25 @@ class KdaPrepSm90:
                             mKd[t0 + i, h, d] = kd
             cute.arch.sync_threads()
 
-            # ---- phase B: L and Mqk, two columns j per thread ---------------------------------
-            HC = C // 2
-            for p in cutlass.range(tidx, C * HC, NT):
-                i = p // HC
-                j1 = p - i * HC
-                j2 = j1 + HC
-                l1 = cutlass.Float32(0.0)
-                l2 = cutlass.Float32(0.0)
-                m1 = cutlass.Float32(0.0)
-                m2 = cutlass.Float32(0.0)
-                if j1 <= i and i < length:
-                    if factored:
-                        for d in cutlass.range(K, unroll=8):
-                            ki = fB[i, d]
-                            qi = fA[i, d]
-                            b1 = fG[j1, d]
-                            b2 = fG[j2, d]
-                            l1 = l1 + ki * b1
-                            m1 = m1 + qi * b1
-                            l2 = l2 + ki * b2
-                            m2 = m2 + qi * b2
-                    else:
+            # ---- phase B: L and Mqk ------------------------------------------------------
+            if factored:
+                # on warp MMA: warp w < 4 computes the 8-column tile (w % 2) of L (w < 2) or
+                # Mqk (w >= 2), over all of K, with bf16 hi/lo operand splits
+                if warp < 4:
+                    self._phase_b_mma(fA, fB, fG, sL, sBeta, mMq, t0, h, warp, lane, scale,
+                                      length)
+            else:
+                # strong decays: each term takes e^(G_i - G_j), two columns j per thread
+                HC = C // 2
+                for p in cutlass.range(tidx, C * HC, NT):
+                    i = p // HC
+                    j1 = p - i * HC
+                    j2 = j1 + HC
+                    l1 = cutlass.Float32(0.0)
+                    l2 = cutlass.Float32(0.0)
+                    m1 = cutlass.Float32(0.0)
+                    m2 = cutlass.Float32(0.0)
+                    if j1 <= i and i < length:
                         for d in cutlass.range(K, unroll=2):
                             gi = fG[i, d]
                             ki = fB[i, d]
@@ -308,8 +302,10 @@ class KdaPrepSm90:
                             m1 = m1 + qi * e1
                             l2 = l2 + ki * e2
                             m2 = m2 + qi * e2
-                self._store_pair(sL, sBeta, mMq, t0, h, i, j1, l1, m1, scale, length)
-                self._store_pair(sL, sBeta, mMq, t0, h, i, j2, l2, m2, scale, length)
+                    self._store_l(sL, sBeta, i, j1, l1, length)
+                    self._store_l(sL, sBeta, i, j2, l2, length)
+                    self._store_m(mMq, t0, h, i, j1, m1, scale, length)
+                    self._store_m(mMq, t0, h, i, j2, m2, scale, length)
             cute.arch.sync_threads()
 
             # ---- phase C: Aw = (I + L)^-1 diag(beta), one column per thread ------------------
@@ -334,12 +330,61 @@ class KdaPrepSm90:
                             mAw[t0 + i, h, j] = x
 
     @cute.jit
-    def _store_pair(self, sL, sBeta, mMq, t0, h, i, j, lacc, macc, scale, length):
-        """Entry (i, j) of L (beta_i k_i . k_j decayed, strictly lower) and Mqk (lower)."""
+    def _phase_b_mma(self, fA, fB, fG, sL, sBeta, mMq, t0, h, warp, lane, scale, length):
+        """One 16 x 8 tile of L = diag(beta) (kn e^G)(kn e^-G)^T (warps 0, 1) or of
+        Mqk = scale (qn e^G)(kn e^-G)^T (warps 2, 3), lower parts only, by m16n8k16 bf16 MMAs on
+        hi/lo splits (hi*hi + hi*lo + lo*hi: ~16 mantissa bits, products accumulate in fp32)."""
+        C, K = self.C, self.K
+        bf16, f32 = cutlass.BFloat16, cutlass.Float32
+        KS = 32  # K slab per step: two k16 blocks
+        mma = cute.make_tiled_mma(warp_mma.MmaF16BF16Op(bf16, f32, (16, 8, 16)))
+        thr = mma.get_slice(lane)
+        j0 = (warp % 2) * 8
+        cA = thr.partition_A(cute.make_identity_tensor((C, KS)))  # (i, d - slab) per element
+        cB = thr.partition_B(cute.make_identity_tensor((8, KS)))  # (j - j0, d - slab)
+        cC = thr.partition_C(cute.make_identity_tensor((C, 8)))  # (i, j - j0)
+        a_hi = cute.make_rmem_tensor(cA.shape, bf16)
+        a_lo = cute.make_rmem_tensor(cA.shape, bf16)
+        b_hi = cute.make_rmem_tensor(cB.shape, bf16)
+        b_lo = cute.make_rmem_tensor(cB.shape, bf16)
+        acc = cute.make_rmem_tensor(cC.shape, f32)
+        acc.fill(0.0)
+        for ks in cutlass.range_constexpr(K // KS):
+            for e in cutlass.range_constexpr(cute.size(cA)):
+                i, d = cA[e]
+                x = fB[i, ks * KS + d]
+                if warp >= 2:
+                    x = fA[i, ks * KS + d]
+                hi = x.to(bf16)
+                a_hi[e] = hi
+                a_lo[e] = (x - hi.to(f32)).to(bf16)
+            for e in cutlass.range_constexpr(cute.size(cB)):
+                jj, d = cB[e]
+                x = fG[j0 + jj, ks * KS + d]
+                hi = x.to(bf16)
+                b_hi[e] = hi
+                b_lo[e] = (x - hi.to(f32)).to(bf16)
+            cute.gemm(mma, acc, a_hi, b_hi, acc)
+            cute.gemm(mma, acc, a_hi, b_lo, acc)
+            cute.gemm(mma, acc, a_lo, b_hi, acc)
+        for e in cutlass.range_constexpr(cute.size(cC)):
+            i, jj = cC[e]
+            if warp < 2:
+                self._store_l(sL, sBeta, i, j0 + jj, acc[e], length)
+            else:
+                self._store_m(mMq, t0, h, i, j0 + jj, acc[e], scale, length)
+
+    @cute.jit
+    def _store_l(self, sL, sBeta, i, j, lacc, length):
+        """Entry (i, j) of L = beta_i k_i . k_j (decayed), strictly lower, zero past length."""
         lval = cutlass.Float32(0.0)
-        if j < i:
+        if j < i and i < length:
             lval = sBeta[i] * lacc
         sL[i, j] = lval
+
+    @cute.jit
+    def _store_m(self, mMq, t0, h, i, j, macc, scale, length):
+        """Entry (i, j) of Mqk = scale q_i . k_j (decayed), lower, rows past length unwritten."""
         if i < length:
             m = cutlass.Float32(0.0)
             if j <= i:

@@ -36,13 +36,14 @@ def test_shipped_configs_supported(fwd_cfg):
 
 # Legal configs at the edges of each range: the checks must not be stricter than stated.
 ACCEPTED = {
-    "prep-k8": (supports_prep, PrepConfig(8)),
-    "prep-k256-c32-t64": (supports_prep, PrepConfig(256, chunk=32, threads=64)),
-    "prep-c1": (supports_prep, PrepConfig(64, chunk=1)),
+    "prep-k32": (supports_prep, PrepConfig(32)),
+    "prep-k256-t256": (supports_prep, PrepConfig(256, threads=256)),
+    "prep-k96-t512": (supports_prep, PrepConfig(96, threads=512)),
+    "prep-bf16": (supports_prep, PrepConfig(64, operands="bf16")),
     "recur-bv32": (supports_recur, RecurConfig(64, 64, block_v=32)),
     "recur-s1": (supports_recur, RecurConfig(128, 128, stages=1)),
     "recur-s4": (supports_recur, RecurConfig(128, 128, stages=4)),
-    "fwd-c32": (supports, FwdConfig(PrepConfig(128, chunk=32), RecurConfig(128, 64, chunk=32))),
+    "fwd-k128-v64": (supports, FwdConfig(PrepConfig(128), RecurConfig(128, 64))),
 }
 
 
@@ -57,11 +58,14 @@ REJECTED = {
     "prep-k-not-mult8": (supports_prep, PrepConfig(100), "head_dim_k", "100"),
     "prep-k-over-256": (supports_prep, PrepConfig(264), "head_dim_k", "264"),
     "prep-k0": (supports_prep, PrepConfig(0), "head_dim_k", "0"),
+    "prep-k-not-mult32": (supports_prep, PrepConfig(40), "head_dim_k", "40"),
     "prep-chunk0": (supports_prep, PrepConfig(64, chunk=0), "chunk", "0"),
     "prep-chunk64": (supports_prep, PrepConfig(64, chunk=64), "chunk", "64"),
     "prep-threads-not-warps": (supports_prep, PrepConfig(64, threads=100), "threads", "100"),
-    "prep-threads-below-2chunk": (supports_prep, PrepConfig(64, chunk=32, threads=32),
-                                  "threads", "32"),
+    "prep-threads-below-128": (supports_prep, PrepConfig(64, threads=64), "threads", "64"),
+    "prep-threads-not-pow2-rows": (supports_prep, PrepConfig(64, threads=96 * 2),
+                                   "threads", "192"),
+    "prep-operands": (supports_prep, PrepConfig(64, operands="fp8"), "operands", "fp8"),
     "recur-k-not-mult8": (supports_recur, RecurConfig(100, 64), "head_dim_k", "100"),
     "recur-k-over-256": (supports_recur, RecurConfig(512, 64), "head_dim_k", "512"),
     "recur-block_v-not-dividing-v": (supports_recur, RecurConfig(64, 64, block_v=24),
