@@ -150,10 +150,13 @@ def fla_runner():
     return run
 
 
-def bench_case(name, spec, K, iters, fla, ceiling, simt=False):
+def bench_case(name, spec, K, iters, fla, ceiling, simt=False, sweep=False):
     from kda_cute import api
-    from kda_cute.config import SIMT
+    from kda_cute.config import EXPERIMENTAL, SHIPPED, SIMT
     simt_cfg = next((c for c in SIMT if c.prep.head_dim_k == K), None) if simt else None
+    # --sweep: every tensor-core config for this head dim, shipped and experimental
+    sweep_cfgs = [c for c in SHIPPED + EXPERIMENTAL if c.prep.head_dim_k == K
+                  and c.recur.mma == "wgmma"] if sweep else []
     base = case_inputs(spec, K, seed=zlib.crc32(name.encode()) % 1000)
     nbytes = compulsory_bytes(base)
     n_sets = max(2, math.ceil(3 * L2_BYTES / nbytes))
@@ -166,7 +169,8 @@ def bench_case(name, spec, K, iters, fla, ceiling, simt=False):
         p = api.validate(q, x["k"], v, x["g"], x["beta"], x["scale"], x["out"], x["A_log"],
                          x["dt_bias"], x["lower_bound"], x["initial_state"], x["final_state"],
                          x["cu_seqlens"], "bounded")
-        ws = max(api.workspace_bytes(p, api.config_for(p, c)) for c in (None, simt_cfg))
+        ws = max(api.workspace_bytes(p, api.config_for(p, c))
+                 for c in [None, simt_cfg, *sweep_cfgs])
         x["workspace"] = torch.empty(ws, dtype=torch.uint8, device="cuda")
         sets.append(x)
     run = kda_runner()
@@ -193,6 +197,19 @@ def bench_case(name, spec, K, iters, fla, ceiling, simt=False):
         torch.cuda.synchronize()
         row["simt_out_err"] = rel_err(sets[0]["out"][:, :, :nh], ref_o)
         row["simt_state_err"] = rel_err(sets[0]["final_state"][:, :nh], ref_s)
+    if sweep_cfgs:
+        row["sweep"] = {}
+        for cfg in sweep_cfgs:
+            run_c = kda_runner(cfg)
+            ms = time_fn(run_c, sets, iters)
+            sets[0]["out"].fill_(float("nan"))
+            sets[0]["final_state"].fill_(float("nan"))
+            run_c(sets[0])
+            torch.cuda.synchronize()
+            row["sweep"][f"c{cfg.chunk}_s{cfg.recur.stages}"] = {
+                "ms": ms, "k1_ms": time_fn(k1_runner(cfg), sets, iters),
+                "out_err": rel_err(sets[0]["out"][:, :, :nh], ref_o),
+                "state_err": rel_err(sets[0]["final_state"][:, :nh], ref_s)}
     row["kda_GBps"] = nbytes / t_kda / 1e6
     row["kda_pct_roofline"] = 100 * row["roofline_ms"] / t_kda
     if fla is not None:
@@ -266,6 +283,8 @@ def main(argv=None):
     ap.add_argument("--head-dims", default="128")
     ap.add_argument("--iters", type=int, default=100)
     ap.add_argument("--no-fla", action="store_true")
+    ap.add_argument("--sweep", action="store_true",
+                    help="also time every tensor-core tile config (shipped and experimental)")
     ap.add_argument("--simt", action="store_true",
                     help="also time the fp32 CUDA-core baseline forward (config.SIMT)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "latest.json"))
@@ -284,7 +303,7 @@ def main(argv=None):
         for name in names:
             t0 = time.time()
             rows.append(bench_case(name, CASES[name], K, max(100, a.iters), fla, ceiling,
-                                   a.simt))
+                                   a.simt, a.sweep))
             r = rows[-1]
             print(f"{name:<22} K{K:<4} kda {r['kda_ms']:.3f} ms (K1 {r['kda_k1_ms']:.3f}; "
                   f"{r['kda_pct_roofline']:.1f}% "
@@ -295,6 +314,9 @@ def main(argv=None):
                   f"err {r.get('simt_out_err', float('nan')):.2e}/"
                   f"{r.get('simt_state_err', float('nan')):.2e} [{time.time() - t0:.0f}s]",
                   flush=True)
+            for tag, sw in r.get("sweep", {}).items():
+                print(f"    sweep {tag}: {sw['ms']:.3f} ms (K1 {sw['k1_ms']:.3f}) "
+                      f"err {sw['out_err']:.2e}/{sw['state_err']:.2e}", flush=True)
             write_results(rows, ceiling, Path(a.out), final=False)
     write_results(rows, ceiling, Path(a.out), final=True)
 

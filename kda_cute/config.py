@@ -81,8 +81,8 @@ class FwdConfig:
 def supports_prep(cfg: PrepConfig) -> tuple[bool, str]:
     if cfg.head_dim_k % 8 or not 8 <= cfg.head_dim_k <= 256:
         return False, f"head_dim_k must be a multiple of 8 in [8, 256], got {cfg.head_dim_k}"
-    if cfg.chunk != 16:
-        return False, f"chunk must be 16 (phase B's m16 MMA tiles), got {cfg.chunk}"
+    if cfg.chunk not in (16, 32):
+        return False, f"chunk must be 16 or 32 (phase B's m16 MMA tiles), got {cfg.chunk}"
     if cfg.head_dim_k % 32:
         return False, f"head_dim_k must be a multiple of 32, got {cfg.head_dim_k}"
     tpr = cfg.threads // (2 * cfg.chunk)
@@ -116,9 +116,10 @@ def supports_recur(cfg: RecurConfig) -> tuple[bool, str]:
     if cfg.mma not in ("simt", "wgmma"):
         return False, f"mma must be 'simt' or 'wgmma', got {cfg.mma!r}"
     if cfg.mma == "wgmma" and (cfg.block_v != 64 or cfg.threads != 128
-                               or cfg.head_dim_k % 64 or cfg.chunk != 16 or cfg.stages < 2):
+                               or cfg.head_dim_k % 64 or cfg.chunk not in (16, 32)
+                               or cfg.stages < 2):
         return False, (f"mma 'wgmma' needs block_v 64, threads 128, head_dim_k % 64 == 0, "
-                       f"chunk 16 and stages >= 2, got {cfg.block_v}, {cfg.threads}, "
+                       f"chunk 16 or 32 and stages >= 2, got {cfg.block_v}, {cfg.threads}, "
                        f"{cfg.head_dim_k}, {cfg.chunk}, {cfg.stages}")
     return True, ""
 
@@ -149,10 +150,10 @@ def _fwd(k: int, v: int, chunk: int = 16, block_v: int = 16) -> FwdConfig:
     return FwdConfig(PrepConfig(k, chunk, _prep_threads(k)), RecurConfig(k, v, chunk, block_v))
 
 
-def _tc_fwd(k: int, v: int) -> FwdConfig:
+def _tc_fwd(k: int, v: int, chunk: int = 16, stages: int = 4) -> FwdConfig:
     """The tensor-core forward: K1 writes bf16 operands, K2 runs every product on wgmma."""
-    return FwdConfig(PrepConfig(k, 16, _prep_threads(k), operands="bf16"),
-                     RecurConfig(k, v, 16, 64, stages=4, mma="wgmma"))
+    return FwdConfig(PrepConfig(k, chunk, _prep_threads(k), operands="bf16"),
+                     RecurConfig(k, v, chunk, 64, stages=stages, mma="wgmma"))
 
 
 # The tensor-core forwards: what the ladder picks.
@@ -165,8 +166,8 @@ SIMT: tuple[FwdConfig, ...] = tuple(_fwd(d, d) for d in HEAD_DIMS)
 SHIPPED: tuple[FwdConfig, ...] = TENSOR_CORE + SIMT
 
 # Built and ABI-checked like the shipped ones, reachable through fwd(config=...), but not picked by
-# the ladder until their GPU tests have passed on the H200. None at present.
-EXPERIMENTAL: tuple[FwdConfig, ...] = ()
+# the ladder until their GPU tests have passed on the H200: chunk 32 (half the serial steps).
+EXPERIMENTAL: tuple[FwdConfig, ...] = tuple(_tc_fwd(d, d, chunk=32, stages=2) for d in HEAD_DIMS)
 
 
 def select_config(head_dim_k: int, head_dim_v: int, varlen: bool) -> FwdConfig | None:

@@ -9,14 +9,15 @@ Pipeline: one mbarrier; one elected thread issues three TMA loads (q, k and g ti
 Phases:
   A  thread per key column: L2 norms (block reduction), gate activation, cumulative decay G,
      and the token-indexed outputs qg = scale qn e^G, kg = kn e^G, kd = kn e^(Gl - G), gl = e^Gl.
-  B  thread per (i, j) entry of the chunk matrices L and Mqk. When every |G| of the chunk is at
-     most 80 (always, for the bounded gate at chunk 16), a term is the product of the factors
-     (kn_i e^G_i)(kn_j e^-G_j), each inside fp32 range; otherwise each term takes
-     e^(G_i - G_j) from the difference, so no factor exceeds 1 (strong unbounded decays).
+  B  the chunk matrices L and Mqk. When every |G_i - r| of the chunk is at most 80 (r: G at the
+     chunk's middle row; always so for the bounded gate up to chunk 32), they are products of
+     the factors (kn_i e^(G_i - r)) and (kn_j e^(r - G_j)), each inside fp32 range, on warp
+     MMA (16 x 8 tiles, bf16 hi/lo splits); otherwise (strong unbounded decays) each term takes
+     e^(G_i - G_j) from the difference on the CUDA cores, so no factor exceeds 1.
   C  thread per column j: forward substitution for Aw = (I + L)^-1 diag(beta).
 Outputs (config `operands`): "f32" writes fp32 tensors for the SIMT K2; "bf16" writes the
 tensor-core K2's operands: bf16 qg and kg; kd, Aw and Mq as bf16 hi + lo planes (x = hi + lo to
-~16 bits); fp32 gl. Constraints: K % 8 == 0, K <= 256, chunk <= 32.
+~16 bits); fp32 gl. Constraints: K % 32 == 0, K <= 256, chunk 16 or 32 (config.supports_prep).
 Rows past the chunk's valid length are never written.
 """
 
@@ -234,11 +235,19 @@ class KdaPrepSm90:
                     if i < length:
                         G = G + a
                     fG[i, d] = G
-                    if G < -80.0:
-                        big = cutlass.Int32(1)
-                    if G > 80.0:
-                        big = cutlass.Int32(1)
+                    if cutlass.const_expr(i == C // 2 - 1):
+                        ref = G
                 mGl[bid, h, d] = cute.math.exp(G, fastmath=True)
+                # the factored phase B multiplies e^(G_i - ref) by e^(ref - G_j): both must stay
+                # inside fp32 range for every row (G is monotone, so the ends bound it)
+                if fG[0, d] - ref > 80.0:
+                    big = cutlass.Int32(1)
+                if ref - G > 80.0:
+                    big = cutlass.Int32(1)
+                if G - ref > 80.0:
+                    big = cutlass.Int32(1)
+                if ref - fG[0, d] > 80.0:
+                    big = cutlass.Int32(1)
                 if big != 0:
                     unsafe[0] = big
             cute.arch.sync_threads()
@@ -247,6 +256,7 @@ class KdaPrepSm90:
             factored = unsafe[0] == 0
             for d in cutlass.range(tidx, K, NT):
                 Gl = fG[C - 1, d]
+                ref = fG[C // 2 - 1, d]
                 for i in cutlass.range_constexpr(C):
                     Gi = fG[i, d]
                     eg = cute.math.exp(Gi, fastmath=True)
@@ -255,9 +265,10 @@ class KdaPrepSm90:
                     qe = qn * eg
                     ke = kn * eg
                     if factored:
-                        fA[i, d] = qe
-                        fB[i, d] = ke
-                        fG[i, d] = kn * cute.math.exp(-Gi, fastmath=True)
+                        er = cute.math.exp(Gi - ref, fastmath=True)
+                        fA[i, d] = qn * er
+                        fB[i, d] = kn * er
+                        fG[i, d] = kn * cute.math.exp(ref - Gi, fastmath=True)
                     else:
                         fA[i, d] = qn
                         fB[i, d] = kn
@@ -275,11 +286,13 @@ class KdaPrepSm90:
 
             # ---- phase B: L and Mqk ------------------------------------------------------
             if factored:
-                # on warp MMA: warp w < 4 computes the 8-column tile (w % 2) of L (w < 2) or
-                # Mqk (w >= 2), over all of K, with bf16 hi/lo operand splits
-                if warp < 4:
-                    self._phase_b_mma(fA, fB, fG, sL, sBeta, mMq, t0, h, warp, lane, scale,
-                                      length)
+                # on warp MMA: 16 x 8 tiles of L and Mqk, dealt round-robin to the warps
+                MT, NTL = C // 16, C // 8
+                for tile in cutlass.range_constexpr(2 * MT * NTL):
+                    if tile % (NT // 32) == warp:
+                        self._phase_b_mma(fA, fB, fG, sL, sBeta, mMq, t0, h, lane, scale,
+                                          length, tile // (MT * NTL),
+                                          (tile % (MT * NTL)) // NTL, tile % NTL)
             else:
                 # strong decays: each term takes e^(G_i - G_j), two columns j per thread
                 HC = C // 2
@@ -330,19 +343,20 @@ class KdaPrepSm90:
                             mAw[t0 + i, h, j] = x
 
     @cute.jit
-    def _phase_b_mma(self, fA, fB, fG, sL, sBeta, mMq, t0, h, warp, lane, scale, length):
-        """One 16 x 8 tile of L = diag(beta) (kn e^G)(kn e^-G)^T (warps 0, 1) or of
-        Mqk = scale (qn e^G)(kn e^-G)^T (warps 2, 3), lower parts only, by m16n8k16 bf16 MMAs on
-        hi/lo splits (hi*hi + hi*lo + lo*hi: ~16 mantissa bits, products accumulate in fp32)."""
-        C, K = self.C, self.K
+    def _phase_b_mma(self, fA, fB, fG, sL, sBeta, mMq, t0, h, lane, scale, length,
+                     product: cutlass.Constexpr, mt: cutlass.Constexpr, nt: cutlass.Constexpr):
+        """Tile (mt, nt) (16 x 8) of L = diag(beta) (kn e^(G-r))(kn e^(r-G))^T (product 0) or
+        Mqk = scale (qn e^(G-r))(kn e^(r-G))^T (product 1), lower parts kept, by m16n8k16 bf16
+        MMAs on hi/lo splits (hi*hi + hi*lo + lo*hi: ~16 mantissa bits, fp32 accumulation)."""
+        K = self.K
         bf16, f32 = cutlass.BFloat16, cutlass.Float32
         KS = 32  # K slab per step: two k16 blocks
         mma = cute.make_tiled_mma(warp_mma.MmaF16BF16Op(bf16, f32, (16, 8, 16)))
         thr = mma.get_slice(lane)
-        j0 = (warp % 2) * 8
-        cA = thr.partition_A(cute.make_identity_tensor((C, KS)))  # (i, d - slab) per element
+        i0, j0 = mt * 16, nt * 8
+        cA = thr.partition_A(cute.make_identity_tensor((16, KS)))  # (i - i0, d - slab)
         cB = thr.partition_B(cute.make_identity_tensor((8, KS)))  # (j - j0, d - slab)
-        cC = thr.partition_C(cute.make_identity_tensor((C, 8)))  # (i, j - j0)
+        cC = thr.partition_C(cute.make_identity_tensor((16, 8)))  # (i - i0, j - j0)
         a_hi = cute.make_rmem_tensor(cA.shape, bf16)
         a_lo = cute.make_rmem_tensor(cA.shape, bf16)
         b_hi = cute.make_rmem_tensor(cB.shape, bf16)
@@ -352,9 +366,10 @@ class KdaPrepSm90:
         for ks in cutlass.range_constexpr(K // KS):
             for e in cutlass.range_constexpr(cute.size(cA)):
                 i, d = cA[e]
-                x = fB[i, ks * KS + d]
-                if warp >= 2:
-                    x = fA[i, ks * KS + d]
+                if cutlass.const_expr(product == 0):
+                    x = fB[i0 + i, ks * KS + d]
+                else:
+                    x = fA[i0 + i, ks * KS + d]
                 hi = x.to(bf16)
                 a_hi[e] = hi
                 a_lo[e] = (x - hi.to(f32)).to(bf16)
@@ -369,10 +384,10 @@ class KdaPrepSm90:
             cute.gemm(mma, acc, a_lo, b_hi, acc)
         for e in cutlass.range_constexpr(cute.size(cC)):
             i, jj = cC[e]
-            if warp < 2:
-                self._store_l(sL, sBeta, i, j0 + jj, acc[e], length)
+            if cutlass.const_expr(product == 0):
+                self._store_l(sL, sBeta, i0 + i, j0 + jj, acc[e], length)
             else:
-                self._store_m(mMq, t0, h, i, j0 + jj, acc[e], scale, length)
+                self._store_m(mMq, t0, h, i0 + i, j0 + jj, acc[e], scale, length)
 
     @cute.jit
     def _store_l(self, sL, sBeta, i, j, lacc, length):

@@ -2,7 +2,7 @@
 
 import pytest
 
-from kda_cute.config import SIMT, TENSOR_CORE
+from kda_cute.config import EXPERIMENTAL, SIMT, TENSOR_CORE
 from kda_cute.testing import cuda_ready, make_inputs, prep_errors
 
 ok, why = cuda_ready()
@@ -26,12 +26,14 @@ def test_prep_matches_chunked_twin(name):
     assert all(e < 1e-5 for e in res.values()), res
 
 
+@pytest.mark.parametrize("chunk", [16, 32])
 @pytest.mark.parametrize("name", list(CASES))
-def test_prep_bf16_operands(name):
+def test_prep_bf16_operands(name, chunk):
     """The tensor-core K2's workspace: bf16 qg, kg (rounding only) and hi + lo kd, Aw, Mq
-    (~16 mantissa bits)."""
+    (~16 mantissa bits), for the shipped chunk and the experimental one."""
     kw = CASES[name]
-    (cfg,) = [c for c in TENSOR_CORE if c.prep.head_dim_k == kw["K"]]
+    (cfg,) = [c for c in TENSOR_CORE + EXPERIMENTAL
+              if c.prep.head_dim_k == kw["K"] and c.chunk == chunk]
     res = prep_errors(make_inputs(seed=len(name), **kw), config=cfg)
     assert all(res[n] < 3e-3 for n in ("qg", "kg")), res
     assert all(res[n] < 3e-5 for n in ("kd", "aw", "mq")), res
