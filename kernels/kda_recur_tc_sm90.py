@@ -255,6 +255,7 @@ class KdaRecurTcSm90:
         nsplit = max(1, K // 128)
         kb_slab = K // 16 // nsplit
         aS = thr_p.make_fragment_A(thr_p.partition_shape_A((BV, K // nsplit)))
+        gl_r = cute.make_rmem_tensor_like(acc_s, f32)  # per element; equal d's share registers
         aWh = cute.make_rmem_tensor_like(vW, bf16)
         aWl = cute.make_rmem_tensor_like(vW, bf16)
         aUh = cute.make_rmem_tensor_like(vU, bf16)
@@ -278,6 +279,11 @@ class KdaRecurTcSm90:
             length = cutlass.min(C, eos - t0)
 
             # ---- P = S kg^T, Pq = S qg^T (A: a bf16 copy of S, so S stays writable) -------
+            if cutlass.const_expr(nsplit == 1):
+                # the decay factors now, so their smem latency hides behind the products
+                for e in cutlass.range_constexpr(cute.size(acc_s)):
+                    _, d = cS[e]
+                    gl_r[e] = sGl[0, d, s]
             for part in cutlass.range_constexpr(nsplit):
                 if part > 0:
                     warpgroup.wait_group(0)  # the previous slab's products still read aS
@@ -312,7 +318,10 @@ class KdaRecurTcSm90:
             warpgroup.commit_group()
             for e in cutlass.range_constexpr(cute.size(acc_s)):  # S diag(gl) meanwhile
                 _, d = cS[e]
-                acc_s[e] = acc_s[e] * sGl[0, d, s]
+                if cutlass.const_expr(nsplit == 1):
+                    acc_s[e] = acc_s[e] * gl_r[e]
+                else:
+                    acc_s[e] = acc_s[e] * sGl[0, d, s]
             warpgroup.wait_group(0)
             for e in cutlass.range_constexpr(cute.size(acc_u)):
                 _, i = cP[e]
