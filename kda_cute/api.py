@@ -7,6 +7,7 @@ was got. A launch itself does no host sync except the optional check of cu_seqle
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -184,25 +185,31 @@ def _workspace_layout(p: Problem, cfg: FwdConfig) -> list[tuple[str, tuple, torc
             ("gl", (nch, H, K), f32), ("aw", (Tt, H, C), f32), ("mq", (Tt, H, C), f32)]
 
 
-def _nbytes(shape, dtype) -> int:
-    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+_ELEM = {torch.float32: 4, torch.bfloat16: 2}
+
+
+@functools.lru_cache(maxsize=1024)
+def _workspace_plan(p: Problem, cfg: FwdConfig) -> tuple[tuple, int]:
+    """((name, offset, bytes, shape, dtype), ...) from a 256-byte aligned base, and the bytes a
+    workspace needs (one alignment's slack included)."""
+    plan, start = [], 0
+    for name, shape, dtype in _workspace_layout(p, cfg):
+        n = math.prod(shape) * _ELEM[dtype]
+        plan.append((name, start, n, shape, dtype))
+        start += (n + 255) // 256 * 256
+    return tuple(plan), start + 256
 
 
 def workspace_bytes(p: Problem, cfg: FwdConfig) -> int:
     """Bytes of the caller-ownable workspace: K1's outputs, each 256-byte aligned."""
-    layout = _workspace_layout(p, cfg)
-    return sum((_nbytes(s, d) + 255) // 256 * 256 for _, s, d in layout) + 256
+    return _workspace_plan(p, cfg)[1]
 
 
 def workspace_views(workspace: torch.Tensor, p: Problem, cfg: FwdConfig) -> dict:
     """K1's outputs as typed views into the workspace (each 256-byte aligned)."""
-    start = (-workspace.data_ptr()) % 256
-    views = {}
-    for name, shape, dtype in _workspace_layout(p, cfg):
-        n = _nbytes(shape, dtype)
-        views[name] = workspace[start:start + n].view(dtype).view(shape)
-        start += (n + 255) // 256 * 256
-    return views
+    base = (-workspace.data_ptr()) % 256
+    return {name: workspace[base + off:base + off + n].view(dtype).view(shape)
+            for name, off, n, shape, dtype in _workspace_plan(p, cfg)[0]}
 
 
 _seq_cache: dict[tuple, tuple] = {}
@@ -229,10 +236,11 @@ def _offsets(p: Problem, cfg: FwdConfig, cu_seqlens, dev):
 def launch_forward(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state,
                    final_state, cu_seqlens, workspace, gate, qk_l2norm, beta_sigmoid, p, cfg,
                    run_recurrence=True):
-    """Launch K1 then K2 on the current stream; returns the workspace views K1 wrote."""
+    """Launch K1 then K2 on the current stream. Returns the workspace views K1 wrote when
+    `run_recurrence` is False (K1 alone, for tests), else None."""
     dev = q.device
     di = dev.index if dev.index is not None else torch.cuda.current_device()
-    arch = runtime.arch_of(dev)
+    arch = runtime.arch_of(di)
     k1 = runtime.get_kernel(cfg.prep, arch)
     k2 = runtime.get_kernel(cfg.recur, arch)
     C, H, K, V = cfg.chunk, p.H, p.K, p.V
@@ -245,10 +253,14 @@ def launch_forward(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, in
           or not workspace.is_contiguous()):
         raise _err("workspace", f"a contiguous uint8 CUDA tensor of >= {need} bytes on {dev}",
                    f"{workspace.dtype} [{workspace.numel()}] on {workspace.device}")
-    w = workspace_views(workspace, p, cfg)
-    qg, kg, kd, gl, aw, mq = (w[n].data_ptr() for n in ("qg", "kg", "kd", "gl", "aw", "mq"))
-    kd_plane = w["kd"][0].numel() * w["kd"].element_size()  # bf16 operands: lo after hi
-    aw_plane = w["aw"][0].numel() * w["aw"].element_size()
+    plan = _workspace_plan(p, cfg)[0]
+    base = workspace.data_ptr()
+    base += (-base) % 256
+    ptr = {name: base + off for name, off, *_ in plan}
+    qg, kg, kd, gl, aw, mq = (ptr[n] for n in ("qg", "kg", "kd", "gl", "aw", "mq"))
+    # bf16 operands: each (hi, lo) pair is two equal planes, lo after hi
+    kd_plane = plan[2][2] // 2
+    aw_plane = plan[4][2] // 2
     cs, cc = _offsets(p, cfg, cu_seqlens, dev)
     if A_log is None:
         A_log = torch.zeros(H, dtype=torch.float32, device=dev)
@@ -268,9 +280,9 @@ def launch_forward(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, in
                  "scale": float(scale), "lower_bound": float(lower_bound or 0.0),
                  "gate_mode": GATE_MODES[gate], "qk_l2norm": int(bool(qk_l2norm)),
                  "beta_sigmoid": int(bool(beta_sigmoid))}
-        k1.launch((nch, H, 1), runtime.pack_params(k1.args, vals1, syms), stream, di)
+        k1.launch_with((nch, H, 1), vals1, syms, stream, di)
     if not run_recurrence:
-        return w
+        return workspace_views(workspace, p, cfg)
     dummy = out.data_ptr()
     s_in = _STATE_CODE[initial_state.dtype if initial_state is not None else None]
     s_out = _STATE_CODE[final_state.dtype if final_state is not None else None]
@@ -283,9 +295,8 @@ def launch_forward(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, in
              "cu_seqlens": cs.data_ptr(), "cu_chunks": cc.data_ptr(), "num_seqs": p.N,
              "num_heads": H, "state_in": s_in, "state_out": s_out}
     if p.N > 0 and H > 0:
-        k2.launch((V // cfg.recur.block_v, H, p.N), runtime.pack_params(k2.args, vals2, syms),
-                  stream, di)
-    return w
+        k2.launch_with((V // cfg.recur.block_v, H, p.N), vals2, syms, stream, di)
+    return None
 
 
 def fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state=None,

@@ -1,0 +1,164 @@
+"""The launch path on a CPU: what `fwd` hands the driver, with the driver stubbed.
+
+`fwd` packs each kernel's parameter block once per distinct call and reuses it (the launch path is
+host time a serving loop pays on every step). These tests check that a reused block is the block
+a fresh packing produces, that any change to a pointer, a shape, a stride or a scalar produces a
+new one, and that the workspace plan the launcher addresses matches the views the tests read.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+
+from kda_cute import abi, api, fwd, runtime
+from kda_cute.config import PrepConfig, select_config
+
+BF16 = torch.bfloat16
+
+
+class _FakeCu:
+    def cuLaunchKernel(self, *a):  # noqa: N802 (the driver's name)
+        return (0,)
+
+    def CUstream(self, s):  # noqa: N802
+        return s
+
+
+@pytest.fixture
+def stub_driver(monkeypatch):
+    """Kernels built from the manifests without a driver; launches recorded, not run."""
+    launches = []
+    kernels = {}
+
+    def get_kernel(cfg, arch):
+        if cfg not in kernels:
+            k = object.__new__(runtime.Kernel)
+            k.manifest, _ = runtime.load_manifest(cfg.name, arch)
+            k.args = abi.prep_args(cfg) if isinstance(cfg, PrepConfig) else abi.recur_args(cfg)
+            k.sizes = [p[2] for p in k.manifest["params"]]
+            k.block, k.smem, k._packed = tuple(k.manifest["block"]), 0, {}
+            k._function = lambda device: None
+            kernels[cfg] = k
+        return kernels[cfg]
+
+    def record(self, grid, arr, stream, device):
+        bufs, ptrs = arr
+        blob = [ctypes.string_at(ptrs[i], len(b.raw)) for i, b in enumerate(bufs)]
+        launches.append((self.manifest["name"], grid, blob, id(arr)))
+
+    monkeypatch.setattr(runtime, "get_kernel", get_kernel)
+    monkeypatch.setattr(runtime, "arch_of", lambda dev: "sm_90a")
+    monkeypatch.setattr(runtime, "encode_tiled", lambda dt, ptr, dims, rs, box, sw=0:
+                        ptr.to_bytes(8, "little") + bytes(120))
+    monkeypatch.setattr(runtime.Kernel, "_launch", record)
+    monkeypatch.setattr(api, "_check_device", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: type("S", (), {"cuda_stream": 0}))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+
+    class _Dev:
+        def __init__(self, *a):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *a):
+            return False
+
+    monkeypatch.setattr(torch.cuda, "device", _Dev)
+    return launches
+
+
+def _problem(T=40, H=2, K=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, k, gg, v = (torch.randn(1, T, H, K, generator=g).to(BF16) for _ in range(4))
+    beta = torch.randn(1, T, H, generator=g).to(BF16)
+    out = torch.empty_like(v)
+    A_log, dt = torch.rand(H), torch.rand(H, K)
+    s0 = torch.randn(1, H, K, K)
+    s1 = torch.empty_like(s0)
+    p = api.validate(q, k, v, gg, beta, K ** -0.5, out, A_log, dt, -5.0, s0, s1, None, "bounded")
+    ws = torch.empty(api.workspace_bytes(p, api.config_for(p)), dtype=torch.uint8)
+    return dict(q=q, k=k, v=v, g=gg, beta=beta, scale=K ** -0.5, out=out, A_log=A_log,
+                dt_bias=dt, lower_bound=-5.0, initial_state=s0, final_state=s1,
+                cu_seqlens=None, workspace=ws)
+
+
+def _run(x, **kw):
+    fwd(**x, check_seqlens=False, **kw)
+
+
+def test_repeated_call_reuses_the_packed_block(stub_driver):
+    x = _problem()
+    _run(x)
+    _run(x)
+    (k1a, k2a, k1b, k2b) = stub_driver
+    assert [k1a[0], k2a[0]] == [k1b[0], k2b[0]]
+    assert k1a[2] == k1b[2] and k2a[2] == k2b[2]
+    assert k1a[3] == k1b[3] and k2a[3] == k2b[3]  # the same cached array
+
+
+def test_cached_block_equals_a_fresh_packing(stub_driver, monkeypatch):
+    x = _problem()
+    _run(x)
+    cached = [blob for _, _, blob, _ in stub_driver]
+    # the same call again with the cache emptied: every block is packed anew
+    for k in {runtime.get_kernel(c, "sm_90a")
+              for f in [select_config(64, 64, False)] for c in (f.prep, f.recur)}:
+        k._packed.clear()
+    _run(x)
+    fresh = [blob for _, _, blob, _ in stub_driver[2:]]
+    assert cached == fresh
+
+
+CHANGES = {
+    "out-pointer": lambda x: x.update(out=torch.empty_like(x["out"])),
+    "state-pointer": lambda x: x.update(final_state=torch.empty_like(x["final_state"])),
+    "workspace": lambda x: x.update(workspace=torch.empty_like(x["workspace"])),
+    "scale": lambda x: x.update(scale=0.5),
+    "lower_bound": lambda x: x.update(lower_bound=-3.0),
+    "no-initial-state": lambda x: x.update(initial_state=None),
+    "bf16-final-state": lambda x: x.update(final_state=x["final_state"].to(BF16)),
+}
+
+
+@pytest.mark.parametrize("change", list(CHANGES))
+def test_any_change_repacks(stub_driver, change):
+    x = _problem()
+    _run(x)
+    CHANGES[change](x)
+    _run(x)
+    before, after = stub_driver[:2], stub_driver[2:]
+    assert any(b[2] != a[2] for b, a in zip(before, after, strict=True)), change
+
+
+def test_token_stride_changes_the_block(stub_driver):
+    x = _problem()
+    _run(x)
+    T, H, K = 40, 2, 64
+    wide = torch.randn(1, T, H * K + 64).to(BF16)[..., :H * K].view(1, T, H, K)
+    x["q"] = wide
+    _run(x)
+    assert stub_driver[0][2] != stub_driver[2][2]  # K1 reads q through its row stride
+
+
+@pytest.mark.parametrize("K", [64, 128, 256])
+def test_workspace_plan_matches_views(K):
+    p = api.Problem(1, 37, 3, K, K, 1, False)
+    cfg = select_config(K, K, False)
+    need = api.workspace_bytes(p, cfg)
+    ws = torch.empty(need + 100, dtype=torch.uint8)[3:3 + need]  # a misaligned base
+    views = api.workspace_views(ws, p, cfg)
+    base = ws.data_ptr() + (-ws.data_ptr()) % 256
+    plan, total = api._workspace_plan(p, cfg)
+    assert total == need
+    for name, off, n, shape, dtype in plan:
+        v = views[name]
+        assert v.data_ptr() == base + off and v.data_ptr() % 256 == 0
+        assert tuple(v.shape) == shape and v.dtype == dtype
+        assert v.numel() * v.element_size() == n
+        assert v.data_ptr() + n <= ws.data_ptr() + need
