@@ -36,7 +36,19 @@ def swizzle_bytes(layout) -> int:
     return 0 if m is None or int(m.group(1)) == 0 else 16 << int(m.group(1))
 
 
-class ChunkTileLoader:
+class TileCopy:
+    """One TMA tile load (trace time): the `tile` of the global view at `coord` into smem `sX`,
+    completing on mbarrier `bar`. Called by a whole warp: the copy elects its own lane."""
+
+    @cute.jit
+    def _tile_copy(self, tma, tX, sX, coord, tile, bar):
+        gX = cute.local_tile(cute.domain_offset(coord, tX), tile, (0, 0))
+        tXs, tXg = cpasync.tma_partition(
+            tma, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2), cute.group_modes(gX, 0, 2))
+        cute.copy(tma, tXg, tXs, tma_bar_ptr=bar)
+
+
+class ChunkTileLoader(TileCopy):
     """The K2 load side shared by its variants: one chunk's K1 workspace tiles and v tile, TMA'd
     into buffer c % stages on that buffer's mbarrier. Needs self.C, K, V, BV, stages, tx_bytes."""
 
@@ -75,10 +87,3 @@ class ChunkTileLoader:
             self._tile_copy(tma, tX, sX[None, None, s], (t0, col), (rows, cols), bar)
         self._tile_copy(tma_gl, tGl, sGl[None, None, s], (chunk_id, gl_col), (1, self.K), bar)
         self._tile_copy(tma_v, tV, sV[None, None, s], (t0, v_col), (self.C, self.BV), bar)
-
-    @cute.jit
-    def _tile_copy(self, tma, tX, sX, coord, tile, bar):
-        gX = cute.local_tile(cute.domain_offset(coord, tX), tile, (0, 0))
-        tXs, tXg = cpasync.tma_partition(
-            tma, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2), cute.group_modes(gX, 0, 2))
-        cute.copy(tma, tXg, tXs, tma_bar_ptr=bar)

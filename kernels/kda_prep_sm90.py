@@ -28,12 +28,12 @@ from cutlass.cute.nvgpu import cpasync
 from cutlass.cute.nvgpu import warp as warp_mma
 
 from kda_cute.config import GATE_BOUNDED, GATE_UNBOUNDED, PrepConfig
-from kernels.common import tma_meta
+from kernels.common import TileCopy, tma_meta
 
 _SEARCH_STEPS = 24  # binary search over cu_chunks: up to 2^24 sequences
 
 
-class KdaPrepSm90:
+class KdaPrepSm90(TileCopy):
     def __init__(self, cfg: PrepConfig):
         self.cfg = cfg
         self.K = cfg.head_dim_k
@@ -174,11 +174,7 @@ class KdaPrepSm90:
                 with cute.arch.elect_one():
                     cute.arch.mbarrier_arrive_and_expect_tx(mbar, 3 * C * K * 2)
                 for tma, tX, sX_ in ((tma_q, tQ, sQ), (tma_k, tK, sK), (tma_g, tG, sG)):
-                    gX = cute.local_tile(cute.domain_offset((t0, h * K), tX), (C, K), (0, 0))
-                    tXs, tXg = cpasync.tma_partition(
-                        tma, 0, cute.make_layout(1), cute.group_modes(sX_, 0, 2),
-                        cute.group_modes(gX, 0, 2))
-                    cute.copy(tma, tXg, tXs, tma_bar_ptr=mbar)
+                    self._tile_copy(tma, tX, sX_, (t0, h * K), (C, K), mbar)
             if tidx < C:
                 b = cutlass.Float32(0.0)
                 if tidx < length:

@@ -32,7 +32,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.utils import LayoutEnum
 
 from kda_cute.config import RecurConfig
-from kernels.common import swizzle_bytes, tma_meta
+from kernels.common import TileCopy, swizzle_bytes, tma_meta
 
 STATE_NONE, STATE_F32, STATE_BF16 = 0, 1, 2
 _CONSUMER_BARRIER = 1  # named barrier id of the consumer warpgroup (0 is __syncthreads)
@@ -51,7 +51,7 @@ def acc_as_operand_a(acc: cute.Tensor) -> cute.Tensor:
     return cute.make_tensor(acc.iterator, layout)
 
 
-class KdaRecurTcSm90:
+class KdaRecurTcSm90(TileCopy):
     def __init__(self, cfg: RecurConfig):
         self.cfg = cfg
         self.K, self.V = cfg.head_dim_k, cfg.head_dim_v
@@ -392,11 +392,3 @@ class KdaRecurTcSm90:
         for kb in cutlass.range_constexpr(cute.size(rA, mode=[2])):
             cute.gemm(mma, acc, rA[None, None, kb], rB[None, None, kb + b_offset], acc)
             mma.set(warpgroup.Field.ACCUMULATE, True)
-
-    @cute.jit
-    def _tile_copy(self, tma, tX, sX, coord, tile, bar):
-        gX = cute.local_tile(cute.domain_offset(coord, tX), tile, (0, 0))
-        tXs, tXg = cpasync.tma_partition(
-            tma, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2), cute.group_modes(gX, 0, 2))
-        cute.copy(tma, tXg, tXs, tma_bar_ptr=bar)
-
