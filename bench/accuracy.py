@@ -19,6 +19,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from kda_cute.config import select_config  # noqa: E402
 from kda_cute.testing import errors, make_inputs  # noqa: E402
 
 CASES = [
@@ -46,7 +47,9 @@ def main(argv=None):
         t0 = time.time()
         kw = {"K": 128, **kw}
         res = errors(make_inputs(seed=len(rows) + 1, **kw))
-        res.update(case=name, seconds=round(time.time() - t0, 1))
+        ladder = select_config(kw["K"], kw.get("V") or kw["K"], "seqlens" in kw)
+        res.update(case=name, seconds=round(time.time() - t0, 1),
+                   config=[ladder.prep.name, ladder.recur.name])
         rows.append(res)
         print(json.dumps(res), flush=True)
     doc = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
