@@ -378,6 +378,63 @@ def chunk_recurrence(inter, v, *, chunk, initial_state=None, cu_seqlens=None, op
     return out, S
 
 
+def segmented_recurrence(inter, v, *, chunk, segments, initial_state=None, rerun=False):
+    """chunk_recurrence for one sequence (B == 1, no cu_seqlens) split into `segments` runs of
+    whole chunks that start independently: the math of a K2 that parallelises inside a sequence.
+
+    Each chunk maps the state affinely, S -> S A_c + B_c with A_c = diag(gl) - kg^T Aw^T kd [K, K]
+    and B_c = v^T Aw^T kd [V, K]. Pass 1 (parallel over segments) runs each segment from zero
+    with the identity stacked under the state, [S; I] ([V + K, K]): the top rows end as the
+    segment's B, the bottom rows as its A. A short serial pass chains the segments' starting
+    states, S_(j+1) = S_j A_j + B_j. The output is linear in a segment's starting state too: the
+    identity rows' outputs O_I [K per token] give out = out_from_zero + S_start O_I, a per-segment
+    product (parallel). With `rerun`, pass 2 instead reruns each segment from its true start.
+    Returns (out, final_state) like chunk_recurrence."""
+    qg = inter["qg"]
+    B, T, H, K = qg.shape
+    if B != 1:
+        raise ValueError(f"qg: expected one sequence (B == 1), got B = {B}")
+    V = v.shape[-1]
+    n_chunks = (T + chunk - 1) // chunk
+    if not 1 <= segments <= max(1, n_chunks):
+        raise ValueError(f"segments: expected 1..{max(1, n_chunks)}, got {segments}")
+    dtype, device = qg.dtype, qg.device
+    S0 = _initial_state(initial_state, 1, H, V, K, dtype, device)
+    per = (n_chunks + segments - 1) // segments
+    edges = [min(T, j * per * chunk) for j in range(segments + 1)]
+    spans = [(s, e) for s, e in itertools.pairwise(edges) if e > s]
+
+    def piece(x, s, e):
+        return x[:, s:e]
+
+    # pass 1: each segment's affine map, from [0; I]
+    eye = torch.eye(K, dtype=dtype, device=device).expand(1, H, K, K)
+    maps, o_zero, o_eye = [], [], []
+    for s, e in spans:
+        sub = {key: piece(x, s, e) for key, x in inter.items()}
+        zero_v = torch.zeros(1, e - s, H, K, dtype=dtype, device=device)
+        # the identity block follows the linear part only: it sees no values (v = 0)
+        o_top, top = chunk_recurrence(sub, piece(v, s, e), chunk=chunk)
+        o_bot, bottom = chunk_recurrence(sub, zero_v, chunk=chunk, initial_state=eye)
+        maps.append((bottom[0], top[0]))  # A [H, K, K], B [H, V, K]
+        o_zero.append(o_top)
+        o_eye.append(o_bot)  # [1, t, H, K]: row k is the output the state's basis row k gives
+    # the serial pass: true starting state of every segment
+    starts, S = [], S0[0]
+    for A, Bm in maps:
+        starts.append(S)
+        S = S @ A + Bm
+    out = torch.zeros(1, T, H, V, dtype=dtype, device=device)
+    for j, ((s, e), St) in enumerate(zip(spans, starts, strict=True)):
+        if rerun:  # pass 2: the segment again, from its true start
+            sub = {key: piece(x, s, e) for key, x in inter.items()}
+            out[:, s:e], _ = chunk_recurrence(sub, piece(v, s, e), chunk=chunk,
+                                              initial_state=St[None])
+        else:  # the correction: out += S_start O_I, token by token
+            out[:, s:e] = o_zero[j] + torch.einsum("hvk,bthk->bthv", St, o_eye[j])
+    return out, S[None]
+
+
 def kda_chunked(q, k, v, g, beta, *, chunk=16, dtype=torch.float64, scale=None, initial_state=None,
                 cu_seqlens=None, A_log=None, dt_bias=None, lower_bound=None, gate="bounded",
                 qk_l2norm=True, beta_sigmoid=True):

@@ -511,3 +511,40 @@ def test_factored_intermediates_reject_bad_sub():
     b = torch.rand(1, 8, 1, dtype=torch.float64)
     with pytest.raises(ValueError, match="sub"):
         chunk_intermediates(x, x, -x.abs(), b, chunk=8, scale=1.0, sub=3)
+
+
+@pytest.mark.parametrize("rerun", [False, True], ids=["correction", "rerun"])
+@pytest.mark.parametrize("segments", [1, 2, 3, 7])
+@pytest.mark.parametrize("gate", ["bounded", "unbounded"])
+def test_segmented_recurrence_matches_sequential(segments, gate, rerun):
+    """Chunk-parallel partial states (the few-heads K2's math): per-segment affine maps from
+    [0; I], chained serially, then outputs from the true starts, equal the sequential twin."""
+    from kda_cute.reference import segmented_recurrence
+    gen = torch.Generator().manual_seed(segments)
+    T, H, K, V, C = 7 * 16 + 5, 2, 16, 12, 16
+    q, k, g = (torch.randn(1, T, H, K, generator=gen, dtype=torch.float64) for _ in range(3))
+    v = torch.randn(1, T, H, V, generator=gen, dtype=torch.float64)
+    beta = torch.randn(1, T, H, generator=gen, dtype=torch.float64)
+    A_log, dt = torch.rand(H, generator=gen, dtype=torch.float64), torch.rand(H, K, generator=gen,
+                                                                             dtype=torch.float64)
+    S0 = torch.randn(1, H, V, K, generator=gen, dtype=torch.float64)
+    qn, kn, a, b = preprocess(q, k, g, beta, A_log=A_log, dt_bias=dt, lower_bound=-5.0, gate=gate)
+    inter = chunk_intermediates(qn, kn, a, b, chunk=C, scale=K ** -0.5)
+    o_ref, s_ref = chunk_recurrence(inter, v, chunk=C, initial_state=S0)
+    o, s = segmented_recurrence(inter, v, chunk=C, segments=segments, initial_state=S0,
+                                rerun=rerun)
+    assert rel_err(o, o_ref) < 1e-12 and rel_err(s, s_ref) < 1e-12
+
+
+def test_segmented_recurrence_rejects_bad_arguments():
+    from kda_cute.reference import segmented_recurrence
+    T, H, K = 40, 1, 8
+    qn = kn = torch.randn(1, T, H, K, dtype=F64)
+    a = -torch.rand(1, T, H, K, dtype=F64)
+    inter = chunk_intermediates(qn, kn, a, torch.rand(1, T, H, dtype=F64), chunk=16, scale=0.3)
+    v = torch.randn(1, T, H, K, dtype=F64)
+    with pytest.raises(ValueError, match="segments"):
+        segmented_recurrence(inter, v, chunk=16, segments=4)  # 3 chunks
+    two = {key: torch.cat([x, x]) for key, x in inter.items()}
+    with pytest.raises(ValueError, match="B == 1"):
+        segmented_recurrence(two, torch.cat([v, v]), chunk=16, segments=1)
