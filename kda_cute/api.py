@@ -258,9 +258,9 @@ def launch_forward(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, in
     base += (-base) % 256
     ptr = {name: base + off for name, off, *_ in plan}
     qg, kg, kd, gl, aw, mq = (ptr[n] for n in ("qg", "kg", "kd", "gl", "aw", "mq"))
-    # bf16 operands: each (hi, lo) pair is two equal planes, lo after hi
-    kd_plane = plan[2][2] // 2
-    aw_plane = plan[4][2] // 2
+    # bf16 operands: each (hi, lo) pair is two equal planes, lo after hi (bytes per plane)
+    plane = {name: n // 2 for name, _, n, *_ in plan}
+    kd_plane, aw_plane, mq_plane = plane["kd"], plane["aw"], plane["mq"]
     cs, cc = _offsets(p, cfg, cu_seqlens, dev)
     if A_log is None:
         A_log = torch.zeros(H, dtype=torch.float32, device=dev)
@@ -290,7 +290,7 @@ def launch_forward(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, in
     sp_out = final_state.data_ptr() if final_state is not None else dummy
     vals2 = {"kg": kg, "qg": qg, "kd": kd, "aw": aw, "mq": mq, "gl": gl, "v": v.data_ptr(),
              "kdh": kd, "kdl": kd + kd_plane, "awh": aw, "awl": aw + aw_plane,
-             "mqh": mq, "mql": mq + aw_plane,
+             "mqh": mq, "mql": mq + mq_plane,
              "out": out.data_ptr(), "s0f": sp_in, "s0h": sp_in, "s1f": sp_out, "s1h": sp_out,
              "cu_seqlens": cs.data_ptr(), "cu_chunks": cc.data_ptr(), "num_seqs": p.N,
              "num_heads": H, "state_in": s_in, "state_out": s_out}

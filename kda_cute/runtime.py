@@ -92,9 +92,6 @@ class Kernel:
             self._funcs[device] = f
         return f
 
-    def launch(self, grid, params: list[bytes], stream: int, device: int) -> None:
-        self._launch(grid, self._param_array(params), stream, device)
-
     def launch_with(self, grid, values: dict, syms: dict, stream: int, device: int) -> None:
         """Pack `values` (see pack_params) and launch. The packed parameter block is cached by
         everything it is made of, so a repeated call (same tensors, shapes and scalars: a

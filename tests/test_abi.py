@@ -204,13 +204,16 @@ PACK_TENSOR = {
 }
 
 
+def case_arg(args_of, name, which) -> abi.Arg:
+    """A table case's argument, from the tensor-core config's list when the case says "tc"."""
+    fwd = TC_CFG if which == ["tc"] else SIMT_CFG
+    return arg_named(args_of(fwd.prep if args_of is abi.prep_args else fwd.recur), name)
+
+
 @pytest.mark.parametrize("case_id", list(PACK_TENSOR))
 def test_pack_tensor_layout(case_id):
     args_of, name, expected, *which = PACK_TENSOR[case_id]
-    fwd = TC_CFG if which == ["tc"] else SIMT_CFG
-    cfg = fwd.prep if args_of is abi.prep_args else fwd.recur
-    a = arg_named(args_of(cfg), name)
-    assert abi.pack_tensor(a, PTR, SYMS) == expected
+    assert abi.pack_tensor(case_arg(args_of, name, which), PTR, SYMS) == expected
 
 
 # id -> (argument list, TMA argument, expected coordinate-tensor bytes)
@@ -231,9 +234,7 @@ PACK_DYNAMIC = {
 @pytest.mark.parametrize("case_id", list(PACK_DYNAMIC))
 def test_pack_dynamic_layout(case_id):
     args_of, name, expected, *which = PACK_DYNAMIC[case_id]
-    fwd = TC_CFG if which == ["tc"] else SIMT_CFG
-    cfg = fwd.prep if args_of is abi.prep_args else fwd.recur
-    a = arg_named(args_of(cfg), name)
+    a = case_arg(args_of, name, which)
     assert a.kind == "tma"
     assert abi.pack_dynamic(a.shape, SYMS) == expected
 

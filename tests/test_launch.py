@@ -102,7 +102,7 @@ def test_repeated_call_reuses_the_packed_block(stub_driver):
     assert k1a[3] == k1b[3] and k2a[3] == k2b[3]  # the same cached array
 
 
-def test_cached_block_equals_a_fresh_packing(stub_driver, monkeypatch):
+def test_cached_block_equals_a_fresh_packing(stub_driver):
     x = _problem()
     _run(x)
     cached = [blob for _, _, blob, _ in stub_driver]
