@@ -34,7 +34,7 @@ CASES = [
     ("T4096 H4 K64", dict(B=1, T=4096, H=4, K=64)),
     ("T4096 H4 K256", dict(B=1, T=4096, H=4, K=256)),
 ]
-LONG = ("T262144 H1 K64 bounded", dict(B=1, T=262144, H=1, K=64))
+LONG = ("T262144 H1 bounded", dict(B=1, T=262144, H=1))
 
 
 def main(argv=None):

@@ -23,12 +23,11 @@ from .config import PrepConfig, RecurConfig
 
 # Dynamic dimensions: name -> bit width. One name is one run-time value within a kernel.
 SYM_WIDTH = {
-    "T": 32, "H": 32, "HK": 32, "HV": 32, "HC": 32, "NCH": 32, "N1": 32, "NS": 32,
+    "T": 32, "R": 32, "H": 32, "HK": 32, "HV": 32, "HC": 32, "NCH": 32, "N1": 32, "NS": 32,
     "sQ": 64, "sK": 64, "sG": 64, "sB": 64, "sV": 64, "sO": 64, "sS": 64, "sW": 32, "sWc": 32,
-    "sP": 64, "sPc": 64,
 }
 # divisibility promised to the compiler; the launcher validates it
-SYM_DIV = {"sQ": 8, "sK": 8, "sG": 8, "sV": 8}
+SYM_DIV = {"sQ": 8, "sK": 8, "sG": 8, "sV": 8, "sO": 8}
 
 DTYPE_BYTES = {"bfloat16": 2, "float32": 4, "int32": 4}
 
@@ -55,13 +54,19 @@ def _tma(name, dtype, shape, stride, box, swizzle=0):
 
 
 def _operand_tma(name, cols, rows, inner, mn_major=False):
-    """A bf16 MMA operand tile loaded by TMA into a swizzled smem layout: `inner` contiguous
-    elements per row, `rows` rows. The swizzle span is the row's bytes (32, 64 or 128); rows of
-    more than 128 bytes are loaded as several 128-byte-wide boxes. An MN-major operand (kd) is
-    declared as the transposed view (cols, T) of the same row-major tensor."""
+    """A bf16 MMA operand tile of K1's workspace (R rows: whole chunks) loaded by TMA into a
+    swizzled smem layout: `inner` contiguous elements per row, `rows` rows. The swizzle span is
+    the row's bytes (32, 64 or 128); rows of more than 128 bytes are loaded as several
+    128-byte-wide boxes. An MN-major operand (kd) is declared as the transposed view (cols, R)
+    of the same row-major tensor."""
     span = min(128, inner * 2)
-    shape, stride = ((cols, "T"), (1, cols)) if mn_major else (("T", cols), (cols, 1))
+    shape, stride = ((cols, "R"), (1, cols)) if mn_major else (("R", cols), (cols, 1))
     return _tma(name, "bfloat16", shape, stride, (span // 2, rows), span)
+
+
+def _ws_tile(name, dtype, cols, box):
+    """A plain (unswizzled) tile of K1's workspace, rows of whole chunks, by TMA."""
+    return _tma(name, dtype, ("R", cols), (cols, 1), box)
 
 
 def _ten(name, dtype, shape, stride, align=None):
@@ -71,22 +76,26 @@ def _ten(name, dtype, shape, stride, align=None):
 def prep_args(cfg: PrepConfig) -> list[Arg]:
     K, C = cfg.head_dim_k, cfg.chunk
     if cfg.operands == "bf16":
+        # TMA stores from smem: (C, K) tiles of qg, kg and kd's planes, (C, C) of Aw's and Mq's
         outs = [
-            _ten("qg", "bfloat16", ("T", "H", K), ("sW", K, 1), 16),
-            _ten("kg", "bfloat16", ("T", "H", K), ("sW", K, 1), 16),
-            _ten("kd", "bfloat16", (2, "T", "H", K), ("sP", "sW", K, 1), 16),
+            _ws_tile("qg", "bfloat16", "HK", (K, C)),
+            _ws_tile("kg", "bfloat16", "HK", (K, C)),
+            _ws_tile("kdh", "bfloat16", "HK", (K, C)),
+            _ws_tile("kdl", "bfloat16", "HK", (K, C)),
+            _ws_tile("awh", "bfloat16", "HC", (C, C)),
+            _ws_tile("awl", "bfloat16", "HC", (C, C)),
+            _ws_tile("mqh", "bfloat16", "HC", (C, C)),
+            _ws_tile("mql", "bfloat16", "HC", (C, C)),
             _ten("gl", "float32", ("NCH", "H", K), ("sW", K, 1), 16),
-            _ten("aw", "bfloat16", (2, "T", "H", C), ("sPc", "sWc", C, 1), 16),
-            _ten("mq", "bfloat16", (2, "T", "H", C), ("sPc", "sWc", C, 1), 16),
         ]
     else:
         outs = [
-            _ten("qg", "float32", ("T", "H", K), ("sW", K, 1), 16),
-            _ten("kg", "float32", ("T", "H", K), ("sW", K, 1), 16),
-            _ten("kd", "float32", ("T", "H", K), ("sW", K, 1), 16),
+            _ten("qg", "float32", ("R", "H", K), ("sW", K, 1), 16),
+            _ten("kg", "float32", ("R", "H", K), ("sW", K, 1), 16),
+            _ten("kd", "float32", ("R", "H", K), ("sW", K, 1), 16),
             _ten("gl", "float32", ("NCH", "H", K), ("sW", K, 1), 16),
-            _ten("aw", "float32", ("T", "H", C), ("sWc", C, 1), 16),
-            _ten("mq", "float32", ("T", "H", C), ("sWc", C, 1), 16),
+            _ten("aw", "float32", ("R", "H", C), ("sWc", C, 1), 16),
+            _ten("mq", "float32", ("R", "H", C), ("sWc", C, 1), 16),
         ]
     return [
         _tma("q", "bfloat16", ("T", "HK"), ("sQ", 1), (K, C)),
@@ -126,11 +135,11 @@ def recur_args(cfg: RecurConfig) -> list[Arg]:
             Arg("mma_s", "mma", kernel_only=True),
         ]
     return [
-        _tma("kg", "float32", ("T", "HK"), ("HK", 1), (K, C)),
-        _tma("qg", "float32", ("T", "HK"), ("HK", 1), (K, C)),
-        _tma("kd", "float32", ("T", "HK"), ("HK", 1), (K, C)),
-        _tma("aw", "float32", ("T", "HC"), ("HC", 1), (C, C)),
-        _tma("mq", "float32", ("T", "HC"), ("HC", 1), (C, C)),
+        _ws_tile("kg", "float32", "HK", (K, C)),
+        _ws_tile("qg", "float32", "HK", (K, C)),
+        _ws_tile("kd", "float32", "HK", (K, C)),
+        _ws_tile("aw", "float32", "HC", (C, C)),
+        _ws_tile("mq", "float32", "HC", (C, C)),
         *_recur_common(cfg),
     ]
 
@@ -141,6 +150,8 @@ def _recur_common(cfg: RecurConfig) -> list[Arg]:
         _tma("gl", "float32", ("NCH", "HK"), ("HK", 1), (K, 1)),
         _tma("v", "bfloat16", ("T", "HV"), ("sV", 1), (BV, C)),
         _ten("out", "bfloat16", ("T", "H", V), ("sO", V, 1)),
+        *([_tma("out_tma", "bfloat16", ("T", "HV"), ("sO", 1), (BV, C))]
+          if cfg.mma == "wgmma" else []),
         _ten("s0f", "float32", ("NS", "H", V, K), ("sS", V * K, K, 1)),
         _ten("s0h", "bfloat16", ("NS", "H", V, K), ("sS", V * K, K, 1)),
         _ten("s1f", "float32", ("NS", "H", V, K), ("sS", V * K, K, 1)),

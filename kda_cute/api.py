@@ -103,7 +103,7 @@ def validate(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_
     if out is not None:
         _check_tensor("out", out, (torch.bfloat16,), 4, dev)
         _check_shape("out", out, (B, T, H, V))
-        _check_rows("out", out, None)
+        _check_rows("out", out, SYM_DIV["sO"])
     for name, t in (("q", q), ("k", k), ("g", g), ("v", v)):
         _check_rows(name, t, SYM_DIV["s" + name.upper()])
     if not isinstance(gate, str) or gate not in GATE_MODES:
@@ -171,18 +171,25 @@ def config_for(p: Problem, config: FwdConfig | None = None) -> FwdConfig:
     return cfg
 
 
+def _workspace_rows(p: Problem, chunk: int) -> tuple[int, int]:
+    """(chunks, rows) the workspace holds: every sequence's chunks, whole (a sequence's last
+    chunk padded to `chunk` rows, which K1 writes as zeros), at most B*T // chunk + N of them."""
+    nch = p.B * p.T // chunk + p.N
+    return nch, nch * chunk
+
+
 def _workspace_layout(p: Problem, cfg: FwdConfig) -> list[tuple[str, tuple, torch.dtype]]:
-    """K1's outputs, in workspace order: fp32 for the SIMT K2; for the tensor-core K2 its bf16
-    operands, kd, Aw and Mq as (hi, lo) planes."""
-    C, Tt, H, K = cfg.chunk, p.B * p.T, p.H, p.K
-    nch = Tt // C + p.N
+    """K1's outputs, in workspace order, one row per token slot of whole chunks: fp32 for the
+    SIMT K2; for the tensor-core K2 its bf16 operands, kd, Aw and Mq as (hi, lo) planes."""
+    C, H, K = cfg.chunk, p.H, p.K
+    nch, R = _workspace_rows(p, C)
     f32, bf16 = torch.float32, torch.bfloat16
     if cfg.prep.operands == "bf16":
-        return [("qg", (Tt, H, K), bf16), ("kg", (Tt, H, K), bf16), ("kd", (2, Tt, H, K), bf16),
-                ("gl", (nch, H, K), f32), ("aw", (2, Tt, H, C), bf16),
-                ("mq", (2, Tt, H, C), bf16)]
-    return [("qg", (Tt, H, K), f32), ("kg", (Tt, H, K), f32), ("kd", (Tt, H, K), f32),
-            ("gl", (nch, H, K), f32), ("aw", (Tt, H, C), f32), ("mq", (Tt, H, C), f32)]
+        return [("qg", (R, H, K), bf16), ("kg", (R, H, K), bf16), ("kd", (2, R, H, K), bf16),
+                ("gl", (nch, H, K), f32), ("aw", (2, R, H, C), bf16),
+                ("mq", (2, R, H, C), bf16)]
+    return [("qg", (R, H, K), f32), ("kg", (R, H, K), f32), ("kd", (R, H, K), f32),
+            ("gl", (nch, H, K), f32), ("aw", (R, H, C), f32), ("mq", (R, H, C), f32)]
 
 
 _ELEM = {torch.float32: 4, torch.bfloat16: 2}
@@ -245,7 +252,7 @@ def launch_forward(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, in
     k2 = runtime.get_kernel(cfg.recur, arch)
     C, H, K, V = cfg.chunk, p.H, p.K, p.V
     Tt = p.B * p.T
-    nch = Tt // C + p.N
+    nch, R = _workspace_rows(p, C)
     need = workspace_bytes(p, cfg)
     if workspace is None:
         workspace = torch.empty(need, dtype=torch.uint8, device=dev)
@@ -267,16 +274,17 @@ def launch_forward(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, in
     if dt_bias is None:
         dt_bias = torch.zeros(H * K, dtype=torch.float32, device=dev)
     stream = torch.cuda.current_stream(dev).cuda_stream
-    syms = {"T": Tt, "H": H, "HK": H * K, "HV": H * V, "HC": H * C, "NCH": nch,
+    syms = {"T": Tt, "R": R, "H": H, "HK": H * K, "HV": H * V, "HC": H * C, "NCH": nch,
             "N1": p.N + 1, "NS": p.N, "sQ": q.stride(1), "sK": k.stride(1), "sG": g.stride(1),
             "sB": beta.stride(1), "sV": v.stride(1), "sO": out.stride(1), "sS": H * V * K,
-            "sW": H * K, "sWc": H * C, "sP": kd_plane // 2, "sPc": aw_plane // 2}
+            "sW": H * K, "sWc": H * C}
     if Tt > 0 and H > 0:
         vals1 = {"q": q.data_ptr(), "k": k.data_ptr(), "g": g.data_ptr(),
                  "beta": beta.data_ptr(), "A_log": A_log.data_ptr(),
                  "dt_bias": dt_bias.data_ptr(), "cu_seqlens": cs.data_ptr(),
                  "cu_chunks": cc.data_ptr(), "qg": qg, "kg": kg, "kd": kd, "gl": gl,
-                 "aw": aw, "mq": mq, "num_seqs": p.N, "num_chunks": nch, "num_heads": H,
+                 "aw": aw, "mq": mq, "kdh": kd, "kdl": kd + kd_plane, "awh": aw,
+                 "awl": aw + aw_plane, "mqh": mq, "mql": mq + mq_plane, "num_seqs": p.N, "num_chunks": nch, "num_heads": H,
                  "scale": float(scale), "lower_bound": float(lower_bound or 0.0),
                  "gate_mode": GATE_MODES[gate], "qk_l2norm": int(bool(qk_l2norm)),
                  "beta_sigmoid": int(bool(beta_sigmoid))}
@@ -291,7 +299,7 @@ def launch_forward(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, in
     vals2 = {"kg": kg, "qg": qg, "kd": kd, "aw": aw, "mq": mq, "gl": gl, "v": v.data_ptr(),
              "kdh": kd, "kdl": kd + kd_plane, "awh": aw, "awl": aw + aw_plane,
              "mqh": mq, "mql": mq + mq_plane,
-             "out": out.data_ptr(), "s0f": sp_in, "s0h": sp_in, "s1f": sp_out, "s1h": sp_out,
+             "out": out.data_ptr(), "out_tma": out.data_ptr(), "s0f": sp_in, "s0h": sp_in, "s1f": sp_out, "s1h": sp_out,
              "cu_seqlens": cs.data_ptr(), "cu_chunks": cc.data_ptr(), "num_seqs": p.N,
              "num_heads": H, "state_in": s_in, "state_out": s_out}
     if p.N > 0 and H > 0:

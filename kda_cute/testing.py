@@ -75,10 +75,15 @@ def make_inputs(*, B=1, T=64, H=2, K=128, V=None, seqlens=None, gate="bounded", 
 
 
 def run_kda(inp, *, final_dtype=torch.float32, in_place=False, cu_dtype=torch.int64,
-            config=None):
+            config=None, out_pad=0):
+    """The forward on `inp` with NaN-poisoned outputs. out_pad > 0: `out` is row-strided (token
+    stride H*V + out_pad) and the padding between its rows must stay untouched."""
     q, v = inp["q"], inp["v"]
-    out = torch.full(v.shape, float("nan"), dtype=torch.bfloat16, device=q.device)
-    H, V, K = q.shape[2], v.shape[3], q.shape[3]
+    B, T, H, V = v.shape
+    K = q.shape[3]
+    buf = torch.full((B, T, H * V + out_pad), float("nan"), dtype=torch.bfloat16,
+                     device=q.device)
+    out = buf[..., :H * V].unflatten(-1, (H, V))
     if in_place:
         final = inp["initial_state"].clone()
         init = final
@@ -95,6 +100,8 @@ def run_kda(inp, *, final_dtype=torch.float32, in_place=False, cu_dtype=torch.in
         inp["lower_bound"], init, final, cu, gate=inp["gate"], qk_l2norm=inp["qk_l2norm"],
         beta_sigmoid=inp["beta_sigmoid"], config=config)
     torch.cuda.synchronize()
+    if out_pad and not bool(torch.isnan(buf[..., H * V:]).all()):
+        raise AssertionError("out: the padding between rows was written")
     return out, final
 
 
@@ -151,11 +158,31 @@ def prep_errors(inp, config=None) -> dict:
     ref = chunk_intermediates(qn, kn, a, b, chunk=chunk, scale=d["scale"],
                               cu_seqlens=d["cu_seqlens"])
     B, T, H = q.shape[:3]
-    res = {}
+    rows, used = token_rows(B, T, inp["cu_seqlens"], chunk)
+    rows = rows.to(q.device)
+    pad = torch.ones(used, dtype=torch.bool, device=q.device)
+    pad[rows] = False
+    res = {"pad_max": 0.0}
     for name in ("qg", "kg", "kd", "aw", "mq"):
         r = ref[name.replace("aw", "Aw").replace("mq", "Mq")].reshape(B * T, H, -1)
         x = w[name]
         if cfg.prep.operands == "bf16" and name in ("kd", "aw", "mq"):
             x = x[0].double() + x[1].double()
-        res[name] = rel_err(x, r)
+        res[name] = rel_err(x[rows], r)
+        # the padding rows of each sequence's last chunk: K1 writes them as zeros (K2 reads them)
+        res["pad_max"] = max(res["pad_max"], float(x[:used][pad].double().abs().max())
+                             if bool(pad.any()) else 0.0)
     return res
+
+
+def token_rows(B, T, cu_seqlens, chunk) -> tuple[torch.Tensor, int]:
+    """The workspace row of every token (sequences start on whole chunks) and the rows used."""
+    if cu_seqlens is None:
+        lens = [T] * B
+    else:
+        lens = torch.diff(cu_seqlens.cpu()).tolist()
+    rows, base = [], 0
+    for n in lens:
+        rows.append(base + torch.arange(n))
+        base += -(-n // chunk) * chunk
+    return torch.cat(rows) if rows else torch.zeros(0, dtype=torch.long), base

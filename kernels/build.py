@@ -107,7 +107,7 @@ def compile_one(cfg, arch: str, out_dir: str) -> dict:
     import cutlass.cute as cute
 
     if isinstance(cfg, PrepConfig):
-        from kernels.kda_prep_sm90 import KdaPrepSm90 as Kernel
+        from kernels.kda_prep_sm90 import prep_kernel as Kernel
     elif cfg.mma == "wgmma":
         from kernels.kda_recur_tc_sm90 import KdaRecurTcSm90 as Kernel
     else:

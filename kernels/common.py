@@ -48,6 +48,16 @@ class TileCopy:
         cute.copy(tma, tXg, tXs, tma_bar_ptr=bar)
 
 
+    @cute.jit
+    def _tile_store(self, tma, tX, sX, coord, tile):
+        """One TMA tile store: smem `sX` to the `tile` of the global view at `coord` (commit and
+        wait on the bulk async-groups are the caller's). Called by a whole warp, like a load."""
+        gX = cute.local_tile(cute.domain_offset(coord, tX), tile, (0, 0))
+        tXs, tXg = cpasync.tma_partition(
+            tma, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2), cute.group_modes(gX, 0, 2))
+        cute.copy(tma, tXs, tXg)
+
+
 class ChunkTileLoader(TileCopy):
     """The K2 load side shared by its variants: one chunk's K1 workspace tiles and v tile, TMA'd
     into buffer c % stages on that buffer's mbarrier. Needs self.C, K, V, BV, stages, tx_bytes."""
@@ -77,13 +87,15 @@ class ChunkTileLoader(TileCopy):
     def _issue(self, c, bos, chunk_id, loads, head_cols, tma_gl, tGl, sGl, gl_col,
                tma_v, tV, sV, v_col, full):
         """Warp 0 loads chunk c (one lane arms the barrier; the copies elect their own lane, so
-        the whole warp must reach them)."""
+        the whole warp must reach them): K1's tiles of workspace chunk `chunk_id`, v's at the
+        sequence's token t0."""
         s = c % self.stages
         t0 = bos + c * self.C
         bar = full + s
         with cute.arch.elect_one():
             cute.arch.mbarrier_arrive_and_expect_tx(bar, self.tx_bytes)
         for (tma, tX, sX, cols, rows), col in zip(loads, head_cols, strict=True):
-            self._tile_copy(tma, tX, sX[None, None, s], (t0, col), (rows, cols), bar)
+            self._tile_copy(tma, tX, sX[None, None, s], (chunk_id * self.C, col), (rows, cols),
+                            bar)
         self._tile_copy(tma_gl, tGl, sGl[None, None, s], (chunk_id, gl_col), (1, self.K), bar)
         self._tile_copy(tma_v, tV, sV[None, None, s], (t0, v_col), (self.C, self.BV), bar)

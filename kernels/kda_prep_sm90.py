@@ -18,7 +18,11 @@ Phases:
 Outputs (config `operands`): "f32" writes fp32 tensors for the SIMT K2; "bf16" writes the
 tensor-core K2's operands: bf16 qg and kg; kd, Aw and Mq as bf16 hi + lo planes (x = hi + lo to
 ~16 bits); fp32 gl. Constraints: K % 32 == 0, K <= 256, chunk 16 or 32 (config.supports_prep).
-Rows past the chunk's valid length are never written.
+The workspace holds whole chunks: chunk b's rows are b*C .. b*C + C - 1, and rows past the
+sequence's length are written as zeros (so K2 needs no tail masking of its operands).
+bf16 outputs leave by TMA stores from smem: qg, kg and kd's planes overwrite the q, k and g
+tiles in place (each thread rewrites only the column it read), Aw's and Mq's planes have their
+own small tiles; the stores of the first four overlap phases B and C.
 """
 
 import cutlass
@@ -34,6 +38,8 @@ _SEARCH_STEPS = 24  # binary search over cu_chunks: up to 2^24 sequences
 
 
 class KdaPrepSm90(TileCopy):
+    """The f32-operand K1 (for the SIMT K2): plain stores of its fp32 outputs."""
+
     def __init__(self, cfg: PrepConfig):
         self.cfg = cfg
         self.K = cfg.head_dim_k
@@ -57,12 +63,12 @@ class KdaPrepSm90(TileCopy):
         mDtBias: cute.Tensor,  # (H*K,) fp32
         mCuSeq: cute.Tensor,  # (N+1,) int32
         mCuChunk: cute.Tensor,  # (N+1,) int32
-        mQg: cute.Tensor,  # (T, H, K) fp32 | bf16
+        mQg: cute.Tensor,  # (R, H, K) fp32: R rows of whole chunks
         mKg: cute.Tensor,
-        mKd: cute.Tensor,  # (T, H, K) fp32 | (2, T, H, K) bf16 hi, lo
+        mKd: cute.Tensor,
         mGl: cute.Tensor,  # (num_chunks, H, K) fp32
-        mAw: cute.Tensor,  # (T, H, C) fp32 | (2, T, H, C) bf16 hi, lo
-        mMq: cute.Tensor,  # (T, H, C) fp32 | (2, T, H, C) bf16 hi, lo
+        mAw: cute.Tensor,  # (R, H, C) fp32
+        mMq: cute.Tensor,
         num_seqs: cutlass.Int32,
         num_chunks: cutlass.Int32,
         num_heads: cutlass.Int32,
@@ -73,14 +79,34 @@ class KdaPrepSm90(TileCopy):
         beta_sigmoid: cutlass.Int32,
         stream,
     ):
+        loads, s_tile = self._make_loads(mQ, mK, mG)
+        self._make_storage()
+        self.kernel(
+            *loads, mBeta, mALog, mDtBias, mCuSeq, mCuChunk,
+            mQg, mKg, mKd, mGl, mAw, mMq, num_seqs, scale, lower_bound,
+            gate_mode, qk_l2norm, beta_sigmoid, s_tile,
+        ).launch(
+            grid=(num_chunks, num_heads, 1), block=(self.threads, 1, 1),
+            smem=self.smem_bytes, stream=stream,
+        )
+
+    def _make_loads(self, mQ, mK, mG):
+        """The q, k and g TMA loads (C x K bf16 tiles) and their smem tile layout."""
         C, K = self.C, self.K
         s_tile = cute.make_layout((C, K), stride=(K, 1))
         op = cpasync.CopyBulkTensorTileG2SOp()
-        tma_q, tQ = cpasync.make_tiled_tma_atom(op, mQ, s_tile, (C, K))
-        tma_k, tK = cpasync.make_tiled_tma_atom(op, mK, s_tile, (C, K))
-        tma_g, tG = cpasync.make_tiled_tma_atom(op, mG, s_tile, (C, K))
-        self.tma_meta = [tma_meta(n, a, "bfloat16")
-                         for n, a in (("q", tma_q), ("k", tma_k), ("g", tma_g))]
+        atoms = []
+        self.tma_meta = []
+        for name, m in (("q", mQ), ("k", mK), ("g", mG)):
+            atom, tX = cpasync.make_tiled_tma_atom(op, m, s_tile, (C, K))
+            atoms += [atom, tX]
+            self.tma_meta.append(tma_meta(name, atom, "bfloat16"))
+        return atoms, s_tile
+
+    def _make_storage(self):
+        C, K = self.C, self.K
+        # bf16 outputs: kd's lo plane and the (hi, lo) planes of Aw and Mq wait here for TMA
+        nkdl, ncc = (C * K, 2 * C * C) if self.split else (8, 8)
 
         @cute.struct
         class SharedStorage:
@@ -88,6 +114,9 @@ class KdaPrepSm90(TileCopy):
             sQ: cute.struct.Align[cute.struct.MemRange[self.io_dtype, C * K], 128]
             sK: cute.struct.Align[cute.struct.MemRange[self.io_dtype, C * K], 128]
             sG: cute.struct.Align[cute.struct.MemRange[self.io_dtype, C * K], 128]
+            sKdl: cute.struct.Align[cute.struct.MemRange[self.io_dtype, nkdl], 128]
+            sAw: cute.struct.Align[cute.struct.MemRange[self.io_dtype, ncc], 128]
+            sMq: cute.struct.Align[cute.struct.MemRange[self.io_dtype, ncc], 128]
             # fp32 working rows, padded by one word against bank conflicts in phase B:
             # factored chunks hold (qn e^G, kn e^G, kn e^-G), others (qn, kn, G)
             fA: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, C * (K + 1)], 16]
@@ -100,16 +129,7 @@ class KdaPrepSm90(TileCopy):
 
         self.shared_storage = SharedStorage
         self.smem_bytes = SharedStorage.size_in_bytes()
-        self.kernel(
-            tma_q, tQ, tma_k, tK, tma_g, tG, mBeta, mALog, mDtBias, mCuSeq, mCuChunk,
-            mQg, mKg, mKd, mGl, mAw, mMq, num_seqs, scale, lower_bound,
-            gate_mode, qk_l2norm, beta_sigmoid, s_tile,
-        ).launch(
-            grid=(num_chunks, num_heads, 1), block=(self.threads, 1, 1),
-            smem=self.smem_bytes, stream=stream,
-        )
 
-    # ---------------------------------------------------------------- device
     @cute.kernel
     def kernel(
         self,
@@ -125,6 +145,24 @@ class KdaPrepSm90(TileCopy):
         gate_mode: cutlass.Int32, qk_l2norm: cutlass.Int32, beta_sigmoid: cutlass.Int32,
         s_tile: cute.Layout,
     ):
+        self._body(((tma_q, tQ), (tma_k, tK), (tma_g, tG)), mBeta, mALog, mDtBias, mCuSeq,
+                   mCuChunk, (mQg, mKg, mKd, mGl, mAw, mMq), num_seqs, scale, lower_bound,
+                   gate_mode, qk_l2norm, beta_sigmoid, s_tile)
+
+
+    # ---------------------------------------------------------------- device
+    @cute.jit
+    def _body(self, loads, mBeta: cute.Tensor, mALog: cute.Tensor, mDtBias: cute.Tensor,
+              mCuSeq: cute.Tensor, mCuChunk: cute.Tensor, outs, num_seqs: cutlass.Int32,
+              scale: cutlass.Float32, lower_bound: cutlass.Float32, gate_mode: cutlass.Int32,
+              qk_l2norm: cutlass.Int32, beta_sigmoid: cutlass.Int32, s_tile: cute.Layout):
+        """The kernel, whatever the output mode: `outs` holds tensors (f32) or TMA stores."""
+        (tma_q, tQ), (tma_k, tK), (tma_g, tG) = loads
+        if cutlass.const_expr(self.split):
+            st_qg, st_kg, st_kdh, st_kdl, mGl, st_awh, st_awl, st_mqh, st_mql = outs
+            mQg = mKg = mKd = mAw = mMq = None
+        else:
+            mQg, mKg, mKd, mGl, mAw, mMq = outs
         C, K, NT = self.C, self.K, self.threads
         tidx, _, _ = cute.arch.thread_idx()
         bid, h, _ = cute.arch.block_idx()
@@ -160,6 +198,12 @@ class KdaPrepSm90(TileCopy):
             norm = st.norm.get_tensor(cute.make_layout(2 * C))
             sBeta = st.beta.get_tensor(cute.make_layout(C))
             sL = st.L.get_tensor(cute.make_layout((C, C), stride=(C, 1)))
+            row0 = bid * C  # this chunk's first workspace row
+            # Aw and Mq (split mode): (C, C) tiles, plane p at [None, None, p]
+            l_cc2 = cute.make_layout((C, C, 2), stride=(C, 1, C * C))
+            sAw = st.sAw.get_tensor(l_cc2) if cutlass.const_expr(self.split) else None
+            sMq = st.sMq.get_tensor(l_cc2) if cutlass.const_expr(self.split) else None
+            sKdl = st.sKdl.get_tensor(s_tile) if cutlass.const_expr(self.split) else None
             unsafe = st.unsafe.get_tensor(cute.make_layout(1))
 
             # ---- TMA: q, k, g tiles -> smem ----------------------------------------------
@@ -268,17 +312,35 @@ class KdaPrepSm90(TileCopy):
                     else:
                         fA[i, d] = qn
                         fB[i, d] = kn
+                    # rows past the length: zeros (a whole chunk's rows are stored)
+                    kd = cutlass.Float32(0.0)
+                    qs = cutlass.Float32(0.0)
                     if i < length:
                         kd = kn * cute.math.exp(Gl - Gi, fastmath=True)
-                        if cutlass.const_expr(self.split):
-                            mQg[t0 + i, h, d] = (scale * qe).to(self.io_dtype)
-                            mKg[t0 + i, h, d] = ke.to(self.io_dtype)
-                            self._store_split(mKd, (t0 + i, h, d), kd)
-                        else:
-                            mQg[t0 + i, h, d] = scale * qe
-                            mKg[t0 + i, h, d] = ke
-                            mKd[t0 + i, h, d] = kd
+                        qs = scale * qe
+                    else:
+                        ke = cutlass.Float32(0.0)
+                    if cutlass.const_expr(self.split):
+                        # in place of the q, k, g tiles: only this thread reads column d
+                        sQ[i, d] = qs.to(self.io_dtype)
+                        sK[i, d] = ke.to(self.io_dtype)
+                        kh = kd.to(self.io_dtype)
+                        sG[i, d] = kh
+                        sKdl[i, d] = (kd - kh.to(cutlass.Float32)).to(self.io_dtype)
+                    else:
+                        mQg[row0 + i, h, d] = qs
+                        mKg[row0 + i, h, d] = ke
+                        mKd[row0 + i, h, d] = kd
+            if cutlass.const_expr(self.split):
+                cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.sync_threads()
+            if cutlass.const_expr(self.split):
+                # qg, kg and kd leave now; phases B and C run while the stores drain
+                if warp == 0:
+                    for (tma, tX), sX in ((st_qg, sQ), (st_kg, sK), (st_kdh, sG),
+                                          (st_kdl, sKdl)):
+                        self._tile_store(tma, tX, sX, (row0, h * K), (C, K))
+                    cute.arch.cp_async_bulk_commit_group()
 
             # ---- phase B: L and Mqk ------------------------------------------------------
             if factored:
@@ -286,8 +348,8 @@ class KdaPrepSm90(TileCopy):
                 MT, NTL = C // 16, C // 8
                 for tile in cutlass.range_constexpr(2 * MT * NTL):
                     if tile % (NT // 32) == warp:
-                        self._phase_b_mma(fA, fB, fG, sL, sBeta, mMq, t0, h, lane, scale,
-                                          length, tile // (MT * NTL),
+                        self._phase_b_mma(fA, fB, fG, sL, sBeta, mMq, sMq, row0, h, lane,
+                                          scale, length, tile // (MT * NTL),
                                           (tile % (MT * NTL)) // NTL, tile % NTL)
             else:
                 # strong decays: each term takes e^(G_i - G_j), two columns j per thread
@@ -313,8 +375,8 @@ class KdaPrepSm90(TileCopy):
                             m2 = m2 + qi * e2
                     self._store_l(sL, sBeta, i, j1, l1, length)
                     self._store_l(sL, sBeta, i, j2, l2, length)
-                    self._store_m(mMq, t0, h, i, j1, m1, scale, length)
-                    self._store_m(mMq, t0, h, i, j2, m2, scale, length)
+                    self._store_m(mMq, sMq, row0, h, i, j1, m1, scale, length)
+                    self._store_m(mMq, sMq, row0, h, i, j2, m2, scale, length)
             cute.arch.sync_threads()
 
             # ---- phase C: Aw = (I + L)^-1 diag(beta), one column per thread ------------------
@@ -330,16 +392,27 @@ class KdaPrepSm90(TileCopy):
                     for l_ in cutlass.range_constexpr(i):
                         x = x - sL[i, l_] * xs[l_]
                     xs[i] = x
-                    if j >= length:
+                    if j >= length or i >= length:
                         x = cutlass.Float32(0.0)
-                    if i < length:
-                        if cutlass.const_expr(self.split):
-                            self._store_split(mAw, (t0 + i, h, j), x)
-                        else:
-                            mAw[t0 + i, h, j] = x
+                    if cutlass.const_expr(self.split):
+                        hi_ = x.to(self.io_dtype)
+                        sAw[i, j, 0] = hi_
+                        sAw[i, j, 1] = (x - hi_.to(cutlass.Float32)).to(self.io_dtype)
+                    else:
+                        mAw[row0 + i, h, j] = x
+            if cutlass.const_expr(self.split):
+                cute.arch.fence_proxy("async.shared", space="cta")
+                cute.arch.sync_threads()
+                if warp == 0:
+                    for (tma, tX), sX, pl in ((st_awh, sAw, 0), (st_awl, sAw, 1),
+                                              (st_mqh, sMq, 0), (st_mql, sMq, 1)):
+                        self._tile_store(tma, tX, sX[None, None, pl], (row0, h * C), (C, C))
+                    cute.arch.cp_async_bulk_commit_group()
+                    # smem must outlive the stores' reads of it
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
-    def _phase_b_mma(self, fA, fB, fG, sL, sBeta, mMq, t0, h, lane, scale, length,
+    def _phase_b_mma(self, fA, fB, fG, sL, sBeta, mMq, sMq, row0, h, lane, scale, length,
                      product: cutlass.Constexpr, mt: cutlass.Constexpr, nt: cutlass.Constexpr):
         """Tile (mt, nt) (16 x 8) of L = diag(beta) (kn e^(G-r))(kn e^(r-G))^T (product 0) or
         Mqk = scale (qn e^(G-r))(kn e^(r-G))^T (product 1), lower parts kept, by m16n8k16 bf16
@@ -383,7 +456,7 @@ class KdaPrepSm90(TileCopy):
             if cutlass.const_expr(product == 0):
                 self._store_l(sL, sBeta, i0 + i, j0 + jj, acc[e], length)
             else:
-                self._store_m(mMq, t0, h, i0 + i, j0 + jj, acc[e], scale, length)
+                self._store_m(mMq, sMq, row0, h, i0 + i, j0 + jj, acc[e], scale, length)
 
     @cute.jit
     def _store_l(self, sL, sBeta, i, j, lacc, length):
@@ -394,21 +467,99 @@ class KdaPrepSm90(TileCopy):
         sL[i, j] = lval
 
     @cute.jit
-    def _store_m(self, mMq, t0, h, i, j, macc, scale, length):
-        """Entry (i, j) of Mqk = scale q_i . k_j (decayed), lower, rows past length unwritten."""
-        if i < length:
-            m = cutlass.Float32(0.0)
-            if j <= i:
-                m = scale * macc
-            if cutlass.const_expr(self.split):
-                self._store_split(mMq, (t0 + i, h, j), m)
-            else:
-                mMq[t0 + i, h, j] = m
+    def _store_m(self, mMq, sMq, row0, h, i, j, macc, scale, length):
+        """Entry (i, j) of Mqk = scale q_i . k_j (decayed), lower, zero past length: to global
+        (f32) or as a (hi, lo) pair to the smem planes the TMA store sends (split)."""
+        m = cutlass.Float32(0.0)
+        if j <= i and i < length:
+            m = scale * macc
+        if cutlass.const_expr(self.split):
+            hi = m.to(self.io_dtype)
+            sMq[i, j, 0] = hi
+            sMq[i, j, 1] = (m - hi.to(cutlass.Float32)).to(self.io_dtype)
+        else:
+            mMq[row0 + i, h, j] = m
+
+
+class KdaPrepSm90Split(KdaPrepSm90):
+    """The bf16-operand K1 (for the tensor-core K2): qg, kg, kd hi/lo, Aw hi/lo and Mq hi/lo
+    leave by TMA stores from smem tiles."""
 
     @cute.jit
-    def _store_split(self, mX: cute.Tensor, coord, x: cutlass.Float32):
-        """x as a bf16 hi + lo pair in planes 0 and 1 of mX."""
-        hi = x.to(self.io_dtype)
-        t, h, c = coord
-        mX[0, t, h, c] = hi
-        mX[1, t, h, c] = (x - hi.to(cutlass.Float32)).to(self.io_dtype)
+    def __call__(
+        self,
+        mQ: cute.Tensor, mK: cute.Tensor, mG: cute.Tensor,
+        mBeta: cute.Tensor, mALog: cute.Tensor, mDtBias: cute.Tensor,
+        mCuSeq: cute.Tensor, mCuChunk: cute.Tensor,
+        mQg: cute.Tensor,  # (R, H*K) bf16: R rows of whole chunks
+        mKg: cute.Tensor,
+        mKdh: cute.Tensor,  # (R, H*K) bf16: kd's hi and lo planes
+        mKdl: cute.Tensor,
+        mAwh: cute.Tensor,  # (R, H*C) bf16: Aw's hi and lo planes, then Mq's
+        mAwl: cute.Tensor,
+        mMqh: cute.Tensor,
+        mMql: cute.Tensor,
+        mGl: cute.Tensor,  # (num_chunks, H, K) fp32
+        num_seqs: cutlass.Int32,
+        num_chunks: cutlass.Int32,
+        num_heads: cutlass.Int32,
+        scale: cutlass.Float32,
+        lower_bound: cutlass.Float32,
+        gate_mode: cutlass.Int32,
+        qk_l2norm: cutlass.Int32,
+        beta_sigmoid: cutlass.Int32,
+        stream,
+    ):
+        C, K = self.C, self.K
+        loads, s_tile = self._make_loads(mQ, mK, mG)
+        op = cpasync.CopyBulkTensorTileS2GOp()
+        s_cc = cute.make_layout((C, C), stride=(C, 1))
+        stores = []
+        for name, m, layout, tile in (("qg", mQg, s_tile, (C, K)), ("kg", mKg, s_tile, (C, K)),
+                                      ("kdh", mKdh, s_tile, (C, K)),
+                                      ("kdl", mKdl, s_tile, (C, K)),
+                                      ("awh", mAwh, s_cc, (C, C)), ("awl", mAwl, s_cc, (C, C)),
+                                      ("mqh", mMqh, s_cc, (C, C)), ("mql", mMql, s_cc, (C, C))):
+            atom, tX = cpasync.make_tiled_tma_atom(op, m, layout, tile)
+            stores += [atom, tX]
+            self.tma_meta.append(tma_meta(name, atom, "bfloat16"))
+        self._make_storage()
+        self.kernel(
+            *loads, mBeta, mALog, mDtBias, mCuSeq, mCuChunk, *stores, mGl, num_seqs, scale,
+            lower_bound, gate_mode, qk_l2norm, beta_sigmoid, s_tile,
+        ).launch(
+            grid=(num_chunks, num_heads, 1), block=(self.threads, 1, 1),
+            smem=self.smem_bytes, stream=stream,
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        tma_q: cute.CopyAtom, tQ: cute.Tensor,
+        tma_k: cute.CopyAtom, tK: cute.Tensor,
+        tma_g: cute.CopyAtom, tG: cute.Tensor,
+        mBeta: cute.Tensor, mALog: cute.Tensor, mDtBias: cute.Tensor,
+        mCuSeq: cute.Tensor, mCuChunk: cute.Tensor,
+        tma_qg: cute.CopyAtom, tQg: cute.Tensor,
+        tma_kg: cute.CopyAtom, tKg: cute.Tensor,
+        tma_kdh: cute.CopyAtom, tKdh: cute.Tensor,
+        tma_kdl: cute.CopyAtom, tKdl: cute.Tensor,
+        tma_awh: cute.CopyAtom, tAwh: cute.Tensor,
+        tma_awl: cute.CopyAtom, tAwl: cute.Tensor,
+        tma_mqh: cute.CopyAtom, tMqh: cute.Tensor,
+        tma_mql: cute.CopyAtom, tMql: cute.Tensor,
+        mGl: cute.Tensor,
+        num_seqs: cutlass.Int32,
+        scale: cutlass.Float32, lower_bound: cutlass.Float32,
+        gate_mode: cutlass.Int32, qk_l2norm: cutlass.Int32, beta_sigmoid: cutlass.Int32,
+        s_tile: cute.Layout,
+    ):
+        outs = ((tma_qg, tQg), (tma_kg, tKg), (tma_kdh, tKdh), (tma_kdl, tKdl), mGl,
+                (tma_awh, tAwh), (tma_awl, tAwl), (tma_mqh, tMqh), (tma_mql, tMql))
+        self._body(((tma_q, tQ), (tma_k, tK), (tma_g, tG)), mBeta, mALog, mDtBias, mCuSeq,
+                   mCuChunk, outs, num_seqs, scale, lower_bound, gate_mode, qk_l2norm,
+                   beta_sigmoid, s_tile)
+
+
+def prep_kernel(cfg: PrepConfig) -> KdaPrepSm90:
+    return KdaPrepSm90Split(cfg) if cfg.operands == "bf16" else KdaPrepSm90(cfg)

@@ -18,8 +18,10 @@ x hi/lo is the pair (bf16(x), bf16(x - bf16(x))): hi*hi + hi*lo + lo*hi carries 
 bits, which keeps the fp32 final state at fp32-level accuracy (bench/NOTES.md: plain bf16 for U
 and kd puts the state error at the 2.5e-3 bar; the output tolerates bf16 operands).
 kd is read as an MN-major B operand (a transposed TMA view), so nothing is transposed on chip.
-Rows of kd past the last token of a sequence may hold anything (even NaN) when the caller's
-tensors run past the last sequence: the consumers zero those smem rows before the update.
+K1's workspace holds whole chunks with zero rows past each sequence's end, so the operands need
+no masking; only v's rows past the length (another sequence's, or zero-filled) are masked in W.
+Whole output chunks leave by TMA stores from a double-buffered smem tile; a sequence's last,
+partial chunk is stored by the threads (a whole tile would overwrite the next sequence's rows).
 Constraints: block_v == 64, threads == 128 (+ 32 producer), chunk == 16, head_dim_k % 64 == 0.
 """
 
@@ -75,7 +77,8 @@ class KdaRecurTcSm90(TileCopy):
         mMqh: cute.Tensor, mMql: cute.Tensor,
         mGl: cute.Tensor,  # (num_chunks, H*K) fp32
         mV: cute.Tensor,  # (T, H*V) bf16, row stride dynamic
-        mOut: cute.Tensor,
+        mOut: cute.Tensor,  # (T, H, V) bf16, row stride dynamic: partial chunks
+        mOutT: cute.Tensor,  # (T, H*V) view of the same: TMA stores of whole chunks
         mS0f: cute.Tensor, mS0h: cute.Tensor, mS1f: cute.Tensor, mS1h: cute.Tensor,
         mCuSeq: cute.Tensor, mCuChunk: cute.Tensor,
         num_seqs: cutlass.Int32, num_heads: cutlass.Int32,
@@ -117,6 +120,11 @@ class KdaRecurTcSm90(TileCopy):
             atom, tX = cpasync.make_tiled_tma_atom(op, m, cute.slice_(layout, one), tile)
             atoms += [atom, tX]
             self.tma_meta.append(tma_meta(name, atom, dtype))
+        # the output: (chunk, BV) tiles, two buffers
+        l_o = cute.make_layout((C, BV, 2), stride=(BV, 1, C * BV))
+        tma_o, tO = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), mOutT,
+                                                cute.slice_(l_o, one), (C, BV))
+        self.tma_meta.append(tma_meta("out_tma", tma_o, "bfloat16"))
 
         buf = cute.struct.MemRange
         align = cute.struct.Align
@@ -134,12 +142,13 @@ class KdaRecurTcSm90(TileCopy):
             sMql: align[buf[bf16, cute.cosize(l_cc)], 1024]
             sGl: align[buf[cutlass.Float32, cute.cosize(l_gl)], 128]
             sV: align[buf[bf16, cute.cosize(l_v)], 128]
+            sO: align[buf[bf16, cute.cosize(l_o)], 128]
 
         self.shared_storage = SharedStorage
         self.smem_bytes = SharedStorage.size_in_bytes()
         self.kernel(
-            *atoms, mOut, mS0f, mS0h, mS1f, mS1h, mCuSeq, mCuChunk, state_in, state_out,
-            mma_p, mma_s, l_ck, l_cc, l_kc, l_gl, l_v,
+            *atoms, mOut, tma_o, tO, mS0f, mS0h, mS1f, mS1h, mCuSeq, mCuChunk, state_in,
+            state_out, mma_p, mma_s, l_ck, l_cc, l_kc, l_gl, l_v, l_o,
         ).launch(
             grid=(self.V // BV, num_heads, num_seqs), block=(self.threads, 1, 1),
             smem=self.smem_bytes, stream=stream,
@@ -160,12 +169,13 @@ class KdaRecurTcSm90(TileCopy):
         tma_gl: cute.CopyAtom, tGl: cute.Tensor,
         tma_v: cute.CopyAtom, tV: cute.Tensor,
         mOut: cute.Tensor,
+        tma_o: cute.CopyAtom, tO: cute.Tensor,
         mS0f: cute.Tensor, mS0h: cute.Tensor, mS1f: cute.Tensor, mS1h: cute.Tensor,
         mCuSeq: cute.Tensor, mCuChunk: cute.Tensor,
         state_in: cutlass.Int32, state_out: cutlass.Int32,
         mma_p: cute.TiledMma, mma_s: cute.TiledMma,
         l_ck: cute.ComposedLayout, l_cc: cute.ComposedLayout, l_kc: cute.ComposedLayout,
-        l_gl: cute.Layout, l_v: cute.Layout,
+        l_gl: cute.Layout, l_v: cute.Layout, l_o: cute.Layout,
     ):
         C, K, BV, S = self.C, self.K, self.BV, self.stages
         tidx, _, _ = cute.arch.thread_idx()
@@ -190,6 +200,7 @@ class KdaRecurTcSm90(TileCopy):
         sMql = st.sMql.get_tensor(l_cc.outer, swizzle=l_cc.inner)
         sGl = st.sGl.get_tensor(l_gl)  # (1, K, S)
         sV = st.sV.get_tensor(l_v)  # (C, BV, S)
+        sO = st.sO.get_tensor(l_o)  # (C, BV, 2)
 
         pipe = pipeline.PipelineTmaAsync.create(
             barrier_storage=st.bars.data_ptr(), num_stages=S,
@@ -210,9 +221,10 @@ class KdaRecurTcSm90(TileCopy):
                 bar = pipe.producer_get_barrier(state)
                 s = state.index
                 t0 = bos + c * C
+                r0 = (chunk0 + c) * C  # the chunk's first workspace row
                 for tma, tX, sX, tile, transposed in loads:
                     col = h * tile[1] if not transposed else h * tile[0]
-                    coord = (col, t0) if transposed else (t0, col)
+                    coord = (col, r0) if transposed else (r0, col)
                     self._tile_copy(tma, tX, sX[None, None, s], coord, tile, bar)
                 self._tile_copy(tma_gl, tGl, sGl[None, None, s], (chunk0 + c, h * K), (1, K),
                                 bar)
@@ -221,13 +233,13 @@ class KdaRecurTcSm90(TileCopy):
                 pipe.producer_commit(state)
                 state.advance()
         else:
-            self._consume(pipe, sKg, sQg, sKdh, sKdl, sAwh, sAwl, sMqh, sMql, sGl, sV, mOut,
-                          mS0f, mS0h, mS1f, mS1h, state_in, state_out, mma_p, mma_s,
-                          tidx, h, seq, v0, bos, eos, num_chunks)
+            self._consume(pipe, sKg, sQg, sKdh, sKdl, sAwh, sAwl, sMqh, sMql, sGl, sV, sO,
+                          mOut, (tma_o, tO), mS0f, mS0h, mS1f, mS1h, state_in, state_out,
+                          mma_p, mma_s, tidx, h, seq, v0, bos, eos, num_chunks)
 
     @cute.jit
-    def _consume(self, pipe, sKg, sQg, sKdh, sKdl, sAwh, sAwl, sMqh, sMql, sGl, sV, mOut,
-                 mS0f, mS0h, mS1f, mS1h, state_in, state_out, mma_p: cute.TiledMma,
+    def _consume(self, pipe, sKg, sQg, sKdh, sKdl, sAwh, sAwl, sMqh, sMql, sGl, sV, sO, mOut,
+                 store_o, mS0f, mS0h, mS1f, mS1h, state_in, state_out, mma_p: cute.TiledMma,
                  mma_s: cute.TiledMma, tidx, h, seq, v0, bos, eos, num_chunks):
         C, K, BV = self.C, self.K, self.BV
         bf16, f32 = cutlass.BFloat16, cutlass.Float32
@@ -323,11 +335,7 @@ class KdaRecurTcSm90(TileCopy):
                 else:
                     acc_s[e] = acc_s[e] * sGl[0, d, s]
             warpgroup.wait_group(0)
-            for e in cutlass.range_constexpr(cute.size(acc_u)):
-                _, i = cP[e]
-                if i >= length:  # Aw rows past the length may be anything
-                    acc_u[e] = f32(0.0)
-            self._split(vU, aUh, aUl)
+            self._split(vU, aUh, aUl)  # rows past the length: zero (Aw's are, W's are)
 
             # ---- O^T = Pq + U^T Mq^T ---------------------------------------------------------
             self._gemm(mma_p, acc_o, aUh, bMqh[None, None, None, s], False)
@@ -336,21 +344,39 @@ class KdaRecurTcSm90(TileCopy):
             warpgroup.commit_group()
 
             # ---- S = S diag(gl) + U^T kd -----------------------------------------------------
-            if length < C:
-                self._zero_kd_tail(sKdh, sKdl, s, length, tidx)
             self._gemm(mma_s, acc_s, aUh, bKdh[None, None, None, s], False)
             self._gemm(mma_s, acc_s, aUh, bKdl[None, None, None, s], False)
             self._gemm(mma_s, acc_s, aUl, bKdh[None, None, None, s], False)
             warpgroup.commit_group()
 
             warpgroup.wait_group(1)  # O done; the update runs on while the output is stored
-            for e in cutlass.range_constexpr(cute.size(acc_o)):
-                r, i = cP[e]
-                if i < length:
-                    mOut[t0 + i, h, v0 + r] = acc_o[e].to(bf16)
+            if length == C:
+                # whole chunk: through smem buffer c % 2 and one TMA store
+                b = c % 2
+                for e in cutlass.range_constexpr(cute.size(acc_o)):
+                    r, i = cP[e]
+                    sO[i, r, b] = acc_o[e].to(bf16)
+                cute.arch.fence_proxy("async.shared", space="cta")
+                if tidx < 32:
+                    # the previous chunk's store has read the other buffer (chunk c + 1's)
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
+                cute.arch.barrier(barrier_id=_CONSUMER_BARRIER,
+                                  number_of_threads=self.mma_threads)
+                if tidx < 32:
+                    self._tile_store(store_o[0], store_o[1], sO[None, None, b],
+                                     (t0, h * self.V + v0), (C, BV))
+                    cute.arch.cp_async_bulk_commit_group()
+            else:
+                for e in cutlass.range_constexpr(cute.size(acc_o)):
+                    r, i = cP[e]
+                    if i < length:
+                        mOut[t0 + i, h, v0 + r] = acc_o[e].to(bf16)
             warpgroup.wait_group(0)
             pipe.consumer_release(state)
             state.advance()
+
+        if tidx < 32:
+            cute.arch.cp_async_bulk_wait_group(0, read=True)  # smem outlives the stores
 
         # ---- final state ------------------------------------------------------------------
         for e in cutlass.range_constexpr(cute.size(acc_s)):
@@ -367,20 +393,6 @@ class KdaRecurTcSm90(TileCopy):
         h = x.to(cutlass.BFloat16)
         hi.store(h)
         lo.store((x - h.to(cutlass.Float32)).to(cutlass.BFloat16))
-
-    @cute.jit
-    def _zero_kd_tail(self, sKdh, sKdl, s, length, tidx):
-        """Zero kd's smem rows (tokens) >= length of stage s before the update reads them."""
-        K, C, NT = self.K, self.C, self.mma_threads
-        for p in cutlass.range_constexpr(K * C // NT):
-            idx = tidx + p * NT
-            i = idx // K
-            d = idx - i * K
-            if i >= length:
-                sKdh[d, i, s] = cutlass.BFloat16(0.0)
-                sKdl[d, i, s] = cutlass.BFloat16(0.0)
-        cute.arch.fence_proxy("async.shared", space="cta")
-        cute.arch.barrier(barrier_id=_CONSUMER_BARRIER, number_of_threads=NT)
 
     @cute.jit
     def _gemm(self, mma: cute.TiledMma, acc, rA, rB, zero_init: cutlass.Constexpr,

@@ -33,5 +33,8 @@ python3 scripts/gpu_summary.py "$OUT" | tee "$OUT/summary.json"
 # at most 8 files of 16 MB come back: the test XML is in the summary, and Triton's cache returns in
 # 15 MB parts (locally: cat triton_cache.tgz.part-* > .triton_cache.tgz)
 rm -f "$OUT/gpu_tests.xml"
+# only the compiled kernels, launchers and autotune results are needed to skip a compile
+find "$TRITON_CACHE_DIR" -type f \( -name '*.llir' -o -name '*.ptx' -o -name '*.ttir' \
+  -o -name '*.ttgir' -o -name '*.source' \) -delete 2>/dev/null
 tar czf - -C "$TRITON_CACHE_DIR" . 2>/dev/null | split -b 15M - "$OUT/triton_cache.tgz.part-" || true
 exit "$rc"

@@ -150,10 +150,9 @@ PTR = 0x7F12_3456_789A_BCD0
 SIMT_CFG = [c for c in SIMT if c.prep.head_dim_k == 128][0]
 TC_CFG = select_config(128, 128, False)
 # 64-bit strides above 2**32 so a 32-bit field would truncate them
-SYMS = {"T": 4099, "H": 5, "HK": 5 * 128, "HV": 5 * 128, "HC": 5 * 16, "NCH": 263, "N1": 7,
+SYMS = {"T": 4099, "R": 4208, "H": 5, "HK": 5 * 128, "HV": 5 * 128, "HC": 5 * 16, "NCH": 263, "N1": 7,
         "NS": 6, "sQ": 0x1_0000_0008, "sK": 1928, "sG": 1936, "sB": 0x2_0000_0003,
-        "sV": 1944, "sO": 0x3_0000_0040, "sS": 0x4_0000_2000, "sW": 640, "sWc": 80,
-        "sP": 0x5_0000_0100, "sPc": 0x6_0000_0010}
+        "sV": 1944, "sO": 0x3_0000_0040, "sS": 0x4_0000_2000, "sW": 640, "sWc": 80}
 
 
 def arg_named(args: list, name: str) -> abi.Arg:
@@ -172,22 +171,20 @@ def layout(size: int, *fields) -> bytes:
 
 # id -> (argument list, argument, expected bytes); offsets written out by hand from the C rules
 PACK_TENSOR = {
-    # the tensor-core K1's hi/lo planes: a static plane mode with a 64-bit stride in front
-    "prep-kd-planes": (abi.prep_args, "kd", layout(
-        32, (0, "Q", PTR), (8, "i", SYMS["T"]), (12, "i", SYMS["H"]), (16, "q", SYMS["sP"]),
-        (24, "i", SYMS["sW"])), "tc"),
-    "prep-mq-planes": (abi.prep_args, "mq", layout(
-        32, (0, "Q", PTR), (8, "i", SYMS["T"]), (12, "i", SYMS["H"]), (16, "q", SYMS["sPc"]),
-        (24, "i", SYMS["sWc"])), "tc"),
+    # the tensor-core K1's fp32 decay row per chunk (its other outputs leave by TMA)
+    "prep-gl-tc": (abi.prep_args, "gl", layout(
+        24, (0, "Q", PTR), (8, "i", SYMS["NCH"]), (12, "i", SYMS["H"]),
+        (16, "i", SYMS["sW"])), "tc"),
     "prep-beta": (abi.prep_args, "beta", layout(
         24, (0, "Q", PTR), (8, "i", SYMS["T"]), (12, "i", SYMS["H"]), (16, "q", SYMS["sB"]))),
+    # the workspace has R rows (whole chunks), not T
     "prep-qg": (abi.prep_args, "qg", layout(
-        24, (0, "Q", PTR), (8, "i", SYMS["T"]), (12, "i", SYMS["H"]), (16, "i", SYMS["sW"]))),
+        24, (0, "Q", PTR), (8, "i", SYMS["R"]), (12, "i", SYMS["H"]), (16, "i", SYMS["sW"]))),
     "prep-gl": (abi.prep_args, "gl", layout(
         24, (0, "Q", PTR), (8, "i", SYMS["NCH"]), (12, "i", SYMS["H"]),
         (16, "i", SYMS["sW"]))),
     "prep-aw": (abi.prep_args, "aw", layout(
-        24, (0, "Q", PTR), (8, "i", SYMS["T"]), (12, "i", SYMS["H"]),
+        24, (0, "Q", PTR), (8, "i", SYMS["R"]), (12, "i", SYMS["H"]),
         (16, "i", SYMS["sWc"]))),
     "prep-A_log": (abi.prep_args, "A_log", layout(16, (0, "Q", PTR), (8, "i", SYMS["H"]))),
     "prep-dt_bias": (abi.prep_args, "dt_bias", layout(16, (0, "Q", PTR),
@@ -219,15 +216,22 @@ def test_pack_tensor_layout(case_id):
 # id -> (argument list, TMA argument, expected coordinate-tensor bytes)
 PACK_DYNAMIC = {
     "prep-q": (abi.prep_args, "q", layout(8, (0, "i", SYMS["T"]), (4, "i", SYMS["HK"]))),
-    "recur-aw": (abi.recur_args, "aw", layout(8, (0, "i", SYMS["T"]), (4, "i", SYMS["HC"]))),
+    "recur-aw": (abi.recur_args, "aw", layout(8, (0, "i", SYMS["R"]), (4, "i", SYMS["HC"]))),
     "recur-gl": (abi.recur_args, "gl", layout(8, (0, "i", SYMS["NCH"]),
                                               (4, "i", SYMS["HK"]))),
     "recur-v": (abi.recur_args, "v", layout(8, (0, "i", SYMS["T"]), (4, "i", SYMS["HV"]))),
     # kd is declared as its transposed view (H*K, T): the coordinate tensor follows that order
     "recur-kdh-transposed": (abi.recur_args, "kdh", layout(8, (0, "i", SYMS["HK"]),
-                                                          (4, "i", SYMS["T"])), "tc"),
-    "recur-mqh": (abi.recur_args, "mqh", layout(8, (0, "i", SYMS["T"]), (4, "i", SYMS["HC"])),
+                                                          (4, "i", SYMS["R"])), "tc"),
+    "recur-mqh": (abi.recur_args, "mqh", layout(8, (0, "i", SYMS["R"]), (4, "i", SYMS["HC"])),
                   "tc"),
+    # the output's TMA view (T, H*V) for whole chunks; the K1 stores' views (R, H*K | H*C)
+    "recur-out_tma": (abi.recur_args, "out_tma", layout(8, (0, "i", SYMS["T"]),
+                                                        (4, "i", SYMS["HV"])), "tc"),
+    "prep-kdl-store": (abi.prep_args, "kdl", layout(8, (0, "i", SYMS["R"]),
+                                                    (4, "i", SYMS["HK"])), "tc"),
+    "prep-mql-store": (abi.prep_args, "mql", layout(8, (0, "i", SYMS["R"]),
+                                                    (4, "i", SYMS["HC"])), "tc"),
 }
 
 

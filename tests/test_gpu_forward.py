@@ -109,6 +109,14 @@ def test_strided_inputs():
     _assert(errors(inp))
 
 
+@pytest.mark.parametrize("T", [37, 64])
+def test_row_strided_out(T):
+    """out with padded rows: whole chunks leave by TMA stores, the partial one by the threads;
+    neither may touch the padding."""
+    inp = make_inputs(B=2, T=T, H=3, K=128, seed=14)
+    _assert(errors(inp, out_pad=24))
+
+
 def test_unbounded_strong_decay():
     inp = make_inputs(B=1, T=300, H=2, K=128, gate="unbounded", g_shift=20.0, seed=13)
     _assert(errors(inp))

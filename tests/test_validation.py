@@ -128,6 +128,11 @@ ERRORS = {
                            "g", f"stride {H * K + 4}"),
     "v-token-stride-odd": (inputs, lambda d: d.update(v=rows(B, T, H, V, pad=5)), ValueError,
                            "v", f"stride {H * V + 5}"),
+    # out leaves by TMA stores too: its rows obey the same alignment as the inputs'
+    "out-token-stride-odd": (inputs, lambda d: d.update(out=rows(B, T, H, V, pad=3)),
+                             ValueError, "out", f"stride {H * V + 3}"),
+    "out-base-misaligned": (inputs, lambda d: d.update(out=rows(B, T, H, V, pad=7, offset=1)),
+                            ValueError, "out", "address"),
     "q-base-misaligned": (inputs, lambda d: d.update(q=rows(B, T, H, K, pad=7, offset=1)),
                           ValueError, "q", "address"),
     "q-head-dim-strided": (inputs, lambda d: d.update(q=rand(B, T, H, 2 * K)[..., ::2]),
