@@ -138,6 +138,7 @@ def kda_runner(config=None):
 
 def k1_runner(config=None):
     """K1 alone (the same launch path, stopping before K2)."""
+    from kda_cute import api
 
     def run(x):
         p = api.validate(x["q"], x["k"], x["v"], x["g"], x["beta"], x["scale"], x["out"],
@@ -169,6 +170,7 @@ def fla_runner():
 
 
 def bench_case(name, spec, K, iters, fla, ceiling, simt=False, sweep=False):
+    from kda_cute import api
     from kda_cute.config import EXPERIMENTAL, SHIPPED, SIMT
     simt_cfg = next((c for c in SIMT if c.prep.head_dim_k == K), None) if simt else None
     # --sweep: every tensor-core config for this head dim, shipped and experimental

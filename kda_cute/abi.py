@@ -23,8 +23,7 @@ from .config import PrepConfig, RecurConfig
 
 # Dynamic dimensions: name -> bit width. One name is one run-time value within a kernel.
 SYM_WIDTH = {
-    "T": 32, "R": 32, "H": 32, "HK": 32, "HV": 32, "HC": 32, "NCH": 32, "NF": 32, "N1": 32,
-    "NS": 32,
+    "T": 32, "R": 32, "H": 32, "HK": 32, "HV": 32, "HC": 32, "NCH": 32, "NF": 32, "N1": 32, "NS": 32,
     "sQ": 64, "sK": 64, "sG": 64, "sB": 64, "sV": 64, "sO": 64, "sS": 64, "sW": 32, "sWc": 32,
 }
 # divisibility promised to the compiler; the launcher validates it

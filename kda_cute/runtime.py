@@ -126,10 +126,6 @@ class Kernel:
             self._funcs[device] = f
         return f
 
-    def prepare(self, device: int) -> None:
-        """Load the kernel on `device` now (not lazily at its first launch)."""
-        self._function(device)
-
     def launch_with(self, grid, values: dict, syms: dict, stream: int, device: int) -> None:
         """Pack `values` (see pack_params) and launch. The packed parameter block is cached by
         everything it is made of, so a repeated call (same tensors, shapes and scalars: a

@@ -155,8 +155,7 @@ class KdaPrepSm90(TileCopy):
     @cute.jit
     def _body(self, loads, mBeta: cute.Tensor, mALog: cute.Tensor, mDtBias: cute.Tensor,
               mCuSeq: cute.Tensor, mCuChunk: cute.Tensor, outs, mFlags: cute.Tensor,
-              num_seqs: cutlass.Int32, num_heads: cutlass.Int32, scale: cutlass.Float32,
-              lower_bound: cutlass.Float32, gate_mode: cutlass.Int32,
+              num_seqs: cutlass.Int32, num_heads: cutlass.Int32, scale: cutlass.Float32, lower_bound: cutlass.Float32, gate_mode: cutlass.Int32,
               qk_l2norm: cutlass.Int32, beta_sigmoid: cutlass.Int32, s_tile: cute.Layout):
         """The kernel, whatever the output mode: `outs` holds tensors (f32) or TMA stores."""
         (tma_q, tQ), (tma_k, tK), (tma_g, tG) = loads

@@ -150,8 +150,7 @@ class KdaRecurTcSm90(TileCopy):
         self.smem_bytes = SharedStorage.size_in_bytes()
         self.kernel(
             *atoms, mOut, tma_o, tO, mS0f, mS0h, mS1f, mS1h, mCuSeq, mCuChunk, mFlags,
-            num_heads, state_in, state_out, wait_flags, mma_p, mma_s, l_ck, l_cc, l_kc, l_gl, l_v,
-            l_o,
+            num_heads, state_in, state_out, wait_flags, mma_p, mma_s, l_ck, l_cc, l_kc, l_gl, l_v, l_o,
         ).launch(
             grid=(self.V // BV, num_heads, num_seqs), block=(self.threads, 1, 1),
             smem=self.smem_bytes, stream=stream,
