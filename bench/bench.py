@@ -28,7 +28,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from kda_cute import api, fwd  # noqa: E402
+from kda_cute import fwd  # noqa: E402
 from kda_cute.reference import rel_err  # noqa: E402
 from kda_cute.testing import make_inputs, reference  # noqa: E402
 
@@ -196,12 +196,6 @@ def bench_case(name, spec, K, iters, fla, ceiling, simt=False, sweep=False):
     t_kda = time_fn(run, sets, iters)
     t_k1 = time_fn(k1_runner(), sets, iters)  # K2's share is the difference
     t_graph = time_fn(graph_runner(run, sets), sets, iters)
-    # the same forward with K1 and K2 one after the other on one stream (no overlap)
-    overlap, api.OVERLAP = api.OVERLAP, False
-    try:
-        t_serial = time_fn(run, sets, iters)
-    finally:
-        api.OVERLAP = overlap
     # correctness of the timed configuration, on the first set
     run(sets[0])
     torch.cuda.synchronize()
@@ -212,7 +206,6 @@ def bench_case(name, spec, K, iters, fla, ceiling, simt=False, sweep=False):
     row = {"case": name, "K": K, "config": [ladder.prep.name, ladder.recur.name],
            "bytes": nbytes, "roofline_ms": nbytes / ceiling * 1e3,
            "kda_ms": t_kda, "kda_k1_ms": t_k1, "kda_graph_ms": t_graph,
-           "kda_serial_ms": t_serial, "overlap": api.OVERLAP,
            "kda_out_err": rel_err(sets[0]["out"][:, :, :nh], ref_o),
            "kda_state_err": rel_err(sets[0]["final_state"][:, :nh], ref_s),
            "input_sets": n_sets, "checked_heads": nh}
@@ -287,10 +280,9 @@ def flashkda_estimate(r) -> float | None:
 
 
 def markdown(rows) -> str:
-    head = ("| case | K | roofline ms | kda_cute ms | K1 ms | serial ms | graph ms | % roofline | "
-            "fla ms | vs fla | FlashKDA est. ms | vs FlashKDA | out err | state err | "
-            "fla out/state err |"
-            "\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
+    head = ("| case | K | roofline ms | kda_cute ms | K1 ms | graph ms | % roofline | fla ms | "
+            "vs fla | FlashKDA est. ms | vs FlashKDA | out err | state err | fla out/state err |"
+            "\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
     lines = []
     for r in rows:
         fla = f"{r['fla_ms']:.3f}" if "fla_ms" in r else "-"
@@ -300,8 +292,7 @@ def markdown(rows) -> str:
         fe = (f"{r['fla_out_err']:.1e} / {r['fla_state_err']:.1e}" if "fla_out_err" in r
               else "-")
         lines.append(f"| {r['case']} | {r['K']} | {r['roofline_ms']:.3f} | {r['kda_ms']:.3f} | "
-                     f"{r['kda_k1_ms']:.3f} | {r.get('kda_serial_ms', float('nan')):.3f} | "
-                     f"{r.get('kda_graph_ms', float('nan')):.3f} | "
+                     f"{r['kda_k1_ms']:.3f} | {r.get('kda_graph_ms', float('nan')):.3f} | "
                      f"{r['kda_pct_roofline']:.1f} | {fla} | {sp} | {fks} | {fkr} | "
                      f"{r['kda_out_err']:.2e} | {r['kda_state_err']:.2e} | {fe} |")
     return head + "\n".join(lines) + "\n"
@@ -361,7 +352,6 @@ def main(argv=None):
                                    a.simt, a.sweep))
             r = rows[-1]
             print(f"{name:<22} K{K:<4} kda {r['kda_ms']:.3f} ms (K1 {r['kda_k1_ms']:.3f}; "
-                  f"serial {r['kda_serial_ms']:.3f}; "
                   f"graph {r['kda_graph_ms']:.3f}; "
                   f"{r['kda_pct_roofline']:.1f}% "
                   f"roofline) fla {r.get('fla_ms', float('nan')):.3f} ms "

@@ -23,7 +23,7 @@ from .config import PrepConfig, RecurConfig
 
 # Dynamic dimensions: name -> bit width. One name is one run-time value within a kernel.
 SYM_WIDTH = {
-    "T": 32, "R": 32, "H": 32, "HK": 32, "HV": 32, "HC": 32, "NCH": 32, "NF": 32, "N1": 32, "NS": 32,
+    "T": 32, "R": 32, "H": 32, "HK": 32, "HV": 32, "HC": 32, "NCH": 32, "N1": 32, "NS": 32,
     "sQ": 64, "sK": 64, "sG": 64, "sB": 64, "sV": 64, "sO": 64, "sS": 64, "sW": 32, "sWc": 32,
 }
 # divisibility promised to the compiler; the launcher validates it
@@ -107,10 +107,9 @@ def prep_args(cfg: PrepConfig) -> list[Arg]:
         _ten("cu_seqlens", "int32", ("N1",), (1,)),
         _ten("cu_chunks", "int32", ("N1",), (1,)),
         *outs,
-        _ten("flags", "int32", ("NF",), (1,)),
         Arg("num_seqs", "i32"),
         Arg("num_chunks", "i32", grid_only=True),
-        Arg("num_heads", "i32"),
+        Arg("num_heads", "i32", grid_only=True),
         Arg("scale", "f32"),
         Arg("lower_bound", "f32"),
         Arg("gate_mode", "i32"),
@@ -159,12 +158,10 @@ def _recur_common(cfg: RecurConfig) -> list[Arg]:
         _ten("s1h", "bfloat16", ("NS", "H", V, K), ("sS", V * K, K, 1)),
         _ten("cu_seqlens", "int32", ("N1",), (1,)),
         _ten("cu_chunks", "int32", ("N1",), (1,)),
-        _ten("flags", "int32", ("NF",), (1,)),
         Arg("num_seqs", "i32", grid_only=True),
-        Arg("num_heads", "i32"),
+        Arg("num_heads", "i32", grid_only=True),
         Arg("state_in", "i32"),
         Arg("state_out", "i32"),
-        Arg("wait_flags", "i32"),
     ]
 
 

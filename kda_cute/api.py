@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from dataclasses import dataclass
 
 import torch
@@ -19,10 +18,6 @@ from .abi import SYM_DIV
 from .config import GATE_MODES, FwdConfig, select_config, supports
 
 _STATE_CODE = {None: 0, torch.float32: 1, torch.bfloat16: 2}
-# K2 runs concurrently with K1 (on a high-priority side stream, waiting on K1's per-chunk flags)
-# where the two kernels can always share an SM; KDA_CUTE_OVERLAP=0 launches them one after
-# the other instead
-OVERLAP = os.environ.get("KDA_CUTE_OVERLAP", "1") != "0"
 
 
 def _err(name: str, expected: str, got) -> ValueError:
@@ -189,17 +184,15 @@ def _workspace_layout(p: Problem, cfg: FwdConfig) -> list[tuple[str, tuple, torc
     C, H, K = cfg.chunk, p.H, p.K
     nch, R = _workspace_rows(p, C)
     f32, bf16 = torch.float32, torch.bfloat16
-    # flags: K1's done marks per (chunk, head), for a K2 that runs concurrently
-    flags = ("flags", (nch * H,), torch.int32)
     if cfg.prep.operands == "bf16":
         return [("qg", (R, H, K), bf16), ("kg", (R, H, K), bf16), ("kd", (2, R, H, K), bf16),
                 ("gl", (nch, H, K), f32), ("aw", (2, R, H, C), bf16),
-                ("mq", (2, R, H, C), bf16), flags]
+                ("mq", (2, R, H, C), bf16)]
     return [("qg", (R, H, K), f32), ("kg", (R, H, K), f32), ("kd", (R, H, K), f32),
-            ("gl", (nch, H, K), f32), ("aw", (R, H, C), f32), ("mq", (R, H, C), f32), flags]
+            ("gl", (nch, H, K), f32), ("aw", (R, H, C), f32), ("mq", (R, H, C), f32)]
 
 
-_ELEM = {torch.float32: 4, torch.bfloat16: 2, torch.int32: 4}
+_ELEM = {torch.float32: 4, torch.bfloat16: 2}
 
 
 @functools.lru_cache(maxsize=1024)
@@ -247,35 +240,11 @@ def _offsets(p: Problem, cfg: FwdConfig, cu_seqlens, dev):
     return cs, cc
 
 
-_side: dict[int, tuple] = {}
-
-
-def _side_stream(device: int) -> tuple:
-    """(high-priority stream, fork event, join event) of a device, made once."""
-    hit = _side.get(device)
-    if hit is None:
-        _, greatest = torch.cuda.Stream.priority_range()
-        hit = (torch.cuda.Stream(device=device, priority=greatest),
-               torch.cuda.Event(), torch.cuda.Event())
-        _side[device] = hit
-    return hit
-
-
-@functools.lru_cache(maxsize=256)
-def _can_overlap(k1: runtime.Kernel, k2: runtime.Kernel, device: int) -> bool:
-    """K2's CTAs spin on K1's flags: overlap only where no SM full of K2 CTAs can lock K1 out."""
-    lim = runtime.sm_limits(device)
-    return runtime.always_coresident(runtime.cta_footprint(k2.manifest, lim),
-                                     runtime.cta_footprint(k1.manifest, lim), lim)
-
-
 def launch_forward(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state,
                    final_state, cu_seqlens, workspace, gate, qk_l2norm, beta_sigmoid, p, cfg,
                    run_recurrence=True):
-    """Launch K1 and K2 on the current stream: one after the other, or (OVERLAP) K2 on a side
-    stream forked from and joined back to it, consuming K1's chunks as K1 publishes them.
-    Returns the workspace views K1 wrote when `run_recurrence` is False (K1 alone, for tests),
-    else None."""
+    """Launch K1 then K2 on the current stream. Returns the workspace views K1 wrote when
+    `run_recurrence` is False (K1 alone, for tests), else None."""
     dev = q.device
     di = dev.index if dev.index is not None else torch.cuda.current_device()
     arch = runtime.arch_of(di)
@@ -295,8 +264,7 @@ def launch_forward(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, in
     base = workspace.data_ptr()
     base += (-base) % 256
     ptr = {name: base + off for name, off, *_ in plan}
-    qg, kg, kd, gl, aw, mq, flags = (ptr[n] for n in ("qg", "kg", "kd", "gl", "aw", "mq",
-                                                     "flags"))
+    qg, kg, kd, gl, aw, mq = (ptr[n] for n in ("qg", "kg", "kd", "gl", "aw", "mq"))
     # bf16 operands: each (hi, lo) pair is two equal planes, lo after hi (bytes per plane)
     plane = {name: n // 2 for name, _, n, *_ in plan}
     kd_plane, aw_plane, mq_plane = plane["kd"], plane["aw"], plane["mq"]
@@ -306,13 +274,10 @@ def launch_forward(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, in
     if dt_bias is None:
         dt_bias = torch.zeros(H * K, dtype=torch.float32, device=dev)
     stream = torch.cuda.current_stream(dev).cuda_stream
-    syms = {"T": Tt, "R": R, "NF": nch * H, "H": H, "HK": H * K, "HV": H * V, "HC": H * C, "NCH": nch,
+    syms = {"T": Tt, "R": R, "H": H, "HK": H * K, "HV": H * V, "HC": H * C, "NCH": nch,
             "N1": p.N + 1, "NS": p.N, "sQ": q.stride(1), "sK": k.stride(1), "sG": g.stride(1),
             "sB": beta.stride(1), "sV": v.stride(1), "sO": out.stride(1), "sS": H * V * K,
             "sW": H * K, "sWc": H * C}
-    concurrent = (OVERLAP and run_recurrence and Tt > 0 and H > 0 and p.N > 0
-                  and _can_overlap(k1, k2, di))
-    vals1 = vals2 = None
     if Tt > 0 and H > 0:
         vals1 = {"q": q.data_ptr(), "k": k.data_ptr(), "g": g.data_ptr(),
                  "beta": beta.data_ptr(), "A_log": A_log.data_ptr(),
@@ -322,10 +287,9 @@ def launch_forward(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, in
                  "awl": aw + aw_plane, "mqh": mq, "mql": mq + mq_plane, "num_seqs": p.N, "num_chunks": nch, "num_heads": H,
                  "scale": float(scale), "lower_bound": float(lower_bound or 0.0),
                  "gate_mode": GATE_MODES[gate], "qk_l2norm": int(bool(qk_l2norm)),
-                 "beta_sigmoid": int(bool(beta_sigmoid)), "flags": flags}
+                 "beta_sigmoid": int(bool(beta_sigmoid))}
+        k1.launch_with((nch, H, 1), vals1, syms, stream, di)
     if not run_recurrence:
-        if vals1 is not None:
-            k1.launch_with((nch * H, 1, 1), vals1, syms, stream, di)
         return workspace_views(workspace, p, cfg)
     dummy = out.data_ptr()
     s_in = _STATE_CODE[initial_state.dtype if initial_state is not None else None]
@@ -336,26 +300,10 @@ def launch_forward(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, in
              "kdh": kd, "kdl": kd + kd_plane, "awh": aw, "awl": aw + aw_plane,
              "mqh": mq, "mql": mq + mq_plane,
              "out": out.data_ptr(), "out_tma": out.data_ptr(), "s0f": sp_in, "s0h": sp_in, "s1f": sp_out, "s1h": sp_out,
-             "cu_seqlens": cs.data_ptr(), "cu_chunks": cc.data_ptr(), "flags": flags,
-             "num_seqs": p.N, "num_heads": H, "state_in": s_in, "state_out": s_out,
-             "wait_flags": int(concurrent)}
-    grid2 = (V // cfg.recur.block_v, H, p.N)
-    if concurrent:
-        cur = torch.cuda.current_stream(dev)
-        side, fork, join = _side_stream(di)
-        runtime.memset32(flags, 0, nch * H, stream)
-        fork.record(cur)
-        side.wait_event(fork)
-        # K2 first, so its CTAs hold their SMs before K1's grid fills the rest
-        k2.launch_with(grid2, vals2, syms, side.cuda_stream, di)
-        k1.launch_with((nch * H, 1, 1), vals1, syms, stream, di)
-        join.record(side)
-        cur.wait_event(join)
-        return None
-    if vals1 is not None:
-        k1.launch_with((nch * H, 1, 1), vals1, syms, stream, di)
+             "cu_seqlens": cs.data_ptr(), "cu_chunks": cc.data_ptr(), "num_seqs": p.N,
+             "num_heads": H, "state_in": s_in, "state_out": s_out}
     if p.N > 0 and H > 0:
-        k2.launch_with(grid2, vals2, syms, stream, di)
+        k2.launch_with((V // cfg.recur.block_v, H, p.N), vals2, syms, stream, di)
     return None
 
 

@@ -51,40 +51,6 @@ def arch_of(device) -> str:
     return f"sm_{major}{minor}" + ("a" if major >= 9 else "")
 
 
-@functools.lru_cache(maxsize=64)
-def sm_limits(device: int) -> dict:
-    """One SM's resources (shared memory, per-CTA reservation, registers, threads, CTAs)."""
-    cu = _cu()
-    a = cu.CUdevice_attribute
-    dev = check(cu.cuDeviceGet(device))
-    get = lambda attr: int(check(cu.cuDeviceGetAttribute(attr, dev)))  # noqa: E731
-    return {"smem": get(a.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR),
-            "smem_reserved": get(a.CU_DEVICE_ATTRIBUTE_RESERVED_SHARED_MEMORY_PER_BLOCK),
-            "regs": get(a.CU_DEVICE_ATTRIBUTE_MAX_REGISTERS_PER_MULTIPROCESSOR),
-            "threads": get(a.CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR),
-            "ctas": get(a.CU_DEVICE_ATTRIBUTE_MAX_BLOCKS_PER_MULTIPROCESSOR)}
-
-
-def cta_footprint(manifest: dict, limits: dict) -> dict:
-    """What one CTA of a kernel takes from its SM (registers in whole 256-register warp units)."""
-    threads = -(-manifest["block"][0] // 32) * 32
-    warp_regs = -(-int(manifest["registers"]) * 32 // 256) * 256
-    return {"smem": int(manifest["dynamic_smem_bytes"]) + limits["smem_reserved"],
-            "regs": warp_regs * threads // 32, "threads": threads, "ctas": 1}
-
-
-def always_coresident(waiter: dict, worker: dict, limits: dict) -> bool:
-    """True when an SM that holds as many `waiter` CTAs as fit still has room for one `worker`
-    CTA, so a waiter that spins on the worker's results can never starve it of SMs."""
-    n = min(limits[r] // waiter[r] for r in waiter)
-    return all(n * waiter[r] + worker[r] <= limits[r] for r in waiter)
-
-
-def memset32(ptr: int, value: int, count: int, stream: int) -> None:
-    cu = _cu()
-    check(cu.cuMemsetD32Async(ptr, value, count, cu.CUstream(stream)))
-
-
 def load_manifest(name: str, arch: str) -> tuple[dict, Path]:
     folder = CUBIN_ROOT / arch
     man, cub = folder / f"{name}.json", folder / f"{name}.cubin"

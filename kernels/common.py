@@ -2,7 +2,6 @@
 
 import re
 
-import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync
 
@@ -59,21 +58,6 @@ class TileCopy:
         cute.copy(tma, tXs, tXg)
 
 
-    @cute.jit
-    def _await_chunk(self, mFlags: cute.Tensor, idx, wait_flags):
-        """K2's producer warp, when K1 runs concurrently (wait_flags != 0): wait until K1 has
-        published flag `idx` (its chunk of this head), then order the TMA loads after it."""
-        if wait_flags != 0:
-            if cute.arch.lane_idx() == 0:
-                ptr = mFlags.iterator + idx
-                f = cute.arch.atomic_add(ptr, cutlass.Int32(0), sem="acquire", scope="gpu")
-                while f == 0:  # one poll per round trip to L2 (lane 0 of one warp per CTA)
-                    f = cute.arch.atomic_add(ptr, cutlass.Int32(0), sem="acquire",
-                                             scope="gpu")
-            cute.arch.sync_warp()
-            cute.arch.fence_proxy("async.global")
-
-
 class ChunkTileLoader(TileCopy):
     """The K2 load side shared by its variants: one chunk's K1 workspace tiles and v tile, TMA'd
     into buffer c % stages on that buffer's mbarrier. Needs self.C, K, V, BV, stages, tx_bytes."""
@@ -101,11 +85,10 @@ class ChunkTileLoader(TileCopy):
 
     @cute.jit
     def _issue(self, c, bos, chunk_id, loads, head_cols, tma_gl, tGl, sGl, gl_col,
-               tma_v, tV, sV, v_col, full, mFlags, flag_idx, wait_flags):
+               tma_v, tV, sV, v_col, full):
         """Warp 0 loads chunk c (one lane arms the barrier; the copies elect their own lane, so
         the whole warp must reach them): K1's tiles of workspace chunk `chunk_id`, v's at the
         sequence's token t0."""
-        self._await_chunk(mFlags, flag_idx, wait_flags)
         s = c % self.stages
         t0 = bos + c * self.C
         bar = full + s

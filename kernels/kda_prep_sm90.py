@@ -69,7 +69,6 @@ class KdaPrepSm90(TileCopy):
         mGl: cute.Tensor,  # (num_chunks, H, K) fp32
         mAw: cute.Tensor,  # (R, H, C) fp32
         mMq: cute.Tensor,
-        mFlags: cute.Tensor,  # (num_chunks * H,) int32: chunk b of head h done -> [b*H + h] += 1
         num_seqs: cutlass.Int32,
         num_chunks: cutlass.Int32,
         num_heads: cutlass.Int32,
@@ -84,10 +83,10 @@ class KdaPrepSm90(TileCopy):
         self._make_storage()
         self.kernel(
             *loads, mBeta, mALog, mDtBias, mCuSeq, mCuChunk,
-            mQg, mKg, mKd, mGl, mAw, mMq, mFlags, num_seqs, num_heads, scale, lower_bound,
+            mQg, mKg, mKd, mGl, mAw, mMq, num_seqs, scale, lower_bound,
             gate_mode, qk_l2norm, beta_sigmoid, s_tile,
         ).launch(
-            grid=(num_chunks * num_heads, 1, 1), block=(self.threads, 1, 1),
+            grid=(num_chunks, num_heads, 1), block=(self.threads, 1, 1),
             smem=self.smem_bytes, stream=stream,
         )
 
@@ -140,22 +139,22 @@ class KdaPrepSm90(TileCopy):
         mBeta: cute.Tensor, mALog: cute.Tensor, mDtBias: cute.Tensor,
         mCuSeq: cute.Tensor, mCuChunk: cute.Tensor,
         mQg: cute.Tensor, mKg: cute.Tensor, mKd: cute.Tensor, mGl: cute.Tensor,
-        mAw: cute.Tensor, mMq: cute.Tensor, mFlags: cute.Tensor,
-        num_seqs: cutlass.Int32, num_heads: cutlass.Int32,
+        mAw: cute.Tensor, mMq: cute.Tensor,
+        num_seqs: cutlass.Int32,
         scale: cutlass.Float32, lower_bound: cutlass.Float32,
         gate_mode: cutlass.Int32, qk_l2norm: cutlass.Int32, beta_sigmoid: cutlass.Int32,
         s_tile: cute.Layout,
     ):
         self._body(((tma_q, tQ), (tma_k, tK), (tma_g, tG)), mBeta, mALog, mDtBias, mCuSeq,
-                   mCuChunk, (mQg, mKg, mKd, mGl, mAw, mMq), mFlags, num_seqs, num_heads, scale,
-                   lower_bound, gate_mode, qk_l2norm, beta_sigmoid, s_tile)
+                   mCuChunk, (mQg, mKg, mKd, mGl, mAw, mMq), num_seqs, scale, lower_bound,
+                   gate_mode, qk_l2norm, beta_sigmoid, s_tile)
 
 
     # ---------------------------------------------------------------- device
     @cute.jit
     def _body(self, loads, mBeta: cute.Tensor, mALog: cute.Tensor, mDtBias: cute.Tensor,
-              mCuSeq: cute.Tensor, mCuChunk: cute.Tensor, outs, mFlags: cute.Tensor,
-              num_seqs: cutlass.Int32, num_heads: cutlass.Int32, scale: cutlass.Float32, lower_bound: cutlass.Float32, gate_mode: cutlass.Int32,
+              mCuSeq: cute.Tensor, mCuChunk: cute.Tensor, outs, num_seqs: cutlass.Int32,
+              scale: cutlass.Float32, lower_bound: cutlass.Float32, gate_mode: cutlass.Int32,
               qk_l2norm: cutlass.Int32, beta_sigmoid: cutlass.Int32, s_tile: cute.Layout):
         """The kernel, whatever the output mode: `outs` holds tensors (f32) or TMA stores."""
         (tma_q, tQ), (tma_k, tK), (tma_g, tG) = loads
@@ -166,11 +165,7 @@ class KdaPrepSm90(TileCopy):
             mQg, mKg, mKd, mGl, mAw, mMq = outs
         C, K, NT = self.C, self.K, self.threads
         tidx, _, _ = cute.arch.thread_idx()
-        # one CTA per (chunk, head), heads fastest: every head's chunk b is done before chunk
-        # b + 1, the order a concurrently running K2 consumes them in
-        cta, _, _ = cute.arch.block_idx()
-        bid = cta // num_heads
-        h = cta - bid * num_heads
+        bid, h, _ = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = cute.arch.lane_idx()
 
@@ -413,20 +408,8 @@ class KdaPrepSm90(TileCopy):
                                               (st_mqh, sMq, 0), (st_mql, sMq, 1)):
                         self._tile_store(tma, tX, sX[None, None, pl], (row0, h * C), (C, C))
                     cute.arch.cp_async_bulk_commit_group()
-                    # the stores complete (smem outlives their reads; K2 may read the data)
-                    cute.arch.cp_async_bulk_wait_group(0)
-                    cute.arch.fence_proxy("async.global")
-            self._publish(mFlags, cta, tidx)
-
-    @cute.jit
-    def _publish(self, mFlags: cute.Tensor, cta, tidx):
-        """Mark this (chunk, head) done for a K2 running concurrently: every thread's stores
-        (and warp 0's completed TMA stores) before one release at GPU scope."""
-        cute.arch.fence_acq_rel_gpu()
-        cute.arch.sync_threads()
-        if tidx == 0:
-            cute.arch.atomic_add(mFlags.iterator + cta, cutlass.Int32(1), sem="release",
-                                 scope="gpu")
+                    # smem must outlive the stores' reads of it
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
     def _phase_b_mma(self, fA, fB, fG, sL, sBeta, mMq, sMq, row0, h, lane, scale, length,
@@ -517,7 +500,6 @@ class KdaPrepSm90Split(KdaPrepSm90):
         mMqh: cute.Tensor,
         mMql: cute.Tensor,
         mGl: cute.Tensor,  # (num_chunks, H, K) fp32
-        mFlags: cute.Tensor,
         num_seqs: cutlass.Int32,
         num_chunks: cutlass.Int32,
         num_heads: cutlass.Int32,
@@ -543,10 +525,10 @@ class KdaPrepSm90Split(KdaPrepSm90):
             self.tma_meta.append(tma_meta(name, atom, "bfloat16"))
         self._make_storage()
         self.kernel(
-            *loads, mBeta, mALog, mDtBias, mCuSeq, mCuChunk, *stores, mGl, mFlags, num_seqs,
-            num_heads, scale, lower_bound, gate_mode, qk_l2norm, beta_sigmoid, s_tile,
+            *loads, mBeta, mALog, mDtBias, mCuSeq, mCuChunk, *stores, mGl, num_seqs, scale,
+            lower_bound, gate_mode, qk_l2norm, beta_sigmoid, s_tile,
         ).launch(
-            grid=(num_chunks * num_heads, 1, 1), block=(self.threads, 1, 1),
+            grid=(num_chunks, num_heads, 1), block=(self.threads, 1, 1),
             smem=self.smem_bytes, stream=stream,
         )
 
@@ -566,8 +548,8 @@ class KdaPrepSm90Split(KdaPrepSm90):
         tma_awl: cute.CopyAtom, tAwl: cute.Tensor,
         tma_mqh: cute.CopyAtom, tMqh: cute.Tensor,
         tma_mql: cute.CopyAtom, tMql: cute.Tensor,
-        mGl: cute.Tensor, mFlags: cute.Tensor,
-        num_seqs: cutlass.Int32, num_heads: cutlass.Int32,
+        mGl: cute.Tensor,
+        num_seqs: cutlass.Int32,
         scale: cutlass.Float32, lower_bound: cutlass.Float32,
         gate_mode: cutlass.Int32, qk_l2norm: cutlass.Int32, beta_sigmoid: cutlass.Int32,
         s_tile: cute.Layout,
@@ -575,8 +557,8 @@ class KdaPrepSm90Split(KdaPrepSm90):
         outs = ((tma_qg, tQg), (tma_kg, tKg), (tma_kdh, tKdh), (tma_kdl, tKdl), mGl,
                 (tma_awh, tAwh), (tma_awl, tAwl), (tma_mqh, tMqh), (tma_mql, tMql))
         self._body(((tma_q, tQ), (tma_k, tK), (tma_g, tG)), mBeta, mALog, mDtBias, mCuSeq,
-                   mCuChunk, outs, mFlags, num_seqs, num_heads, scale, lower_bound, gate_mode,
-                   qk_l2norm, beta_sigmoid, s_tile)
+                   mCuChunk, outs, num_seqs, scale, lower_bound, gate_mode, qk_l2norm,
+                   beta_sigmoid, s_tile)
 
 
 def prep_kernel(cfg: PrepConfig) -> KdaPrepSm90:

@@ -53,12 +53,10 @@ class KdaRecurSm90(ChunkTileLoader):
         mS1h: cute.Tensor,
         mCuSeq: cute.Tensor,  # (N+1,) int32
         mCuChunk: cute.Tensor,  # (N+1,) int32
-        mFlags: cute.Tensor,  # (num_chunks * H,) int32: K1's per-(chunk, head) done flags
         num_seqs: cutlass.Int32,
         num_heads: cutlass.Int32,
         state_in: cutlass.Int32,  # STATE_NONE / STATE_F32 / STATE_BF16
         state_out: cutlass.Int32,
-        wait_flags: cutlass.Int32,  # K1 runs concurrently: wait for each chunk's flag
         stream,
     ):
         C, K, BV, S = self.C, self.K, self.BV, self.stages
@@ -80,8 +78,8 @@ class KdaRecurSm90(ChunkTileLoader):
         self.smem_bytes = SharedStorage.size_in_bytes()
         self.kernel(
             tma_kg, tKg, tma_qg, tQg, tma_kd, tKd, tma_aw, tAw, tma_mq, tMq, tma_gl, tGl,
-            tma_v, tV, mOut, mS0f, mS0h, mS1f, mS1h, mCuSeq, mCuChunk, mFlags, num_heads,
-            state_in, state_out, wait_flags, l_ck, l_cc, l_1k, l_cv,
+            tma_v, tV, mOut, mS0f, mS0h, mS1f, mS1h, mCuSeq, mCuChunk, state_in, state_out,
+            l_ck, l_cc, l_1k, l_cv,
         ).launch(
             grid=(self.V // BV, num_heads, num_seqs), block=(self.threads, 1, 1),
             smem=self.smem_bytes, stream=stream,
@@ -100,9 +98,8 @@ class KdaRecurSm90(ChunkTileLoader):
         tma_v: cute.CopyAtom, tV: cute.Tensor,
         mOut: cute.Tensor,
         mS0f: cute.Tensor, mS0h: cute.Tensor, mS1f: cute.Tensor, mS1h: cute.Tensor,
-        mCuSeq: cute.Tensor, mCuChunk: cute.Tensor, mFlags: cute.Tensor,
-        num_heads: cutlass.Int32, state_in: cutlass.Int32, state_out: cutlass.Int32,
-        wait_flags: cutlass.Int32,
+        mCuSeq: cute.Tensor, mCuChunk: cute.Tensor,
+        state_in: cutlass.Int32, state_out: cutlass.Int32,
         l_ck: cute.Layout, l_cc: cute.Layout, l_1k: cute.Layout, l_cv: cute.Layout,
     ):
         C, K, BV, S = self.C, self.K, self.BV, self.stages
@@ -163,8 +160,7 @@ class KdaRecurSm90(ChunkTileLoader):
             for c in cutlass.range_constexpr(S - 1):
                 if c < num_chunks:
                     self._issue(c, bos, chunk0 + c, loads, head_cols, tma_gl, tGl, sGl, h * K,
-                                tma_v, tV, sV, h * self.V + vb * BV, full, mFlags,
-                                (chunk0 + c) * num_heads + h, wait_flags)
+                                tma_v, tV, sV, h * self.V + vb * BV, full)
 
         w = cute.make_rmem_tensor((C,), cutlass.Float32)
         u = cute.make_rmem_tensor((C,), cutlass.Float32)
@@ -175,8 +171,7 @@ class KdaRecurSm90(ChunkTileLoader):
             if warp == 0:
                 if c + S - 1 < num_chunks:
                     self._issue(c + S - 1, bos, chunk0 + c + S - 1, loads, head_cols, tma_gl,
-                                tGl, sGl, h * K, tma_v, tV, sV, h * self.V + vb * BV, full,
-                                mFlags, (chunk0 + c + S - 1) * num_heads + h, wait_flags)
+                                tGl, sGl, h * K, tma_v, tV, sV, h * self.V + vb * BV, full)
             s = c % S
             cute.arch.mbarrier_wait(full + s, (c // S) % 2)
             t0 = bos + c * C

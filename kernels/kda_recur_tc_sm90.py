@@ -81,10 +81,8 @@ class KdaRecurTcSm90(TileCopy):
         mOutT: cute.Tensor,  # (T, H*V) view of the same: TMA stores of whole chunks
         mS0f: cute.Tensor, mS0h: cute.Tensor, mS1f: cute.Tensor, mS1h: cute.Tensor,
         mCuSeq: cute.Tensor, mCuChunk: cute.Tensor,
-        mFlags: cute.Tensor,  # (num_chunks * H,) int32: K1's per-(chunk, head) done flags
         num_seqs: cutlass.Int32, num_heads: cutlass.Int32,
         state_in: cutlass.Int32, state_out: cutlass.Int32,
-        wait_flags: cutlass.Int32,  # K1 runs concurrently: wait for each chunk's flag
         stream,
     ):
         C, K, BV, S = self.C, self.K, self.BV, self.stages
@@ -149,8 +147,8 @@ class KdaRecurTcSm90(TileCopy):
         self.shared_storage = SharedStorage
         self.smem_bytes = SharedStorage.size_in_bytes()
         self.kernel(
-            *atoms, mOut, tma_o, tO, mS0f, mS0h, mS1f, mS1h, mCuSeq, mCuChunk, mFlags,
-            num_heads, state_in, state_out, wait_flags, mma_p, mma_s, l_ck, l_cc, l_kc, l_gl, l_v, l_o,
+            *atoms, mOut, tma_o, tO, mS0f, mS0h, mS1f, mS1h, mCuSeq, mCuChunk, state_in,
+            state_out, mma_p, mma_s, l_ck, l_cc, l_kc, l_gl, l_v, l_o,
         ).launch(
             grid=(self.V // BV, num_heads, num_seqs), block=(self.threads, 1, 1),
             smem=self.smem_bytes, stream=stream,
@@ -173,9 +171,8 @@ class KdaRecurTcSm90(TileCopy):
         mOut: cute.Tensor,
         tma_o: cute.CopyAtom, tO: cute.Tensor,
         mS0f: cute.Tensor, mS0h: cute.Tensor, mS1f: cute.Tensor, mS1h: cute.Tensor,
-        mCuSeq: cute.Tensor, mCuChunk: cute.Tensor, mFlags: cute.Tensor,
-        num_heads: cutlass.Int32, state_in: cutlass.Int32, state_out: cutlass.Int32,
-        wait_flags: cutlass.Int32,
+        mCuSeq: cute.Tensor, mCuChunk: cute.Tensor,
+        state_in: cutlass.Int32, state_out: cutlass.Int32,
         mma_p: cute.TiledMma, mma_s: cute.TiledMma,
         l_ck: cute.ComposedLayout, l_cc: cute.ComposedLayout, l_kc: cute.ComposedLayout,
         l_gl: cute.Layout, l_v: cute.Layout, l_o: cute.Layout,
@@ -220,7 +217,6 @@ class KdaRecurTcSm90(TileCopy):
                      (tma_mqh, tMqh, sMqh, (C, C), False), (tma_mql, tMql, sMql, (C, C), False))
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, S)
             for c in cutlass.range(num_chunks):
-                self._await_chunk(mFlags, (chunk0 + c) * num_heads + h, wait_flags)
                 pipe.producer_acquire(state)
                 bar = pipe.producer_get_barrier(state)
                 s = state.index

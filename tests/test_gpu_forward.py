@@ -117,26 +117,6 @@ def test_row_strided_out(T):
     _assert(errors(inp, out_pad=24))
 
 
-def test_overlap_matches_serial(monkeypatch):
-    """K2 on a side stream consuming K1's chunks as they are published gives bit for bit what
-    K1 then K2 gives (varlen: K2's sequences wait on chunks K1 reaches at different times)."""
-    from kda_cute import api, runtime
-    from kda_cute.config import select_config
-
-    inp = make_inputs(seqlens=[300, 17, 1000, 64], H=4, K=128, seed=15)
-    cfg = select_config(128, 128, True)
-    dev = torch.cuda.current_device()
-    arch = runtime.arch_of(dev)
-    assert api._can_overlap(runtime.get_kernel(cfg.prep, arch),
-                            runtime.get_kernel(cfg.recur, arch), dev)
-    monkeypatch.setattr(api, "OVERLAP", False)
-    o1, s1 = run_kda(inp)
-    monkeypatch.setattr(api, "OVERLAP", True)
-    o2, s2 = run_kda(inp)
-    assert torch.equal(o1, o2) and torch.equal(s1, s2)
-    _assert(errors(inp))
-
-
 def test_unbounded_strong_decay():
     inp = make_inputs(B=1, T=300, H=2, K=128, gate="unbounded", g_shift=20.0, seed=13)
     _assert(errors(inp))

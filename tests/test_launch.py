@@ -58,7 +58,6 @@ def stub_driver(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: type("S", (), {"cuda_stream": 0}))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(api, "OVERLAP", False)  # one stream: K1 then K2 (no side stream here)
 
     class _Dev:
         def __init__(self, *a):
@@ -163,35 +162,3 @@ def test_workspace_plan_matches_views(K):
         assert tuple(v.shape) == shape and v.dtype == dtype
         assert v.numel() * v.element_size() == n
         assert v.data_ptr() + n <= ws.data_ptr() + need
-
-
-# ------------------------------------------------------------------ K1 / K2 co-residency
-# an H200's SM (cuDeviceGetAttribute there): 228 KB of shared memory, 1 KB reserved per CTA
-H200_SM = {"smem": 233472, "smem_reserved": 1024, "regs": 65536, "threads": 2048, "ctas": 32}
-
-
-def _footprints(K):
-    cfg = select_config(K, K, False)
-    return [runtime.cta_footprint(runtime.load_manifest(c.name, "sm_90a")[0], H200_SM)
-            for c in (cfg.prep, cfg.recur)]
-
-
-@pytest.mark.parametrize("K, expected", [(64, True), (128, True), (256, False)])
-def test_overlap_only_where_k2_cannot_lock_k1_out(K, expected):
-    """K2 spins on K1's flags, so the two run concurrently only where an SM holding as many K2
-    CTAs as fit still fits a K1 CTA. At K = 256 one K2 CTA (153 KB) and one K1 CTA (84 KB) do
-    not share an SM: there the launch stays serial."""
-    k1, k2 = _footprints(K)
-    assert runtime.always_coresident(k2, k1, H200_SM) is expected
-
-
-def test_coresidency_arithmetic():
-    lim = {"smem": 100, "smem_reserved": 0, "regs": 1000, "threads": 1000, "ctas": 8}
-    big = {"smem": 40, "regs": 10, "threads": 10, "ctas": 1}
-    # two 40s fill 80 of 100: a 20 fits beside them, a 21 does not
-    assert runtime.always_coresident(big, {"smem": 20, "regs": 1, "threads": 1, "ctas": 1}, lim)
-    assert not runtime.always_coresident(big, {"smem": 21, "regs": 1, "threads": 1, "ctas": 1},
-                                         lim)
-    # the CTA-count limit counts too
-    tiny = {"smem": 1, "regs": 1, "threads": 1, "ctas": 1}
-    assert not runtime.always_coresident(tiny, tiny, lim)
