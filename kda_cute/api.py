@@ -284,7 +284,8 @@ def launch_forward(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, in
                  "dt_bias": dt_bias.data_ptr(), "cu_seqlens": cs.data_ptr(),
                  "cu_chunks": cc.data_ptr(), "qg": qg, "kg": kg, "kd": kd, "gl": gl,
                  "aw": aw, "mq": mq, "kdh": kd, "kdl": kd + kd_plane, "awh": aw,
-                 "awl": aw + aw_plane, "mqh": mq, "mql": mq + mq_plane, "num_seqs": p.N, "num_chunks": nch, "num_heads": H,
+                 "awl": aw + aw_plane, "mqh": mq, "mql": mq + mq_plane, "num_seqs": p.N,
+                 "num_chunks": nch, "num_heads": H,
                  "scale": float(scale), "lower_bound": float(lower_bound or 0.0),
                  "gate_mode": GATE_MODES[gate], "qk_l2norm": int(bool(qk_l2norm)),
                  "beta_sigmoid": int(bool(beta_sigmoid))}
@@ -299,7 +300,8 @@ def launch_forward(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, in
     vals2 = {"kg": kg, "qg": qg, "kd": kd, "aw": aw, "mq": mq, "gl": gl, "v": v.data_ptr(),
              "kdh": kd, "kdl": kd + kd_plane, "awh": aw, "awl": aw + aw_plane,
              "mqh": mq, "mql": mq + mq_plane,
-             "out": out.data_ptr(), "out_tma": out.data_ptr(), "s0f": sp_in, "s0h": sp_in, "s1f": sp_out, "s1h": sp_out,
+             "out": out.data_ptr(), "out_tma": out.data_ptr(), "s0f": sp_in, "s0h": sp_in,
+             "s1f": sp_out, "s1h": sp_out,
              "cu_seqlens": cs.data_ptr(), "cu_chunks": cc.data_ptr(), "num_seqs": p.N,
              "num_heads": H, "state_in": s_in, "state_out": s_out}
     if p.N > 0 and H > 0:
