@@ -27,7 +27,8 @@ python3 -m pytest -q -m gpu -p no:cacheprovider $TIMEOUT_ARGS \
 rc=${PIPESTATUS[0]}
 if [ -z "${SKIP_BENCH:-}" ]; then
   [ -n "${SKIP_ACC:-}" ] || python3 bench/accuracy.py ${ACC_ARGS:-} --out "$OUT/accuracy.json"
-  python3 bench/bench.py ${BENCH_ARGS:---quick} --out "$OUT/bench.json"
+  # BENCH_TIMEOUT (seconds): stop the benchmark there and keep what it wrote (0: no limit)
+  timeout "${BENCH_TIMEOUT:-0}" python3 bench/bench.py ${BENCH_ARGS:---quick} --out "$OUT/bench.json"
 fi
 python3 scripts/gpu_summary.py "$OUT" | tee "$OUT/summary.json"
 # at most 8 files of 16 MB come back: the test XML is in the summary, and Triton's cache returns in
