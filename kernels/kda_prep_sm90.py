@@ -80,12 +80,14 @@ class KdaPrepSm90(TileCopy):
         stream,
     ):
         loads, s_tile = self._make_loads(mQ, mK, mG)
+        self._launch((*loads, mBeta, mALog, mDtBias, mCuSeq, mCuChunk,
+                      mQg, mKg, mKd, mGl, mAw, mMq, num_seqs, scale, lower_bound,
+                      gate_mode, qk_l2norm, beta_sigmoid, s_tile), num_chunks, num_heads, stream)
+
+    def _launch(self, kernel_args, num_chunks, num_heads, stream):
+        """Size the shared storage, then one CTA per (chunk, head)."""
         self._make_storage()
-        self.kernel(
-            *loads, mBeta, mALog, mDtBias, mCuSeq, mCuChunk,
-            mQg, mKg, mKd, mGl, mAw, mMq, num_seqs, scale, lower_bound,
-            gate_mode, qk_l2norm, beta_sigmoid, s_tile,
-        ).launch(
+        self.kernel(*kernel_args).launch(
             grid=(num_chunks, num_heads, 1), block=(self.threads, 1, 1),
             smem=self.smem_bytes, stream=stream,
         )
@@ -523,14 +525,9 @@ class KdaPrepSm90Split(KdaPrepSm90):
             atom, tX = cpasync.make_tiled_tma_atom(op, m, layout, tile)
             stores += [atom, tX]
             self.tma_meta.append(tma_meta(name, atom, "bfloat16"))
-        self._make_storage()
-        self.kernel(
-            *loads, mBeta, mALog, mDtBias, mCuSeq, mCuChunk, *stores, mGl, num_seqs, scale,
-            lower_bound, gate_mode, qk_l2norm, beta_sigmoid, s_tile,
-        ).launch(
-            grid=(num_chunks, num_heads, 1), block=(self.threads, 1, 1),
-            smem=self.smem_bytes, stream=stream,
-        )
+        self._launch((*loads, mBeta, mALog, mDtBias, mCuSeq, mCuChunk, *stores, mGl, num_seqs,
+                      scale, lower_bound, gate_mode, qk_l2norm, beta_sigmoid, s_tile),
+                     num_chunks, num_heads, stream)
 
     @cute.kernel
     def kernel(
