@@ -75,6 +75,48 @@ def main(argv=None):
             rows.append(row)
             print(json.dumps(row), flush=True)
 
+    # K1's phase B as the kernel runs it: every pair of a chunk factored through G at row C/2 - 1,
+    # e^(G_i - r) e^(r - G_j), the factors rounded as the MMA operands are (hi + lo: ~16 bits;
+    # plain bf16: 8), K2 in fp32 (T a multiple of the chunk here)
+    for chunk in (16, 32):
+        qn, kn, al, b = preprocess(q.float(), k.float(), g.float(), beta.float(),
+                                   dtype=torch.float32, **{**kw, "A_log": A_log,
+                                                           "dt_bias": dt_bias})
+        inter = chunk_intermediates(qn, kn, al, b, chunk=chunk, scale=K ** -0.5)
+        for name, rnd in (("hi+lo", lambda x: round_bf16(x) + round_bf16(x - round_bf16(x))),
+                          ("bf16", round_bf16)):
+            it = dict(inter)
+            it["Aw"], it["Mq"] = _phase_b_factored(qn, kn, al, b, chunk, K ** -0.5, rnd)
+            o, s = chunk_recurrence(it, v.float(), chunk=chunk, initial_state=s0)
+            row = {"chunk": chunk, "variant": f"K1 phase B through row C/2-1, {name} operands; "
+                   "K2 fp32", "out_err": rel_err(o.to(torch.bfloat16), ref_o),
+                   "state_err": rel_err(s, ref_s)}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+
+
+def _phase_b_factored(qn, kn, a, b, C, scale, rnd):
+    """Aw and Mq [B, T, H, C] from L and Mqk computed as K1's phase B does (fixed length, T a
+    multiple of C): products of rounded factors through r = G at the chunk's row C/2 - 1."""
+    B, T, H, K = qn.shape
+    NC = B * T // C
+    q_c, k_c, a_c = (x.reshape(NC, C, H, K) for x in (qn, kn, a))
+    b_c = b.reshape(NC, C, H)
+    G = torch.cumsum(a_c, dim=1)
+    r = G[:, C // 2 - 1:C // 2]
+    fwd, bwd = torch.exp(G - r), torch.exp(r - G)
+    right = rnd(k_c * bwd)
+    L = b_c[..., None] * torch.einsum("nihd,njhd->nihj", rnd(k_c * fwd), right)
+    Mq = scale * torch.einsum("nihd,njhd->nihj", rnd(q_c * fwd), right)
+    i = torch.arange(C).view(1, C, 1, 1)
+    j = torch.arange(C).view(1, 1, 1, C)
+    L, Mq = L.masked_fill(j >= i, 0.0), Mq.masked_fill(j > i, 0.0)
+    eye = torch.eye(C, dtype=L.dtype)
+    inv = torch.linalg.solve_triangular(eye + L.transpose(1, 2), eye.expand(NC, H, C, C),
+                                        upper=False, unitriangular=True)
+    Aw = (inv * b_c.transpose(1, 2).unsqueeze(-2)).transpose(1, 2)
+    return Aw.reshape(B, T, H, C), Mq.reshape(B, T, H, C)
+
 
 if __name__ == "__main__":
     main()
