@@ -162,3 +162,28 @@ def test_workspace_plan_matches_views(K):
         assert tuple(v.shape) == shape and v.dtype == dtype
         assert v.numel() * v.element_size() == n
         assert v.data_ptr() + n <= ws.data_ptr() + need
+
+
+@pytest.mark.parametrize("seqlens, chunk", [([37], 16), ([5, 0, 33, 16, 1], 16),
+                                            ([1] * 40, 16), ([64, 65, 31], 32)])
+def test_workspace_rows_hold_whole_chunks(seqlens, chunk):
+    """K1 writes whole chunks (each sequence's last one padded): the workspace's rows must cover
+    every sequence's chunks, and the token -> row map the GPU tests read K1's outputs through
+    must put each sequence on fresh chunks, in order, one row per token."""
+    from kda_cute.testing import token_rows
+
+    T = sum(seqlens)
+    p = api.Problem(1, T, 2, 64, 64, len(seqlens), True)
+    nch, rows = api._workspace_rows(p, chunk)
+    used = sum(-(-n // chunk) for n in seqlens)
+    assert nch >= used and rows == nch * chunk
+    cu = torch.tensor([0, *torch.tensor(seqlens).cumsum(0).tolist()])
+    r, n_used = token_rows(1, T, cu, chunk)
+    assert n_used == used * chunk and len(r) == T and len(set(r.tolist())) == T
+    start = 0
+    for n in seqlens:
+        seq = r[start:start + n]
+        if n:
+            assert int(seq[0]) % chunk == 0  # a sequence starts on a chunk boundary
+            assert torch.equal(seq - seq[0], torch.arange(n))
+        start += n
