@@ -257,25 +257,31 @@ class KdaPrepSm90(TileCopy):
             # ---- phase A: gates and cumulative decay G (chunk-local) ---------------------
             a_log = mALog[h]
             a_exp = cute.math.exp(a_log)
+            acts = cute.make_rmem_tensor((C,), cutlass.Float32)
             for d in cutlass.range(tidx, K, NT):
                 bias = mDtBias[h * K + d]
                 G = cutlass.Float32(0.0)
                 big = cutlass.Int32(0)
-                for i in cutlass.range_constexpr(C):
-                    gv = sG[i, d].to(cutlass.Float32)
-                    a = gv
-                    if gate_mode == GATE_BOUNDED:
-                        x = a_exp * (gv + bias)
-                        a = lower_bound * cute.arch.rcp_approx(
+                # the gate of every row first, one branch per mode (not per row), so the rows'
+                # exponentials overlap; then the running sum
+                if gate_mode == GATE_BOUNDED:
+                    for i in cutlass.range_constexpr(C):
+                        x = a_exp * (sG[i, d].to(cutlass.Float32) + bias)
+                        acts[i] = lower_bound * cute.arch.rcp_approx(
                             1.0 + cute.math.exp(-x, fastmath=True))
-                    elif gate_mode == GATE_UNBOUNDED:
-                        x = gv + bias
-                        sp = x
-                        if x < 20.0:
-                            sp = cute.math.log1p(cute.math.exp(x))
-                        a = -a_exp * sp
+                elif gate_mode == GATE_UNBOUNDED:
+                    for i in cutlass.range_constexpr(C):
+                        x = sG[i, d].to(cutlass.Float32) + bias
+                        # softplus without a branch: max(x, 0) + log1p(e^-|x|)
+                        sp = cute.arch.fmax(x, 0.0) + cute.math.log1p(
+                            cute.math.exp(-cute.arch.fmax(x, -x)))
+                        acts[i] = -a_exp * sp
+                else:
+                    for i in cutlass.range_constexpr(C):
+                        acts[i] = sG[i, d].to(cutlass.Float32)
+                for i in cutlass.range_constexpr(C):
                     if i < length:
-                        G = G + a
+                        G = G + acts[i]
                     fG[i, d] = G
                     if cutlass.const_expr(i == C // 2 - 1):
                         ref = G
@@ -296,43 +302,15 @@ class KdaPrepSm90(TileCopy):
 
             # ---- phase A: token-indexed outputs and phase B's operands -----------------------
             factored = unsafe[0] == 0
+            outs_a = (sKdl, mQg, mKg, mKd)
             for d in cutlass.range(tidx, K, NT):
-                Gl = fG[C - 1, d]
-                ref = fG[C // 2 - 1, d]
-                for i in cutlass.range_constexpr(C):
-                    Gi = fG[i, d]
-                    eg = cute.math.exp(Gi, fastmath=True)
-                    qn = sQ[i, d].to(cutlass.Float32) * norm[i]
-                    kn = sK[i, d].to(cutlass.Float32) * norm[C + i]
-                    qe = qn * eg
-                    ke = kn * eg
-                    if factored:
-                        er = cute.math.exp(Gi - ref, fastmath=True)
-                        fA[i, d] = qn * er
-                        fB[i, d] = kn * er
-                        fG[i, d] = kn * cute.math.exp(ref - Gi, fastmath=True)
-                    else:
-                        fA[i, d] = qn
-                        fB[i, d] = kn
-                    # rows past the length: zeros (a whole chunk's rows are stored)
-                    kd = cutlass.Float32(0.0)
-                    qs = cutlass.Float32(0.0)
-                    if i < length:
-                        kd = kn * cute.math.exp(Gl - Gi, fastmath=True)
-                        qs = scale * qe
-                    else:
-                        ke = cutlass.Float32(0.0)
-                    if cutlass.const_expr(self.split):
-                        # in place of the q, k, g tiles: only this thread reads column d
-                        sQ[i, d] = qs.to(self.io_dtype)
-                        sK[i, d] = ke.to(self.io_dtype)
-                        kh = kd.to(self.io_dtype)
-                        sG[i, d] = kh
-                        sKdl[i, d] = (kd - kh.to(cutlass.Float32)).to(self.io_dtype)
-                    else:
-                        mQg[row0 + i, h, d] = qs
-                        mKg[row0 + i, h, d] = ke
-                        mKd[row0 + i, h, d] = kd
+                # one branch for the chunk, not one per row, so the rows' work overlaps
+                if factored:
+                    self._output_rows(True, d, sQ, sK, sG, fA, fB, fG, norm, outs_a, row0, h,
+                                      scale, length)
+                else:
+                    self._output_rows(False, d, sQ, sK, sG, fA, fB, fG, norm, outs_a, row0, h,
+                                      scale, length)
             if cutlass.const_expr(self.split):
                 cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.sync_threads()
@@ -412,6 +390,48 @@ class KdaPrepSm90(TileCopy):
                     cute.arch.cp_async_bulk_commit_group()
                     # smem must outlive the stores' reads of it
                     cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    @cute.jit
+    def _output_rows(self, factored: cutlass.Constexpr, d, sQ, sK, sG, fA, fB, fG, norm, outs_a,
+                     row0, h, scale, length):
+        """Column d of every row: qg = scale qn e^G, kg = kn e^G, kd = kn e^(Gl - G) (zeros past
+        the length: a whole chunk's rows are stored) and phase B's operands (factored:
+        (qn e^(G - r), kn e^(G - r), kn e^(r - G)); otherwise (qn, kn, G))."""
+        C = self.C
+        sKdl, mQg, mKg, mKd = outs_a
+        Gl = fG[C - 1, d]
+        ref = fG[C // 2 - 1, d]
+        for i in cutlass.range_constexpr(C):
+            Gi = fG[i, d]
+            eg = cute.math.exp(Gi, fastmath=True)
+            qn = sQ[i, d].to(cutlass.Float32) * norm[i]
+            kn = sK[i, d].to(cutlass.Float32) * norm[C + i]
+            if cutlass.const_expr(factored):
+                er = cute.math.exp(Gi - ref, fastmath=True)
+                fA[i, d] = qn * er
+                fB[i, d] = kn * er
+                fG[i, d] = kn * cute.math.exp(ref - Gi, fastmath=True)
+            else:
+                fA[i, d] = qn
+                fB[i, d] = kn
+            ke = kn * eg
+            qs = scale * (qn * eg)
+            kd = kn * cute.math.exp(Gl - Gi, fastmath=True)
+            if i >= length:
+                ke = cutlass.Float32(0.0)
+                qs = cutlass.Float32(0.0)
+                kd = cutlass.Float32(0.0)
+            if cutlass.const_expr(self.split):
+                # in place of the q, k, g tiles: only this thread reads column d
+                sQ[i, d] = qs.to(self.io_dtype)
+                sK[i, d] = ke.to(self.io_dtype)
+                kh = kd.to(self.io_dtype)
+                sG[i, d] = kh
+                sKdl[i, d] = (kd - kh.to(cutlass.Float32)).to(self.io_dtype)
+            else:
+                mQg[row0 + i, h, d] = qs
+                mKg[row0 + i, h, d] = ke
+                mKd[row0 + i, h, d] = kd
 
     @cute.jit
     def _phase_b_mma(self, fA, fB, fG, sL, sBeta, mMq, sMq, row0, h, lane, scale, length,
