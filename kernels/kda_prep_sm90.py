@@ -113,8 +113,8 @@ class KdaPrepSm90(TileCopy):
         @cute.struct
         class SharedStorage:
             mbar: cute.struct.MemRange[cutlass.Int64, 1]
-            sQ: cute.struct.Align[cute.struct.MemRange[self.io_dtype, C * K], 128]
-            sK: cute.struct.Align[cute.struct.MemRange[self.io_dtype, C * K], 128]
+            # q's tile, then k's: one (2C, K) array for the row norms
+            sQK: cute.struct.Align[cute.struct.MemRange[self.io_dtype, 2 * C * K], 128]
             sG: cute.struct.Align[cute.struct.MemRange[self.io_dtype, C * K], 128]
             sKdl: cute.struct.Align[cute.struct.MemRange[self.io_dtype, nkdl], 128]
             sAw: cute.struct.Align[cute.struct.MemRange[self.io_dtype, ncc], 128]
@@ -190,8 +190,9 @@ class KdaPrepSm90(TileCopy):
             smem = utils.SmemAllocator()
             st = smem.allocate(self.shared_storage)
             mbar = st.mbar.data_ptr()
-            sQ = st.sQ.get_tensor(s_tile)
-            sK = st.sK.get_tensor(s_tile)
+            sQK = st.sQK.get_tensor(cute.make_layout((2 * C, K), stride=(K, 1)))
+            sQ = cute.make_tensor(sQK.iterator, s_tile)
+            sK = cute.make_tensor(sQK.iterator + C * K, s_tile)
             sG = st.sG.get_tensor(s_tile)
             f_layout = cute.make_layout((C, K), stride=(K + 1, 1))
             fA = st.fA.get_tensor(f_layout)
@@ -231,20 +232,18 @@ class KdaPrepSm90(TileCopy):
             cute.arch.mbarrier_wait(mbar, 0)
 
             # ---- phase A: norms, TPR threads per row of q (rows 0..C-1) and k (C..2C-1) ---
+            # 8-element (16-byte) vectors: thread `sub_` of a row takes vectors sub_ + TPR m,
+            # rotated by the row against bank conflicts between the rows of one access phase
             TPR = NT // (2 * C)
-            per = K // TPR
+            nvec = K // 8 // TPR
             row = tidx // TPR
             sub_ = tidx - row * TPR
+            vecs = cute.logical_divide(sQK, (None, 8))  # (2C, (8, K/8))
             acc2 = cutlass.Float32(0.0)
-            for m in cutlass.range_constexpr(per):
-                # rotate the column order by row, against bank conflicts between rows
-                d = sub_ + TPR * ((m + row) % per)
-                x = cutlass.Float32(0.0)
-                if row < C:
-                    x = sQ[row, d].to(cutlass.Float32)
-                else:
-                    x = sK[row - C, d].to(cutlass.Float32)
-                acc2 = acc2 + x * x
+            for m in cutlass.range_constexpr(nvec):
+                xv = vecs[row, (None, sub_ + TPR * ((m + row) % nvec))].load().to(
+                    cutlass.Float32)
+                acc2 = acc2 + (xv * xv).reduce(cute.ReductionOp.ADD, 0.0, 0)
             for off in cutlass.range_constexpr(TPR.bit_length() - 1):
                 acc2 = acc2 + cute.arch.shuffle_sync_bfly(acc2, offset=1 << off)
             if sub_ == 0:
