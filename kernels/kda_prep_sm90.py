@@ -323,13 +323,17 @@ class KdaPrepSm90(TileCopy):
 
             # ---- phase B: L and Mqk ------------------------------------------------------
             if factored:
-                # on warp MMA: 16 x 8 tiles of L and Mqk, dealt round-robin to the warps
-                MT, NTL = C // 16, C // 8
-                for tile in cutlass.range_constexpr(2 * MT * NTL):
-                    if tile % (NT // 32) == warp:
-                        self._phase_b_mma(fA, fB, fG, sL, sBeta, mMq, sMq, row0, h, lane,
-                                          scale, length, tile // (MT * NTL),
-                                          (tile % (MT * NTL)) // NTL, tile % NTL)
+                if cutlass.const_expr(C == 16):
+                    self._phase_b_ksplit(fA, fB, fG, sL, sBeta, mMq, sMq, row0, h, tidx, warp,
+                                         lane, scale, length)
+                else:
+                    # on warp MMA: 16 x 8 tiles of L and Mqk, dealt round-robin to the warps
+                    MT, NTL = C // 16, C // 8
+                    for tile in cutlass.range_constexpr(2 * MT * NTL):
+                        if tile % (NT // 32) == warp:
+                            self._phase_b_mma(fA, fB, fG, sL, sBeta, mMq, sMq, row0, h, lane,
+                                              scale, length, tile // (MT * NTL),
+                                              (tile % (MT * NTL)) // NTL, tile % NTL)
             else:
                 # strong decays: each term takes e^(G_i - G_j), two columns j per thread
                 HC = C // 2
@@ -431,6 +435,91 @@ class KdaPrepSm90(TileCopy):
                 mQg[row0 + i, h, d] = qs
                 mKg[row0 + i, h, d] = ke
                 mKd[row0 + i, h, d] = kd
+
+    @cute.jit
+    def _phase_b_ksplit(self, fA, fB, fG, sL, sBeta, mMq, sMq, row0, h, tidx, warp, lane, scale,
+                        length):
+        """Chunk 16, factored: K split over the warps. Each converts its 32-column slabs of the
+        three operands once and accumulates all four 16 x 8 tiles of L and Mqk; the partial
+        tiles meet in smem (over fA, read by then) and one pass sums and stores them."""
+        C, K, NT = self.C, self.K, self.threads
+        bf16, f32 = cutlass.BFloat16, cutlass.Float32
+        nred = min(self.num_warps, K // 32)
+        mma = cute.make_tiled_mma(warp_mma.MmaF16BF16Op(bf16, f32, (16, 8, 16)))
+        c_shape = mma.get_slice(lane).partition_shape_C((16, 8))
+        accs = [cute.make_rmem_tensor(c_shape, f32) for _ in range(4)]
+        self._phase_b_partials(fA, fB, fG, warp, lane, accs)
+        cute.arch.sync_threads()
+        sRed = cute.make_tensor(fA.iterator, cute.make_layout(
+            (nred, 2, C, C), stride=(2 * C * C, C * C, C, 1)))
+        if warp < nred:
+            self._phase_b_spill(sRed, warp, lane, accs)
+        cute.arch.sync_threads()
+        for p in cutlass.range_constexpr(2 * C * C // NT):
+            idx = tidx + p * NT
+            prod = idx // (C * C)
+            i = (idx - prod * C * C) // C
+            j = idx - prod * C * C - i * C
+            acc = cutlass.Float32(0.0)
+            for w in cutlass.range_constexpr(nred):
+                acc = acc + sRed[w, prod, i, j]
+            if prod == 0:
+                self._store_l(sL, sBeta, i, j, acc, length)
+            else:
+                self._store_m(mMq, sMq, row0, h, i, j, acc, scale, length)
+
+    @cute.jit
+    def _phase_b_partials(self, fA, fB, fG, warp, lane, accs):
+        """Chunk 16: this warp's share of L' = (kn e^(G-r))(kn e^(r-G))^T and Mqk' = (qn e^(G-r))
+        (kn e^(r-G))^T over the 32-column slabs ks with ks % warps == warp, all four 16 x 8
+        tiles ((L', Mqk') x (columns 0-7, 8-15)) into accs[2 * product + nt], by m16n8k16 bf16
+        MMAs on hi/lo splits (hi*hi + hi*lo + lo*hi), each operand converted once."""
+        K = self.K
+        bf16, f32 = cutlass.BFloat16, cutlass.Float32
+        KS = 32
+        mma = cute.make_tiled_mma(warp_mma.MmaF16BF16Op(bf16, f32, (16, 8, 16)))
+        thr = mma.get_slice(lane)
+        cA = thr.partition_A(cute.make_identity_tensor((16, KS)))  # (i, d - slab)
+        cB = thr.partition_B(cute.make_identity_tensor((8, KS)))  # (j - 8 nt, d - slab)
+        a = [(cute.make_rmem_tensor(cA.shape, bf16), cute.make_rmem_tensor(cA.shape, bf16))
+             for _ in range(2)]
+        b = [(cute.make_rmem_tensor(cB.shape, bf16), cute.make_rmem_tensor(cB.shape, bf16))
+             for _ in range(2)]
+        for acc in accs:
+            acc.fill(0.0)
+        for ks in cutlass.range_constexpr(K // KS):
+            if ks % self.num_warps == warp:
+                for prod, src in ((0, fB), (1, fA)):
+                    for e in cutlass.range_constexpr(cute.size(cA)):
+                        i, d = cA[e]
+                        x = src[i, ks * KS + d]
+                        hi = x.to(bf16)
+                        a[prod][0][e] = hi
+                        a[prod][1][e] = (x - hi.to(f32)).to(bf16)
+                for nt in cutlass.range_constexpr(2):
+                    for e in cutlass.range_constexpr(cute.size(cB)):
+                        jj, d = cB[e]
+                        x = fG[nt * 8 + jj, ks * KS + d]
+                        hi = x.to(bf16)
+                        b[nt][0][e] = hi
+                        b[nt][1][e] = (x - hi.to(f32)).to(bf16)
+                for prod in cutlass.range_constexpr(2):
+                    for nt in cutlass.range_constexpr(2):
+                        acc = accs[2 * prod + nt]
+                        for ah, bh in ((0, 0), (0, 1), (1, 0)):
+                            cute.gemm(mma, acc, a[prod][ah], b[nt][bh], acc)
+
+    @cute.jit
+    def _phase_b_spill(self, sRed, warp, lane, accs):
+        """This warp's partial tiles into sRed[warp, product, i, j]."""
+        bf16, f32 = cutlass.BFloat16, cutlass.Float32
+        mma = cute.make_tiled_mma(warp_mma.MmaF16BF16Op(bf16, f32, (16, 8, 16)))
+        cC = mma.get_slice(lane).partition_C(cute.make_identity_tensor((16, 8)))
+        for prod in cutlass.range_constexpr(2):
+            for nt in cutlass.range_constexpr(2):
+                for e in cutlass.range_constexpr(cute.size(cC)):
+                    i, jj = cC[e]
+                    sRed[warp, prod, i, nt * 8 + jj] = accs[2 * prod + nt][e]
 
     @cute.jit
     def _phase_b_mma(self, fA, fB, fG, sL, sBeta, mMq, sMq, row0, h, lane, scale, length,
