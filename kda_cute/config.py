@@ -87,9 +87,10 @@ def supports_prep(cfg: PrepConfig) -> tuple[bool, str]:
         return False, f"head_dim_k must be a multiple of 32, got {cfg.head_dim_k}"
     tpr = cfg.threads // (2 * cfg.chunk)
     if (cfg.threads < 128 or cfg.threads % (2 * cfg.chunk) or tpr & (tpr - 1) or tpr > 32
-            or cfg.head_dim_k % tpr):
+            or (cfg.head_dim_k // 8) % tpr):
         return False, (f"threads must be >= 128 and 2*chunk times a power of two dividing "
-                       f"head_dim_k, got {cfg.threads}")
+                       f"head_dim_k / 8 (the row norms read 8-element vectors), "
+                       f"got {cfg.threads}")
     if cfg.operands not in ("f32", "bf16"):
         return False, f"operands must be 'f32' or 'bf16', got {cfg.operands!r}"
     return True, ""

@@ -113,8 +113,8 @@ class KdaPrepSm90(TileCopy):
         @cute.struct
         class SharedStorage:
             mbar: cute.struct.MemRange[cutlass.Int64, 1]
-            sQ: cute.struct.Align[cute.struct.MemRange[self.io_dtype, C * K], 128]
-            sK: cute.struct.Align[cute.struct.MemRange[self.io_dtype, C * K], 128]
+            # q's tile, then k's: one (2C, K) array for the row norms
+            sQK: cute.struct.Align[cute.struct.MemRange[self.io_dtype, 2 * C * K], 128]
             sG: cute.struct.Align[cute.struct.MemRange[self.io_dtype, C * K], 128]
             sKdl: cute.struct.Align[cute.struct.MemRange[self.io_dtype, nkdl], 128]
             sAw: cute.struct.Align[cute.struct.MemRange[self.io_dtype, ncc], 128]
@@ -190,8 +190,9 @@ class KdaPrepSm90(TileCopy):
             smem = utils.SmemAllocator()
             st = smem.allocate(self.shared_storage)
             mbar = st.mbar.data_ptr()
-            sQ = st.sQ.get_tensor(s_tile)
-            sK = st.sK.get_tensor(s_tile)
+            sQK = st.sQK.get_tensor(cute.make_layout((2 * C, K), stride=(K, 1)))
+            sQ = cute.make_tensor(sQK.iterator, s_tile)
+            sK = cute.make_tensor(sQK.iterator + C * K, s_tile)
             sG = st.sG.get_tensor(s_tile)
             f_layout = cute.make_layout((C, K), stride=(K + 1, 1))
             fA = st.fA.get_tensor(f_layout)
@@ -231,20 +232,18 @@ class KdaPrepSm90(TileCopy):
             cute.arch.mbarrier_wait(mbar, 0)
 
             # ---- phase A: norms, TPR threads per row of q (rows 0..C-1) and k (C..2C-1) ---
+            # 8-element (16-byte) vectors: thread `sub_` of a row takes vectors sub_ + TPR m,
+            # rotated by the row against bank conflicts between the rows of one access phase
             TPR = NT // (2 * C)
-            per = K // TPR
+            nvec = K // 8 // TPR
             row = tidx // TPR
             sub_ = tidx - row * TPR
+            vecs = cute.logical_divide(sQK, (None, 8))  # (2C, (8, K/8))
             acc2 = cutlass.Float32(0.0)
-            for m in cutlass.range_constexpr(per):
-                # rotate the column order by row, against bank conflicts between rows
-                d = sub_ + TPR * ((m + row) % per)
-                x = cutlass.Float32(0.0)
-                if row < C:
-                    x = sQ[row, d].to(cutlass.Float32)
-                else:
-                    x = sK[row - C, d].to(cutlass.Float32)
-                acc2 = acc2 + x * x
+            for m in cutlass.range_constexpr(nvec):
+                xv = vecs[row, (None, sub_ + TPR * ((m + row) % nvec))].load().to(
+                    cutlass.Float32)
+                acc2 = acc2 + (xv * xv).reduce(cute.ReductionOp.ADD, 0.0, 0)
             for off in cutlass.range_constexpr(TPR.bit_length() - 1):
                 acc2 = acc2 + cute.arch.shuffle_sync_bfly(acc2, offset=1 << off)
             if sub_ == 0:
@@ -257,25 +256,31 @@ class KdaPrepSm90(TileCopy):
             # ---- phase A: gates and cumulative decay G (chunk-local) ---------------------
             a_log = mALog[h]
             a_exp = cute.math.exp(a_log)
+            acts = cute.make_rmem_tensor((C,), cutlass.Float32)
             for d in cutlass.range(tidx, K, NT):
                 bias = mDtBias[h * K + d]
                 G = cutlass.Float32(0.0)
                 big = cutlass.Int32(0)
-                for i in cutlass.range_constexpr(C):
-                    gv = sG[i, d].to(cutlass.Float32)
-                    a = gv
-                    if gate_mode == GATE_BOUNDED:
-                        x = a_exp * (gv + bias)
-                        a = lower_bound * cute.arch.rcp_approx(
+                # the gate of every row first, one branch per mode (not per row), so the rows'
+                # exponentials overlap; then the running sum
+                if gate_mode == GATE_BOUNDED:
+                    for i in cutlass.range_constexpr(C):
+                        x = a_exp * (sG[i, d].to(cutlass.Float32) + bias)
+                        acts[i] = lower_bound * cute.arch.rcp_approx(
                             1.0 + cute.math.exp(-x, fastmath=True))
-                    elif gate_mode == GATE_UNBOUNDED:
-                        x = gv + bias
-                        sp = x
-                        if x < 20.0:
-                            sp = cute.math.log1p(cute.math.exp(x))
-                        a = -a_exp * sp
+                elif gate_mode == GATE_UNBOUNDED:
+                    for i in cutlass.range_constexpr(C):
+                        x = sG[i, d].to(cutlass.Float32) + bias
+                        # softplus without a branch: max(x, 0) + log1p(e^-|x|)
+                        sp = cute.arch.fmax(x, 0.0) + cute.math.log1p(
+                            cute.math.exp(-cute.arch.fmax(x, -x)))
+                        acts[i] = -a_exp * sp
+                else:
+                    for i in cutlass.range_constexpr(C):
+                        acts[i] = sG[i, d].to(cutlass.Float32)
+                for i in cutlass.range_constexpr(C):
                     if i < length:
-                        G = G + a
+                        G = G + acts[i]
                     fG[i, d] = G
                     if cutlass.const_expr(i == C // 2 - 1):
                         ref = G
@@ -296,43 +301,15 @@ class KdaPrepSm90(TileCopy):
 
             # ---- phase A: token-indexed outputs and phase B's operands -----------------------
             factored = unsafe[0] == 0
+            outs_a = (sKdl, mQg, mKg, mKd)
             for d in cutlass.range(tidx, K, NT):
-                Gl = fG[C - 1, d]
-                ref = fG[C // 2 - 1, d]
-                for i in cutlass.range_constexpr(C):
-                    Gi = fG[i, d]
-                    eg = cute.math.exp(Gi, fastmath=True)
-                    qn = sQ[i, d].to(cutlass.Float32) * norm[i]
-                    kn = sK[i, d].to(cutlass.Float32) * norm[C + i]
-                    qe = qn * eg
-                    ke = kn * eg
-                    if factored:
-                        er = cute.math.exp(Gi - ref, fastmath=True)
-                        fA[i, d] = qn * er
-                        fB[i, d] = kn * er
-                        fG[i, d] = kn * cute.math.exp(ref - Gi, fastmath=True)
-                    else:
-                        fA[i, d] = qn
-                        fB[i, d] = kn
-                    # rows past the length: zeros (a whole chunk's rows are stored)
-                    kd = cutlass.Float32(0.0)
-                    qs = cutlass.Float32(0.0)
-                    if i < length:
-                        kd = kn * cute.math.exp(Gl - Gi, fastmath=True)
-                        qs = scale * qe
-                    else:
-                        ke = cutlass.Float32(0.0)
-                    if cutlass.const_expr(self.split):
-                        # in place of the q, k, g tiles: only this thread reads column d
-                        sQ[i, d] = qs.to(self.io_dtype)
-                        sK[i, d] = ke.to(self.io_dtype)
-                        kh = kd.to(self.io_dtype)
-                        sG[i, d] = kh
-                        sKdl[i, d] = (kd - kh.to(cutlass.Float32)).to(self.io_dtype)
-                    else:
-                        mQg[row0 + i, h, d] = qs
-                        mKg[row0 + i, h, d] = ke
-                        mKd[row0 + i, h, d] = kd
+                # one branch for the chunk, not one per row, so the rows' work overlaps
+                if factored:
+                    self._output_rows(True, d, sQ, sK, sG, fA, fB, fG, norm, outs_a, row0, h,
+                                      scale, length)
+                else:
+                    self._output_rows(False, d, sQ, sK, sG, fA, fB, fG, norm, outs_a, row0, h,
+                                      scale, length)
             if cutlass.const_expr(self.split):
                 cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.sync_threads()
@@ -346,13 +323,17 @@ class KdaPrepSm90(TileCopy):
 
             # ---- phase B: L and Mqk ------------------------------------------------------
             if factored:
-                # on warp MMA: 16 x 8 tiles of L and Mqk, dealt round-robin to the warps
-                MT, NTL = C // 16, C // 8
-                for tile in cutlass.range_constexpr(2 * MT * NTL):
-                    if tile % (NT // 32) == warp:
-                        self._phase_b_mma(fA, fB, fG, sL, sBeta, mMq, sMq, row0, h, lane,
-                                          scale, length, tile // (MT * NTL),
-                                          (tile % (MT * NTL)) // NTL, tile % NTL)
+                if cutlass.const_expr(C == 16):
+                    self._phase_b_ksplit(fA, fB, fG, sL, sBeta, mMq, sMq, row0, h, tidx, warp,
+                                         lane, scale, length)
+                else:
+                    # on warp MMA: 16 x 8 tiles of L and Mqk, dealt round-robin to the warps
+                    MT, NTL = C // 16, C // 8
+                    for tile in cutlass.range_constexpr(2 * MT * NTL):
+                        if tile % (NT // 32) == warp:
+                            self._phase_b_mma(fA, fB, fG, sL, sBeta, mMq, sMq, row0, h, lane,
+                                              scale, length, tile // (MT * NTL),
+                                              (tile % (MT * NTL)) // NTL, tile % NTL)
             else:
                 # strong decays: each term takes e^(G_i - G_j), two columns j per thread
                 HC = C // 2
@@ -412,6 +393,133 @@ class KdaPrepSm90(TileCopy):
                     cute.arch.cp_async_bulk_commit_group()
                     # smem must outlive the stores' reads of it
                     cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    @cute.jit
+    def _output_rows(self, factored: cutlass.Constexpr, d, sQ, sK, sG, fA, fB, fG, norm, outs_a,
+                     row0, h, scale, length):
+        """Column d of every row: qg = scale qn e^G, kg = kn e^G, kd = kn e^(Gl - G) (zeros past
+        the length: a whole chunk's rows are stored) and phase B's operands (factored:
+        (qn e^(G - r), kn e^(G - r), kn e^(r - G)); otherwise (qn, kn, G))."""
+        C = self.C
+        sKdl, mQg, mKg, mKd = outs_a
+        Gl = fG[C - 1, d]
+        ref = fG[C // 2 - 1, d]
+        for i in cutlass.range_constexpr(C):
+            Gi = fG[i, d]
+            eg = cute.math.exp(Gi, fastmath=True)
+            qn = sQ[i, d].to(cutlass.Float32) * norm[i]
+            kn = sK[i, d].to(cutlass.Float32) * norm[C + i]
+            if cutlass.const_expr(factored):
+                er = cute.math.exp(Gi - ref, fastmath=True)
+                fA[i, d] = qn * er
+                fB[i, d] = kn * er
+                fG[i, d] = kn * cute.math.exp(ref - Gi, fastmath=True)
+            else:
+                fA[i, d] = qn
+                fB[i, d] = kn
+            ke = kn * eg
+            qs = scale * (qn * eg)
+            kd = kn * cute.math.exp(Gl - Gi, fastmath=True)
+            if i >= length:
+                ke = cutlass.Float32(0.0)
+                qs = cutlass.Float32(0.0)
+                kd = cutlass.Float32(0.0)
+            if cutlass.const_expr(self.split):
+                # in place of the q, k, g tiles: only this thread reads column d
+                sQ[i, d] = qs.to(self.io_dtype)
+                sK[i, d] = ke.to(self.io_dtype)
+                kh = kd.to(self.io_dtype)
+                sG[i, d] = kh
+                sKdl[i, d] = (kd - kh.to(cutlass.Float32)).to(self.io_dtype)
+            else:
+                mQg[row0 + i, h, d] = qs
+                mKg[row0 + i, h, d] = ke
+                mKd[row0 + i, h, d] = kd
+
+    @cute.jit
+    def _phase_b_ksplit(self, fA, fB, fG, sL, sBeta, mMq, sMq, row0, h, tidx, warp, lane, scale,
+                        length):
+        """Chunk 16, factored: K split over the warps. Each converts its 32-column slabs of the
+        three operands once and accumulates all four 16 x 8 tiles of L and Mqk; the partial
+        tiles meet in smem (over fA, read by then) and one pass sums and stores them."""
+        C, K, NT = self.C, self.K, self.threads
+        bf16, f32 = cutlass.BFloat16, cutlass.Float32
+        nred = min(self.num_warps, K // 32)
+        mma = cute.make_tiled_mma(warp_mma.MmaF16BF16Op(bf16, f32, (16, 8, 16)))
+        c_shape = mma.get_slice(lane).partition_shape_C((16, 8))
+        accs = [cute.make_rmem_tensor(c_shape, f32) for _ in range(4)]
+        self._phase_b_partials(fA, fB, fG, warp, lane, accs)
+        cute.arch.sync_threads()
+        sRed = cute.make_tensor(fA.iterator, cute.make_layout(
+            (nred, 2, C, C), stride=(2 * C * C, C * C, C, 1)))
+        if warp < nred:
+            self._phase_b_spill(sRed, warp, lane, accs)
+        cute.arch.sync_threads()
+        for p in cutlass.range_constexpr(2 * C * C // NT):
+            idx = tidx + p * NT
+            prod = idx // (C * C)
+            i = (idx - prod * C * C) // C
+            j = idx - prod * C * C - i * C
+            acc = cutlass.Float32(0.0)
+            for w in cutlass.range_constexpr(nred):
+                acc = acc + sRed[w, prod, i, j]
+            if prod == 0:
+                self._store_l(sL, sBeta, i, j, acc, length)
+            else:
+                self._store_m(mMq, sMq, row0, h, i, j, acc, scale, length)
+
+    @cute.jit
+    def _phase_b_partials(self, fA, fB, fG, warp, lane, accs):
+        """Chunk 16: this warp's share of L' = (kn e^(G-r))(kn e^(r-G))^T and Mqk' = (qn e^(G-r))
+        (kn e^(r-G))^T over the 32-column slabs ks with ks % warps == warp, all four 16 x 8
+        tiles ((L', Mqk') x (columns 0-7, 8-15)) into accs[2 * product + nt], by m16n8k16 bf16
+        MMAs on hi/lo splits (hi*hi + hi*lo + lo*hi), each operand converted once."""
+        K = self.K
+        bf16, f32 = cutlass.BFloat16, cutlass.Float32
+        KS = 32
+        mma = cute.make_tiled_mma(warp_mma.MmaF16BF16Op(bf16, f32, (16, 8, 16)))
+        thr = mma.get_slice(lane)
+        cA = thr.partition_A(cute.make_identity_tensor((16, KS)))  # (i, d - slab)
+        cB = thr.partition_B(cute.make_identity_tensor((8, KS)))  # (j - 8 nt, d - slab)
+        a = [(cute.make_rmem_tensor(cA.shape, bf16), cute.make_rmem_tensor(cA.shape, bf16))
+             for _ in range(2)]
+        b = [(cute.make_rmem_tensor(cB.shape, bf16), cute.make_rmem_tensor(cB.shape, bf16))
+             for _ in range(2)]
+        for acc in accs:
+            acc.fill(0.0)
+        for ks in cutlass.range_constexpr(K // KS):
+            if ks % self.num_warps == warp:
+                for prod, src in ((0, fB), (1, fA)):
+                    for e in cutlass.range_constexpr(cute.size(cA)):
+                        i, d = cA[e]
+                        x = src[i, ks * KS + d]
+                        hi = x.to(bf16)
+                        a[prod][0][e] = hi
+                        a[prod][1][e] = (x - hi.to(f32)).to(bf16)
+                for nt in cutlass.range_constexpr(2):
+                    for e in cutlass.range_constexpr(cute.size(cB)):
+                        jj, d = cB[e]
+                        x = fG[nt * 8 + jj, ks * KS + d]
+                        hi = x.to(bf16)
+                        b[nt][0][e] = hi
+                        b[nt][1][e] = (x - hi.to(f32)).to(bf16)
+                for prod in cutlass.range_constexpr(2):
+                    for nt in cutlass.range_constexpr(2):
+                        acc = accs[2 * prod + nt]
+                        for ah, bh in ((0, 0), (0, 1), (1, 0)):
+                            cute.gemm(mma, acc, a[prod][ah], b[nt][bh], acc)
+
+    @cute.jit
+    def _phase_b_spill(self, sRed, warp, lane, accs):
+        """This warp's partial tiles into sRed[warp, product, i, j]."""
+        bf16, f32 = cutlass.BFloat16, cutlass.Float32
+        mma = cute.make_tiled_mma(warp_mma.MmaF16BF16Op(bf16, f32, (16, 8, 16)))
+        cC = mma.get_slice(lane).partition_C(cute.make_identity_tensor((16, 8)))
+        for prod in cutlass.range_constexpr(2):
+            for nt in cutlass.range_constexpr(2):
+                for e in cutlass.range_constexpr(cute.size(cC)):
+                    i, jj = cC[e]
+                    sRed[warp, prod, i, nt * 8 + jj] = accs[2 * prod + nt][e]
 
     @cute.jit
     def _phase_b_mma(self, fA, fB, fG, sL, sBeta, mMq, sMq, row0, h, lane, scale, length,

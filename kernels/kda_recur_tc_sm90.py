@@ -324,9 +324,8 @@ class KdaRecurTcSm90(TileCopy):
             self._split(vW, aWh, aWl)
 
             # ---- U^T = W^T Aw^T ------------------------------------------------------------
-            self._gemm(mma_p, acc_u, aWh, bAwh[None, None, None, s], True)
-            self._gemm(mma_p, acc_u, aWh, bAwl[None, None, None, s], False)
-            self._gemm(mma_p, acc_u, aWl, bAwh[None, None, None, s], False)
+            self._gemm_split(mma_p, acc_u, aWh, aWl, bAwh[None, None, None, s],
+                             bAwl[None, None, None, s], True)
             warpgroup.commit_group()
             for e in cutlass.range_constexpr(cute.size(acc_s)):  # S diag(gl) meanwhile
                 _, d = cS[e]
@@ -338,15 +337,13 @@ class KdaRecurTcSm90(TileCopy):
             self._split(vU, aUh, aUl)  # rows past the length: zero (Aw's are, W's are)
 
             # ---- O^T = Pq + U^T Mq^T ---------------------------------------------------------
-            self._gemm(mma_p, acc_o, aUh, bMqh[None, None, None, s], False)
-            self._gemm(mma_p, acc_o, aUh, bMql[None, None, None, s], False)
-            self._gemm(mma_p, acc_o, aUl, bMqh[None, None, None, s], False)
+            self._gemm_split(mma_p, acc_o, aUh, aUl, bMqh[None, None, None, s],
+                             bMql[None, None, None, s], False)
             warpgroup.commit_group()
 
             # ---- S = S diag(gl) + U^T kd -----------------------------------------------------
-            self._gemm(mma_s, acc_s, aUh, bKdh[None, None, None, s], False)
-            self._gemm(mma_s, acc_s, aUh, bKdl[None, None, None, s], False)
-            self._gemm(mma_s, acc_s, aUl, bKdh[None, None, None, s], False)
+            self._gemm_split(mma_s, acc_s, aUh, aUl, bKdh[None, None, None, s],
+                             bKdl[None, None, None, s], False)
             warpgroup.commit_group()
 
             warpgroup.wait_group(1)  # O done; the update runs on while the output is stored
@@ -393,6 +390,18 @@ class KdaRecurTcSm90(TileCopy):
         h = x.to(cutlass.BFloat16)
         hi.store(h)
         lo.store((x - h.to(cutlass.Float32)).to(cutlass.BFloat16))
+
+    @cute.jit
+    def _gemm_split(self, mma: cute.TiledMma, acc, rAh, rAl, rBh, rBl,
+                    zero_init: cutlass.Constexpr):
+        """acc (+)= Ah Bh^T + Ah Bl^T + Al Bh^T (the hi/lo product), behind one register fence:
+        the three accumulate into one accumulator, so they issue back to back."""
+        mma.set(warpgroup.Field.ACCUMULATE, not zero_init)
+        warpgroup.fence()
+        for rA, rB in ((rAh, rBh), (rAh, rBl), (rAl, rBh)):
+            for kb in cutlass.range_constexpr(cute.size(rA, mode=[2])):
+                cute.gemm(mma, acc, rA[None, None, kb], rB[None, None, kb], acc)
+                mma.set(warpgroup.Field.ACCUMULATE, True)
 
     @cute.jit
     def _gemm(self, mma: cute.TiledMma, acc, rA, rB, zero_init: cutlass.Constexpr,

@@ -38,7 +38,7 @@ def test_shipped_configs_supported(fwd_cfg):
 ACCEPTED = {
     "prep-k32": (supports_prep, PrepConfig(32)),
     "prep-k256-t256": (supports_prep, PrepConfig(256, threads=256)),
-    "prep-k96-t512": (supports_prep, PrepConfig(96, threads=512)),
+    "prep-k96-t128": (supports_prep, PrepConfig(96, threads=128)),
     "prep-bf16": (supports_prep, PrepConfig(64, operands="bf16")),
     "recur-bv32": (supports_recur, RecurConfig(64, 64, block_v=32)),
     "recur-s1": (supports_recur, RecurConfig(128, 128, stages=1)),
@@ -63,6 +63,9 @@ REJECTED = {
     "prep-chunk64": (supports_prep, PrepConfig(64, chunk=64), "chunk", "64"),
     "prep-threads-not-warps": (supports_prep, PrepConfig(64, threads=100), "threads", "100"),
     "prep-threads-below-128": (supports_prep, PrepConfig(64, threads=64), "threads", "64"),
+    # 16 threads per row norm, but a K = 96 row has 12 eight-element vectors
+    "prep-threads-per-row-over-vectors": (supports_prep, PrepConfig(96, threads=512), "threads",
+                                          "512"),
     "prep-threads-not-pow2-rows": (supports_prep, PrepConfig(64, threads=96 * 2),
                                    "threads", "192"),
     "prep-operands": (supports_prep, PrepConfig(64, operands="fp8"), "operands", "fp8"),
