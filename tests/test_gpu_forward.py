@@ -126,10 +126,12 @@ def test_segmented_recurrence(K, segments):
     inp = make_inputs(B=2, T=1000, H=2, K=K, seed=16 + segments)
     res = errors(inp, segments=segments)
     _assert(res)
-    # and close to the sequential recurrence's output
-    o1, s1 = run_kda(inp, segments=1)
-    o2, s2 = run_kda(inp, segments=segments)
-    assert (o1.float() - o2.float()).norm() / o1.float().norm() < 3e-3
+    # the segmented output is rounded to bf16 twice (zero-start part, then corrected): it may
+    # lose a little against the sequential one, not more than a third of a bf16 rounding
+    seq = errors(inp, segments=1)
+    assert res["out_err"] < seq["out_err"] + 6e-4, (res, seq)
+    _, s1 = run_kda(inp, segments=1)
+    _, s2 = run_kda(inp, segments=segments)
     assert (s1 - s2).norm() / s1.norm() < 1e-4
 
 
