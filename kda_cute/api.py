@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from . import runtime
+from . import runtime, segments
 from .abi import SYM_DIV
 from .config import GATE_MODES, FwdConfig, select_config, supports
 
@@ -240,11 +240,47 @@ def _offsets(p: Problem, cfg: FwdConfig, cu_seqlens, dev):
     return cs, cc
 
 
+@functools.lru_cache(maxsize=64)
+def _k2_slots(device: int, k2_smem: int) -> tuple[int, int]:
+    """(SMs, K2 CTAs resident at once by shared memory) of a device."""
+    prop = torch.cuda.get_device_properties(device)
+    per_sm = getattr(prop, "shared_memory_per_multiprocessor", 233472)
+    return prop.multi_processor_count, prop.multi_processor_count * max(
+        1, per_sm // (k2_smem + 1024))
+
+
+def _segment_count(p: Problem, cfg: FwdConfig, k2, device: int, requested) -> int:
+    """Segments per sequence for K2 (1: the plain recurrence). Fixed-length batches with K == V
+    only (the identity run reuses K2's config); `requested` (an int) overrides the choice."""
+    if p.varlen or p.K != p.V or cfg.recur.mma != "wgmma" or p.B * p.T == 0:
+        return 1
+    if requested is not None:
+        return max(1, min(int(requested), -(-p.T // cfg.chunk)))
+    sms, slots = _k2_slots(device, k2.smem)
+    return segments.choose(p.B, p.T, p.H, p.K, p.V, cfg.chunk, cfg.recur.block_v, sms, slots)
+
+
+def _segment_offsets(B: int, T: int, C: int, P: int, dev) -> tuple[torch.Tensor, torch.Tensor]:
+    """segments.plan's offsets built on the device (no host copy, so it can be graph-captured)."""
+    nc = -(-T // C)
+    cps = max(1, -(-nc // P))
+    idx = torch.arange(B * P, device=dev, dtype=torch.int32)
+    b, j = idx // P, idx % P
+    c1 = torch.clamp((j + 1) * cps, max=nc)
+    cu = torch.zeros(B * P + 1, device=dev, dtype=torch.int32)
+    cc = torch.zeros_like(cu)
+    cu[1:] = b * T + torch.clamp(c1 * C, max=T)
+    cc[1:] = b * nc + c1
+    return cu, cc
+
+
 def launch_forward(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state,
                    final_state, cu_seqlens, workspace, gate, qk_l2norm, beta_sigmoid, p, cfg,
-                   run_recurrence=True):
+                   run_recurrence=True, segments_per_seq=None):
     """Launch K1 then K2 on the current stream. Returns the workspace views K1 wrote when
-    `run_recurrence` is False (K1 alone, for tests), else None."""
+    `run_recurrence` is False (K1 alone, for tests), else None. When few (sequence, head) pairs
+    would leave SMs idle, K2 runs over segments of each sequence (kda_cute.segments); an int
+    `segments_per_seq` forces the count (1: never)."""
     dev = q.device
     di = dev.index if dev.index is not None else torch.cuda.current_device()
     arch = runtime.arch_of(di)
@@ -304,14 +340,54 @@ def launch_forward(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, in
              "s1f": sp_out, "s1h": sp_out,
              "cu_seqlens": cs.data_ptr(), "cu_chunks": cc.data_ptr(), "num_seqs": p.N,
              "num_heads": H, "state_in": s_in, "state_out": s_out}
-    if p.N > 0 and H > 0:
+    P = _segment_count(p, cfg, k2, di, segments_per_seq) if p.N > 0 and H > 0 else 1
+    if P > 1:
+        _segmented_recurrence(k2, cfg, vals2, syms, p, P, v, out, initial_state, final_state,
+                              stream, di)
+    elif p.N > 0 and H > 0:
         k2.launch_with((V // cfg.recur.block_v, H, p.N), vals2, syms, stream, di)
     return None
 
 
+def _segmented_recurrence(k2, cfg, vals2, syms, p, P, v, out, initial_state, final_state,
+                          stream, di):
+    """K2 over B * P segments: the value rows from zero (outputs into `out`, end states B_j),
+    the identity rows with v = 0 (outputs O_I, state maps A_j); then segments.combine and
+    segments.correct on the current stream."""
+    dev = v.device
+    B, T, H, K, V = p.B, p.T, p.H, p.K, p.V
+    C, bv, N = cfg.chunk, cfg.recur.block_v, p.B * P
+    f32 = torch.float32
+    cu, cc = _segment_offsets(B, T, C, P, dev)
+    ends = torch.empty(N, H, V, K, dtype=f32, device=dev)
+    maps = torch.empty(N, H, K, K, dtype=f32, device=dev)
+    o_id = torch.empty(B * T, H, K, dtype=torch.bfloat16, device=dev)
+    zeros = torch.zeros(B * T, H, K, dtype=torch.bfloat16, device=dev)
+    eye = torch.eye(K, dtype=f32, device=dev).expand(N, H, K, K).contiguous()
+    seg = {"cu_seqlens": cu.data_ptr(), "cu_chunks": cc.data_ptr(), "num_seqs": N}
+    syms_v = {**syms, "N1": N + 1, "NS": N}
+    k2.launch_with((V // bv, H, N), {**vals2, **seg, "state_in": 0, "state_out": 1,
+                                     "s1f": ends.data_ptr(), "s1h": ends.data_ptr()},
+                   syms_v, stream, di)
+    k2i = runtime.get_kernel(replace(cfg.recur, head_dim_v=K), runtime.arch_of(di))
+    syms_i = {**syms_v, "HV": H * K, "sV": H * K, "sO": H * K, "sS": H * K * K}
+    k2i.launch_with((K // bv, H, N), {**vals2, **seg, "v": zeros.data_ptr(),
+                                      "out": o_id.data_ptr(), "out_tma": o_id.data_ptr(),
+                                      "state_in": 1, "s0f": eye.data_ptr(),
+                                      "s0h": eye.data_ptr(), "state_out": 1,
+                                      "s1f": maps.data_ptr(), "s1h": maps.data_ptr()},
+                    syms_i, stream, di)
+    _, _, seg_tokens = segments.plan(1, T, C, P)
+    starts, final = segments.combine(maps.view(B, P, H, K, K), ends.view(B, P, H, V, K),
+                                     initial_state)
+    segments.correct(out, o_id.view(B, T, H, K), starts, seg_tokens)
+    if final_state is not None:
+        final_state.copy_(final)
+
+
 def fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state=None,
         final_state=None, cu_seqlens=None, workspace=None, *, gate="bounded", qk_l2norm=True,
-        beta_sigmoid=True, check_seqlens=True, config=None):
+        beta_sigmoid=True, check_seqlens=True, config=None, segments=None):
     """KDA forward, FlashKDA's low-level call: writes `out` and `final_state` in place.
 
     q, k, g: [B, T, H, K] bf16; v, out: [B, T, H, V] bf16; beta: [B, T, H] bf16 (logits when
@@ -321,16 +397,22 @@ def fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state
     final_state: [N, H, V, K] fp32 or bf16, may be the same tensor. cu_seqlens: [N+1] int64/int32
     with B == 1. workspace: optional caller-owned uint8 CUDA tensor (see `workspace_bytes`).
     config: a FwdConfig to use instead of the ladder's choice (kernel development, sweeps).
+    segments: K2's segments per sequence (kda_cute.segments; fixed-length batches, K == V);
+    None chooses from the grid's size, 1 turns them off.
     """
     if out is None:
         raise _err("out", "a bf16 tensor [B, T, H, V] to write", None)
+    if segments is not None and (isinstance(segments, bool) or not isinstance(segments, int)
+                                 or segments < 1):
+        raise _err("segments", "None or an int >= 1", repr(segments))
     p = validate(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state,
                  final_state, cu_seqlens, gate, check_seqlens)
     cfg = config_for(p, config)
     # the kernel handles and the stream belong to q's device, whatever device is current
     with torch.cuda.device(q.device):
         launch_forward(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state,
-                       final_state, cu_seqlens, workspace, gate, qk_l2norm, beta_sigmoid, p, cfg)
+                       final_state, cu_seqlens, workspace, gate, qk_l2norm, beta_sigmoid, p, cfg,
+                       segments_per_seq=segments)
 
 
 def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,

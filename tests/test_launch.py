@@ -58,6 +58,7 @@ def stub_driver(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: type("S", (), {"cuda_stream": 0}))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(api, "_k2_slots", lambda device, smem: (132, 264))  # an H200's
 
     class _Dev:
         def __init__(self, *a):
@@ -187,3 +188,21 @@ def test_workspace_rows_hold_whole_chunks(seqlens, chunk):
             assert int(seq[0]) % chunk == 0  # a sequence starts on a chunk boundary
             assert torch.equal(seq - seq[0], torch.arange(n))
         start += n
+
+
+def test_segmented_launches(stub_driver):
+    """segments=3 on a 40-token batch of one: K1, then K2 over 3 segments from zero (V rows)
+    and over the same segments from the identity (K rows), then the torch combine."""
+    x = _problem()
+    _run(x, segments=3)
+    names = [name for name, *_ in stub_driver]
+    grids = [grid for _, grid, *_ in stub_driver]
+    assert names[0].startswith("kda_prep") and all(n.startswith("kda_recur") for n in names[1:])
+    assert grids[1:] == [(1, 2, 3), (1, 2, 3)]  # (V / 64, H, B * segments) twice (K = V = 64)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.0, True, "2"])
+def test_segments_argument_validated(stub_driver, bad):
+    x = _problem()
+    with pytest.raises(ValueError, match="segments"):
+        fwd(**x, segments=bad)
