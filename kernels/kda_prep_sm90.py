@@ -295,6 +295,11 @@ class KdaPrepSm90(TileCopy):
                     big = cutlass.Int32(1)
                 if ref - fG[0, d] > 80.0:
                     big = cutlass.Int32(1)
+                # and the factored outputs take e^G = e^(G - ref) e^ref: e^ref a normal float
+                if ref > 80.0:
+                    big = cutlass.Int32(1)
+                if ref < -80.0:
+                    big = cutlass.Int32(1)
                 if big != 0:
                     unsafe[0] = big
             cute.arch.sync_threads()
@@ -404,22 +409,32 @@ class KdaPrepSm90(TileCopy):
         sKdl, mQg, mKg, mKd = outs_a
         Gl = fG[C - 1, d]
         ref = fG[C // 2 - 1, d]
+        if cutlass.const_expr(factored):
+            # one exponential and one reciprocal per row: e^G = e^(G - r) e^r and
+            # e^(Gl - G) = e^(r - G) e^(Gl - r), every factor a normal float (|G - r| <= 80,
+            # |r| <= 80: the chunk is not factored otherwise)
+            e_ref = cute.math.exp(ref, fastmath=True)
+            e_lr = cute.math.exp(Gl - ref, fastmath=True)
         for i in cutlass.range_constexpr(C):
             Gi = fG[i, d]
-            eg = cute.math.exp(Gi, fastmath=True)
             qn = sQ[i, d].to(cutlass.Float32) * norm[i]
             kn = sK[i, d].to(cutlass.Float32) * norm[C + i]
             if cutlass.const_expr(factored):
                 er = cute.math.exp(Gi - ref, fastmath=True)
+                inv = cute.arch.rcp_approx(er)
                 fA[i, d] = qn * er
                 fB[i, d] = kn * er
-                fG[i, d] = kn * cute.math.exp(ref - Gi, fastmath=True)
+                fG[i, d] = kn * inv
+                eg = er * e_ref
+                ekd = inv * e_lr
             else:
                 fA[i, d] = qn
                 fB[i, d] = kn
+                eg = cute.math.exp(Gi, fastmath=True)
+                ekd = cute.math.exp(Gl - Gi, fastmath=True)
             ke = kn * eg
             qs = scale * (qn * eg)
-            kd = kn * cute.math.exp(Gl - Gi, fastmath=True)
+            kd = kn * ekd
             if i >= length:
                 ke = cutlass.Float32(0.0)
                 qs = cutlass.Float32(0.0)
