@@ -349,6 +349,25 @@ def launch_forward(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, in
     return None
 
 
+_constants: dict[tuple, torch.Tensor] = {}
+
+
+def _constant(kind: str, shape: tuple, dtype, dev) -> torch.Tensor:
+    """A zero tensor or a stack of identities, made once per shape and device (K2's identity
+    run reads them; nothing writes them)."""
+    key = (kind, shape, dtype, dev)
+    t = _constants.get(key)
+    if t is None:
+        if len(_constants) >= 16:
+            _constants.clear()
+        if kind == "zeros":
+            t = torch.zeros(shape, dtype=dtype, device=dev)
+        else:
+            t = torch.eye(shape[-1], dtype=dtype, device=dev).expand(shape).contiguous()
+        _constants[key] = t
+    return t
+
+
 def _segmented_recurrence(k2, cfg, vals2, syms, p, P, v, out, initial_state, final_state,
                           stream, di):
     """K2 over B * P segments: the value rows from zero (outputs into `out`, end states B_j),
@@ -362,8 +381,8 @@ def _segmented_recurrence(k2, cfg, vals2, syms, p, P, v, out, initial_state, fin
     ends = torch.empty(N, H, V, K, dtype=f32, device=dev)
     maps = torch.empty(N, H, K, K, dtype=f32, device=dev)
     o_id = torch.empty(B * T, H, K, dtype=torch.bfloat16, device=dev)
-    zeros = torch.zeros(B * T, H, K, dtype=torch.bfloat16, device=dev)
-    eye = torch.eye(K, dtype=f32, device=dev).expand(N, H, K, K).contiguous()
+    zeros = _constant("zeros", (B * T, H, K), torch.bfloat16, dev)
+    eye = _constant("eye", (N, H, K, K), f32, dev)
     seg = {"cu_seqlens": cu.data_ptr(), "cu_chunks": cc.data_ptr(), "num_seqs": N}
     syms_v = {**syms, "N1": N + 1, "NS": N}
     k2.launch_with((V // bv, H, N), {**vals2, **seg, "state_in": 0, "state_out": 1,
