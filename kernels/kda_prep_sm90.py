@@ -307,14 +307,32 @@ class KdaPrepSm90(TileCopy):
             # ---- phase A: token-indexed outputs and phase B's operands -----------------------
             factored = unsafe[0] == 0
             outs_a = (sKdl, mQg, mKg, mKd)
-            for d in cutlass.range(tidx, K, NT):
+            # thread t < K: columns 2p, 2p + 1 (p = t mod K/2) of one half of the rows, so the
+            # bf16 tiles move as 32-bit pairs; G at rows C/2 - 1 and C - 1 is read before either
+            # half overwrites its rows of fG
+            HP = K // 2
+            pair = tidx % HP
+            half = tidx // HP
+            gref = cute.make_rmem_tensor((2, 2), cutlass.Float32)  # (Gl, ref) x column
+            if tidx < K:
+                for c in cutlass.range_constexpr(2):
+                    gref[0, c] = fG[C - 1, 2 * pair + c]
+                    gref[1, c] = fG[C // 2 - 1, 2 * pair + c]
+            cute.arch.sync_threads()
+            if tidx < K:
                 # one branch for the chunk, not one per row, so the rows' work overlaps
+                args = (pair, gref, sQ, sK, sG, fA, fB, fG, norm, outs_a, row0, h, scale,
+                        length)
                 if factored:
-                    self._output_rows(True, d, sQ, sK, sG, fA, fB, fG, norm, outs_a, row0, h,
-                                      scale, length)
+                    if half == 0:
+                        self._output_pair(True, 0, *args)
+                    else:
+                        self._output_pair(True, 1, *args)
                 else:
-                    self._output_rows(False, d, sQ, sK, sG, fA, fB, fG, norm, outs_a, row0, h,
-                                      scale, length)
+                    if half == 0:
+                        self._output_pair(False, 0, *args)
+                    else:
+                        self._output_pair(False, 1, *args)
             if cutlass.const_expr(self.split):
                 cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.sync_threads()
@@ -400,56 +418,75 @@ class KdaPrepSm90(TileCopy):
                     cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
-    def _output_rows(self, factored: cutlass.Constexpr, d, sQ, sK, sG, fA, fB, fG, norm, outs_a,
-                     row0, h, scale, length):
-        """Column d of every row: qg = scale qn e^G, kg = kn e^G, kd = kn e^(Gl - G) (zeros past
-        the length: a whole chunk's rows are stored) and phase B's operands (factored:
-        (qn e^(G - r), kn e^(G - r), kn e^(r - G)); otherwise (qn, kn, G))."""
+    def _output_pair(self, factored: cutlass.Constexpr, half: cutlass.Constexpr, pair, gref,
+                     sQ, sK, sG, fA, fB, fG, norm, outs_a, row0, h, scale, length):
+        """Columns d = 2 pair + c (c = 0, 1) of rows half*C/2 .. half*C/2 + C/2 - 1: qg = scale
+        qn e^G, kg = kn e^G, kd = kn e^(Gl - G) (zeros past the length: a whole chunk's rows are
+        stored) and phase B's operands (factored: (qn e^(G - r), kn e^(G - r), kn e^(r - G));
+        otherwise (qn, kn, G)). gref holds (Gl, r) per column."""
         C = self.C
+        f32, io = cutlass.Float32, self.io_dtype
         sKdl, mQg, mKg, mKd = outs_a
-        Gl = fG[C - 1, d]
-        ref = fG[C // 2 - 1, d]
+        pairs = [cute.logical_divide(x, (None, 2)) if x is not None else None
+                 for x in (sQ, sK, sG, sKdl)]
+        vQ, vK, vG, vKdl = pairs
+        e_ref = cute.make_rmem_tensor((2,), f32)
+        e_lr = cute.make_rmem_tensor((2,), f32)
         if cutlass.const_expr(factored):
-            # one exponential and one reciprocal per row: e^G = e^(G - r) e^r and
+            # one exponential and one reciprocal per element: e^G = e^(G - r) e^r and
             # e^(Gl - G) = e^(r - G) e^(Gl - r), every factor a normal float (|G - r| <= 80,
             # |r| <= 80: the chunk is not factored otherwise)
-            e_ref = cute.math.exp(ref, fastmath=True)
-            e_lr = cute.math.exp(Gl - ref, fastmath=True)
-        for i in cutlass.range_constexpr(C):
-            Gi = fG[i, d]
-            qn = sQ[i, d].to(cutlass.Float32) * norm[i]
-            kn = sK[i, d].to(cutlass.Float32) * norm[C + i]
-            if cutlass.const_expr(factored):
-                er = cute.math.exp(Gi - ref, fastmath=True)
-                inv = cute.arch.rcp_approx(er)
-                fA[i, d] = qn * er
-                fB[i, d] = kn * er
-                fG[i, d] = kn * inv
-                eg = er * e_ref
-                ekd = inv * e_lr
-            else:
-                fA[i, d] = qn
-                fB[i, d] = kn
-                eg = cute.math.exp(Gi, fastmath=True)
-                ekd = cute.math.exp(Gl - Gi, fastmath=True)
-            ke = kn * eg
-            qs = scale * (qn * eg)
-            kd = kn * ekd
-            if i >= length:
-                ke = cutlass.Float32(0.0)
-                qs = cutlass.Float32(0.0)
-                kd = cutlass.Float32(0.0)
+            for c in cutlass.range_constexpr(2):
+                e_ref[c] = cute.math.exp(gref[1, c], fastmath=True)
+                e_lr[c] = cute.math.exp(gref[0, c] - gref[1, c], fastmath=True)
+        qs2 = cute.make_rmem_tensor((2,), f32)
+        ke2 = cute.make_rmem_tensor((2,), f32)
+        kd2 = cute.make_rmem_tensor((2,), f32)
+        for ii in cutlass.range_constexpr(C // 2):
+            i = half * (C // 2) + ii
+            q2 = vQ[i, (None, pair)].load().to(f32)
+            k2 = vK[i, (None, pair)].load().to(f32)
+            for c in cutlass.range_constexpr(2):
+                d = 2 * pair + c
+                Gi = fG[i, d]
+                qn = q2[c] * norm[i]
+                kn = k2[c] * norm[C + i]
+                if cutlass.const_expr(factored):
+                    er = cute.math.exp(Gi - gref[1, c], fastmath=True)
+                    inv = cute.arch.rcp_approx(er)
+                    fA[i, d] = qn * er
+                    fB[i, d] = kn * er
+                    fG[i, d] = kn * inv
+                    eg = er * e_ref[c]
+                    ekd = inv * e_lr[c]
+                else:
+                    fA[i, d] = qn
+                    fB[i, d] = kn
+                    eg = cute.math.exp(Gi, fastmath=True)
+                    ekd = cute.math.exp(gref[0, c] - Gi, fastmath=True)
+                ke = kn * eg
+                qs = scale * (qn * eg)
+                kd = kn * ekd
+                if i >= length:
+                    ke = f32(0.0)
+                    qs = f32(0.0)
+                    kd = f32(0.0)
+                qs2[c] = qs
+                ke2[c] = ke
+                kd2[c] = kd
+                if cutlass.const_expr(not self.split):
+                    mQg[row0 + i, h, d] = qs
+                    mKg[row0 + i, h, d] = ke
+                    mKd[row0 + i, h, d] = kd
             if cutlass.const_expr(self.split):
-                # in place of the q, k, g tiles: only this thread reads column d
-                sQ[i, d] = qs.to(self.io_dtype)
-                sK[i, d] = ke.to(self.io_dtype)
-                kh = kd.to(self.io_dtype)
-                sG[i, d] = kh
-                sKdl[i, d] = (kd - kh.to(cutlass.Float32)).to(self.io_dtype)
-            else:
-                mQg[row0 + i, h, d] = qs
-                mKg[row0 + i, h, d] = ke
-                mKd[row0 + i, h, d] = kd
+                # in place of the q, k, g tiles (only this thread reads these two columns
+                # of these rows), as bf16 pairs
+                vQ[i, (None, pair)].store(qs2.load().to(io))
+                vK[i, (None, pair)].store(ke2.load().to(io))
+                x = kd2.load()
+                kh = x.to(io)
+                vG[i, (None, pair)].store(kh)
+                vKdl[i, (None, pair)].store((x - kh.to(f32)).to(io))
 
     @cute.jit
     def _phase_b_ksplit(self, fA, fB, fG, sL, sBeta, mMq, sMq, row0, h, tidx, warp, lane, scale,
