@@ -1,6 +1,7 @@
 """K1 alone on the H200: its workspace against the float64 chunked twin (skips without a GPU)."""
 
 import pytest
+import torch
 
 from kda_cute.config import EXPERIMENTAL, SIMT, TENSOR_CORE
 from kda_cute.testing import cuda_ready, make_inputs, prep_errors
@@ -36,6 +37,23 @@ def test_prep_bf16_operands(name, chunk):
     (cfg,) = [c for c in TENSOR_CORE + EXPERIMENTAL
               if c.prep.head_dim_k == kw["K"] and c.chunk == chunk]
     res = prep_errors(make_inputs(seed=len(name), **kw), config=cfg)
+    assert res["pad_max"] == 0.0, res
+    assert all(res[n] < 3e-3 for n in ("qg", "kg")), res
+    assert all(res[n] < 3e-5 for n in ("kd", "aw", "mq")), res
+
+
+@pytest.mark.parametrize("K", [64, 128])
+def test_prep_mid_chunk_decay_beyond_80(K):
+    """Log-space gate (gate 'none') of -11 per token for the first 8 tokens of every chunk, then
+    -0.1: G at the chunk's middle row is about -88 while no G is 80 away from it. K1 must take
+    the unfactored path there (e^G through e^(G - r) e^r would need e^-88, below fp32's normal
+    range) and still match the twin."""
+    inp = make_inputs(B=1, T=48, H=2, K=K, gate="none", seed=K)
+    t = torch.arange(48, device=inp["g"].device) % 16
+    g = torch.where(t < 8, -11.0, -0.1).view(1, 48, 1, 1).expand_as(inp["g"])
+    inp["g"] = g.to(torch.bfloat16).contiguous()
+    (cfg,) = [c for c in TENSOR_CORE if c.prep.head_dim_k == K]
+    res = prep_errors(inp, config=cfg)
     assert res["pad_max"] == 0.0, res
     assert all(res[n] < 3e-3 for n in ("qg", "kg")), res
     assert all(res[n] < 3e-5 for n in ("kd", "aw", "mq")), res
