@@ -34,7 +34,6 @@ from cutlass.cute.nvgpu import warp as warp_mma
 from kda_cute.config import GATE_BOUNDED, GATE_UNBOUNDED, PrepConfig
 from kernels.common import TileCopy, tma_meta
 
-_SEARCH_STEPS = 24  # binary search over cu_chunks: up to 2^24 sequences
 
 
 class KdaPrepSm90(TileCopy):
@@ -172,15 +171,15 @@ class KdaPrepSm90(TileCopy):
         lane = cute.arch.lane_idx()
 
         # ---- which sequence and chunk this CTA owns --------------------------------------
+        # binary search over cu_chunks: log2(N) steps (none for one sequence)
         lo = cutlass.Int32(0)
         hi = num_seqs
-        for _ in cutlass.range_constexpr(_SEARCH_STEPS):
+        while hi - lo > 1:
             mid = (lo + hi) >> 1
-            if hi - lo > 1:
-                if mCuChunk[mid] <= bid:
-                    lo = mid
-                else:
-                    hi = mid
+            if mCuChunk[mid] <= bid:
+                lo = mid
+            else:
+                hi = mid
         seq = lo
         total_chunks = mCuChunk[num_seqs]
         t0 = mCuSeq[seq] + (bid - mCuChunk[seq]) * C
