@@ -35,7 +35,6 @@ from kda_cute.config import GATE_BOUNDED, GATE_UNBOUNDED, PrepConfig
 from kernels.common import TileCopy, tma_meta
 
 
-
 class KdaPrepSm90(TileCopy):
     """The f32-operand K1 (for the SIMT K2): plain stores of its fp32 outputs."""
 
