@@ -384,18 +384,24 @@ class KdaPrepSm90(TileCopy):
             cute.arch.sync_threads()
 
             # ---- phase C: Aw = (I + L)^-1 diag(beta), one column per thread ------------------
-            # forward substitution with the column in registers; L rows are smem broadcasts
+            # forward substitution with the column in registers; L entries are smem broadcasts.
+            # Right-looking: once x_l is final it is taken out of every later row at once, so
+            # the dependent chain is C multiply-adds long, not C(C-1)/2 (same order of terms
+            # per row as the row-by-row form, so the same result)
             if tidx < C:
                 j = tidx
                 xs = cute.make_rmem_tensor((C,), cutlass.Float32)
                 bj = sBeta[j]
                 for i in cutlass.range_constexpr(C):
-                    x = cutlass.Float32(0.0)
+                    xs[i] = cutlass.Float32(0.0)
                     if j == i:
-                        x = bj
-                    for l_ in cutlass.range_constexpr(i):
-                        x = x - sL[i, l_] * xs[l_]
-                    xs[i] = x
+                        xs[i] = bj
+                for l_ in cutlass.range_constexpr(C - 1):
+                    xl = xs[l_]
+                    for i in cutlass.range_constexpr(l_ + 1, C):
+                        xs[i] = xs[i] - sL[i, l_] * xl
+                for i in cutlass.range_constexpr(C):
+                    x = xs[i]
                     if j >= length or i >= length:
                         x = cutlass.Float32(0.0)
                     if cutlass.const_expr(self.split):
