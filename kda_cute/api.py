@@ -257,7 +257,7 @@ def _segment_count(p: Problem, cfg: FwdConfig, k2, device: int, requested) -> in
     if requested is not None:
         return max(1, min(int(requested), -(-p.T // cfg.chunk)))
     sms, slots = _k2_slots(device, k2.smem)
-    return segments.choose(p.B, p.T, p.H, p.K, p.V, cfg.chunk, cfg.recur.block_v, sms, slots)
+    return segments.choose(p.B, p.T, p.H, p.V, cfg.chunk, cfg.recur.block_v, sms, slots)
 
 
 def _segment_offsets(B: int, T: int, C: int, P: int, dev) -> tuple[torch.Tensor, torch.Tensor]:
@@ -370,9 +370,9 @@ def _constant(kind: str, shape: tuple, dtype, dev) -> torch.Tensor:
 
 def _segmented_recurrence(k2, cfg, vals2, syms, p, P, v, out, initial_state, final_state,
                           stream, di):
-    """K2 over B * P segments: the value rows from zero (outputs into `out`, end states B_j),
-    the identity rows with v = 0 (outputs O_I, state maps A_j); then segments.combine and
-    segments.correct on the current stream."""
+    """K2 over B * P segments (kda_cute.segments): the value rows from zero (end states B_j),
+    the identity rows with v = 0 (state maps A_j), segments.combine on the current stream, then
+    the value rows again from each segment's start state, writing `out`."""
     dev = v.device
     B, T, H, K, V = p.B, p.T, p.H, p.K, p.V
     C, bv, N = cfg.chunk, cfg.recur.block_v, p.B * P
@@ -380,9 +380,11 @@ def _segmented_recurrence(k2, cfg, vals2, syms, p, P, v, out, initial_state, fin
     cu, cc = _segment_offsets(B, T, C, P, dev)
     ends = torch.empty(N, H, V, K, dtype=f32, device=dev)
     maps = torch.empty(N, H, K, K, dtype=f32, device=dev)
-    o_id = torch.empty(B * T, H, K, dtype=torch.bfloat16, device=dev)
     zeros = _constant("zeros", (B * T, H, K), torch.bfloat16, dev)
     eye = _constant("eye", (N, H, K, K), f32, dev)
+    # the first two runs' outputs are not needed: the value run writes `out` (overwritten by
+    # the third), the identity run a scratch tensor
+    scratch = torch.empty(B * T, H, K, dtype=torch.bfloat16, device=dev)
     seg = {"cu_seqlens": cu.data_ptr(), "cu_chunks": cc.data_ptr(), "num_seqs": N}
     syms_v = {**syms, "N1": N + 1, "NS": N}
     k2.launch_with((V // bv, H, N), {**vals2, **seg, "state_in": 0, "state_out": 1,
@@ -391,15 +393,17 @@ def _segmented_recurrence(k2, cfg, vals2, syms, p, P, v, out, initial_state, fin
     k2i = runtime.get_kernel(replace(cfg.recur, head_dim_v=K), runtime.arch_of(di))
     syms_i = {**syms_v, "HV": H * K, "sV": H * K, "sO": H * K, "sS": H * K * K}
     k2i.launch_with((K // bv, H, N), {**vals2, **seg, "v": zeros.data_ptr(),
-                                      "out": o_id.data_ptr(), "out_tma": o_id.data_ptr(),
+                                      "out": scratch.data_ptr(), "out_tma": scratch.data_ptr(),
                                       "state_in": 1, "s0f": eye.data_ptr(),
                                       "s0h": eye.data_ptr(), "state_out": 1,
                                       "s1f": maps.data_ptr(), "s1h": maps.data_ptr()},
                     syms_i, stream, di)
-    _, _, seg_tokens = segments.plan(1, T, C, P)
     starts, final = segments.combine(maps.view(B, P, H, K, K), ends.view(B, P, H, V, K),
                                      initial_state)
-    segments.correct(out, o_id.view(B, T, H, K), starts, seg_tokens)
+    k2.launch_with((V // bv, H, N), {**vals2, **seg, "state_in": 1,
+                                     "s0f": starts.data_ptr(), "s0h": starts.data_ptr(),
+                                     "state_out": 0},
+                   syms_v, stream, di)
     if final_state is not None:
         final_state.copy_(final)
 

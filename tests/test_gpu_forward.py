@@ -120,16 +120,16 @@ def test_row_strided_out(T):
 @pytest.mark.parametrize("K", [64, 128])
 @pytest.mark.parametrize("segments", [2, 5])
 def test_segmented_recurrence(K, segments):
-    """K2 over segments of each sequence (value rows from zero, identity rows, combined and
-    corrected on the GPU): the accuracy bar, with an initial state, a final state, T not a
-    multiple of the chunk and a last segment shorter than the others."""
+    """K2 over segments of each sequence (value rows from zero, identity rows, combined on the
+    GPU, value rows again from the segments' starts): the accuracy bar, with an initial state,
+    a final state, T not a multiple of the chunk and a last segment shorter than the others."""
     inp = make_inputs(B=2, T=1000, H=2, K=K, seed=16 + segments)
     res = errors(inp, segments=segments)
     _assert(res)
-    # the segmented output is rounded to bf16 twice (zero-start part, then corrected): it may
-    # lose a little against the sequential one, not more than a third of a bf16 rounding
+    # the third run computes the outputs as the sequential recurrence does, from start states
+    # that differ from its own by fp32 rounding: the same error, to a small fraction of it
     seq = errors(inp, segments=1)
-    assert res["out_err"] < seq["out_err"] + 6e-4, (res, seq)
+    assert res["out_err"] < seq["out_err"] * 1.05, (res, seq)
     _, s1 = run_kda(inp, segments=1)
     _, s2 = run_kda(inp, segments=segments)
     assert (s1 - s2).norm() / s1.norm() < 1e-4

@@ -191,14 +191,14 @@ def test_workspace_rows_hold_whole_chunks(seqlens, chunk):
 
 
 def test_segmented_launches(stub_driver):
-    """segments=3 on a 40-token batch of one: K1, then K2 over 3 segments from zero (V rows)
-    and over the same segments from the identity (K rows), then the torch combine."""
+    """segments=3 on a 40-token batch of one: K1, then K2 over 3 segments from zero (V rows),
+    from the identity (K rows), and (after the torch combine) from the segments' starts."""
     x = _problem()
     _run(x, segments=3)
     names = [name for name, *_ in stub_driver]
     grids = [grid for _, grid, *_ in stub_driver]
     assert names[0].startswith("kda_prep") and all(n.startswith("kda_recur") for n in names[1:])
-    assert grids[1:] == [(1, 2, 3), (1, 2, 3)]  # (V / 64, H, B * segments) twice (K = V = 64)
+    assert grids[1:] == [(1, 2, 3)] * 3  # (V / 64, H, B * segments), K = V = 64
 
 
 @pytest.mark.parametrize("bad", [0, -1, 2.0, True, "2"])

@@ -34,39 +34,41 @@ def test_segmented_equals_sequential(B, T, P, chunk, with_state):
     s0 = s0 if with_state else None
     ref_o, ref_s = chunk_recurrence(inter, v, chunk=chunk, initial_state=s0)
 
-    cu, cc, seg_tokens = segments.plan(B, T, chunk, P)
+    cu, cc = segments.plan(B, T, chunk, P)
     assert len(cu) == len(cc) == B * P + 1 and cu[-1] == B * T
     flat = {n: x.reshape(1, B * T, H, -1) for n, x in inter.items()}
+    vf = v.reshape(1, B * T, H, V)
     cu_t = torch.tensor(cu)
-    # K2's two runs over all B * P segments as sequences: value rows from zero, identity rows
-    o0, Bs = chunk_recurrence(flat, v.reshape(1, B * T, H, V), chunk=chunk, cu_seqlens=cu_t)
+    # K2's three runs over all B * P segments as sequences: the value rows from zero (end
+    # states), the identity rows with v = 0 (state maps), the value rows from the true starts
+    _, Bs = chunk_recurrence(flat, vf, chunk=chunk, cu_seqlens=cu_t)
     eye = torch.eye(K, dtype=F64).expand(B * P, H, K, K)
-    oI, A = chunk_recurrence(flat, torch.zeros(1, B * T, H, K, dtype=F64), chunk=chunk,
-                             cu_seqlens=cu_t, initial_state=eye)
+    _, A = chunk_recurrence(flat, torch.zeros(1, B * T, H, K, dtype=F64), chunk=chunk,
+                            cu_seqlens=cu_t, initial_state=eye)
     starts, final = segments.combine(A.view(B, P, H, K, K), Bs.view(B, P, H, V, K), s0)
-    out = o0.view(B, T, H, V).clone()
-    segments.correct(out, oI.view(B, T, H, K), starts, seg_tokens)
-    assert torch.allclose(out, ref_o, rtol=1e-10, atol=1e-10)
+    out, _ = chunk_recurrence(flat, vf, chunk=chunk, cu_seqlens=cu_t,
+                              initial_state=starts.reshape(B * P, H, V, K))
+    assert torch.allclose(out.view(B, T, H, V), ref_o, rtol=1e-10, atol=1e-10)
     assert torch.allclose(final, ref_s, rtol=1e-10, atol=1e-10)
 
 
 def test_plan_covers_whole_chunks():
-    cu, cc, seg_tokens = segments.plan(2, 100, 16, 3)  # 7 chunks: segments of 3, 3, 1
-    assert seg_tokens == 48
+    cu, cc = segments.plan(2, 100, 16, 3)  # 7 chunks: segments of 3, 3, 1
     assert cu == [0, 48, 96, 100, 148, 196, 200]
     assert cc == [0, 3, 6, 7, 10, 13, 14]
     # more segments than chunks: the trailing segments are empty
-    cu, cc, _ = segments.plan(1, 20, 16, 4)
+    cu, cc = segments.plan(1, 20, 16, 4)
     assert cu == [0, 16, 20, 20, 20] and cc == [0, 1, 2, 2, 2]
 
 
 @pytest.mark.parametrize("B, T, H, expected", [
-    (1, 8192, 16, 4),    # 32 CTAs of 64 state rows; 4 segments: two runs of 128 CTAs, one wave
-    (1, 32768, 32, 2),
-    (1, 8192, 64, 1),    # 128 CTAs: two segments would make 512, two waves
+    (1, 8192, 16, 8),    # 32 CTAs of 64 state rows: 8 segments make each run 256, one wave
+    (1, 32768, 32, 4),
+    (1, 8192, 32, 4),
+    (1, 8192, 64, 1),    # 128 CTAs: two segments would triple the work for 2x the CTAs
     (1, 8192, 96, 1),    # 192 CTAs fill the 132 SMs already
-    (1, 512, 16, 1),     # 32 chunks: too short to split
+    (1, 1024, 16, 1),    # 64 chunks: two segments at most, not worth three runs
 ])
 def test_choose(B, T, H, expected):
     # an H200 with K2 at K = V = 128: 132 SMs, two 88 KB CTAs each
-    assert segments.choose(B, T, H, 128, 128, 16, 64, sms=132, slots=264) == expected
+    assert segments.choose(B, T, H, 128, 16, 64, sms=132, slots=264) == expected
