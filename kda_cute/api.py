@@ -299,11 +299,12 @@ def launch_forward(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, in
     plan = _workspace_plan(p, cfg)[0]
     base = workspace.data_ptr()
     base += (-base) % 256
-    ptr = {name: base + off for name, off, *_ in plan}
-    qg, kg, kd, gl, aw, mq = (ptr[n] for n in ("qg", "kg", "kd", "gl", "aw", "mq"))
-    # bf16 operands: each (hi, lo) pair is two equal planes, lo after hi (bytes per plane)
-    plane = {name: n // 2 for name, _, n, *_ in plan}
-    kd_plane, aw_plane, mq_plane = plane["kd"], plane["aw"], plane["mq"]
+    # K1's outputs = K2's operands, by argument name: each tensor, and for bf16 operands the
+    # hi and lo planes of kd, Aw and Mq (two equal planes, lo after hi)
+    ws = {name: base + off for name, off, *_ in plan}
+    for name, off, n, *_ in plan:
+        if name in ("kd", "aw", "mq"):
+            ws[name + "h"], ws[name + "l"] = base + off, base + off + n // 2
     cs, cc = _offsets(p, cfg, cu_seqlens, dev)
     if A_log is None:
         A_log = torch.zeros(H, dtype=torch.float32, device=dev)
@@ -318,9 +319,7 @@ def launch_forward(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, in
         vals1 = {"q": q.data_ptr(), "k": k.data_ptr(), "g": g.data_ptr(),
                  "beta": beta.data_ptr(), "A_log": A_log.data_ptr(),
                  "dt_bias": dt_bias.data_ptr(), "cu_seqlens": cs.data_ptr(),
-                 "cu_chunks": cc.data_ptr(), "qg": qg, "kg": kg, "kd": kd, "gl": gl,
-                 "aw": aw, "mq": mq, "kdh": kd, "kdl": kd + kd_plane, "awh": aw,
-                 "awl": aw + aw_plane, "mqh": mq, "mql": mq + mq_plane, "num_seqs": p.N,
+                 "cu_chunks": cc.data_ptr(), **ws, "num_seqs": p.N,
                  "num_chunks": nch, "num_heads": H,
                  "scale": float(scale), "lower_bound": float(lower_bound or 0.0),
                  "gate_mode": GATE_MODES[gate], "qk_l2norm": int(bool(qk_l2norm)),
@@ -333,11 +332,8 @@ def launch_forward(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, in
     s_out = _STATE_CODE[final_state.dtype if final_state is not None else None]
     sp_in = initial_state.data_ptr() if initial_state is not None else dummy
     sp_out = final_state.data_ptr() if final_state is not None else dummy
-    vals2 = {"kg": kg, "qg": qg, "kd": kd, "aw": aw, "mq": mq, "gl": gl, "v": v.data_ptr(),
-             "kdh": kd, "kdl": kd + kd_plane, "awh": aw, "awl": aw + aw_plane,
-             "mqh": mq, "mql": mq + mq_plane,
-             "out": out.data_ptr(), "out_tma": out.data_ptr(), "s0f": sp_in, "s0h": sp_in,
-             "s1f": sp_out, "s1h": sp_out,
+    vals2 = {**ws, "v": v.data_ptr(), "out": out.data_ptr(), "out_tma": out.data_ptr(),
+             "s0f": sp_in, "s0h": sp_in, "s1f": sp_out, "s1h": sp_out,
              "cu_seqlens": cs.data_ptr(), "cu_chunks": cc.data_ptr(), "num_seqs": p.N,
              "num_heads": H, "state_in": s_in, "state_out": s_out}
     P = _segment_count(p, cfg, k2, di, segments_per_seq) if p.N > 0 and H > 0 else 1
