@@ -58,6 +58,21 @@ def main(argv=None):
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=1) + "\n")
+    out.with_suffix(".md").write_text(markdown(doc))
+
+
+def markdown(doc):
+    """The readable table written beside the JSON."""
+    bar = doc["bar"]
+    lines = [f"Accuracy on {doc['device']} (commit {doc['commit']}, torch {doc['torch']}); "
+             f"bar: output <= {bar['out']}, fp32 state <= {bar['state']}.", "",
+             "| case | config (K1, K2) | out err | state err | finite |",
+             "|---|---|---:|---:|---|"]
+    for r in doc["rows"]:
+        fin = r["out_finite"] and r["state_finite"]
+        lines.append(f"| {r['case']} | {', '.join(r['config'])} | {r['out_err']:.2e} | "
+                     f"{r['state_err']:.2e} | {fin} |")
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":
