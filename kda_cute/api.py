@@ -260,8 +260,26 @@ def _segment_count(p: Problem, cfg: FwdConfig, k2, device: int, requested) -> in
     return segments.choose(p.B, p.T, p.H, p.V, cfg.chunk, cfg.recur.block_v, sms, slots)
 
 
+_seg_offsets: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _remember(cache: dict, key, value) -> None:
+    """Cache a tensor made on the device, unless the stream is being captured: a captured
+    kernel runs only when the graph is replayed, so the tensor would hold garbage until then."""
+    if torch.cuda.is_current_stream_capturing():
+        return
+    if len(cache) >= 16:
+        cache.clear()
+    cache[key] = value
+
+
 def _segment_offsets(B: int, T: int, C: int, P: int, dev) -> tuple[torch.Tensor, torch.Tensor]:
-    """segments.plan's offsets built on the device (no host copy, so it can be graph-captured)."""
+    """segments.plan's offsets, built on the device (no host copy, so it can be graph-captured)
+    once per shape and device; nothing writes them."""
+    key = (B, T, C, P, dev)
+    hit = _seg_offsets.get(key)
+    if hit is not None:
+        return hit
     nc = -(-T // C)
     cps = max(1, -(-nc // P))
     idx = torch.arange(B * P, device=dev, dtype=torch.int32)
@@ -271,6 +289,7 @@ def _segment_offsets(B: int, T: int, C: int, P: int, dev) -> tuple[torch.Tensor,
     cc = torch.zeros_like(cu)
     cu[1:] = b * T + torch.clamp(c1 * C, max=T)
     cc[1:] = b * nc + c1
+    _remember(_seg_offsets, key, (cu, cc))
     return cu, cc
 
 
@@ -354,13 +373,11 @@ def _constant(kind: str, shape: tuple, dtype, dev) -> torch.Tensor:
     key = (kind, shape, dtype, dev)
     t = _constants.get(key)
     if t is None:
-        if len(_constants) >= 16:
-            _constants.clear()
         if kind == "zeros":
             t = torch.zeros(shape, dtype=dtype, device=dev)
         else:
             t = torch.eye(shape[-1], dtype=dtype, device=dev).expand(shape).contiguous()
-        _constants[key] = t
+        _remember(_constants, key, t)
     return t
 
 
@@ -395,12 +412,12 @@ def _segmented_recurrence(k2, cfg, vals2, syms, p, P, v, out, initial_state, fin
                                       "s1f": maps.data_ptr(), "s1h": maps.data_ptr()},
                     syms_i, stream, di)
     starts, final = segments.combine(maps.view(B, P, H, K, K), ends.view(B, P, H, V, K),
-                                     initial_state)
+                                     initial_state, final_state)
     k2.launch_with((V // bv, H, N), {**vals2, **seg, "state_in": 1,
                                      "s0f": starts.data_ptr(), "s0h": starts.data_ptr(),
                                      "state_out": 0},
                    syms_v, stream, di)
-    if final_state is not None:
+    if final_state is not None and final is not final_state:
         final_state.copy_(final)
 
 

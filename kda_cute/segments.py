@@ -36,16 +36,35 @@ def plan(B: int, T: int, chunk: int, segments: int) -> tuple[list[int], list[int
     return cu, cc
 
 
-def combine(A: torch.Tensor, Bs: torch.Tensor, initial_state: torch.Tensor | None):
-    """A: [B, P, H, K, K], Bs: [B, P, H, V, K] (fp32) -> (start states [B, P, H, V, K], final
-    state [B, H, V, K]): S_start(0) = initial state (or 0), S_start(j+1) = S_start(j) A_j + B_j."""
-    starts = torch.empty_like(Bs)
-    S = (torch.zeros_like(Bs[:, 0]) if initial_state is None
-         else initial_state.to(Bs.dtype))
-    for j in range(Bs.shape[1]):
-        starts[:, j] = S
-        S = torch.matmul(S, A[:, j]) + Bs[:, j]
-    return starts, S
+def combine(A: torch.Tensor, Bs: torch.Tensor, initial_state: torch.Tensor | None,
+            final: torch.Tensor | None = None):
+    """A: [B, P, H, K, K], Bs: [B, P, H, V, K] (fp32) -> (start states [B, P, H, V, K],
+    contiguous; final state [B, H, V, K]): S_start(0) = initial state (or 0), S_start(j+1) =
+    S_start(j) A_j + B_j. `final`, when given (fp32, contiguous), receives the final state.
+
+    One batched product per segment, over contiguous (sequence, head) matrices (segment-major
+    working layout; for one sequence it is the launch layout, so nothing is copied), in full
+    fp32 whatever torch's TF32 setting: the start states carry the fp32 state's accuracy."""
+    B, P, H, V, K = Bs.shape
+    a = A.transpose(0, 1).reshape(P, B * H, K, K)
+    b = Bs.transpose(0, 1).reshape(P, B * H, V, K)
+    st = torch.empty((P, B * H, V, K), dtype=Bs.dtype, device=Bs.device)
+    if initial_state is None:
+        st[0].zero_()
+    else:
+        st[0].copy_(initial_state.reshape(B * H, V, K))
+    if final is None or final.dtype != Bs.dtype or not final.is_contiguous():
+        final = torch.empty((B, H, V, K), dtype=Bs.dtype, device=Bs.device)
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        for j in range(P):
+            dst = st[j + 1] if j + 1 < P else final.view(B * H, V, K)
+            torch.baddbmm(b[j], st[j], a[j], out=dst)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+    starts = st.view(P, B, H, V, K).transpose(0, 1).contiguous()
+    return starts, final
 
 
 def choose(B: int, T: int, H: int, V: int, chunk: int, block_v: int, sms: int,

@@ -150,6 +150,46 @@ def test_segmented_in_place_state_and_auto_choice():
     _assert(errors(inp, in_place=True))
 
 
+def test_segmented_first_call_captured_with_tf32_on():
+    """The segmented path's first call inside a CUDA graph capture (its offsets and constants,
+    cached after an eager first call, must not be cached from kernels that only run at replay),
+    with torch's TF32 matmul switched on (the combine must stay fp32, and leave it on)."""
+    from kda_cute import api, fwd
+    from kda_cute.reference import rel_err
+
+    inp = make_inputs(B=1, T=2048, H=2, K=128, seed=31)
+    _, s_seq = run_kda(inp, segments=1)  # loads the cubins outside the capture
+    out = torch.full(inp["v"].shape, float("nan"), dtype=torch.bfloat16, device="cuda")
+    final = torch.full_like(inp["initial_state"], float("nan"), dtype=torch.float32)
+    args = [inp[n] for n in ("q", "k", "v", "g", "beta", "scale")] + [out] + [
+        inp[n] for n in ("A_log", "dt_bias", "lower_bound", "initial_state")] + [final]
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        api._seg_offsets.clear()
+        api._constants.clear()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fwd(*args, segments=4)
+        assert not api._seg_offsets and not api._constants
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel_err(final, s_seq) < 1e-4
+        o_graph = out.clone()
+        out.fill_(float("nan"))
+        final.fill_(float("nan"))
+        fwd(*args, segments=4)  # eager after the capture: builds and caches its own
+        torch.cuda.synchronize()
+        assert api._seg_offsets
+        assert torch.equal(out, o_graph)
+        assert rel_err(final, s_seq) < 1e-4
+        assert torch.backends.cuda.matmul.allow_tf32
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+    _assert(errors(inp, segments=4))
+
+
 def test_unbounded_strong_decay():
     inp = make_inputs(B=1, T=300, H=2, K=128, gate="unbounded", g_shift=20.0, seed=13)
     _assert(errors(inp))

@@ -72,3 +72,27 @@ def test_plan_covers_whole_chunks():
 def test_choose(B, T, H, expected):
     # an H200 with K2 at K = V = 128: 132 SMs, two 88 KB CTAs each
     assert segments.choose(B, T, H, 128, 16, 64, sms=132, slots=264) == expected
+
+
+@pytest.mark.parametrize("B, with_state", [(1, True), (3, True), (2, False)])
+def test_combine_is_the_serial_scan(B, with_state):
+    """combine against the plain loop, its start states contiguous in the launch layout, and
+    the final state written into a given fp32 tensor (which may be the initial state's)."""
+    P, H, K, V = 5, 2, 6, 4
+    g = torch.Generator().manual_seed(B)
+    A = torch.randn(B, P, H, K, K, generator=g, dtype=torch.float32)
+    Bs = torch.randn(B, P, H, V, K, generator=g, dtype=torch.float32)
+    s0 = torch.randn(B, H, V, K, generator=g, dtype=torch.float32) if with_state else None
+    S = torch.zeros(B, H, V, K) if s0 is None else s0.clone()
+    want = []
+    for j in range(P):
+        want.append(S)
+        S = S @ A[:, j] + Bs[:, j]
+    want = torch.stack(want, 1)
+    buf = s0 if s0 is not None else torch.full((B, H, V, K), float("nan"))
+    starts, final = segments.combine(A, Bs, s0, buf)
+    assert starts.is_contiguous() and starts.shape == (B, P, H, V, K)
+    assert torch.allclose(starts, want, rtol=1e-5, atol=1e-5)
+    assert final is buf and torch.allclose(final, S, rtol=1e-5, atol=1e-5)
+    starts2, final2 = segments.combine(A, Bs, s0 if s0 is None else want[:, 0])
+    assert torch.allclose(final2, S, rtol=1e-5, atol=1e-5)
