@@ -248,6 +248,12 @@ class KdaPrepSm90(TileCopy):
                 r = cutlass.Float32(1.0)
                 if qk_l2norm != 0:
                     r = cute.math.rsqrt(acc2 + 1e-6)
+                # q's rows carry the scale; rows past the length are zero, and with them every
+                # output and phase B operand of those rows (no per-element masking)
+                if row < C:
+                    r = r * scale
+                if row - (row // C) * C >= length:
+                    r = cutlass.Float32(0.0)
                 norm[row] = r
             cute.arch.sync_threads()
 
@@ -379,8 +385,8 @@ class KdaPrepSm90(TileCopy):
                             m2 = m2 + qi * e2
                     self._store_l(sL, sBeta, i, j1, l1, length)
                     self._store_l(sL, sBeta, i, j2, l2, length)
-                    self._store_m(mMq, sMq, row0, h, i, j1, m1, scale, length)
-                    self._store_m(mMq, sMq, row0, h, i, j2, m2, scale, length)
+                    self._store_m(mMq, sMq, row0, h, i, j1, m1, length)
+                    self._store_m(mMq, sMq, row0, h, i, j2, m2, length)
             cute.arch.sync_threads()
 
             # ---- phase C: Aw = (I + L)^-1 diag(beta), one column per thread ------------------
@@ -456,25 +462,25 @@ class KdaPrepSm90(TileCopy):
                 qn = q2[c] * norm[i]
                 kn = k2[c] * norm[C + i]
                 if cutlass.const_expr(factored):
+                    # the outputs: phase B's operands times a per-column constant
                     er = cute.math.exp(Gi - gref[1, c], fastmath=True)
                     inv = cute.arch.rcp_approx(er)
-                    fA[i, d] = qn * er
-                    fB[i, d] = kn * er
-                    fG[i, d] = kn * inv
-                    eg = er * e_ref[c]
-                    ekd = inv * e_lr[c]
+                    fa = qn * er
+                    fb = kn * er
+                    fg = kn * inv
+                    fA[i, d] = fa
+                    fB[i, d] = fb
+                    fG[i, d] = fg
+                    qs = fa * e_ref[c]
+                    ke = fb * e_ref[c]
+                    kd = fg * e_lr[c]
                 else:
                     fA[i, d] = qn
                     fB[i, d] = kn
                     eg = cute.math.exp(Gi, fastmath=True)
-                    ekd = cute.math.exp(gref[0, c] - Gi, fastmath=True)
-                ke = kn * eg
-                qs = scale * (qn * eg)
-                kd = kn * ekd
-                if i >= length:
-                    ke = f32(0.0)
-                    qs = f32(0.0)
-                    kd = f32(0.0)
+                    qs = qn * eg
+                    ke = kn * eg
+                    kd = kn * cute.math.exp(gref[0, c] - Gi, fastmath=True)
                 qs2[c] = qs
                 ke2[c] = ke
                 kd2[c] = kd
@@ -522,7 +528,7 @@ class KdaPrepSm90(TileCopy):
             if prod == 0:
                 self._store_l(sL, sBeta, i, j, acc, length)
             else:
-                self._store_m(mMq, sMq, row0, h, i, j, acc, scale, length)
+                self._store_m(mMq, sMq, row0, h, i, j, acc, length)
 
     @cute.jit
     def _phase_b_partials(self, fA, fB, fG, warp, lane, accs):
@@ -622,7 +628,7 @@ class KdaPrepSm90(TileCopy):
             if cutlass.const_expr(product == 0):
                 self._store_l(sL, sBeta, i0 + i, j0 + jj, acc[e], length)
             else:
-                self._store_m(mMq, sMq, row0, h, i0 + i, j0 + jj, acc[e], scale, length)
+                self._store_m(mMq, sMq, row0, h, i0 + i, j0 + jj, acc[e], length)
 
     @cute.jit
     def _store_l(self, sL, sBeta, i, j, lacc, length):
@@ -633,12 +639,13 @@ class KdaPrepSm90(TileCopy):
         sL[i, j] = lval
 
     @cute.jit
-    def _store_m(self, mMq, sMq, row0, h, i, j, macc, scale, length):
-        """Entry (i, j) of Mqk = scale q_i . k_j (decayed), lower, zero past length: to global
+    def _store_m(self, mMq, sMq, row0, h, i, j, macc, length):
+        """Entry (i, j) of Mqk = scale q_i . k_j (decayed; q's norms carry the scale), lower,
+        zero past length: to global
         (f32) or as a (hi, lo) pair to the smem planes the TMA store sends (split)."""
         m = cutlass.Float32(0.0)
         if j <= i and i < length:
-            m = scale * macc
+            m = macc
         if cutlass.const_expr(self.split):
             hi = m.to(self.io_dtype)
             sMq[i, j, 0] = hi

@@ -20,8 +20,9 @@ and kd puts the state error at the 2.5e-3 bar; the output tolerates bf16 operand
 kd is read as an MN-major B operand (a transposed TMA view), so nothing is transposed on chip.
 K1's workspace holds whole chunks with zero rows past each sequence's end, so the operands need
 no masking; only v's rows past the length (another sequence's, or zero-filled) are masked in W.
-Whole output chunks leave by TMA stores from a double-buffered smem tile; a sequence's last,
-partial chunk is stored by the threads (a whole tile would overwrite the next sequence's rows).
+Whole output chunks leave by TMA stores from a double-buffered smem tile, each warp storing its
+own 16 state rows (no barrier across the warpgroup); a sequence's last, partial chunk is stored
+by the threads (a whole tile would overwrite the next sequence's rows).
 Constraints: block_v == 64, threads == 128 (+ 32 producer), chunk == 16, head_dim_k % 64 == 0.
 """
 
@@ -37,7 +38,6 @@ from kda_cute.config import RecurConfig
 from kernels.common import TileCopy, swizzle_bytes, tma_meta
 
 STATE_NONE, STATE_F32, STATE_BF16 = 0, 1, 2
-_CONSUMER_BARRIER = 1  # named barrier id of the consumer warpgroup (0 is __syncthreads)
 
 
 def acc_as_operand_a(acc: cute.Tensor) -> cute.Tensor:
@@ -120,10 +120,12 @@ class KdaRecurTcSm90(TileCopy):
             atom, tX = cpasync.make_tiled_tma_atom(op, m, cute.slice_(layout, one), tile)
             atoms += [atom, tX]
             self.tma_meta.append(tma_meta(name, atom, dtype))
-        # the output: (chunk, BV) tiles, two buffers
-        l_o = cute.make_layout((C, BV, 2), stride=(BV, 1, C * BV))
+        # the output: (chunk, BV) tiles, two buffers, each warp's 16 state rows (its rows of
+        # the accumulator) a dense (chunk, 16) slab that the warp stores by itself
+        l_o = cute.make_layout((C, (16, BV // 16), 2), stride=(16, (1, C * 16), C * BV))
+        l_slab = cute.make_layout((C, 16), stride=(16, 1))
         tma_o, tO = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), mOutT,
-                                                cute.slice_(l_o, one), (C, BV))
+                                                l_slab, (C, 16))
         self.tma_meta.append(tma_meta("out_tma", tma_o, "bfloat16"))
 
         buf = cute.struct.MemRange
@@ -148,7 +150,7 @@ class KdaRecurTcSm90(TileCopy):
         self.smem_bytes = SharedStorage.size_in_bytes()
         self.kernel(
             *atoms, mOut, tma_o, tO, mS0f, mS0h, mS1f, mS1h, mCuSeq, mCuChunk, state_in,
-            state_out, mma_p, mma_s, l_ck, l_cc, l_kc, l_gl, l_v, l_o,
+            state_out, mma_p, mma_s, l_ck, l_cc, l_kc, l_gl, l_v, l_o, l_slab,
         ).launch(
             grid=(self.V // BV, num_heads, num_seqs), block=(self.threads, 1, 1),
             smem=self.smem_bytes, stream=stream,
@@ -175,7 +177,7 @@ class KdaRecurTcSm90(TileCopy):
         state_in: cutlass.Int32, state_out: cutlass.Int32,
         mma_p: cute.TiledMma, mma_s: cute.TiledMma,
         l_ck: cute.ComposedLayout, l_cc: cute.ComposedLayout, l_kc: cute.ComposedLayout,
-        l_gl: cute.Layout, l_v: cute.Layout, l_o: cute.Layout,
+        l_gl: cute.Layout, l_v: cute.Layout, l_o: cute.Layout, l_slab: cute.Layout,
     ):
         C, K, BV, S = self.C, self.K, self.BV, self.stages
         tidx, _, _ = cute.arch.thread_idx()
@@ -234,14 +236,16 @@ class KdaRecurTcSm90(TileCopy):
                 state.advance()
         else:
             self._consume(pipe, sKg, sQg, sKdh, sKdl, sAwh, sAwl, sMqh, sMql, sGl, sV, sO,
-                          mOut, (tma_o, tO), mS0f, mS0h, mS1f, mS1h, state_in, state_out,
-                          mma_p, mma_s, tidx, h, seq, v0, bos, eos, num_chunks)
+                          l_slab, mOut, (tma_o, tO), mS0f, mS0h, mS1f, mS1h, state_in,
+                          state_out, mma_p, mma_s, tidx, warp, h, seq, vb, bos, eos, num_chunks)
 
     @cute.jit
-    def _consume(self, pipe, sKg, sQg, sKdh, sKdl, sAwh, sAwl, sMqh, sMql, sGl, sV, sO, mOut,
-                 store_o, mS0f, mS0h, mS1f, mS1h, state_in, state_out, mma_p: cute.TiledMma,
-                 mma_s: cute.TiledMma, tidx, h, seq, v0, bos, eos, num_chunks):
+    def _consume(self, pipe, sKg, sQg, sKdh, sKdl, sAwh, sAwl, sMqh, sMql, sGl, sV, sO,
+                 l_slab, mOut, store_o, mS0f, mS0h, mS1f, mS1h, state_in, state_out,
+                 mma_p: cute.TiledMma, mma_s: cute.TiledMma, tidx, warp, h, seq, vb, bos, eos,
+                 num_chunks):
         C, K, BV = self.C, self.K, self.BV
+        v0 = vb * BV
         bf16, f32 = cutlass.BFloat16, cutlass.Float32
         thr_p = mma_p.get_slice(tidx)
         thr_s = mma_s.get_slice(tidx)
@@ -273,15 +277,13 @@ class KdaRecurTcSm90(TileCopy):
         aUh = cute.make_rmem_tensor_like(vU, bf16)
         aUl = cute.make_rmem_tensor_like(vU, bf16)
 
-        # ---- initial state -> accumulator registers --------------------------------------
-        for e in cutlass.range_constexpr(cute.size(acc_s)):
-            r, d = cS[e]
-            x = f32(0.0)
-            if state_in == STATE_F32:
-                x = mS0f[seq, h, v0 + r, d]
-            elif state_in == STATE_BF16:
-                x = mS0h[seq, h, v0 + r, d].to(f32)
-            acc_s[e] = x
+        # ---- initial state -> accumulator registers (one branch, then every load at once) ---
+        if state_in == STATE_F32:
+            acc_s.store(thr_s.partition_C(self._state_rows(mS0f, seq, h, vb)).load())
+        elif state_in == STATE_BF16:
+            acc_s.store(thr_s.partition_C(self._state_rows(mS0h, seq, h, vb)).load().to(f32))
+        else:
+            acc_s.fill(0.0)
 
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         for c in cutlass.range(num_chunks):
@@ -307,11 +309,12 @@ class KdaRecurTcSm90(TileCopy):
                 self._gemm(mma_p, acc_o, aS, bQg[None, None, None, s], part == 0,
                            part * kb_slab)
                 warpgroup.commit_group()
-            # while they run: this thread's v^T entries
-            vT = cute.make_rmem_tensor_like(acc_p, f32)
+            # while they run: this thread's v^T entries (widened after the wait, so the
+            # loads' latency hides behind the products)
+            vT = cute.make_rmem_tensor_like(acc_p, bf16)
             for e in cutlass.range_constexpr(cute.size(acc_p)):
                 r, i = cP[e]
-                vT[e] = sV[i, r, s].to(f32)
+                vT[e] = sV[i, r, s]
             warpgroup.wait_group(1)
 
             # ---- W^T = v^T - P; tokens past the chunk's length are zero -------------------
@@ -319,7 +322,7 @@ class KdaRecurTcSm90(TileCopy):
                 _, i = cP[e]
                 w = f32(0.0)
                 if i < length:
-                    w = vT[e] - acc_p[e]
+                    w = vT[e].to(f32) - acc_p[e]
                 acc_p[e] = w
             self._split(vW, aWh, aWl)
 
@@ -348,21 +351,21 @@ class KdaRecurTcSm90(TileCopy):
 
             warpgroup.wait_group(1)  # O done; the update runs on while the output is stored
             if length == C:
-                # whole chunk: through smem buffer c % 2 and one TMA store
+                # whole chunk: each warp its 16 rows, through its slab of smem buffer c % 2 and
+                # one TMA store (no barrier across the warpgroup)
                 b = c % 2
+                # the store two chunks back has read this buffer (one chunk back: long since)
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+                cute.arch.sync_warp()
                 for e in cutlass.range_constexpr(cute.size(acc_o)):
                     r, i = cP[e]
                     sO[i, r, b] = acc_o[e].to(bf16)
                 cute.arch.fence_proxy("async.shared", space="cta")
-                if tidx < 32:
-                    # the previous chunk's store has read the other buffer (chunk c + 1's)
-                    cute.arch.cp_async_bulk_wait_group(0, read=True)
-                cute.arch.barrier(barrier_id=_CONSUMER_BARRIER,
-                                  number_of_threads=self.mma_threads)
-                if tidx < 32:
-                    self._tile_store(store_o[0], store_o[1], sO[None, None, b],
-                                     (t0, h * self.V + v0), (C, BV))
-                    cute.arch.cp_async_bulk_commit_group()
+                cute.arch.sync_warp()
+                slab = cute.make_tensor(sO.iterator + b * C * BV + warp * C * 16, l_slab)
+                self._tile_store(store_o[0], store_o[1], slab,
+                                 (t0, h * self.V + v0 + warp * 16), (C, 16))
+                cute.arch.cp_async_bulk_commit_group()
             else:
                 for e in cutlass.range_constexpr(cute.size(acc_o)):
                     r, i = cP[e]
@@ -372,16 +375,18 @@ class KdaRecurTcSm90(TileCopy):
             pipe.consumer_release(state)
             state.advance()
 
-        if tidx < 32:
-            cute.arch.cp_async_bulk_wait_group(0, read=True)  # smem outlives the stores
+        cute.arch.cp_async_bulk_wait_group(0, read=True)  # smem outlives every warp's stores
 
         # ---- final state ------------------------------------------------------------------
-        for e in cutlass.range_constexpr(cute.size(acc_s)):
-            r, d = cS[e]
-            if state_out == STATE_F32:
-                mS1f[seq, h, v0 + r, d] = acc_s[e]
-            elif state_out == STATE_BF16:
-                mS1h[seq, h, v0 + r, d] = acc_s[e].to(bf16)
+        if state_out == STATE_F32:
+            thr_s.partition_C(self._state_rows(mS1f, seq, h, vb)).store(acc_s.load())
+        elif state_out == STATE_BF16:
+            thr_s.partition_C(self._state_rows(mS1h, seq, h, vb)).store(acc_s.load().to(bf16))
+
+    @cute.jit
+    def _state_rows(self, m: cute.Tensor, seq, h, vb) -> cute.Tensor:
+        """State rows vb*BV .. vb*BV + BV - 1 of (sequence, head): a (BV, K) tile of m."""
+        return cute.local_tile(m[seq, h, None, None], (self.BV, self.K), (vb, 0))
 
     @cute.jit
     def _split(self, acc_view: cute.Tensor, hi: cute.Tensor, lo: cute.Tensor):
