@@ -27,7 +27,7 @@ SYM_WIDTH = {
     "sQ": 64, "sK": 64, "sG": 64, "sB": 64, "sV": 64, "sO": 64, "sS": 64, "sW": 32, "sWc": 32,
 }
 # divisibility promised to the compiler; the launcher validates it
-SYM_DIV = {"sQ": 8, "sK": 8, "sG": 8, "sV": 8, "sO": 8}
+SYM_DIV = {"sQ": 8, "sK": 8, "sG": 8, "sV": 8, "sO": 8, "sW": 8, "sWc": 8}
 
 DTYPE_BYTES = {"bfloat16": 2, "float32": 4, "int32": 4}
 
@@ -76,16 +76,17 @@ def _ten(name, dtype, shape, stride, align=None):
 def prep_args(cfg: PrepConfig) -> list[Arg]:
     K, C = cfg.head_dim_k, cfg.chunk
     if cfg.operands == "bf16":
-        # TMA stores from smem: (C, K) tiles of qg, kg and kd's planes, (C, C) of Aw's and Mq's
+        # TMA stores from smem: (C, K) tiles of qg and kg; kd's, Aw's and Mq's planes by the
+        # threads
         outs = [
             _ws_tile("qg", "bfloat16", "HK", (K, C)),
             _ws_tile("kg", "bfloat16", "HK", (K, C)),
-            _ws_tile("kdh", "bfloat16", "HK", (K, C)),
-            _ws_tile("kdl", "bfloat16", "HK", (K, C)),
-            _ws_tile("awh", "bfloat16", "HC", (C, C)),
-            _ws_tile("awl", "bfloat16", "HC", (C, C)),
-            _ws_tile("mqh", "bfloat16", "HC", (C, C)),
-            _ws_tile("mql", "bfloat16", "HC", (C, C)),
+            _ten("kdh", "bfloat16", ("R", "H", K), ("sW", K, 1), 16),
+            _ten("kdl", "bfloat16", ("R", "H", K), ("sW", K, 1), 16),
+            _ten("awh", "bfloat16", ("R", "H", C), ("sWc", C, 1), 16),
+            _ten("awl", "bfloat16", ("R", "H", C), ("sWc", C, 1), 16),
+            _ten("mqh", "bfloat16", ("R", "H", C), ("sWc", C, 1), 16),
+            _ten("mql", "bfloat16", ("R", "H", C), ("sWc", C, 1), 16),
             _ten("gl", "float32", ("NCH", "H", K), ("sW", K, 1), 16),
         ]
     else:

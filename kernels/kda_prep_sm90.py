@@ -20,9 +20,11 @@ tensor-core K2's operands: bf16 qg and kg; kd, Aw and Mq as bf16 hi + lo planes 
 ~16 bits); fp32 gl. Constraints: K % 32 == 0, K <= 256, chunk 16 or 32 (config.supports_prep).
 The workspace holds whole chunks: chunk b's rows are b*C .. b*C + C - 1, and rows past the
 sequence's length are written as zeros (so K2 needs no tail masking of its operands).
-bf16 outputs leave by TMA stores from smem: qg, kg and kd's planes overwrite the q, k and g
-tiles in place (each thread rewrites only the column it read), Aw's and Mq's planes have their
-own small tiles; the stores of the first four overlap phases B and C.
+bf16 outputs: qg and kg overwrite the q and k tiles in place (each thread rewrites only the
+columns it read) and leave by TMA stores that overlap phases B and C; kd's, Aw's and Mq's planes
+go straight from registers to the workspace (a warp writes whole 128-byte row segments of kd).
+With no staging tiles for those, and phase B's L over the g tile (dead after the gates), the bf16
+K1 at K = 128 needs 37.5 KB of smem: six CTAs per SM (at 78 registers).
 """
 
 import cutlass
@@ -105,18 +107,14 @@ class KdaPrepSm90(TileCopy):
 
     def _make_storage(self):
         C, K = self.C, self.K
-        # bf16 outputs: kd's lo plane and the (hi, lo) planes of Aw and Mq wait here for TMA
-        nkdl, ncc = (C * K, 2 * C * C) if self.split else (8, 8)
 
         @cute.struct
         class SharedStorage:
             mbar: cute.struct.MemRange[cutlass.Int64, 1]
             # q's tile, then k's: one (2C, K) array for the row norms
             sQK: cute.struct.Align[cute.struct.MemRange[self.io_dtype, 2 * C * K], 128]
+            # g's tile; once the gates are computed, phase B's L (fp32, C x C) lives here
             sG: cute.struct.Align[cute.struct.MemRange[self.io_dtype, C * K], 128]
-            sKdl: cute.struct.Align[cute.struct.MemRange[self.io_dtype, nkdl], 128]
-            sAw: cute.struct.Align[cute.struct.MemRange[self.io_dtype, ncc], 128]
-            sMq: cute.struct.Align[cute.struct.MemRange[self.io_dtype, ncc], 128]
             # fp32 working rows, padded by one word against bank conflicts in phase B:
             # factored chunks hold (qn e^G, kn e^G, kn e^-G), others (qn, kn, G)
             fA: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, C * (K + 1)], 16]
@@ -124,7 +122,6 @@ class KdaPrepSm90(TileCopy):
             fG: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, C * (K + 1)], 16]
             norm: cute.struct.MemRange[cutlass.Float32, 2 * C]
             beta: cute.struct.MemRange[cutlass.Float32, C]
-            L: cute.struct.MemRange[cutlass.Float32, C * C]
             unsafe: cute.struct.MemRange[cutlass.Int32, 1]
 
         self.shared_storage = SharedStorage
@@ -159,7 +156,7 @@ class KdaPrepSm90(TileCopy):
         """The kernel, whatever the output mode: `outs` holds tensors (f32) or TMA stores."""
         (tma_q, tQ), (tma_k, tK), (tma_g, tG) = loads
         if cutlass.const_expr(self.split):
-            st_qg, st_kg, st_kdh, st_kdl, mGl, st_awh, st_awl, st_mqh, st_mql = outs
+            st_qg, st_kg, mKdh, mKdl, mGl, mAwh, mAwl, mMqh, mMql = outs
             mQg = mKg = mKd = mAw = mMq = None
         else:
             mQg, mKg, mKd, mGl, mAw, mMq = outs
@@ -198,13 +195,12 @@ class KdaPrepSm90(TileCopy):
             fG = st.fG.get_tensor(f_layout)
             norm = st.norm.get_tensor(cute.make_layout(2 * C))
             sBeta = st.beta.get_tensor(cute.make_layout(C))
-            sL = st.L.get_tensor(cute.make_layout((C, C), stride=(C, 1)))
+            # L over g's tile (read by the gate pass only, before phase B writes L)
+            sL = cute.make_tensor(cute.recast_ptr(sG.iterator, dtype=cutlass.Float32),
+                                  cute.make_layout((C, C), stride=(C, 1)))
             row0 = bid * C  # this chunk's first workspace row
-            # Aw and Mq (split mode): (C, C) tiles, plane p at [None, None, p]
-            l_cc2 = cute.make_layout((C, C, 2), stride=(C, 1, C * C))
-            sAw = st.sAw.get_tensor(l_cc2) if cutlass.const_expr(self.split) else None
-            sMq = st.sMq.get_tensor(l_cc2) if cutlass.const_expr(self.split) else None
-            sKdl = st.sKdl.get_tensor(s_tile) if cutlass.const_expr(self.split) else None
+            # split mode: Mq's (hi, lo) planes, written by phase B straight to the workspace
+            sMq = (mMqh, mMql) if cutlass.const_expr(self.split) else None
             unsafe = st.unsafe.get_tensor(cute.make_layout(1))
 
             # ---- TMA: q, k, g tiles -> smem ----------------------------------------------
@@ -310,7 +306,8 @@ class KdaPrepSm90(TileCopy):
 
             # ---- phase A: token-indexed outputs and phase B's operands -----------------------
             factored = unsafe[0] == 0
-            outs_a = (sKdl, mQg, mKg, mKd)
+            outs_a = (mKdh, mKdl, mQg, mKg, mKd) if cutlass.const_expr(self.split) else (
+                None, None, mQg, mKg, mKd)
             # thread t < K: columns 2p, 2p + 1 (p = t mod K/2) of one half of the rows, so the
             # bf16 tiles move as 32-bit pairs; G at rows C/2 - 1 and C - 1 is read before either
             # half overwrites its rows of fG
@@ -341,10 +338,9 @@ class KdaPrepSm90(TileCopy):
                 cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.sync_threads()
             if cutlass.const_expr(self.split):
-                # qg, kg and kd leave now; phases B and C run while the stores drain
+                # qg and kg leave now; phases B and C run while the stores drain
                 if warp == 0:
-                    for (tma, tX), sX in ((st_qg, sQ), (st_kg, sK), (st_kdh, sG),
-                                          (st_kdl, sKdl)):
+                    for (tma, tX), sX in ((st_qg, sQ), (st_kg, sK)):
                         self._tile_store(tma, tX, sX, (row0, h * K), (C, K))
                     cute.arch.cp_async_bulk_commit_group()
 
@@ -412,18 +408,12 @@ class KdaPrepSm90(TileCopy):
                         x = cutlass.Float32(0.0)
                     if cutlass.const_expr(self.split):
                         hi_ = x.to(self.io_dtype)
-                        sAw[i, j, 0] = hi_
-                        sAw[i, j, 1] = (x - hi_.to(cutlass.Float32)).to(self.io_dtype)
+                        mAwh[row0 + i, h, j] = hi_
+                        mAwl[row0 + i, h, j] = (x - hi_.to(cutlass.Float32)).to(self.io_dtype)
                     else:
                         mAw[row0 + i, h, j] = x
             if cutlass.const_expr(self.split):
-                cute.arch.fence_proxy("async.shared", space="cta")
-                cute.arch.sync_threads()
                 if warp == 0:
-                    for (tma, tX), sX, pl in ((st_awh, sAw, 0), (st_awl, sAw, 1),
-                                              (st_mqh, sMq, 0), (st_mql, sMq, 1)):
-                        self._tile_store(tma, tX, sX[None, None, pl], (row0, h * C), (C, C))
-                    cute.arch.cp_async_bulk_commit_group()
                     # smem must outlive the stores' reads of it
                     cute.arch.cp_async_bulk_wait_group(0, read=True)
 
@@ -436,10 +426,8 @@ class KdaPrepSm90(TileCopy):
         otherwise (qn, kn, G)). gref holds (Gl, r) per column."""
         C = self.C
         f32, io = cutlass.Float32, self.io_dtype
-        sKdl, mQg, mKg, mKd = outs_a
-        pairs = [cute.logical_divide(x, (None, 2)) if x is not None else None
-                 for x in (sQ, sK, sG, sKdl)]
-        vQ, vK, vG, vKdl = pairs
+        mKdh, mKdl, mQg, mKg, mKd = outs_a
+        vQ, vK = (cute.logical_divide(x, (None, 2)) for x in (sQ, sK))
         e_ref = cute.make_rmem_tensor((2,), f32)
         e_lr = cute.make_rmem_tensor((2,), f32)
         if cutlass.const_expr(factored):
@@ -489,14 +477,17 @@ class KdaPrepSm90(TileCopy):
                     mKg[row0 + i, h, d] = ke
                     mKd[row0 + i, h, d] = kd
             if cutlass.const_expr(self.split):
-                # in place of the q, k, g tiles (only this thread reads these two columns
-                # of these rows), as bf16 pairs
+                # qg and kg in place of the q and k tiles (only this thread reads these two
+                # columns of these rows), as bf16 pairs, for the TMA stores; kd's planes
+                # straight to the workspace (a warp writes 128 contiguous bytes of a row)
                 vQ[i, (None, pair)].store(qs2.load().to(io))
                 vK[i, (None, pair)].store(ke2.load().to(io))
                 x = kd2.load()
                 kh = x.to(io)
-                vG[i, (None, pair)].store(kh)
-                vKdl[i, (None, pair)].store((x - kh.to(f32)).to(io))
+                pairs_g = cute.make_layout((2, self.K // 2), stride=(1, 2))
+                cute.make_tensor(mKdh[row0 + i, h, None].iterator, pairs_g)[None, pair].store(kh)
+                cute.make_tensor(mKdl[row0 + i, h, None].iterator, pairs_g)[None, pair].store(
+                    (x - kh.to(f32)).to(io))
 
     @cute.jit
     def _phase_b_ksplit(self, fA, fB, fG, sL, sBeta, mMq, sMq, row0, h, tidx, warp, lane, scale,
@@ -648,15 +639,15 @@ class KdaPrepSm90(TileCopy):
             m = macc
         if cutlass.const_expr(self.split):
             hi = m.to(self.io_dtype)
-            sMq[i, j, 0] = hi
-            sMq[i, j, 1] = (m - hi.to(cutlass.Float32)).to(self.io_dtype)
+            sMq[0][row0 + i, h, j] = hi
+            sMq[1][row0 + i, h, j] = (m - hi.to(cutlass.Float32)).to(self.io_dtype)
         else:
             mMq[row0 + i, h, j] = m
 
 
 class KdaPrepSm90Split(KdaPrepSm90):
-    """The bf16-operand K1 (for the tensor-core K2): qg, kg, kd hi/lo, Aw hi/lo and Mq hi/lo
-    leave by TMA stores from smem tiles."""
+    """The bf16-operand K1 (for the tensor-core K2): qg and kg leave by TMA stores from smem
+    tiles; kd, Aw and Mq (hi/lo planes) by the threads, straight from registers."""
 
     @cute.jit
     def __call__(
@@ -664,11 +655,11 @@ class KdaPrepSm90Split(KdaPrepSm90):
         mQ: cute.Tensor, mK: cute.Tensor, mG: cute.Tensor,
         mBeta: cute.Tensor, mALog: cute.Tensor, mDtBias: cute.Tensor,
         mCuSeq: cute.Tensor, mCuChunk: cute.Tensor,
-        mQg: cute.Tensor,  # (R, H*K) bf16: R rows of whole chunks
+        mQg: cute.Tensor,  # (R, H*K) bf16: R rows of whole chunks (TMA stores)
         mKg: cute.Tensor,
-        mKdh: cute.Tensor,  # (R, H*K) bf16: kd's hi and lo planes
+        mKdh: cute.Tensor,  # (R, H, K) bf16: kd's hi and lo planes
         mKdl: cute.Tensor,
-        mAwh: cute.Tensor,  # (R, H*C) bf16: Aw's hi and lo planes, then Mq's
+        mAwh: cute.Tensor,  # (R, H, C) bf16: Aw's hi and lo planes, then Mq's
         mAwl: cute.Tensor,
         mMqh: cute.Tensor,
         mMql: cute.Tensor,
@@ -686,17 +677,13 @@ class KdaPrepSm90Split(KdaPrepSm90):
         C, K = self.C, self.K
         loads, s_tile = self._make_loads(mQ, mK, mG)
         op = cpasync.CopyBulkTensorTileS2GOp()
-        s_cc = cute.make_layout((C, C), stride=(C, 1))
         stores = []
-        for name, m, layout, tile in (("qg", mQg, s_tile, (C, K)), ("kg", mKg, s_tile, (C, K)),
-                                      ("kdh", mKdh, s_tile, (C, K)),
-                                      ("kdl", mKdl, s_tile, (C, K)),
-                                      ("awh", mAwh, s_cc, (C, C)), ("awl", mAwl, s_cc, (C, C)),
-                                      ("mqh", mMqh, s_cc, (C, C)), ("mql", mMql, s_cc, (C, C))):
-            atom, tX = cpasync.make_tiled_tma_atom(op, m, layout, tile)
+        for name, m in (("qg", mQg), ("kg", mKg)):
+            atom, tX = cpasync.make_tiled_tma_atom(op, m, s_tile, (C, K))
             stores += [atom, tX]
             self.tma_meta.append(tma_meta(name, atom, "bfloat16"))
-        self._launch((*loads, mBeta, mALog, mDtBias, mCuSeq, mCuChunk, *stores, mGl, num_seqs,
+        self._launch((*loads, mBeta, mALog, mDtBias, mCuSeq, mCuChunk, *stores, mKdh, mKdl,
+                      mAwh, mAwl, mMqh, mMql, mGl, num_seqs,
                       scale, lower_bound, gate_mode, qk_l2norm, beta_sigmoid, s_tile),
                      num_chunks, num_heads, stream)
 
@@ -710,20 +697,16 @@ class KdaPrepSm90Split(KdaPrepSm90):
         mCuSeq: cute.Tensor, mCuChunk: cute.Tensor,
         tma_qg: cute.CopyAtom, tQg: cute.Tensor,
         tma_kg: cute.CopyAtom, tKg: cute.Tensor,
-        tma_kdh: cute.CopyAtom, tKdh: cute.Tensor,
-        tma_kdl: cute.CopyAtom, tKdl: cute.Tensor,
-        tma_awh: cute.CopyAtom, tAwh: cute.Tensor,
-        tma_awl: cute.CopyAtom, tAwl: cute.Tensor,
-        tma_mqh: cute.CopyAtom, tMqh: cute.Tensor,
-        tma_mql: cute.CopyAtom, tMql: cute.Tensor,
+        mKdh: cute.Tensor, mKdl: cute.Tensor,
+        mAwh: cute.Tensor, mAwl: cute.Tensor,
+        mMqh: cute.Tensor, mMql: cute.Tensor,
         mGl: cute.Tensor,
         num_seqs: cutlass.Int32,
         scale: cutlass.Float32, lower_bound: cutlass.Float32,
         gate_mode: cutlass.Int32, qk_l2norm: cutlass.Int32, beta_sigmoid: cutlass.Int32,
         s_tile: cute.Layout,
     ):
-        outs = ((tma_qg, tQg), (tma_kg, tKg), (tma_kdh, tKdh), (tma_kdl, tKdl), mGl,
-                (tma_awh, tAwh), (tma_awl, tAwl), (tma_mqh, tMqh), (tma_mql, tMql))
+        outs = ((tma_qg, tQg), (tma_kg, tKg), mKdh, mKdl, mGl, mAwh, mAwl, mMqh, mMql)
         self._body(((tma_q, tQ), (tma_k, tK), (tma_g, tG)), mBeta, mALog, mDtBias, mCuSeq,
                    mCuChunk, outs, num_seqs, scale, lower_bound, gate_mode, qk_l2norm,
                    beta_sigmoid, s_tile)

@@ -199,6 +199,13 @@ PACK_TENSOR = {
         (16, "q", SYMS["sS"]))),
     "recur-cu_chunks": (abi.recur_args, "cu_chunks", layout(16, (0, "Q", PTR),
                                                             (8, "i", SYMS["N1"]))),
+    # K1's planes written by the threads (bf16 operands): (R, H, K | C) with a 32-bit stride
+    "prep-kdl-tc": (abi.prep_args, "kdl", layout(
+        24, (0, "Q", PTR), (8, "i", SYMS["R"]), (12, "i", SYMS["H"]), (16, "i", SYMS["sW"])),
+        "tc"),
+    "prep-mql-tc": (abi.prep_args, "mql", layout(
+        24, (0, "Q", PTR), (8, "i", SYMS["R"]), (12, "i", SYMS["H"]), (16, "i", SYMS["sWc"])),
+        "tc"),
 }
 
 
@@ -226,13 +233,11 @@ PACK_DYNAMIC = {
                                                           (4, "i", SYMS["R"])), "tc"),
     "recur-mqh": (abi.recur_args, "mqh", layout(8, (0, "i", SYMS["R"]), (4, "i", SYMS["HC"])),
                   "tc"),
-    # the output's TMA view (T, H*V) for whole chunks; the K1 stores' views (R, H*K | H*C)
+    # the output's TMA view (T, H*V) for whole chunks; K1's TMA-store views (R, H*K)
     "recur-out_tma": (abi.recur_args, "out_tma", layout(8, (0, "i", SYMS["T"]),
                                                         (4, "i", SYMS["HV"])), "tc"),
-    "prep-kdl-store": (abi.prep_args, "kdl", layout(8, (0, "i", SYMS["R"]),
-                                                    (4, "i", SYMS["HK"])), "tc"),
-    "prep-mql-store": (abi.prep_args, "mql", layout(8, (0, "i", SYMS["R"]),
-                                                    (4, "i", SYMS["HC"])), "tc"),
+    "prep-kg-store": (abi.prep_args, "kg", layout(8, (0, "i", SYMS["R"]),
+                                                  (4, "i", SYMS["HK"])), "tc"),
 }
 
 
