@@ -151,6 +151,8 @@ def _recur_common(cfg: RecurConfig) -> list[Arg]:
         _tma("gl", "float32", ("NCH", "HK"), ("HK", 1), (K, 1)),
         _tma("v", "bfloat16", ("T", "HV"), ("sV", 1), (BV, C)),
         _ten("out", "bfloat16", ("T", "H", V), ("sO", V, 1)),
+        *([_tma("out_tma", "bfloat16", ("T", "HV"), ("sO", 1), (16, C))]
+          if cfg.mma == "wgmma" else []),
         _ten("s0f", "float32", ("NS", "H", V, K), ("sS", V * K, K, 1)),
         _ten("s0h", "bfloat16", ("NS", "H", V, K), ("sS", V * K, K, 1)),
         _ten("s1f", "float32", ("NS", "H", V, K), ("sS", V * K, K, 1)),

@@ -351,7 +351,7 @@ def launch_forward(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, in
     s_out = _STATE_CODE[final_state.dtype if final_state is not None else None]
     sp_in = initial_state.data_ptr() if initial_state is not None else dummy
     sp_out = final_state.data_ptr() if final_state is not None else dummy
-    vals2 = {**ws, "v": v.data_ptr(), "out": out.data_ptr(),
+    vals2 = {**ws, "v": v.data_ptr(), "out": out.data_ptr(), "out_tma": out.data_ptr(),
              "s0f": sp_in, "s0h": sp_in, "s1f": sp_out, "s1h": sp_out,
              "cu_seqlens": cs.data_ptr(), "cu_chunks": cc.data_ptr(), "num_seqs": p.N,
              "num_heads": H, "state_in": s_in, "state_out": s_out}
@@ -406,7 +406,7 @@ def _segmented_recurrence(k2, cfg, vals2, syms, p, P, v, out, initial_state, fin
     k2i = runtime.get_kernel(replace(cfg.recur, head_dim_v=K), runtime.arch_of(di))
     syms_i = {**syms_v, "HV": H * K, "sV": H * K, "sO": H * K, "sS": H * K * K}
     k2i.launch_with((K // bv, H, N), {**vals2, **seg, "v": zeros.data_ptr(),
-                                      "out": scratch.data_ptr(),
+                                      "out": scratch.data_ptr(), "out_tma": scratch.data_ptr(),
                                       "state_in": 1, "s0f": eye.data_ptr(),
                                       "s0h": eye.data_ptr(), "state_out": 1,
                                       "s1f": maps.data_ptr(), "s1h": maps.data_ptr()},

@@ -20,8 +20,9 @@ and kd puts the state error at the 2.5e-3 bar; the output tolerates bf16 operand
 kd is read as an MN-major B operand (a transposed TMA view), so nothing is transposed on chip.
 K1's workspace holds whole chunks with zero rows past each sequence's end, so the operands need
 no masking; only v's rows past the length (another sequence's, or zero-filled) are masked in W.
-The output leaves straight from the accumulator registers (a TMA store through smem costs a
-proxy fence per chunk on the serial chain: ~20% of K2's time, by an ablation on the H200).
+Whole output chunks leave by TMA stores from a double-buffered smem tile, each warp storing its
+own 16 state rows (no barrier across the warpgroup); a sequence's last, partial chunk is stored
+by the threads (a whole tile would overwrite the next sequence's rows).
 Constraints: block_v == 64, threads == 128 (+ 32 producer), chunk == 16, head_dim_k % 64 == 0.
 """
 
@@ -76,7 +77,8 @@ class KdaRecurTcSm90(TileCopy):
         mMqh: cute.Tensor, mMql: cute.Tensor,
         mGl: cute.Tensor,  # (num_chunks, H*K) fp32
         mV: cute.Tensor,  # (T, H*V) bf16, row stride dynamic
-        mOut: cute.Tensor,  # (T, H, V) bf16, row stride dynamic
+        mOut: cute.Tensor,  # (T, H, V) bf16, row stride dynamic: partial chunks
+        mOutT: cute.Tensor,  # (T, H*V) view of the same: TMA stores of whole chunks
         mS0f: cute.Tensor, mS0h: cute.Tensor, mS1f: cute.Tensor, mS1h: cute.Tensor,
         mCuSeq: cute.Tensor, mCuChunk: cute.Tensor,
         num_seqs: cutlass.Int32, num_heads: cutlass.Int32,
@@ -118,7 +120,13 @@ class KdaRecurTcSm90(TileCopy):
             atom, tX = cpasync.make_tiled_tma_atom(op, m, cute.slice_(layout, one), tile)
             atoms += [atom, tX]
             self.tma_meta.append(tma_meta(name, atom, dtype))
-
+        # the output: (chunk, BV) tiles, two buffers, each warp's 16 state rows (its rows of
+        # the accumulator) a dense (chunk, 16) slab that the warp stores by itself
+        l_o = cute.make_layout((C, (16, BV // 16), 2), stride=(16, (1, C * 16), C * BV))
+        l_slab = cute.make_layout((C, 16), stride=(16, 1))
+        tma_o, tO = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), mOutT,
+                                                l_slab, (C, 16))
+        self.tma_meta.append(tma_meta("out_tma", tma_o, "bfloat16"))
 
         buf = cute.struct.MemRange
         align = cute.struct.Align
@@ -136,12 +144,13 @@ class KdaRecurTcSm90(TileCopy):
             sMql: align[buf[bf16, cute.cosize(l_cc)], 1024]
             sGl: align[buf[cutlass.Float32, cute.cosize(l_gl)], 128]
             sV: align[buf[bf16, cute.cosize(l_v)], 128]
+            sO: align[buf[bf16, cute.cosize(l_o)], 128]
 
         self.shared_storage = SharedStorage
         self.smem_bytes = SharedStorage.size_in_bytes()
         self.kernel(
-            *atoms, mOut, mS0f, mS0h, mS1f, mS1h, mCuSeq, mCuChunk, state_in,
-            state_out, mma_p, mma_s, l_ck, l_cc, l_kc, l_gl, l_v,
+            *atoms, mOut, tma_o, tO, mS0f, mS0h, mS1f, mS1h, mCuSeq, mCuChunk, state_in,
+            state_out, mma_p, mma_s, l_ck, l_cc, l_kc, l_gl, l_v, l_o, l_slab,
         ).launch(
             grid=(self.V // BV, num_heads, num_seqs), block=(self.threads, 1, 1),
             smem=self.smem_bytes, stream=stream,
@@ -162,12 +171,13 @@ class KdaRecurTcSm90(TileCopy):
         tma_gl: cute.CopyAtom, tGl: cute.Tensor,
         tma_v: cute.CopyAtom, tV: cute.Tensor,
         mOut: cute.Tensor,
+        tma_o: cute.CopyAtom, tO: cute.Tensor,
         mS0f: cute.Tensor, mS0h: cute.Tensor, mS1f: cute.Tensor, mS1h: cute.Tensor,
         mCuSeq: cute.Tensor, mCuChunk: cute.Tensor,
         state_in: cutlass.Int32, state_out: cutlass.Int32,
         mma_p: cute.TiledMma, mma_s: cute.TiledMma,
         l_ck: cute.ComposedLayout, l_cc: cute.ComposedLayout, l_kc: cute.ComposedLayout,
-        l_gl: cute.Layout, l_v: cute.Layout,
+        l_gl: cute.Layout, l_v: cute.Layout, l_o: cute.Layout, l_slab: cute.Layout,
     ):
         C, K, BV, S = self.C, self.K, self.BV, self.stages
         tidx, _, _ = cute.arch.thread_idx()
@@ -192,6 +202,7 @@ class KdaRecurTcSm90(TileCopy):
         sMql = st.sMql.get_tensor(l_cc.outer, swizzle=l_cc.inner)
         sGl = st.sGl.get_tensor(l_gl)  # (1, K, S)
         sV = st.sV.get_tensor(l_v)  # (C, BV, S)
+        sO = st.sO.get_tensor(l_o)  # (C, BV, 2)
 
         pipe = pipeline.PipelineTmaAsync.create(
             barrier_storage=st.bars.data_ptr(), num_stages=S,
@@ -224,14 +235,15 @@ class KdaRecurTcSm90(TileCopy):
                 pipe.producer_commit(state)
                 state.advance()
         else:
-            self._consume(pipe, sKg, sQg, sKdh, sKdl, sAwh, sAwl, sMqh, sMql, sGl, sV, mOut,
-                          mS0f, mS0h, mS1f, mS1h, state_in, state_out, mma_p, mma_s, tidx, h, seq,
-                          vb, bos, eos, num_chunks)
+            self._consume(pipe, sKg, sQg, sKdh, sKdl, sAwh, sAwl, sMqh, sMql, sGl, sV, sO,
+                          l_slab, mOut, (tma_o, tO), mS0f, mS0h, mS1f, mS1h, state_in,
+                          state_out, mma_p, mma_s, tidx, warp, h, seq, vb, bos, eos, num_chunks)
 
     @cute.jit
-    def _consume(self, pipe, sKg, sQg, sKdh, sKdl, sAwh, sAwl, sMqh, sMql, sGl, sV, mOut,
-                 mS0f, mS0h, mS1f, mS1h, state_in, state_out, mma_p: cute.TiledMma,
-                 mma_s: cute.TiledMma, tidx, h, seq, vb, bos, eos, num_chunks):
+    def _consume(self, pipe, sKg, sQg, sKdh, sKdl, sAwh, sAwl, sMqh, sMql, sGl, sV, sO,
+                 l_slab, mOut, store_o, mS0f, mS0h, mS1f, mS1h, state_in, state_out,
+                 mma_p: cute.TiledMma, mma_s: cute.TiledMma, tidx, warp, h, seq, vb, bos, eos,
+                 num_chunks):
         C, K, BV = self.C, self.K, self.BV
         v0 = vb * BV
         bf16, f32 = cutlass.BFloat16, cutlass.Float32
@@ -338,12 +350,22 @@ class KdaRecurTcSm90(TileCopy):
             warpgroup.commit_group()
 
             warpgroup.wait_group(1)  # O done; the update runs on while the output is stored
-            # straight from registers: a warp's store covers 16-byte runs of 8 state rows at 4
-            # tokens, and the L2 merges the two halves of each sector (no smem, no proxy fence)
             if length == C:
+                # whole chunk: each warp its 16 rows, through its slab of smem buffer c % 2 and
+                # one TMA store (no barrier across the warpgroup)
+                b = c % 2
+                # the store two chunks back has read this buffer (one chunk back: long since)
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+                cute.arch.sync_warp()
                 for e in cutlass.range_constexpr(cute.size(acc_o)):
                     r, i = cP[e]
-                    mOut[t0 + i, h, v0 + r] = acc_o[e].to(bf16)
+                    sO[i, r, b] = acc_o[e].to(bf16)
+                cute.arch.fence_proxy("async.shared", space="cta")
+                cute.arch.sync_warp()
+                slab = cute.make_tensor(sO.iterator + b * C * BV + warp * C * 16, l_slab)
+                self._tile_store(store_o[0], store_o[1], slab,
+                                 (t0, h * self.V + v0 + warp * 16), (C, 16))
+                cute.arch.cp_async_bulk_commit_group()
             else:
                 for e in cutlass.range_constexpr(cute.size(acc_o)):
                     r, i = cP[e]
@@ -352,6 +374,8 @@ class KdaRecurTcSm90(TileCopy):
             warpgroup.wait_group(0)
             pipe.consumer_release(state)
             state.advance()
+
+        cute.arch.cp_async_bulk_wait_group(0, read=True)  # smem outlives every warp's stores
 
         # ---- final state ------------------------------------------------------------------
         if state_out == STATE_F32:

@@ -233,7 +233,9 @@ PACK_DYNAMIC = {
                                                           (4, "i", SYMS["R"])), "tc"),
     "recur-mqh": (abi.recur_args, "mqh", layout(8, (0, "i", SYMS["R"]), (4, "i", SYMS["HC"])),
                   "tc"),
-    # K1's TMA-store views (R, H*K)
+    # the output's TMA view (T, H*V) for whole chunks; K1's TMA-store views (R, H*K)
+    "recur-out_tma": (abi.recur_args, "out_tma", layout(8, (0, "i", SYMS["T"]),
+                                                        (4, "i", SYMS["HV"])), "tc"),
     "prep-kg-store": (abi.prep_args, "kg", layout(8, (0, "i", SYMS["R"]),
                                                   (4, "i", SYMS["HK"])), "tc"),
 }
