@@ -128,11 +128,15 @@ def graph_runner(fn, sets):
     return lambda x: graphs[id(x)].replay()
 
 
+SEGMENTS = None  # --segments: K2's segments per sequence (None: the launcher's choice)
+
+
 def kda_runner(config=None):
     def run(x):
         fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], x["scale"], x["out"], x["A_log"],
             x["dt_bias"], x["lower_bound"], x["initial_state"], x["final_state"],
-            x["cu_seqlens"], x["workspace"], check_seqlens=False, config=config)
+            x["cu_seqlens"], x["workspace"], check_seqlens=False, config=config,
+            segments=SEGMENTS)
     return run
 
 
@@ -333,8 +337,12 @@ def main(argv=None):
                     help="also time every tensor-core tile config (shipped and experimental)")
     ap.add_argument("--simt", action="store_true",
                     help="also time the fp32 CUDA-core baseline forward (config.SIMT)")
+    ap.add_argument("--segments", type=int, default=0,
+                    help="K2's segments per sequence (0: the launcher's choice; 1: none)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "latest.json"))
     a = ap.parse_args(argv)
+    global SEGMENTS
+    SEGMENTS = a.segments or None
     # '_' may stand for ' ' in case names, so a shell variable can carry them unquoted
     names = ([n.replace("_", " ") for n in a.cases.split(",")] if a.cases
              else (QUICK if a.quick else list(CASES)))
