@@ -69,35 +69,28 @@ def _ws_tile(name, dtype, cols, box):
     return _tma(name, dtype, ("R", cols), (cols, 1), box)
 
 
+def _ws_rows(name, dtype, width, stride):
+    """K1's workspace as (R, H, width) rows of whole chunks, written by the threads; `stride`
+    names the row stride H * width (sW for K-wide rows, sWc for chunk-wide ones)."""
+    return _ten(name, dtype, ("R", "H", width), (stride, width, 1), 16)
+
+
 def _ten(name, dtype, shape, stride, align=None):
     return Arg(name, "tensor", dtype, shape, stride, align=align or DTYPE_BYTES[dtype])
 
 
 def prep_args(cfg: PrepConfig) -> list[Arg]:
     K, C = cfg.head_dim_k, cfg.chunk
+    gl = _ten("gl", "float32", ("NCH", "H", K), ("sW", K, 1), 16)
     if cfg.operands == "bf16":
         # TMA stores from smem: (C, K) tiles of qg and kg; kd's, Aw's and Mq's planes by the
         # threads
-        outs = [
-            _ws_tile("qg", "bfloat16", "HK", (K, C)),
-            _ws_tile("kg", "bfloat16", "HK", (K, C)),
-            _ten("kdh", "bfloat16", ("R", "H", K), ("sW", K, 1), 16),
-            _ten("kdl", "bfloat16", ("R", "H", K), ("sW", K, 1), 16),
-            _ten("awh", "bfloat16", ("R", "H", C), ("sWc", C, 1), 16),
-            _ten("awl", "bfloat16", ("R", "H", C), ("sWc", C, 1), 16),
-            _ten("mqh", "bfloat16", ("R", "H", C), ("sWc", C, 1), 16),
-            _ten("mql", "bfloat16", ("R", "H", C), ("sWc", C, 1), 16),
-            _ten("gl", "float32", ("NCH", "H", K), ("sW", K, 1), 16),
-        ]
+        outs = [_ws_tile("qg", "bfloat16", "HK", (K, C)), _ws_tile("kg", "bfloat16", "HK", (K, C)),
+                *(_ws_rows(n, "bfloat16", K, "sW") for n in ("kdh", "kdl")),
+                *(_ws_rows(n, "bfloat16", C, "sWc") for n in ("awh", "awl", "mqh", "mql")), gl]
     else:
-        outs = [
-            _ten("qg", "float32", ("R", "H", K), ("sW", K, 1), 16),
-            _ten("kg", "float32", ("R", "H", K), ("sW", K, 1), 16),
-            _ten("kd", "float32", ("R", "H", K), ("sW", K, 1), 16),
-            _ten("gl", "float32", ("NCH", "H", K), ("sW", K, 1), 16),
-            _ten("aw", "float32", ("R", "H", C), ("sWc", C, 1), 16),
-            _ten("mq", "float32", ("R", "H", C), ("sWc", C, 1), 16),
-        ]
+        outs = [*(_ws_rows(n, "float32", K, "sW") for n in ("qg", "kg", "kd")), gl,
+                *(_ws_rows(n, "float32", C, "sWc") for n in ("aw", "mq"))]
     return [
         _tma("q", "bfloat16", ("T", "HK"), ("sQ", 1), (K, C)),
         _tma("k", "bfloat16", ("T", "HK"), ("sK", 1), (K, C)),
