@@ -91,6 +91,10 @@ def supports_prep(cfg: PrepConfig) -> tuple[bool, str]:
         return False, (f"threads must be >= 128 and 2*chunk times a power of two dividing "
                        f"head_dim_k / 8 (the row norms read 8-element vectors), "
                        f"got {cfg.threads}")
+    if cfg.threads < cfg.head_dim_k:
+        # the output pass gives each thread two columns of half the chunk's rows
+        return False, (f"threads must be >= head_dim_k {cfg.head_dim_k} (two columns of half "
+                       f"the rows per thread), got {cfg.threads}")
     if cfg.operands not in ("f32", "bf16"):
         return False, f"operands must be 'f32' or 'bf16', got {cfg.operands!r}"
     return True, ""

@@ -63,6 +63,9 @@ REJECTED = {
     "prep-chunk64": (supports_prep, PrepConfig(64, chunk=64), "chunk", "64"),
     "prep-threads-not-warps": (supports_prep, PrepConfig(64, threads=100), "threads", "100"),
     "prep-threads-below-128": (supports_prep, PrepConfig(64, threads=64), "threads", "64"),
+# the vectors fit (4 threads per row, 32 vectors), but the output pass needs a thread per
+# column pair of each half of the rows
+"prep-threads-below-k": (supports_prep, PrepConfig(256, threads=128), "threads", "128"),
     # 16 threads per row norm, but a K = 96 row has 12 eight-element vectors
     "prep-threads-per-row-over-vectors": (supports_prep, PrepConfig(96, threads=512), "threads",
                                           "512"),
