@@ -1,0 +1,106 @@
+"""CPU study: which of K2's hi/lo products can go (and with them K1's lo planes).
+
+K2 computes U = W Aw^T, O = Pq + U Mq^T and S += U^T kd each as three bf16 products of hi/lo
+splits (Ah Bh + Ah Bl + Al Bh, ~16 bits), and P, Pq from bf16(S). This emulates that in fp32
+on a fixed-length sequence (chunk 16, T a multiple of it) with K1's workspace rounded as K1
+writes it (qg, kg bf16; kd, Aw, Mq hi + lo), and drops one term of one product at a time: "no B
+lo" (Ah Bh + Al Bh: the operand K1 writes needs no lo plane) or "no A lo" (Ah Bh + Ah Bl), or
+keeps one product (Ah Bh). Errors against the float64 loop, FlashKDA-benchmark-like inputs.
+
+    python bench/precision_products.py [--T 1024] [--H 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from kda_cute.reference import (  # noqa: E402
+    chunk_intermediates,
+    kda_reference,
+    preprocess,
+    rel_err,
+    round_bf16,
+)
+
+
+def hi(x):
+    return round_bf16(x)
+
+
+def lo(x):
+    return round_bf16(x - round_bf16(x))
+
+
+def product(a, b, mode):
+    """a @ b as the kernel's bf16 MMAs compute it (fp32 accumulation)."""
+    if mode == "3":
+        return hi(a) @ hi(b) + hi(a) @ lo(b) + lo(a) @ hi(b)
+    if mode == "no B lo":
+        return hi(a) @ hi(b) + lo(a) @ hi(b)
+    if mode == "no A lo":
+        return hi(a) @ hi(b) + hi(a) @ lo(b)
+    return hi(a) @ hi(b)  # "1"
+
+
+def k2(inter, v, C, s0, modes):
+    """K2's chunk loop for one fixed-length batch (T % C == 0), S [B, H, V, K]."""
+    qg, kg, kd, gl, Aw, Mq = (inter[n] for n in ("qg", "kg", "kd", "gl", "Aw", "Mq"))
+    B, T, H, K = qg.shape
+    S = s0.clone()
+    out = torch.empty(B, T, H, v.shape[-1])
+    for c in range(T // C):
+        sl = slice(c * C, (c + 1) * C)
+        q_, k_, d_, v_, aw, mq = (x[:, sl].transpose(1, 2) for x in (qg, kg, kd, v, Aw, Mq))
+        St = hi(S).transpose(-1, -2)  # P and Pq from bf16(S)
+        W = v_ - hi(k_) @ St
+        U = product(aw, W, modes["U"])  # [C, C] x [C, V]
+        o_c = hi(q_) @ St + product(mq, U, modes["O"])
+        S = S * gl[:, c * C].unsqueeze(-2) + product(U.transpose(-1, -2), d_, modes["S"])
+        out[:, sl] = o_c.transpose(1, 2)
+    return out, S
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--T", type=int, default=1024)
+    ap.add_argument("--H", type=int, default=2)
+    a = ap.parse_args(argv)
+    gen = torch.Generator().manual_seed(0)
+    B, T, H, K, C = 1, a.T, a.H, 128, 16
+    q, k, g, v = (torch.randn(B, T, H, K, generator=gen).to(torch.bfloat16) for _ in range(4))
+    beta = torch.randn(B, T, H, generator=gen).to(torch.bfloat16)
+    A_log, dt_bias = torch.rand(H, generator=gen), torch.rand(H, K, generator=gen)
+    s0 = torch.randn(B, H, K, K, generator=gen)
+    kw = dict(lower_bound=-5.0, gate="bounded")
+    ref_o, ref_s = kda_reference(q.double(), k.double(), v.double(), g.double(), beta.double(),
+                                 initial_state=s0.double(), A_log=A_log.double(),
+                                 dt_bias=dt_bias.double(), **kw)
+    qn, kn, al, b = preprocess(q.float(), k.float(), g.float(), beta.float(),
+                               dtype=torch.float32, A_log=A_log, dt_bias=dt_bias, **kw)
+    inter = chunk_intermediates(qn, kn, al, b, chunk=C, scale=K ** -0.5)
+    # as K1 writes them: qg, kg bf16; kd, Aw, Mq hi + lo (the products split them again)
+    inter = {n: (hi(x) if n in ("qg", "kg") else x) for n, x in inter.items()}
+    # Aw and Mq as [B, T, H, C] rows of the chunk's matrices (row i of chunk c at token cC + i)
+    base = {"U": "3", "O": "3", "S": "3"}
+    variants = [("all three-term", base)]
+    # (product, its A operand, its B operand): U = Aw W, O = Mq U, S += U^T kd
+    for prod, a_name, b_name in (("U", "Aw", "W"), ("O", "Mq", "U"), ("S", "U", "kd")):
+        for mode, what in (("no A lo", f"no {a_name} lo"), ("no B lo", f"no {b_name} lo"),
+                           ("1", "one product")):
+            variants.append((f"{prod}: {what}", {**base, prod: mode}))
+    for name, modes in variants:
+        o, s = k2(inter, v.float(), C, s0, modes)
+        row = {"variant": name, "out_err": rel_err(o.to(torch.bfloat16), ref_o),
+               "state_err": rel_err(s, ref_s)}
+        print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()
