@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Build the cubins of several revisions side by side, for timing them in one device call.
-# Each REV's kernels go to build/ab/<name>/<arch> (git-ignored; carry "build/ab"); on the device:
-#   for d in build/ab/*; do KDA_CUTE_CUBIN_DIR=$d python3 bench/bench.py --no-fla --cases ...; done
-# The launcher of the checked-out tree runs every variant, so the revisions must share its kernel
-# arguments (kda_cute/abi.py). Usage: bash scripts/ab_build.sh REV [REV ...]   (name: REV with
-# '/' as '-')
+# Each REV's kernels go to build/ab/<name>/<arch> and its launcher and benchmark (kda_cute/,
+# bench/) to build/ab/<name>/src (git-ignored; carry "build/ab"), so revisions with different
+# kernel arguments compare too. On the device:
+#   for d in build/ab/*; do KDA_CUTE_CUBIN_DIR=$d python3 $d/src/bench/bench.py --no-fla \
+#     --cases ... --out /tmp/x.json | grep K128; done
+# Usage: bash scripts/ab_build.sh REV [REV ...]   (name: REV with '/' as '-')
 set -euo pipefail
 ARCH=${ARCH:-sm_90a}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -15,7 +16,8 @@ for REV in "$@"; do
   name=${REV//\//-}
   tree="$TMP/tree-$name"
   git -C "$ROOT" worktree add -q --detach "$tree" "$REV"
+  rm -rf "$ROOT/build/ab/$name"
   (cd "$tree" && "$PY" -m kernels.build --arch "$ARCH" --out "$ROOT/build/ab/$name" | tail -1)
-  git -C "$ROOT" diff --quiet "$REV" HEAD -- kda_cute/abi.py \
-    || echo "warning: $REV's kernel arguments differ from this tree's; its cubins will not launch"
+  mkdir -p "$ROOT/build/ab/$name/src"
+  git -C "$ROOT" archive "$REV" kda_cute bench ":(exclude)bench/results" | tar x -C "$ROOT/build/ab/$name/src"
 done
