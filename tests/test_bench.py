@@ -1,0 +1,74 @@
+"""The benchmark's arithmetic on the CPU: the FlashKDA estimate, the geometric means, the
+tables (the timing itself needs the GPU)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(f"_bench_{name}", ROOT / "bench" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+bench = _load("bench")
+accuracy = _load("accuracy")
+
+
+def _row(case="B1 T8192 H64", K=128, kda=0.5, fla=None, **kw):
+    r = {"case": case, "K": K, "roofline_ms": 0.16, "kda_ms": kda, "kda_k1_ms": 0.2,
+         "kda_graph_ms": kda, "kda_pct_roofline": 100 * 0.16 / kda, "kda_out_err": 1.7e-3,
+         "kda_state_err": 5e-6, **kw}
+    if fla is not None:
+        r.update(fla_ms=fla, speedup_vs_fla=fla / kda, fla_out_err=4e-3, fla_state_err=3e-3)
+    return r
+
+
+def test_flashkda_estimate_scales_by_this_runs_fla():
+    flashkda, fla_then = bench.FLASHKDA_REF["B1 T8192 H64"]
+    # fla twice as slow here as in the issue's run: FlashKDA's figure doubles with it
+    assert bench.flashkda_estimate(_row(fla=2 * fla_then)) == pytest.approx(2 * flashkda)
+    assert bench.flashkda_estimate(_row()) is None  # no fla in this run
+    assert bench.flashkda_estimate(_row(K=64, fla=1.0)) is None  # no FlashKDA figure at K = 64
+    assert bench.flashkda_estimate(_row(case="not a table case", fla=1.0)) is None
+
+
+def test_write_results_summary(tmp_path, monkeypatch):
+    monkeypatch.setattr(bench, "versions", lambda: {"commit": "test"})
+    ref = bench.FLASHKDA_REF
+    rows = [_row("B1 T8192 H64", kda=0.5, fla=1.0), _row("B1 T8192 H16", kda=0.25, fla=2.0),
+            _row("B1 T8192 H32", K=64, kda=1.0)]
+    out = tmp_path / "r.json"
+    bench.write_results(rows, 4.2e12, out, final=False)
+    doc = json.loads(out.read_text())
+    s = doc["summary"]
+    assert s["cases"] == 3 and s["complete"] is False
+    assert s["geomean_speedup_vs_fla"] == pytest.approx(4.0)  # speedups 2 and 8
+    est = [ref[c][0] * f / ref[c][1] / k for c, f, k in
+           (("B1 T8192 H64", 1.0, 0.5), ("B1 T8192 H16", 2.0, 0.25))]
+    assert s["geomean_speedup_vs_flashkda_est"] == pytest.approx(math.sqrt(est[0] * est[1]))
+    table = [ref["B1 T8192 H64"][0] / 0.5, ref["B1 T8192 H16"][0] / 0.25]
+    assert s["geomean_speedup_vs_flashkda_table"] == pytest.approx(math.sqrt(table[0] * table[1]))
+    assert doc["rows"][0]["flashkda_est_ms"] == pytest.approx(est[0] * 0.5)
+    md = out.with_suffix(".md").read_text().splitlines()
+    assert len(md) == 2 + len(rows)
+    # the K = 64 row has no fla or FlashKDA figures: dashes, not zeros or NaN
+    assert md[-1].count(" - |") == 5 and "nan" not in md[-1]
+
+
+def test_accuracy_markdown():
+    doc = {"device": "GPU", "commit": "abc", "torch": "2", "bar": {"out": 3.5e-3, "state": 2.5e-3},
+           "rows": [{"case": "T512", "config": ["k1", "k2"], "out_err": 1.7e-3,
+                     "state_err": 5e-6, "out_finite": True, "state_finite": False}]}
+    lines = accuracy.markdown(doc).splitlines()
+    assert "commit abc" in lines[0] and "output <= 0.0035" in lines[0]
+    assert lines[-1] == "| T512 | k1, k2 | 1.70e-03 | 5.00e-06 | False |"
