@@ -1,6 +1,7 @@
 """Accuracy against the float64 reference on FlashKDA-benchmark-like inputs (K = V = 128):
 q, k, v, g ~ N(0,1) bf16, beta logits ~ N(0,1), A_log, dt_bias ~ U(0,1), lower_bound -5, fp32
-states in and out. Also the long single sequence (T = 262144) for NaN/Inf and error growth.
+states in and out; and slowly decaying states (a constant log-space decay per token, gate
+"none"). Also the long single sequence (T = 262144) for NaN/Inf and error growth.
 
     python bench/accuracy.py [--out bench/results/accuracy.json] [--long]
 """
@@ -33,6 +34,10 @@ CASES = [
     ("varlen mix H8", dict(seqlens=[1300, 547, 2048, 963, 271, 3063], H=8)),
     ("T4096 H4 K64", dict(B=1, T=4096, H=4, K=64)),
     ("T4096 H4 K256", dict(B=1, T=4096, H=4, K=256)),
+    # a constant log-space decay per token (gate "none"): a state that remembers many chunks,
+    # where the bf16 operands' rounding accumulates (the cases above forget within a chunk)
+    ("T4096 H8 slow decay -0.02", dict(B=1, T=4096, H=8, gate="none", decay=-0.02)),
+    ("T4096 H8 slow decay -0.005", dict(B=1, T=4096, H=8, gate="none", decay=-0.005)),
 ]
 LONG = ("T262144 H1 bounded", dict(B=1, T=262144, H=1))
 
@@ -46,7 +51,11 @@ def main(argv=None):
     for name, kw in CASES + ([LONG] if a.long else []):
         t0 = time.time()
         kw = {"K": 128, **kw}
-        res = errors(make_inputs(seed=len(rows) + 1, **kw))
+        decay = kw.pop("decay", None)
+        inp = make_inputs(seed=len(rows) + 1, **kw)
+        if decay is not None:
+            inp["g"] = torch.full_like(inp["g"], decay)
+        res = errors(inp)
         ladder = select_config(kw["K"], kw.get("V") or kw["K"], "seqlens" in kw)
         res.update(case=name, seconds=round(time.time() - t0, 1),
                    config=[ladder.prep.name, ladder.recur.name])

@@ -59,10 +59,43 @@ def k2(inter, v, C, s0, modes):
         sl = slice(c * C, (c + 1) * C)
         q_, k_, d_, v_, aw, mq = (x[:, sl].transpose(1, 2) for x in (qg, kg, kd, v, Aw, Mq))
         St = hi(S).transpose(-1, -2)  # P and Pq from bf16(S)
-        W = v_ - hi(k_) @ St
+        if modes.get("P") == "S hi/lo":  # and S's lo part: two products each
+            Sl = lo(S).transpose(-1, -2)
+            W = v_ - hi(k_) @ St - hi(k_) @ Sl
+            Pq = hi(q_) @ St + hi(q_) @ Sl
+        else:
+            W = v_ - hi(k_) @ St
+            Pq = hi(q_) @ St
         U = product(aw, W, modes["U"])  # [C, C] x [C, V]
-        o_c = hi(q_) @ St + product(mq, U, modes["O"])
+        o_c = Pq + product(mq, U, modes["O"])
         S = S * gl[:, c * C].unsqueeze(-2) + product(U.transpose(-1, -2), d_, modes["S"])
+        out[:, sl] = o_c.transpose(1, 2)
+    return out, S
+
+
+def k2_lookahead(inter, v, C, s0, x_mode):
+    """K2 with the serial chain cut at the state update: chunk c's P = kg_c S_c^T taken as
+    kg_c (S_(c-1) diag(gl))^T + X_c U_(c-1), X_c = kg_c kd_(c-1)^T [C, C] (computable as soon as
+    both tiles are in smem), so P needs U_(c-1), not the updated state. x_mode: how X_c enters
+    its product with U ("3": hi/lo both, "no A lo": X in plain bf16)."""
+    qg, kg, kd, gl, Aw, Mq = (inter[n] for n in ("qg", "kg", "kd", "gl", "Aw", "Mq"))
+    B, T, H, K = qg.shape
+    S = s0.clone()
+    out = torch.empty(B, T, H, v.shape[-1])
+    U_prev = d_prev = S_dec = None
+    for c in range(T // C):
+        sl = slice(c * C, (c + 1) * C)
+        q_, k_, d_, v_, aw, mq = (x[:, sl].transpose(1, 2) for x in (qg, kg, kd, v, Aw, Mq))
+        if U_prev is None:
+            P = hi(k_) @ hi(S).transpose(-1, -2)
+        else:
+            X = hi(k_) @ (hi(d_prev) + lo(d_prev)).transpose(-1, -2)  # fp32 accumulation
+            P = hi(k_) @ hi(S_dec).transpose(-1, -2) + product(X, U_prev, x_mode)
+        U = product(aw, v_ - P, "3")
+        o_c = hi(q_) @ hi(S).transpose(-1, -2) + product(mq, U, "3")
+        S_dec = S * gl[:, c * C].unsqueeze(-2)
+        S = S_dec + product(U.transpose(-1, -2), d_, "3")
+        U_prev, d_prev = U, d_
         out[:, sl] = o_c.transpose(1, 2)
     return out, S
 
@@ -71,6 +104,9 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--T", type=int, default=1024)
     ap.add_argument("--H", type=int, default=2)
+    ap.add_argument("--decay", type=float, default=None,
+                    help="a constant log-space decay per token (gate 'none', e.g. -0.02: a "
+                         "state that remembers many chunks) instead of the bounded gate")
     a = ap.parse_args(argv)
     gen = torch.Generator().manual_seed(0)
     B, T, H, K, C = 1, a.T, a.H, 128, 16
@@ -79,6 +115,9 @@ def main(argv=None):
     A_log, dt_bias = torch.rand(H, generator=gen), torch.rand(H, K, generator=gen)
     s0 = torch.randn(B, H, K, K, generator=gen)
     kw = dict(lower_bound=-5.0, gate="bounded")
+    if a.decay is not None:
+        g = torch.full_like(g, a.decay)
+        kw = dict(lower_bound=None, gate="none")
     ref_o, ref_s = kda_reference(q.double(), k.double(), v.double(), g.double(), beta.double(),
                                  initial_state=s0.double(), A_log=A_log.double(),
                                  dt_bias=dt_bias.double(), **kw)
@@ -89,7 +128,7 @@ def main(argv=None):
     inter = {n: (hi(x) if n in ("qg", "kg") else x) for n, x in inter.items()}
     # Aw and Mq as [B, T, H, C] rows of the chunk's matrices (row i of chunk c at token cC + i)
     base = {"U": "3", "O": "3", "S": "3"}
-    variants = [("all three-term", base)]
+    variants = [("all three-term", base), ("P, Pq from S hi/lo too", {**base, "P": "S hi/lo"})]
     # (product, its A operand, its B operand): U = Aw W, O = Mq U, S += U^T kd
     for prod, a_name, b_name in (("U", "Aw", "W"), ("O", "Mq", "U"), ("S", "U", "kd")):
         for mode, what in (("no A lo", f"no {a_name} lo"), ("no B lo", f"no {b_name} lo"),
@@ -99,6 +138,11 @@ def main(argv=None):
         o, s = k2(inter, v.float(), C, s0, modes)
         row = {"variant": name, "out_err": rel_err(o.to(torch.bfloat16), ref_o),
                "state_err": rel_err(s, ref_s)}
+        print(json.dumps(row), flush=True)
+    for x_mode in ("3", "no A lo"):
+        o, s = k2_lookahead(inter, v.float(), C, s0, x_mode)
+        row = {"variant": f"lookahead P, X_c U_(c-1) as {x_mode!r}",
+               "out_err": rel_err(o.to(torch.bfloat16), ref_o), "state_err": rel_err(s, ref_s)}
         print(json.dumps(row), flush=True)
 
 

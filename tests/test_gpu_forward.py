@@ -190,6 +190,16 @@ def test_segmented_first_call_captured_with_tf32_on():
     _assert(errors(inp, segments=4))
 
 
+@pytest.mark.parametrize("decay", [-0.02, -0.005])
+def test_slow_decay(decay):
+    """A state that remembers many chunks (a constant log-space decay per token): the bf16
+    operands' rounding accumulates here as it cannot with the fast-decaying gates above (CPU
+    emulation, bench/precision_products.py --decay: output ~2.7-2.9e-3, state ~4-9e-4)."""
+    inp = make_inputs(B=1, T=4096, H=4, K=128, gate="none", seed=41)
+    inp["g"] = torch.full_like(inp["g"], decay)
+    _assert(errors(inp))
+
+
 def test_unbounded_strong_decay():
     inp = make_inputs(B=1, T=300, H=2, K=128, gate="unbounded", g_shift=20.0, seed=13)
     _assert(errors(inp))
