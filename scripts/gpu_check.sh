@@ -5,6 +5,9 @@
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu_out}
 mkdir -p "$OUT"
+# the results record KDA_COMMIT; set it to the commit under test (a copied tree's git metadata
+# can be stale: a run on a copy once reported an older commit)
+[ -n "${KDA_COMMIT:-}" ] || echo "warning: KDA_COMMIT unset; results take the commit from git here" >&2
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:${PYTHONPATH:-}"
 if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
