@@ -21,7 +21,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from kda_cute.config import select_config  # noqa: E402
-from kda_cute.testing import errors, make_inputs  # noqa: E402
+from kda_cute.reference import rel_err  # noqa: E402
+from kda_cute.testing import errors, make_inputs, reference  # noqa: E402
 
 CASES = [
     # (name, kwargs)
@@ -46,6 +47,9 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "accuracy.json"))
     ap.add_argument("--long", action="store_true", help="add the T = 262144 sequence")
+    ap.add_argument("--fla", action="store_true",
+                    help="also fla's Triton chunk_kda on each case but the long one (it compiles "
+                         "each new shape: about a minute apiece on a fresh machine)")
     a = ap.parse_args(argv)
     rows = []
     for name, kw in CASES + ([LONG] if a.long else []):
@@ -56,6 +60,8 @@ def main(argv=None):
         if decay is not None:
             inp["g"] = torch.full_like(inp["g"], decay)
         res = errors(inp)
+        if a.fla and name != LONG[0]:
+            res.update(fla_errors(inp))
         ladder = select_config(kw["K"], kw.get("V") or kw["K"], "seqlens" in kw)
         res.update(case=name, seconds=round(time.time() - t0, 1),
                    config=[ladder.prep.name, ladder.recur.name])
@@ -70,17 +76,43 @@ def main(argv=None):
     out.with_suffix(".md").write_text(markdown(doc))
 
 
+def fla_errors(inp) -> dict:
+    """fla's chunk_kda (Triton path) on the same inputs and gate form, against the same
+    float64 reference."""
+    os.environ.setdefault("FLA_DISABLE_BACKEND_DISPATCH", "1")
+    try:
+        from fla.ops.kda import chunk_kda
+        gate = {"bounded": dict(use_gate_in_kernel=True, safe_gate=True,
+                                lower_bound=inp["lower_bound"]),
+                "unbounded": dict(use_gate_in_kernel=True),
+                "none": dict(use_gate_in_kernel=False)}[inp["gate"]]
+        g = inp["g"] if inp["gate"] != "none" else inp["g"].float()
+        o, s = chunk_kda(inp["q"], inp["k"], inp["v"], g, inp["beta"], scale=inp["scale"],
+                         initial_state=inp["initial_state"], output_final_state=True,
+                         use_qk_l2norm_in_kernel=inp["qk_l2norm"],
+                         use_beta_sigmoid_in_kernel=inp["beta_sigmoid"], A_log=inp["A_log"],
+                         dt_bias=inp["dt_bias"], state_v_first=True,
+                         cu_seqlens=inp["cu_seqlens"], **gate)
+        torch.cuda.synchronize()
+    except Exception as e:  # fla is optional; a case it cannot run says why
+        return {"fla_error": repr(e)[:200]}
+    ref_o, ref_s = reference(inp)
+    return {"fla_out_err": rel_err(o, ref_o), "fla_state_err": rel_err(s, ref_s)}
+
+
 def markdown(doc):
     """The readable table written beside the JSON."""
     bar = doc["bar"]
     lines = [f"Accuracy on {doc['device']} (commit {doc['commit']}, torch {doc['torch']}); "
              f"bar: output <= {bar['out']}, fp32 state <= {bar['state']}.", "",
-             "| case | config (K1, K2) | out err | state err | finite |",
-             "|---|---|---:|---:|---|"]
+             "| case | config (K1, K2) | out err | state err | finite | fla out / state err |",
+             "|---|---|---:|---:|---|---:|"]
     for r in doc["rows"]:
         fin = r["out_finite"] and r["state_finite"]
+        fla = (f"{r['fla_out_err']:.2e} / {r['fla_state_err']:.2e}" if "fla_out_err" in r
+               else r.get("fla_error", "-"))
         lines.append(f"| {r['case']} | {', '.join(r['config'])} | {r['out_err']:.2e} | "
-                     f"{r['state_err']:.2e} | {fin} |")
+                     f"{r['state_err']:.2e} | {fin} | {fla} |")
     return "\n".join(lines) + "\n"
 
 
