@@ -1,0 +1,47 @@
+"""The built K2 cubins keep their warpgroup MMAs asynchronous (CPU, with the nvdisasm that
+ships in triton's wheel).
+
+When ptxas cannot prove an asynchronous wgmma's registers safe (an MMA accumulating into a view
+of part of another MMA's accumulator registers, or a wgmma still in flight across a loop's
+back-edge), it serializes every wgmma of the kernel: each waits for all before it
+(`WARPGROUP.DEPBAR.LE gsb0, 0x0` only). The kernel stays correct, so the GPU tests pass, and
+only the benchmark would show it. K2 overlaps its output product with the state update
+(`warpgroup.wait_group(1)`), which must survive as a `WARPGROUP.DEPBAR.LE gsb0, 0x1`.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from kda_cute import runtime
+from kda_cute.config import EXPERIMENTAL, SHIPPED
+
+
+def _nvdisasm() -> Path | None:
+    try:
+        import triton
+    except ImportError:
+        return None
+    path = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    return path if path.exists() else None
+
+
+NVDISASM = _nvdisasm()
+WGMMA = sorted({c.recur for c in SHIPPED + EXPERIMENTAL if c.recur.mma == "wgmma"},
+               key=lambda r: r.name)
+
+
+@pytest.mark.skipif(NVDISASM is None, reason="no nvdisasm (triton's wheel ships one)")
+@pytest.mark.parametrize("cfg", WGMMA, ids=lambda r: r.name)
+def test_wgmma_not_serialized(cfg):
+    cubin = runtime.CUBIN_ROOT / "sm_90a" / f"{cfg.name}.cubin"
+    if not cubin.exists():
+        pytest.skip(f"{cubin.name} not built (make kernels)")
+    sass = subprocess.run([str(NVDISASM), "-c", str(cubin)], capture_output=True, text=True,
+                          check=True).stdout
+    assert "HGMMA" in sass
+    assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in sass, (
+        f"{cfg.name}: every wgmma waits for all before it (ptxas serialized them)")
