@@ -2,9 +2,7 @@
 # Build the cubins of several revisions side by side, for timing them in one device call.
 # Each REV's kernels go to build/ab/<name>/<arch> and its launcher and benchmark (kda_cute/,
 # bench/) to build/ab/<name>/src (git-ignored; carry "build/ab"), so revisions with different
-# kernel arguments compare too. On the device:
-#   for d in build/ab/*; do KDA_CUTE_CUBIN_DIR=$d python3 $d/src/bench/bench.py --no-fla \
-#     --cases ... --out /tmp/x.json | grep K128; done
+# kernel arguments compare too. On the device: bash scripts/ab_bench.sh [CASES] [HEAD_DIM]
 # Usage: bash scripts/ab_build.sh REV [REV ...]   (name: REV with '/' as '-')
 set -euo pipefail
 ARCH=${ARCH:-sm_90a}
