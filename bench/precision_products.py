@@ -20,14 +20,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from kda_cute.reference import (  # noqa: E402
-    chunk_intermediates,
-    kda_reference,
-    preprocess,
-    rel_err,
-    round_bf16,
-)
+from precision_study import study_inputs  # noqa: E402
+
+from kda_cute.reference import chunk_intermediates, rel_err, round_bf16  # noqa: E402
 
 
 def hi(x):
@@ -108,21 +105,8 @@ def main(argv=None):
                     help="a constant log-space decay per token (gate 'none', e.g. -0.02: a "
                          "state that remembers many chunks) instead of the bounded gate")
     a = ap.parse_args(argv)
-    gen = torch.Generator().manual_seed(0)
-    B, T, H, K, C = 1, a.T, a.H, 128, 16
-    q, k, g, v = (torch.randn(B, T, H, K, generator=gen).to(torch.bfloat16) for _ in range(4))
-    beta = torch.randn(B, T, H, generator=gen).to(torch.bfloat16)
-    A_log, dt_bias = torch.rand(H, generator=gen), torch.rand(H, K, generator=gen)
-    s0 = torch.randn(B, H, K, K, generator=gen)
-    kw = dict(lower_bound=-5.0, gate="bounded")
-    if a.decay is not None:
-        g = torch.full_like(g, a.decay)
-        kw = dict(lower_bound=None, gate="none")
-    ref_o, ref_s = kda_reference(q.double(), k.double(), v.double(), g.double(), beta.double(),
-                                 initial_state=s0.double(), A_log=A_log.double(),
-                                 dt_bias=dt_bias.double(), **kw)
-    qn, kn, al, b = preprocess(q.float(), k.float(), g.float(), beta.float(),
-                               dtype=torch.float32, A_log=A_log, dt_bias=dt_bias, **kw)
+    K, C = 128, 16
+    v, s0, (ref_o, ref_s), (qn, kn, al, b) = study_inputs(a.T, a.H, K, a.decay)
     inter = chunk_intermediates(qn, kn, al, b, chunk=C, scale=K ** -0.5)
     # as K1 writes them: qg, kg bf16; kd, Aw, Mq hi + lo (the products split them again)
     inter = {n: (hi(x) if n in ("qg", "kg") else x) for n, x in inter.items()}

@@ -30,25 +30,39 @@ from kda_cute.reference import (  # noqa: E402
 )
 
 
+def study_inputs(T, H, K, decay=None):
+    """One sequence of FlashKDA-benchmark-like inputs (bf16 q, k, g, v, beta ~ N(0, 1), A_log,
+    dt_bias ~ U(0, 1), the bounded gate with lower_bound -5, an fp32 initial state), or with
+    `decay` a constant log-space decay per token instead (gate "none"). Returns v, the initial
+    state, the float64 reference (out, final state) and K1's fp32 preprocessing (qn, kn, a, b)."""
+    gen = torch.Generator().manual_seed(0)
+    B = 1
+    q, k, g, v = (torch.randn(B, T, H, K, generator=gen).to(torch.bfloat16) for _ in range(4))
+    beta = torch.randn(B, T, H, generator=gen).to(torch.bfloat16)
+    A_log, dt_bias = torch.rand(H, generator=gen), torch.rand(H, K, generator=gen)
+    s0 = torch.randn(B, H, K, K, generator=gen)
+    kw = dict(lower_bound=-5.0, gate="bounded")
+    if decay is not None:
+        g = torch.full_like(g, decay)
+        kw = dict(lower_bound=None, gate="none")
+    ref = kda_reference(q.double(), k.double(), v.double(), g.double(), beta.double(),
+                        initial_state=s0.double(), A_log=A_log.double(),
+                        dt_bias=dt_bias.double(), **kw)
+    pre = preprocess(q.float(), k.float(), g.float(), beta.float(), dtype=torch.float32,
+                     A_log=A_log, dt_bias=dt_bias, **kw)
+    return v, s0, ref, pre
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--T", type=int, default=1024)
     ap.add_argument("--H", type=int, default=2)
     ap.add_argument("--K", type=int, default=128)
     a = ap.parse_args(argv)
-    gen = torch.Generator().manual_seed(0)
-    B, T, H, K = 1, a.T, a.H, a.K
-    q, k, g, v = (torch.randn(B, T, H, K, generator=gen).to(torch.bfloat16) for _ in range(4))
-    beta = torch.randn(B, T, H, generator=gen).to(torch.bfloat16)
-    A_log, dt_bias = torch.rand(H, generator=gen), torch.rand(H, K, generator=gen)
-    s0 = torch.randn(B, H, K, K, generator=gen)
-    kw = dict(A_log=A_log.double(), dt_bias=dt_bias.double(), lower_bound=-5.0, gate="bounded")
-    ref_o, ref_s = kda_reference(q.double(), k.double(), v.double(), g.double(), beta.double(),
-                                 initial_state=s0.double(), **kw)
+    K = a.K
+    v, s0, (ref_o, ref_s), (qn, kn, al, b) = study_inputs(a.T, a.H, K)
     rows = []
     # K1 on tensor cores: chunk 64, sub-chunks of 16 factored, the factored operands in bf16
-    qn, kn, al, b = preprocess(q.float(), k.float(), g.float(), beta.float(),
-                               dtype=torch.float32, **{**kw, "A_log": A_log, "dt_bias": dt_bias})
     for sub, rnd in ((16, None), (16, round_bf16)):
         inter = chunk_intermediates(qn, kn, al, b, chunk=64, scale=K ** -0.5, sub=sub,
                                     operand_round=rnd)
