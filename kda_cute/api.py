@@ -219,20 +219,12 @@ def workspace_views(workspace: torch.Tensor, p: Problem, cfg: FwdConfig) -> dict
             for name, off, n, shape, dtype in _workspace_plan(p, cfg)[0]}
 
 
-_seq_cache: dict[tuple, tuple] = {}
-
-
 def _offsets(p: Problem, cfg: FwdConfig, cu_seqlens, dev):
-    """int32 cu_seqlens and cu_chunks on the device, without a host sync."""
+    """int32 cu_seqlens and cu_chunks on the device, without a host sync (a fixed-length
+    batch: its sequences as one segment each)."""
     C = cfg.chunk
     if cu_seqlens is None:
-        key = (p.B, p.T, C, dev)
-        hit = _seq_cache.get(key)
-        if hit is None:
-            ar = torch.arange(p.B + 1, device=dev, dtype=torch.int32)
-            hit = (ar * p.T, ar * ((p.T + C - 1) // C))
-            _seq_cache[key] = hit
-        return hit
+        return _segment_offsets(p.B, p.T, C, 1, dev)
     cs = cu_seqlens.to(torch.int32)
     nch = (cs[1:] - cs[:-1] + (C - 1)) // C
     cc = torch.zeros_like(cs)
@@ -263,10 +255,10 @@ def _segment_count(p: Problem, cfg: FwdConfig, k2, device: int, requested) -> in
 _seg_offsets: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def _remember(cache: dict, key, value) -> None:
-    """Cache a tensor made on the device, unless the stream is being captured: a captured
-    kernel runs only when the graph is replayed, so the tensor would hold garbage until then."""
-    if torch.cuda.is_current_stream_capturing():
+def _remember(cache: dict, key, value, dev) -> None:
+    """Cache a tensor made on `dev`, unless its stream is being captured: a captured kernel
+    runs only when the graph is replayed, so the tensor would hold garbage until then."""
+    if _capturing(dev):
         return
     if len(cache) >= 16:
         cache.clear()
@@ -289,7 +281,7 @@ def _segment_offsets(B: int, T: int, C: int, P: int, dev) -> tuple[torch.Tensor,
     cc = torch.zeros_like(cu)
     cu[1:] = b * T + torch.clamp(c1 * C, max=T)
     cc[1:] = b * nc + c1
-    _remember(_seg_offsets, key, (cu, cc))
+    _remember(_seg_offsets, key, (cu, cc), dev)
     return cu, cc
 
 
@@ -377,7 +369,7 @@ def _constant(kind: str, shape: tuple, dtype, dev) -> torch.Tensor:
             t = torch.zeros(shape, dtype=dtype, device=dev)
         else:
             t = torch.eye(shape[-1], dtype=dtype, device=dev).expand(shape).contiguous()
-        _remember(_constants, key, t)
+        _remember(_constants, key, t, dev)
     return t
 
 

@@ -103,3 +103,18 @@ def test_combine_is_the_serial_scan(B, with_state):
     assert final is buf and torch.allclose(final, S, rtol=1e-5, atol=1e-5)
     starts2, final2 = segments.combine(A, Bs, s0 if s0 is None else want[:, 0])
     assert torch.allclose(final2, S, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("B, T, chunk, P", [(1, 8192, 16, 8), (2, 100, 16, 3), (1, 20, 16, 4),
+                                            (3, 77, 32, 2), (4, 0, 16, 1), (64, 33, 16, 1)])
+def test_device_offsets_are_the_plan(B, T, chunk, P):
+    """The launcher's offsets, built with tensor ops on the device, are segments.plan's; with
+    one segment per sequence they are a fixed-length batch's own (sequence b at token b*T,
+    chunk b*ceil(T/chunk))."""
+    from kda_cute import api
+
+    cu, cc = api._segment_offsets(B, T, chunk, P, torch.device("cpu"))
+    assert (cu.tolist(), cc.tolist()) == segments.plan(B, T, chunk, P)
+    if P == 1:
+        b = torch.arange(B + 1)
+        assert cu.tolist() == (b * T).tolist() and cc.tolist() == (b * -(-T // chunk)).tolist()
