@@ -42,20 +42,23 @@ class TileCopy:
 
     @cute.jit
     def _tile_copy(self, tma, tX, sX, coord, tile, bar):
-        gX = cute.local_tile(cute.domain_offset(coord, tX), tile, (0, 0))
-        tXs, tXg = cpasync.tma_partition(
-            tma, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2), cute.group_modes(gX, 0, 2))
+        tXs, tXg = self._tma_tiles(tma, tX, sX, coord, tile)
         cute.copy(tma, tXg, tXs, tma_bar_ptr=bar)
-
 
     @cute.jit
     def _tile_store(self, tma, tX, sX, coord, tile):
         """One TMA tile store: smem `sX` to the `tile` of the global view at `coord` (commit and
         wait on the bulk async-groups are the caller's). Called by a whole warp, like a load."""
-        gX = cute.local_tile(cute.domain_offset(coord, tX), tile, (0, 0))
-        tXs, tXg = cpasync.tma_partition(
-            tma, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2), cute.group_modes(gX, 0, 2))
+        tXs, tXg = self._tma_tiles(tma, tX, sX, coord, tile)
         cute.copy(tma, tXs, tXg)
+
+    @cute.jit
+    def _tma_tiles(self, tma, tX, sX, coord, tile):
+        """(smem, global) sides of one TMA tile: smem `sX` and the `tile` of the global view at
+        `coord`."""
+        gX = cute.local_tile(cute.domain_offset(coord, tX), tile, (0, 0))
+        return cpasync.tma_partition(
+            tma, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2), cute.group_modes(gX, 0, 2))
 
 
 class ChunkTileLoader(TileCopy):

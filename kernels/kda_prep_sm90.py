@@ -322,8 +322,7 @@ class KdaPrepSm90(TileCopy):
             cute.arch.sync_threads()
             if tidx < K:
                 # one branch for the chunk, not one per row, so the rows' work overlaps
-                args = (pair, gref, sQ, sK, sG, fA, fB, fG, norm, outs_a, row0, h, scale,
-                        length)
+                args = (pair, gref, sQ, sK, fA, fB, fG, norm, outs_a, row0, h)
                 if factored:
                     if half == 0:
                         self._output_pair(True, 0, *args)
@@ -348,14 +347,14 @@ class KdaPrepSm90(TileCopy):
             if factored:
                 if cutlass.const_expr(C == 16):
                     self._phase_b_ksplit(fA, fB, fG, sL, sBeta, mMq, sMq, row0, h, tidx, warp,
-                                         lane, scale, length)
+                                         lane, length)
                 else:
                     # on warp MMA: 16 x 8 tiles of L and Mqk, dealt round-robin to the warps
                     MT, NTL = C // 16, C // 8
                     for tile in cutlass.range_constexpr(2 * MT * NTL):
                         if tile % (NT // 32) == warp:
                             self._phase_b_mma(fA, fB, fG, sL, sBeta, mMq, sMq, row0, h, lane,
-                                              scale, length, tile // (MT * NTL),
+                                              length, tile // (MT * NTL),
                                               (tile % (MT * NTL)) // NTL, tile % NTL)
             else:
                 # strong decays: each term takes e^(G_i - G_j), two columns j per thread
@@ -419,11 +418,11 @@ class KdaPrepSm90(TileCopy):
 
     @cute.jit
     def _output_pair(self, factored: cutlass.Constexpr, half: cutlass.Constexpr, pair, gref,
-                     sQ, sK, sG, fA, fB, fG, norm, outs_a, row0, h, scale, length):
+                     sQ, sK, fA, fB, fG, norm, outs_a, row0, h):
         """Columns d = 2 pair + c (c = 0, 1) of rows half*C/2 .. half*C/2 + C/2 - 1: qg = scale
-        qn e^G, kg = kn e^G, kd = kn e^(Gl - G) (zeros past the length: a whole chunk's rows are
-        stored) and phase B's operands (factored: (qn e^(G - r), kn e^(G - r), kn e^(r - G));
-        otherwise (qn, kn, G)). gref holds (Gl, r) per column."""
+        qn e^G, kg = kn e^G, kd = kn e^(Gl - G) (zeros past the length, whose rows have zero
+        norms: a whole chunk's rows are stored) and phase B's operands (factored: (qn e^(G - r),
+        kn e^(G - r), kn e^(r - G)); otherwise (qn, kn, G)). gref holds (Gl, r) per column."""
         C = self.C
         f32, io = cutlass.Float32, self.io_dtype
         mKdh, mKdl, mQg, mKg, mKd = outs_a
@@ -490,7 +489,7 @@ class KdaPrepSm90(TileCopy):
                     (x - kh.to(f32)).to(io))
 
     @cute.jit
-    def _phase_b_ksplit(self, fA, fB, fG, sL, sBeta, mMq, sMq, row0, h, tidx, warp, lane, scale,
+    def _phase_b_ksplit(self, fA, fB, fG, sL, sBeta, mMq, sMq, row0, h, tidx, warp, lane,
                         length):
         """Chunk 16, factored: K split over the warps. Each converts its 32-column slabs of the
         three operands once and accumulates all four 16 x 8 tiles of L and Mqk; the partial
@@ -575,7 +574,7 @@ class KdaPrepSm90(TileCopy):
                     sRed[warp, prod, i, nt * 8 + jj] = accs[2 * prod + nt][e]
 
     @cute.jit
-    def _phase_b_mma(self, fA, fB, fG, sL, sBeta, mMq, sMq, row0, h, lane, scale, length,
+    def _phase_b_mma(self, fA, fB, fG, sL, sBeta, mMq, sMq, row0, h, lane, length,
                      product: cutlass.Constexpr, mt: cutlass.Constexpr, nt: cutlass.Constexpr):
         """Tile (mt, nt) (16 x 8) of L = diag(beta) (kn e^(G-r))(kn e^(r-G))^T (product 0) or
         Mqk = scale (qn e^(G-r))(kn e^(r-G))^T (product 1), lower parts kept, by m16n8k16 bf16
