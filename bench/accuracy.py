@@ -79,20 +79,10 @@ def main(argv=None):
 def fla_errors(inp) -> dict:
     """fla's chunk_kda (Triton path) on the same inputs and gate form, against the same
     float64 reference."""
-    os.environ.setdefault("FLA_DISABLE_BACKEND_DISPATCH", "1")
+    sys.path.insert(0, str(ROOT / "bench"))
     try:
-        from fla.ops.kda import chunk_kda
-        gate = {"bounded": dict(use_gate_in_kernel=True, safe_gate=True,
-                                lower_bound=inp["lower_bound"]),
-                "unbounded": dict(use_gate_in_kernel=True),
-                "none": dict(use_gate_in_kernel=False)}[inp["gate"]]
-        g = inp["g"] if inp["gate"] != "none" else inp["g"].float()
-        o, s = chunk_kda(inp["q"], inp["k"], inp["v"], g, inp["beta"], scale=inp["scale"],
-                         initial_state=inp["initial_state"], output_final_state=True,
-                         use_qk_l2norm_in_kernel=inp["qk_l2norm"],
-                         use_beta_sigmoid_in_kernel=inp["beta_sigmoid"], A_log=inp["A_log"],
-                         dt_bias=inp["dt_bias"], state_v_first=True,
-                         cu_seqlens=inp["cu_seqlens"], **gate)
+        from bench import fla_chunk_kda
+        o, s = fla_chunk_kda(inp)
         torch.cuda.synchronize()
     except Exception as e:  # fla is optional; a case it cannot run says why
         return {"fla_error": repr(e)[:200]}

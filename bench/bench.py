@@ -155,22 +155,32 @@ def k1_runner(config=None):
     return run
 
 
+def fla_chunk_kda(x):
+    """fla's chunk_kda (its Triton path) on inputs from kda_cute.testing.make_inputs, in their
+    gate form and activations: (out, final state [N, H, V, K])."""
+    os.environ.setdefault("FLA_DISABLE_BACKEND_DISPATCH", "1")
+    from fla.ops.kda import chunk_kda
+    gate = {"bounded": dict(use_gate_in_kernel=True, safe_gate=True,
+                            lower_bound=x["lower_bound"]),
+            "unbounded": dict(use_gate_in_kernel=True),
+            "none": dict(use_gate_in_kernel=False)}[x["gate"]]
+    g = x["g"] if x["gate"] != "none" else x["g"].float()
+    return chunk_kda(x["q"], x["k"], x["v"], g, x["beta"], scale=x["scale"],
+                     initial_state=x["initial_state"], output_final_state=True,
+                     use_qk_l2norm_in_kernel=x["qk_l2norm"],
+                     use_beta_sigmoid_in_kernel=x["beta_sigmoid"], A_log=x["A_log"],
+                     dt_bias=x["dt_bias"], state_v_first=True, cu_seqlens=x["cu_seqlens"],
+                     **gate)
+
+
 def fla_runner():
     os.environ.setdefault("FLA_DISABLE_BACKEND_DISPATCH", "1")
     try:
-        from fla.ops.kda import chunk_kda
+        import fla.ops.kda  # noqa: F401
     except Exception as e:  # fla is optional: the table says so when it is absent
         print(f"fla unavailable: {e!r}", file=sys.stderr)
         return None
-
-    def run(x):
-        return chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], scale=x["scale"],
-                         initial_state=x["initial_state"], output_final_state=True,
-                         use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
-                         use_beta_sigmoid_in_kernel=True, safe_gate=True, lower_bound=-5.0,
-                         A_log=x["A_log"], dt_bias=x["dt_bias"], state_v_first=True,
-                         cu_seqlens=x["cu_seqlens"])
-    return run
+    return fla_chunk_kda
 
 
 def bench_case(name, spec, K, iters, fla, ceiling, simt=False, sweep=False):

@@ -9,6 +9,7 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -74,3 +75,33 @@ def test_accuracy_markdown():
     assert lines[-1] == "| T512 | k1, k2 | 1.70e-03 | 5.00e-06 | False | - |"
     doc["rows"][0].update(fla_out_err=4.1e-3, fla_state_err=2.8e-3)
     assert accuracy.markdown(doc).splitlines()[-1].endswith("| 4.10e-03 / 2.80e-03 |")
+
+
+@pytest.mark.parametrize("gate, expected", [
+    ("bounded", dict(use_gate_in_kernel=True, safe_gate=True, lower_bound=-5.0)),
+    ("unbounded", dict(use_gate_in_kernel=True)),
+    ("none", dict(use_gate_in_kernel=False)),
+])
+def test_fla_call_matches_the_gate_form(monkeypatch, gate, expected):
+    """fla's chunk_kda gets the inputs' gate form and activations, and the state layout
+    [N, H, V, K] (a stand-in module records the call; fla itself needs a GPU)."""
+    import sys
+    import types
+
+    from kda_cute.testing import make_inputs
+
+    calls = []
+    fake = types.ModuleType("fla.ops.kda")
+    fake.chunk_kda = lambda *a, **kw: calls.append((a, kw)) or (None, None)
+    for name in ("fla", "fla.ops"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "fla.ops.kda", fake)
+    x = make_inputs(B=1, T=8, H=2, K=32, gate=gate, device="cpu")
+    bench.fla_chunk_kda(x)
+    (args, kw), = calls
+    assert args[3].dtype == (torch.float32 if gate == "none" else torch.bfloat16)
+    assert {k: kw[k] for k in expected} == expected
+    assert set(kw) & {"safe_gate", "lower_bound"} == set(expected) & {"safe_gate", "lower_bound"}
+    assert kw["use_qk_l2norm_in_kernel"] is True and kw["use_beta_sigmoid_in_kernel"] is True
+    assert kw["state_v_first"] is True and kw["output_final_state"] is True
+    assert kw["initial_state"] is x["initial_state"] and kw["A_log"] is x["A_log"]
