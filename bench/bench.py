@@ -349,8 +349,14 @@ def main(argv=None):
                     help="also time the fp32 CUDA-core baseline forward (config.SIMT)")
     ap.add_argument("--segments", type=int, default=0,
                     help="K2's segments per sequence (0: the launcher's choice; 1: none)")
+    ap.add_argument("--merge", nargs="+", metavar="JSON", default=None,
+                    help="no timing: merge these result files (one commit and device; a table "
+                         "measured in several calls to fit a time limit) into --out")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "latest.json"))
     a = ap.parse_args(argv)
+    if a.merge:
+        merge_results([Path(p) for p in a.merge], Path(a.out))
+        return
     global SEGMENTS
     SEGMENTS = a.segments or None
     # '_' may stand for ' ' in case names, so a shell variable can carry them unquoted
@@ -386,7 +392,29 @@ def main(argv=None):
     write_results(rows, ceiling, Path(a.out), final=True)
 
 
-def write_results(rows, ceiling, out: Path, final: bool):
+def merge_results(paths: list[Path], out: Path) -> None:
+    """One table from several runs of the same commit on the same device: their rows (in the
+    case order of CASES, head dim by head dim), each run's copy ceiling and versions kept."""
+    docs = [json.loads(p.read_text()) for p in paths]
+    for key in ("commit", "device"):
+        seen = {d["versions"].get(key) for d in docs}
+        if len(seen) != 1:
+            raise SystemExit(f"--merge: the runs differ in {key}: {sorted(map(str, seen))}")
+    rows = [r for d in docs for r in d["rows"]]
+    dup = {(r["case"], r["K"]) for r in rows if sum(
+        (x["case"], x["K"]) == (r["case"], r["K"]) for x in rows) > 1}
+    if dup:
+        raise SystemExit(f"--merge: cases measured twice: {sorted(dup)}")
+    order = list(CASES)
+    rows.sort(key=lambda r: (r["K"], order.index(r["case"]) if r["case"] in order else 99))
+    ceilings = [d["summary"]["copy_TBps"] for d in docs]
+    extra = {"merged_from": [p.name for p in paths], "copy_TBps_runs": ceilings,
+             "complete_runs": [d["summary"].get("complete") for d in docs]}
+    write_results(rows, statistics.median(ceilings) * 1e12, out, final=True,
+                  run_versions=docs[0]["versions"], extra=extra)
+
+
+def write_results(rows, ceiling, out: Path, final: bool, run_versions=None, extra=None):
     """Rewritten after every case, so a run cut short still leaves its figures."""
     sp = [r["speedup_vs_fla"] for r in rows if "speedup_vs_fla" in r]
     fk = [flashkda_estimate(r) / r["kda_ms"] for r in rows if flashkda_estimate(r)]
@@ -406,8 +434,10 @@ def write_results(rows, ceiling, out: Path, final: bool):
                "max_out_err": max(r["kda_out_err"] for r in rows),
                "max_state_err": max(r["kda_state_err"] for r in rows)}
     summary["complete"] = final
+    summary.update(extra or {})
     out.parent.mkdir(parents=True, exist_ok=True)
-    doc = {"versions": versions(), "method": __doc__.strip(), "summary": summary, "rows": rows}
+    doc = {"versions": run_versions or versions(), "method": __doc__.strip(),
+           "summary": summary, "rows": rows}
     out.write_text(json.dumps(doc, indent=1) + "\n")
     out.with_suffix(".md").write_text(markdown(rows))
     if final:

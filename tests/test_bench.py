@@ -66,6 +66,41 @@ def test_write_results_summary(tmp_path, monkeypatch):
     assert md[-1].count(" - |") == 5 and "nan" not in md[-1]
 
 
+def _run_doc(path, rows, commit="abc", device="NVIDIA H200", ceiling=4.2):
+    summary = {"copy_TBps": ceiling, "complete": True}
+    path.write_text(json.dumps({"versions": {"commit": commit, "device": device},
+                                "summary": summary, "rows": rows}))
+    return path
+
+
+def test_merge_results(tmp_path):
+    """A table measured in several calls: one document with every row in case order, the
+    runs' own versions (not this machine's) and each run's copy ceiling."""
+    a = _run_doc(tmp_path / "a.json", [_row("B32 T256 H32", K=256, kda=1.0, fla=2.0)])
+    b = _run_doc(tmp_path / "b.json", [_row("B1 T8192 H96", K=256, kda=2.0, fla=3.0),
+                                       _row("B1 T8192 H16", K=256, kda=1.0, fla=1.5)],
+                 ceiling=4.0)
+    out = tmp_path / "m.json"
+    bench.main(["--merge", str(a), str(b), "--out", str(out)])
+    doc = json.loads(out.read_text())
+    assert [r["case"] for r in doc["rows"]] == ["B1 T8192 H96", "B1 T8192 H16", "B32 T256 H32"]
+    assert doc["versions"] == {"commit": "abc", "device": "NVIDIA H200"}
+    s = doc["summary"]
+    assert s["cases"] == 3 and s["complete"] is True
+    assert s["merged_from"] == ["a.json", "b.json"] and s["copy_TBps_runs"] == [4.2, 4.0]
+    assert s["geomean_speedup_vs_fla"] == pytest.approx((2.0 * 1.5 * 1.5) ** (1 / 3))
+    assert len(out.with_suffix(".md").read_text().splitlines()) == 2 + 3
+
+
+@pytest.mark.parametrize("clash", ["commit", "case"])
+def test_merge_refuses_mixed_runs(tmp_path, clash):
+    a = _run_doc(tmp_path / "a.json", [_row("B1 T8192 H16")])
+    b = _run_doc(tmp_path / "b.json", [_row("B1 T8192 H16" if clash == "case" else "B8 T1024 H32")],
+                 commit="def" if clash == "commit" else "abc")
+    with pytest.raises(SystemExit, match=clash):
+        bench.main(["--merge", str(a), str(b), "--out", str(tmp_path / "m.json")])
+
+
 def test_accuracy_markdown():
     doc = {"device": "GPU", "commit": "abc", "torch": "2", "bar": {"out": 3.5e-3, "state": 2.5e-3},
            "rows": [{"case": "T512", "config": ["k1", "k2"], "out_err": 1.7e-3,
