@@ -86,9 +86,9 @@ def supports_prep(cfg: PrepConfig) -> tuple[bool, str]:
     if cfg.head_dim_k % 32:
         return False, f"head_dim_k must be a multiple of 32, got {cfg.head_dim_k}"
     tpr = cfg.threads // (2 * cfg.chunk)
-    if (cfg.threads < 128 or cfg.threads % (2 * cfg.chunk) or tpr & (tpr - 1) or tpr > 32
+    if (cfg.threads < 64 or cfg.threads % (2 * cfg.chunk) or tpr & (tpr - 1) or tpr > 32
             or (cfg.head_dim_k // 8) % tpr):
-        return False, (f"threads must be >= 128 and 2*chunk times a power of two dividing "
+        return False, (f"threads must be >= 64 and 2*chunk times a power of two dividing "
                        f"head_dim_k / 8 (the row norms read 8-element vectors), "
                        f"got {cfg.threads}")
     if cfg.threads < cfg.head_dim_k:
@@ -172,7 +172,10 @@ SHIPPED: tuple[FwdConfig, ...] = TENSOR_CORE + SIMT
 
 # Built and ABI-checked like the shipped ones, reachable through fwd(config=...), but not picked by
 # the ladder until their GPU tests have passed on the H200: chunk 32 (half the serial steps).
-EXPERIMENTAL: tuple[FwdConfig, ...] = tuple(_tc_fwd(d, d, chunk=32, stages=2) for d in HEAD_DIMS)
+EXPERIMENTAL: tuple[FwdConfig, ...] = (
+    tuple(_tc_fwd(d, d, chunk=32, stages=2) for d in HEAD_DIMS)
+    # K1 at K = 64 with one thread per column (two warps), not 128 threads with half idle
+    + (FwdConfig(PrepConfig(64, 16, 64, operands="bf16"), _tc_fwd(64, 64).recur),))
 
 
 def select_config(head_dim_k: int, head_dim_v: int, varlen: bool) -> FwdConfig | None:

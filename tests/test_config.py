@@ -62,7 +62,7 @@ REJECTED = {
     "prep-chunk0": (supports_prep, PrepConfig(64, chunk=0), "chunk", "0"),
     "prep-chunk64": (supports_prep, PrepConfig(64, chunk=64), "chunk", "64"),
     "prep-threads-not-warps": (supports_prep, PrepConfig(64, threads=100), "threads", "100"),
-    "prep-threads-below-128": (supports_prep, PrepConfig(64, threads=64), "threads", "64"),
+    "prep-threads-below-64": (supports_prep, PrepConfig(32, threads=32), "threads", "32"),
 # the vectors fit (4 threads per row, 32 vectors), but the output pass needs a thread per
 # column pair of each half of the rows
 "prep-threads-below-k": (supports_prep, PrepConfig(256, threads=128), "threads", "128"),
