@@ -20,7 +20,7 @@ CASES = {
     "bf16-state": dict(B=2, T=50, H=2, state_dtype=torch.bfloat16),
     "no-activations": dict(B=1, T=90, H=2, gate="none", qk_l2norm=False, beta_sigmoid=False),
 }
-IDS = [c.recur.name for c in EXPERIMENTAL]
+IDS = [f"{c.prep.name}-{c.recur.name}" for c in EXPERIMENTAL]
 
 
 @pytest.mark.parametrize("name", list(CASES))
