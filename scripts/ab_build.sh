@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Build the cubins of several revisions side by side, for timing them in one device call.
 # Each REV's kernels go to build/ab/<name>/<arch> and its launcher, benchmark and tests
-# (kda_cute/, bench/, tests/, pyproject.toml) to build/ab/<name>/src (git-ignored; carry "build/ab"), so
-# revisions with different kernel arguments compare too. On the device:
+# (kda_cute/, bench/, tests/, pyproject.toml) to build/ab/<name>/src (git-ignored; carry
+# "build/ab"), so revisions with different kernel arguments compare too. On the device:
 #   bash scripts/ab_bench.sh [CASES] [HEAD_DIM]
 # and a revision's GPU tests on its own cubins:
 #   (cd build/ab/<name>/src && KDA_CUTE_CUBIN_DIR=$PWD/.. python3 -m pytest -q \
