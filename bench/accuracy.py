@@ -84,7 +84,8 @@ def main(argv=None):
 def fla_errors(inp) -> dict:
     """fla's chunk_kda (Triton path) on the same inputs and gate form, against the same
     float64 reference."""
-    sys.path.insert(0, str(ROOT / "bench"))
+    if str(ROOT / "bench") not in sys.path:
+        sys.path.insert(0, str(ROOT / "bench"))
     try:
         from bench import fla_chunk_kda
         o, s = fla_chunk_kda(inp)

@@ -13,6 +13,7 @@ Writes JSON (device, versions, commit, every figure), a Markdown table and a PNG
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import math
 import os
@@ -401,8 +402,8 @@ def merge_results(paths: list[Path], out: Path) -> None:
         if len(seen) != 1:
             raise SystemExit(f"--merge: the runs differ in {key}: {sorted(map(str, seen))}")
     rows = [r for d in docs for r in d["rows"]]
-    dup = {(r["case"], r["K"]) for r in rows if sum(
-        (x["case"], x["K"]) == (r["case"], r["K"]) for x in rows) > 1}
+    counts = collections.Counter((r["case"], r["K"]) for r in rows)
+    dup = {key for key, n in counts.items() if n > 1}
     if dup:
         raise SystemExit(f"--merge: cases measured twice: {sorted(dup)}")
     order = list(CASES)

@@ -349,7 +349,7 @@ def launch_forward(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, in
              "num_heads": H, "state_in": s_in, "state_out": s_out}
     P = _segment_count(p, cfg, k2, di, segments_per_seq) if p.N > 0 and H > 0 else 1
     if P > 1:
-        _segmented_recurrence(k2, cfg, vals2, syms, p, P, v, out, initial_state, final_state,
+        _segmented_recurrence(k2, cfg, vals2, syms, p, P, v, initial_state, final_state,
                               stream, di)
     elif p.N > 0 and H > 0:
         k2.launch_with((V // cfg.recur.block_v, H, p.N), vals2, syms, stream, di)
@@ -373,7 +373,7 @@ def _constant(kind: str, shape: tuple, dtype, dev) -> torch.Tensor:
     return t
 
 
-def _segmented_recurrence(k2, cfg, vals2, syms, p, P, v, out, initial_state, final_state,
+def _segmented_recurrence(k2, cfg, vals2, syms, p, P, v, initial_state, final_state,
                           stream, di):
     """K2 over B * P segments (kda_cute.segments): the value rows from zero (end states B_j),
     the identity rows with v = 0 (state maps A_j), segments.combine on the current stream, then
