@@ -19,12 +19,13 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass, field
 
-from .config import PrepConfig, RecurConfig
+from .config import CombineConfig, PrepConfig, RecurConfig
 
 # Dynamic dimensions: name -> bit width. One name is one run-time value within a kernel.
 SYM_WIDTH = {
     "T": 32, "R": 32, "H": 32, "HK": 32, "HV": 32, "HC": 32, "NCH": 32, "N1": 32, "NS": 32,
     "sQ": 64, "sK": 64, "sG": 64, "sB": 64, "sV": 64, "sO": 64, "sS": 64, "sW": 32, "sWc": 32,
+    "NSP": 32,
 }
 # divisibility promised to the compiler; the launcher validates it
 SYM_DIV = {"sQ": 8, "sK": 8, "sG": 8, "sV": 8, "sO": 8, "sW": 8, "sWc": 8}
@@ -157,6 +158,33 @@ def _recur_common(cfg: RecurConfig) -> list[Arg]:
         Arg("state_in", "i32"),
         Arg("state_out", "i32"),
     ]
+
+
+def combine_args(cfg: CombineConfig) -> list[Arg]:
+    """The segments' combine: NSP = sequences x segments, NS = sequences, sS = H * K * K."""
+    K = cfg.head_dim_k
+
+    def states(name, rows):
+        return _ten(name, "float32", (rows, "H", K, K), ("sS", K * K, K, 1))
+
+    return [
+        states("maps", "NSP"), states("ends", "NSP"), states("s0", "NS"),
+        states("starts", "NSP"), states("final", "NS"),
+        Arg("segments", "i32"),
+        Arg("has_init", "i32"),
+        Arg("has_final", "i32"),
+        Arg("num_seqs", "i32", grid_only=True),
+        Arg("num_heads", "i32", grid_only=True),
+    ]
+
+
+def args_for(cfg) -> list[Arg]:
+    """The argument list of any kernel config."""
+    if isinstance(cfg, PrepConfig):
+        return prep_args(cfg)
+    if isinstance(cfg, CombineConfig):
+        return combine_args(cfg)
+    return recur_args(cfg)
 
 
 # ------------------------------------------------------------------------------------ packing

@@ -15,7 +15,7 @@ import torch
 
 from . import runtime, segments
 from .abi import SYM_DIV
-from .config import GATE_MODES, FwdConfig, select_config, supports
+from .config import GATE_MODES, FwdConfig, combine_config, select_config, supports
 
 _STATE_CODE = {None: 0, torch.float32: 1, torch.bfloat16: 2}
 
@@ -376,8 +376,8 @@ def _constant(kind: str, shape: tuple, dtype, dev) -> torch.Tensor:
 def _segmented_recurrence(k2, cfg, vals2, syms, p, P, v, initial_state, final_state,
                           stream, di):
     """K2 over B * P segments (kda_cute.segments): the value rows from zero (end states B_j),
-    the identity rows with v = 0 (state maps A_j), segments.combine on the current stream, then
-    the value rows again from each segment's start state, writing `out`."""
+    the identity rows with v = 0 (state maps A_j), the combine (start states and the final
+    state), then the value rows again from each segment's start state, writing `out`."""
     dev = v.device
     B, T, H, K, V = p.B, p.T, p.H, p.K, p.V
     C, bv, N = cfg.chunk, cfg.recur.block_v, p.B * P
@@ -403,14 +403,42 @@ def _segmented_recurrence(k2, cfg, vals2, syms, p, P, v, initial_state, final_st
                                       "s0h": eye.data_ptr(), "state_out": 1,
                                       "s1f": maps.data_ptr(), "s1h": maps.data_ptr()},
                     syms_i, stream, di)
-    starts, final = segments.combine(maps.view(B, P, H, K, K), ends.view(B, P, H, V, K),
-                                     initial_state, final_state)
+    starts = _combine(maps, ends, initial_state, final_state, B, P, H, K, stream, di)
     k2.launch_with((V // bv, H, N), {**vals2, **seg, "state_in": 1,
                                      "s0f": starts.data_ptr(), "s0h": starts.data_ptr(),
                                      "state_out": 0},
                    syms_v, stream, di)
-    if final_state is not None and final is not final_state:
+
+
+def _combine(maps, ends, initial_state, final_state, B, P, H, K, stream, di):
+    """The segments' start states [B * P, H, K, K] (fp32) from their maps and end states, and
+    the final state: one launch of the combine kernel (kernels/kda_combine_sm90.py), or
+    segments.combine's batched products for a head dim without one."""
+    cfg = combine_config(K)
+    if cfg is None:
+        starts, final = segments.combine(maps.view(B, P, H, K, K), ends.view(B, P, H, K, K),
+                                         initial_state, final_state)
+        if final_state is not None and final is not final_state:
+            final_state.copy_(final)
+        return starts.view(B * P, H, K, K)
+    kc = runtime.get_kernel(cfg, runtime.arch_of(di))
+    starts = torch.empty_like(ends)
+    s0 = initial_state
+    if s0 is not None and s0.dtype != torch.float32:
+        s0 = s0.float()
+    final = final_state
+    if final is not None and final.dtype != torch.float32:
+        final = torch.empty(final.shape, dtype=torch.float32, device=final.device)
+    dummy = starts.data_ptr()
+    vals = {"maps": maps.data_ptr(), "ends": ends.data_ptr(),
+            "s0": s0.data_ptr() if s0 is not None else dummy, "starts": starts.data_ptr(),
+            "final": final.data_ptr() if final is not None else dummy, "segments": P,
+            "has_init": int(s0 is not None), "has_final": int(final is not None)}
+    kc.launch_with((K // cfg.rows, H, B), vals, {"NSP": B * P, "NS": B, "H": H, "sS": H * K * K},
+                   stream, di)
+    if final is not final_state:
         final_state.copy_(final)
+    return starts
 
 
 def fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state=None,

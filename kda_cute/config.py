@@ -67,6 +67,27 @@ class RecurConfig:
 
 
 @dataclass(frozen=True)
+class CombineConfig:
+    """The segments' combine (kda_cute.segments) of the few-heads K2: the start states
+    S_start(j + 1) = S_start(j) A_j + B_j in fp32. One CTA per (block of `rows` state rows, head,
+    sequence), one thread per key column (V = K: segments need K == V)."""
+
+    head_dim_k: int
+    rows: int = 8
+
+    @property
+    def name(self) -> str:
+        return f"kda_combine_k{self.head_dim_k}_r{self.rows}"
+
+    @property
+    def block_threads(self) -> int:
+        return self.head_dim_k
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
 class FwdConfig:
     """A forward: one K1 and one K2 that agree on the chunk size."""
 
@@ -129,6 +150,14 @@ def supports_recur(cfg: RecurConfig) -> tuple[bool, str]:
     return True, ""
 
 
+def supports_combine(cfg: CombineConfig) -> tuple[bool, str]:
+    if cfg.head_dim_k % 32 or not 32 <= cfg.head_dim_k <= 256:
+        return False, f"head_dim_k must be a multiple of 32 in [32, 256], got {cfg.head_dim_k}"
+    if cfg.rows not in (1, 2, 4, 8, 16) or cfg.head_dim_k % cfg.rows:
+        return False, f"rows must be 1, 2, 4, 8 or 16 and divide head_dim_k, got {cfg.rows}"
+    return True, ""
+
+
 def supports(cfg: FwdConfig) -> tuple[bool, str]:
     if cfg.prep.chunk != cfg.recur.chunk:
         return False, f"K1 chunk {cfg.prep.chunk} != K2 chunk {cfg.recur.chunk}"
@@ -176,6 +205,17 @@ SHIPPED: tuple[FwdConfig, ...] = TENSOR_CORE + SIMT
 # Built and ABI-checked like the shipped ones, reachable through fwd(config=...), but not picked by
 # the ladder until their GPU tests have passed on the H200: chunk 32 (half the serial steps).
 EXPERIMENTAL: tuple[FwdConfig, ...] = tuple(_tc_fwd(d, d, chunk=32, stages=2) for d in HEAD_DIMS)
+
+
+# The segments' combine, one per head dim (the segmented K2 runs with K == V).
+COMBINE: tuple[CombineConfig, ...] = tuple(CombineConfig(d) for d in HEAD_DIMS)
+
+
+def combine_config(head_dim: int) -> CombineConfig | None:
+    for cfg in COMBINE:
+        if cfg.head_dim_k == head_dim:
+            return cfg
+    return None
 
 
 def select_config(head_dim_k: int, head_dim_v: int, varlen: bool) -> FwdConfig | None:

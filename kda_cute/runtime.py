@@ -196,11 +196,10 @@ _kernels: dict[tuple, Kernel] = {}
 
 
 def get_kernel(cfg, arch: str) -> Kernel:
-    from .config import PrepConfig
     key = (cfg, arch)
     k = _kernels.get(key)
     if k is None:
-        args = abi.prep_args(cfg) if isinstance(cfg, PrepConfig) else abi.recur_args(cfg)
+        args = abi.args_for(cfg)
         with _lock:
             k = _kernels.get(key) or Kernel(cfg.name, arch, args)
             _kernels[key] = k

@@ -5,8 +5,9 @@ Every sequence of a fixed-length batch is split into P segments of whole chunks 
 all B * P segments at once, three times:
 1. the value rows from a zero state: each segment's end state B_j (its outputs are discarded);
 2. the identity (K state rows, v = 0): each segment's state map A_j;
-3. after the segments are combined serially (P small batched matmuls, S_start(0) = the initial
-   state, S_start(j+1) = S_start(j) A_j + B_j; the last one is the final state), the value rows
+3. after the segments are combined serially (one launch of kernels/kda_combine_sm90.py,
+   S_start(0) = the initial state, S_start(j+1) = S_start(j) A_j + B_j; the last one is the
+   final state; `combine` below is its torch form), the value rows
    again from each segment's true start state S_start(j): the outputs, exactly as the sequential
    recurrence computes them (one rounding to bf16).
 The work is ~3x the sequential recurrence's, spread over P times more CTAs, so it pays where the
@@ -71,7 +72,7 @@ def choose(B: int, T: int, H: int, V: int, chunk: int, block_v: int, sms: int,
            slots: int) -> int:
     """How many segments per sequence: as many as keep one K2 run over the segments within one
     wave of `slots` resident CTAs (SMs x K2 CTAs per SM), none shorter than 32 chunks, at most
-    8 (the host's combine is one launch per segment); 1 (the plain recurrence) unless that is
+    8 (the combine's serial steps); 1 (the plain recurrence) unless that is
     at least 3x the sequential grid (the work is 3x).
 
     Only where the plain grid fills at most a quarter of the SMs, with V >= 128. Measured on the

@@ -24,33 +24,34 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from kda_cute import abi  # noqa: E402
-from kda_cute.config import EXPERIMENTAL, SHIPPED, PrepConfig  # noqa: E402
+from kda_cute.config import COMBINE, EXPERIMENTAL, SHIPPED, CombineConfig, PrepConfig  # noqa: E402
 from kda_cute.cubin import kernel_params, kernel_resources  # noqa: E402
 
 DEFAULT_OUT = ROOT / "kda_cute" / "_cubins"
 TESTED_ARCHS = ("sm_90a",)
 SOURCES = ("kernels/kda_prep_sm90.py", "kernels/kda_recur_sm90.py", "kernels/build.py",
-           "kernels/common.py", "kernels/kda_recur_tc_sm90.py",
+           "kernels/common.py", "kernels/kda_recur_tc_sm90.py", "kernels/kda_combine_sm90.py",
            "kda_cute/abi.py", "kda_cute/config.py")
 
 
-def jobs_for(configs) -> list:
-    """Distinct kernel configs (K1 configs are shared by forwards with the same K and chunk)."""
+def jobs_for(configs, extra=()) -> list:
+    """Distinct kernel configs (K1 configs are shared by forwards with the same K and chunk) of
+    the forwards `configs`, then the single kernels `extra`."""
     seen, jobs = set(), []
-    for fwd in configs:
-        for cfg in (fwd.prep, fwd.recur):
-            if cfg not in seen:
-                seen.add(cfg)
-                jobs.append(cfg)
+    for cfg in [c for fwd in configs for c in (fwd.prep, fwd.recur)] + list(extra):
+        if cfg not in seen:
+            seen.add(cfg)
+            jobs.append(cfg)
     return jobs
 
 
 def kernel_kind(cfg) -> str:
-    return "prep" if isinstance(cfg, PrepConfig) else "recur"
+    if isinstance(cfg, PrepConfig):
+        return "prep"
+    return "combine" if isinstance(cfg, CombineConfig) else "recur"
 
 
-def args_for(cfg) -> list:
-    return abi.prep_args(cfg) if isinstance(cfg, PrepConfig) else abi.recur_args(cfg)
+args_for = abi.args_for
 
 
 def dsl_version() -> str:
@@ -108,6 +109,8 @@ def compile_one(cfg, arch: str, out_dir: str) -> dict:
 
     if isinstance(cfg, PrepConfig):
         from kernels.kda_prep_sm90 import prep_kernel as Kernel
+    elif isinstance(cfg, CombineConfig):
+        from kernels.kda_combine_sm90 import KdaCombineSm90 as Kernel
     elif cfg.mma == "wgmma":
         from kernels.kda_recur_tc_sm90 import KdaRecurTcSm90 as Kernel
     else:
@@ -174,7 +177,7 @@ def main(argv=None) -> int:
         print(f"warning: {a.arch} compiles but is untested", file=sys.stderr)
     out_dir = Path(a.out) / a.arch
     todo, skipped = [], []
-    for cfg in jobs_for(SHIPPED + EXPERIMENTAL):
+    for cfg in jobs_for(SHIPPED + EXPERIMENTAL, COMBINE):
         (skipped if not a.force and up_to_date(cfg, a.arch, out_dir) else todo).append(cfg)
     t0 = time.time()
     results, failed = [], []

@@ -15,7 +15,15 @@ import pytest
 import torch
 
 from kda_cute import abi, runtime
-from kda_cute.config import EXPERIMENTAL, SHIPPED, SIMT, PrepConfig, select_config
+from kda_cute.config import (
+    COMBINE,
+    EXPERIMENTAL,
+    SHIPPED,
+    SIMT,
+    CombineConfig,
+    PrepConfig,
+    select_config,
+)
 from kda_cute.cubin import kernel_params, kernel_resources
 
 ARCH = "sm_90a"
@@ -30,6 +38,8 @@ KERNELS = {}
 for _f in SHIPPED + EXPERIMENTAL:
     KERNELS.setdefault(_f.prep.name, (_f.prep, abi.prep_args))
     KERNELS.setdefault(_f.recur.name, (_f.recur, abi.recur_args))
+for _c in COMBINE:
+    KERNELS[_c.name] = (_c, abi.combine_args)
 KERNEL_IDS = list(KERNELS)
 
 
@@ -95,7 +105,8 @@ def test_param_offsets_are_ordered_and_aligned(name):
     table = cubin_table(manifest, data)
     ordinals, offsets, sizes = zip(*table["params"], strict=True)
     assert list(ordinals) == list(range(len(ordinals)))
-    assert offsets[0] >= 48
+    # a leading TMA descriptor is pushed to the first 64-byte boundary past the bank's base
+    assert offsets[0] == (48 if args[0].kind == "tma" else 0)
     for i in range(len(offsets) - 1):
         assert offsets[i] + sizes[i] <= offsets[i + 1], f"param {i} overlaps param {i + 1}"
     assert offsets[-1] + sizes[-1] <= table["param_bytes"]
@@ -142,7 +153,8 @@ def test_manifest_config(name):
     manifest, _, _ = load(name)
     cfg, _ = KERNELS[name]
     assert manifest["config"] == cfg.as_dict()
-    assert manifest["kind"] == ("prep" if isinstance(cfg, PrepConfig) else "recur")
+    assert manifest["kind"] == ("prep" if isinstance(cfg, PrepConfig) else
+                                "combine" if isinstance(cfg, CombineConfig) else "recur")
 
 
 # ----------------------------------------------------------------------------------- packing
@@ -152,7 +164,7 @@ TC_CFG = select_config(128, 128, False)
 # 64-bit strides above 2**32 so a 32-bit field would truncate them
 SYMS = {"T": 4099, "R": 4208, "H": 5, "HK": 5 * 128, "HV": 5 * 128, "HC": 5 * 16, "NCH": 263,
         "N1": 7,
-        "NS": 6, "sQ": 0x1_0000_0008, "sK": 1928, "sG": 1936, "sB": 0x2_0000_0003,
+        "NS": 6, "NSP": 18, "sQ": 0x1_0000_0008, "sK": 1928, "sG": 1936, "sB": 0x2_0000_0003,
         "sV": 1944, "sO": 0x3_0000_0040, "sS": 0x4_0000_2000, "sW": 640, "sWc": 80}
 
 
@@ -340,13 +352,29 @@ def _T_64bit(args, monkeypatch):
     return args
 
 
+def _H_64bit(args, monkeypatch):
+    monkeypatch.setitem(abi.SYM_WIDTH, "H", 64)
+    return args
+
+
 MUTATIONS = {"drop-last-param": _drop_last, "drop-first-tma": _drop_first_tma,
              "grid-arg-as-param": _grid_arg_as_param, "tma-as-tensor": _tma_as_tensor,
-             "T-64bit": _T_64bit}
+             "T-64bit": _T_64bit, "H-64bit": _H_64bit}
 
 
-@pytest.mark.parametrize("mutation", list(MUTATIONS))
-@pytest.mark.parametrize("name", KERNEL_IDS)
+def _applies(name: str, mutation: str) -> bool:
+    """The TMA mutations need a TMA argument, T-64bit a T extent (the combine has neither)."""
+    cfg, args_of = KERNELS[name]
+    args = args_of(cfg)
+    if mutation in ("drop-first-tma", "tma-as-tensor"):
+        return any(a.kind == "tma" for a in args)
+    if mutation == "T-64bit":
+        return any("T" in a.shape for a in args)
+    return True
+
+
+@pytest.mark.parametrize("name,mutation", [(n, m) for n in KERNEL_IDS for m in MUTATIONS
+                                           if _applies(n, m)])
 def test_mutated_spec_disagrees_with_cubin(name, mutation, monkeypatch):
     manifest, data, args = load(name)
     sizes = [p[2] for p in cubin_table(manifest, data)["params"]]

@@ -135,6 +135,47 @@ def test_segmented_recurrence(K, segments):
     assert (s1 - s2).norm() / s1.norm() < 1e-4
 
 
+@pytest.mark.parametrize("K", [64, 128, 256])
+@pytest.mark.parametrize("init,final", [("f32", "f32"), (None, "bf16"), ("bf16", None),
+                                        ("f32", "in-place")])
+def test_combine_kernel(K, init, final):
+    """The segments' combine kernel alone against the float64 serial combine, on random maps
+    (near the identity, as a segment's are) and end states: two sequences of five segments,
+    the start states and the final state in fp32 (bf16 states through fp32 copies)."""
+    from kda_cute import api
+    from kda_cute.reference import rel_err
+
+    B, P, H = 2, 5, 3
+    gen = torch.Generator().manual_seed(K + P)
+    eye = torch.eye(K, dtype=torch.float64)
+    A = 0.9 * eye + torch.randn(B * P, H, K, K, generator=gen, dtype=torch.float64) / K ** 0.5 / 4
+    Bs = torch.randn(B * P, H, K, K, generator=gen, dtype=torch.float64)
+    S0 = torch.randn(B, H, K, K, generator=gen, dtype=torch.float64)
+    dt = {"f32": torch.float32, "bf16": torch.bfloat16, "in-place": torch.float32}
+    s0 = None if init is None else S0.to(dt[init]).cuda()
+    s1 = None if final is None else torch.full((B, H, K, K), float("nan"), dtype=dt[final],
+                                               device="cuda")
+    if final == "in-place":
+        s1 = s0
+    ref = torch.zeros(B, H, K, K, dtype=torch.float64) if s0 is None else s0.double().cpu()
+    starts_ref = []
+    for j in range(P):
+        starts_ref.append(ref)
+        ref = ref @ A[j::P] + Bs[j::P]
+    starts_ref = torch.stack(starts_ref, 1).reshape(B * P, H, K, K)
+    maps, ends = A.float().cuda(), Bs.float().cuda()
+    dev = torch.cuda.current_device()
+    starts = api._combine(maps, ends, s0, s1, B, P, H, K,
+                          torch.cuda.current_stream().cuda_stream, dev)
+    torch.cuda.synchronize()
+    assert torch.isfinite(starts).all()
+    assert rel_err(starts.double().cpu(), starts_ref) < 1e-5
+    if s1 is not None:
+        tol = 6e-3 if s1.dtype == torch.bfloat16 else 1e-5
+        assert torch.isfinite(s1.float()).all()
+        assert rel_err(s1.double().cpu(), ref) < tol
+
+
 def test_segmented_in_place_state_and_auto_choice():
     """The in-place state update through the segmented path, and the automatic choice (one
     sequence of 4 heads leaves the GPU idle, so K2 splits it)."""

@@ -9,12 +9,13 @@ new one, and that the workspace plan the launcher addresses matches the views th
 from __future__ import annotations
 
 import ctypes
+import struct
 
 import pytest
 import torch
 
 from kda_cute import abi, api, fwd, runtime
-from kda_cute.config import PrepConfig, select_config
+from kda_cute.config import select_config
 
 BF16 = torch.bfloat16
 
@@ -37,7 +38,7 @@ def stub_driver(monkeypatch):
         if cfg not in kernels:
             k = object.__new__(runtime.Kernel)
             k.manifest, _ = runtime.load_manifest(cfg.name, arch)
-            k.args = abi.prep_args(cfg) if isinstance(cfg, PrepConfig) else abi.recur_args(cfg)
+            k.args = abi.args_for(cfg)
             k.sizes = [p[2] for p in k.manifest["params"]]
             k.block, k.smem, k._packed = tuple(k.manifest["block"]), 0, {}
             k._function = lambda device: None
@@ -192,13 +193,61 @@ def test_workspace_rows_hold_whole_chunks(seqlens, chunk):
 
 def test_segmented_launches(stub_driver):
     """segments=3 on a 40-token batch of one: K1, then K2 over 3 segments from zero (V rows),
-    from the identity (K rows), and (after the torch combine) from the segments' starts."""
+    from the identity (K rows), the combine, and K2 from the segments' starts."""
     x = _problem()
     _run(x, segments=3)
     names = [name for name, *_ in stub_driver]
     grids = [grid for _, grid, *_ in stub_driver]
-    assert names[0].startswith("kda_prep") and all(n.startswith("kda_recur") for n in names[1:])
-    assert grids[1:] == [(1, 2, 3)] * 3  # (V / 64, H, B * segments), K = V = 64
+    assert names[0].startswith("kda_prep") and names[3] == "kda_combine_k64_r8"
+    assert all(n.startswith("kda_recur") for n in names[1:3] + names[4:])
+    assert len(names) == 5
+    assert grids[1:3] + grids[4:] == [(1, 2, 3)] * 3  # (V / 64, H, B * segments), K = V = 64
+    assert grids[3] == (8, 2, 1)  # (K / rows, H, B)
+
+
+def _combine_params(blob):
+    """The combine's parameters: five state tensors {pointer, NSP or NS, sS}, then segments,
+    has_init, has_final."""
+    ptrs = [struct.unpack_from("<Q", b)[0] for b in blob[:5]]
+    rows = [struct.unpack_from("<i", b, 8)[0] for b in blob[:5]]
+    flags = [struct.unpack("<i", b)[0] for b in blob[5:8]]
+    return ptrs, rows, flags
+
+
+@pytest.mark.parametrize("initial", ["f32", "bf16", None])
+@pytest.mark.parametrize("final", ["f32", "bf16", None])
+def test_segmented_combine_states(stub_driver, initial, final):
+    """The combine reads the fp32 initial state where there is one (a bf16 one through an fp32
+    copy), writes the fp32 final state in place (a bf16 one through an fp32 buffer), and its
+    flags say which; two sequences of three segments each."""
+    x = _problem()
+    x2 = _problem(seed=1)
+    for name in ("q", "k", "v", "g", "beta", "out"):
+        x[name] = torch.cat([x[name], x2[name]])
+    for name in ("initial_state", "final_state"):
+        x[name] = torch.cat([x[name], x2[name]])
+        kind = initial if name == "initial_state" else final
+        x[name] = None if kind is None else x[name].to(BF16 if kind == "bf16" else torch.float32)
+    p = api.validate(x["q"], x["k"], x["v"], x["g"], x["beta"], x["scale"], x["out"],
+                     x["A_log"], x["dt_bias"], -5.0, None, None, None, "bounded")
+    x["workspace"] = torch.empty(api.workspace_bytes(p, api.config_for(p)), dtype=torch.uint8)
+    _run(x, segments=3)
+    (name, grid, blob, _), = [r for r in stub_driver if r[0].startswith("kda_combine")]
+    assert grid == (8, 2, 2)
+    ptrs, rows, flags = _combine_params(blob)
+    assert rows == [6, 6, 2, 6, 2]  # maps, ends, s0, starts (B * P); final (B)
+    assert flags == [3, int(initial is not None), int(final is not None)]
+    if initial == "f32":
+        assert ptrs[2] == x["initial_state"].data_ptr()
+    elif initial == "bf16":
+        assert ptrs[2] != x["initial_state"].data_ptr()
+    if final == "f32":
+        assert ptrs[4] == x["final_state"].data_ptr()
+    elif final == "bf16":
+        assert ptrs[4] != x["final_state"].data_ptr()
+    # K2's third run starts from the combine's start states
+    third = [r for r in stub_driver if r[0].startswith("kda_recur")][-1]
+    assert ptrs[3].to_bytes(8, "little") in b"".join(third[2])
 
 
 @pytest.mark.parametrize("bad", [0, -1, 2.0, True, "2"])

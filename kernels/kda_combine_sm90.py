@@ -1,0 +1,95 @@
+"""The segments' combine of the few-heads K2 (kda_cute.segments), on the GPU (sm_90a).
+
+K2's first two runs over the segments of each sequence leave each segment's end state from zero
+B_j [V, K] and its state map A_j [K, K]; the start states follow serially,
+S_start(0) = S0 (or 0), S_start(j + 1) = S_start(j) A_j + B_j, and the last is the final state.
+One launch replaces P batched matmuls and their host calls. The state's V rows are
+independent: one CTA per (block of `rows` state rows, head, sequence), one thread per key
+column t. Per segment each thread writes its column of the start rows, the rows go to smem
+(k-major, so one k's `rows` values are a broadcast vector), and the next rows' column t is
+B_j[:, t] + sum over k of S[:, k] A_j[k, t], in fp32 on the CUDA cores (K fused multiply-adds
+per row, in k order), A_j's row k read by the CTA's threads as one coalesced row.
+Constraints: head_dim_k a multiple of 32 up to 256, rows dividing it (config.supports_combine).
+"""
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils as utils
+
+from kda_cute.config import CombineConfig
+
+
+class KdaCombineSm90:
+    def __init__(self, cfg: CombineConfig):
+        self.cfg = cfg
+        self.K = cfg.head_dim_k
+        self.RB = cfg.rows
+        self.smem_bytes = 0
+        self.tma_meta = []
+
+    # ------------------------------------------------------------------ host
+    @cute.jit
+    def __call__(
+        self,
+        mA: cute.Tensor,  # (N*P, H, K, K) fp32: the segments' state maps
+        mB: cute.Tensor,  # (N*P, H, K, K) fp32: their end states from zero (V = K rows)
+        mS0: cute.Tensor,  # (N, H, K, K) fp32 initial state (read when has_init)
+        mStart: cute.Tensor,  # (N*P, H, K, K) fp32: each segment's start state
+        mFinal: cute.Tensor,  # (N, H, K, K) fp32 final state (written when has_final)
+        segments: cutlass.Int32,
+        has_init: cutlass.Int32,
+        has_final: cutlass.Int32,
+        num_seqs: cutlass.Int32,
+        num_heads: cutlass.Int32,
+        stream,
+    ):
+        K, RB = self.K, self.RB
+
+        @cute.struct
+        class SharedStorage:
+            rows: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, K * RB], 16]
+
+        self.shared_storage = SharedStorage
+        self.smem_bytes = SharedStorage.size_in_bytes()
+        self.kernel(mA, mB, mS0, mStart, mFinal, segments, has_init, has_final).launch(
+            grid=(K // RB, num_heads, num_seqs), block=(K, 1, 1), smem=self.smem_bytes,
+            stream=stream,
+        )
+
+    # ---------------------------------------------------------------- device
+    @cute.kernel
+    def kernel(self, mA: cute.Tensor, mB: cute.Tensor, mS0: cute.Tensor, mStart: cute.Tensor,
+               mFinal: cute.Tensor, segments: cutlass.Int32, has_init: cutlass.Int32,
+               has_final: cutlass.Int32):
+        K, RB = self.K, self.RB
+        f32 = cutlass.Float32
+        t, _, _ = cute.arch.thread_idx()
+        rb, h, b = cute.arch.block_idx()
+        r0 = rb * RB
+        smem = utils.SmemAllocator()
+        st = smem.allocate(self.shared_storage)
+        sRows = st.rows.get_tensor(cute.make_layout((K, RB), stride=(RB, 1)))  # [k, row]
+
+        acc = cute.make_rmem_tensor((RB,), f32)  # column t of the current rows
+        for r in cutlass.range_constexpr(RB):
+            acc[r] = f32(0.0)
+        if has_init != 0:
+            for r in cutlass.range_constexpr(RB):
+                acc[r] = mS0[b, h, r0 + r, t]
+        for j in cutlass.range(segments):
+            n = b * segments + j
+            for r in cutlass.range_constexpr(RB):
+                mStart[n, h, r0 + r, t] = acc[r]
+            sRows[t, None].store(acc.load())
+            cute.arch.sync_threads()
+            for r in cutlass.range_constexpr(RB):
+                acc[r] = mB[n, h, r0 + r, t]
+            for k in cutlass.range(K, unroll=16):
+                a = mA[n, h, k, t]
+                s = sRows[k, None].load()
+                for r in cutlass.range_constexpr(RB):
+                    acc[r] = acc[r] + s[r] * a
+            cute.arch.sync_threads()  # every thread has read the rows before they change
+        if has_final != 0:
+            for r in cutlass.range_constexpr(RB):
+                mFinal[b, h, r0 + r, t] = acc[r]
