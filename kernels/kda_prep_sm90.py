@@ -1,7 +1,8 @@
 """K1: the token-parallel half of the KDA forward (sm_90a).
 
-One CTA per (chunk, head). A chunk is `chunk` consecutive tokens of one sequence, starting at the
-sequence's first token, so the last chunk of a sequence may be short; CTAs past the last chunk exit.
+One CTA per (chunk, head), heads fastest on a 1-D grid. A chunk is `chunk` consecutive tokens of
+one sequence, starting at the sequence's first token, so the last chunk of a sequence may be
+short; CTAs past the last chunk exit.
 
 Warp roles: none; all `threads` threads run every phase, separated by CTA barriers.
 Pipeline: one mbarrier; one elected thread issues three TMA loads (q, k and g tiles of
@@ -85,10 +86,12 @@ class KdaPrepSm90(TileCopy):
                       gate_mode, qk_l2norm, beta_sigmoid, s_tile), num_chunks, num_heads, stream)
 
     def _launch(self, kernel_args, num_chunks, num_heads, stream):
-        """Size the shared storage, then one CTA per (chunk, head)."""
+        """Size the shared storage, then one CTA per (chunk, head) on a 1-D grid, heads
+        fastest: the CTAs resident together read whole token rows of q, k and g (measured
+        K1 -2 to -3% against chunks fastest)."""
         self._make_storage()
         self.kernel(*kernel_args).launch(
-            grid=(num_chunks, num_heads, 1), block=(self.threads, 1, 1),
+            grid=(num_chunks * num_heads, 1, 1), block=(self.threads, 1, 1),
             smem=self.smem_bytes, stream=stream,
         )
 
@@ -162,7 +165,10 @@ class KdaPrepSm90(TileCopy):
             mQg, mKg, mKd, mGl, mAw, mMq = outs
         C, K, NT = self.C, self.K, self.threads
         tidx, _, _ = cute.arch.thread_idx()
-        bid, h, _ = cute.arch.block_idx()
+        lin, _, _ = cute.arch.block_idx()
+        num_heads = mBeta.shape[1]
+        bid = lin // num_heads  # the chunk
+        h = lin - bid * num_heads
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = cute.arch.lane_idx()
 
