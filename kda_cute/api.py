@@ -335,7 +335,8 @@ def launch_forward(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, in
                  "scale": float(scale), "lower_bound": float(lower_bound or 0.0),
                  "gate_mode": GATE_MODES[gate], "qk_l2norm": int(bool(qk_l2norm)),
                  "beta_sigmoid": int(bool(beta_sigmoid))}
-        k1.launch_with((nch * H, 1, 1), vals1, syms, stream, di)
+        # heads fastest; chunks on y and z (y is at most 65535)
+        k1.launch_with((H, min(nch, 65535), -(-nch // 65535)), vals1, syms, stream, di)
     if not run_recurrence:
         return workspace_views(workspace, p, cfg)
     dummy = out.data_ptr()

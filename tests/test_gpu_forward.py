@@ -329,3 +329,25 @@ def check_tokens_past_the_last_sequence(config):
     assert rel_err(out[:, :T], ref_o) < OUT_TOL
     assert rel_err(final, ref_s) < STATE_TOL
     assert torch.isnan(out[:, T:].float()).all(), "rows of no sequence were written"
+
+
+def test_more_chunks_than_grid_y():
+    """More than 65535 chunks (K1's grid z takes the rest): one call over 1,050,000 tokens
+    against the same tokens in two calls chained through the state, each under the limit."""
+    from kda_cute.reference import rel_err
+
+    T, cut = 1_050_000, 524_288
+    inp = make_inputs(B=1, T=T, H=1, K=64, seed=41)
+    out, final = run_kda(inp)
+    assert torch.isfinite(out.float()).all() and torch.isfinite(final).all()
+    first = dict(inp)
+    second = dict(inp)
+    for name in ("q", "k", "v", "g", "beta"):
+        first[name] = inp[name][:, :cut].contiguous()
+        second[name] = inp[name][:, cut:].contiguous()
+    o1, s1 = run_kda(first)
+    second["initial_state"] = s1
+    o2, s2 = run_kda(second)
+    assert rel_err(out[:, :cut], o1) == 0.0  # the same kernels on the same tokens
+    assert rel_err(out[:, cut:], o2) < 1e-3
+    assert rel_err(final, s2) < 1e-3

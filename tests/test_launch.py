@@ -203,7 +203,7 @@ def test_segmented_launches(stub_driver):
     assert len(names) == 5
     assert grids[1:3] + grids[4:] == [(1, 2, 3)] * 3  # (V / 64, H, B * segments), K = V = 64
     assert grids[3] == (8, 2, 1)  # (K / rows, H, B)
-    assert grids[0] == (6, 1, 1)  # K1: 3 chunks x 2 heads on one axis
+    assert grids[0] == (2, 3, 1)  # K1: (H, chunks, 1), heads fastest
 
 
 def _combine_params(blob):
