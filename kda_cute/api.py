@@ -15,7 +15,7 @@ import torch
 
 from . import runtime, segments
 from .abi import SYM_DIV
-from .config import GATE_MODES, FwdConfig, combine_config, select_config, supports
+from .config import GATE_MODES, K1_GRID_Y, FwdConfig, combine_config, select_config, supports
 
 _STATE_CODE = {None: 0, torch.float32: 1, torch.bfloat16: 2}
 
@@ -335,8 +335,8 @@ def launch_forward(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, in
                  "scale": float(scale), "lower_bound": float(lower_bound or 0.0),
                  "gate_mode": GATE_MODES[gate], "qk_l2norm": int(bool(qk_l2norm)),
                  "beta_sigmoid": int(bool(beta_sigmoid))}
-        # heads fastest; chunks on y and z (y is at most 65535)
-        k1.launch_with((H, min(nch, 65535), -(-nch // 65535)), vals1, syms, stream, di)
+        # heads fastest; chunks on y and z
+        k1.launch_with((H, min(nch, K1_GRID_Y), -(-nch // K1_GRID_Y)), vals1, syms, stream, di)
     if not run_recurrence:
         return workspace_views(workspace, p, cfg)
     dummy = out.data_ptr()

@@ -14,6 +14,9 @@ GATE_MODES = {"none": GATE_NONE, "bounded": GATE_BOUNDED, "unbounded": GATE_UNBO
 
 HEAD_DIMS = (64, 128, 256)
 
+# K1's grid: heads on x, chunks on y and z (chunk = y + K1_GRID_Y * z; grid y is at most 65535)
+K1_GRID_Y = 65535
+
 
 @dataclass(frozen=True)
 class PrepConfig:

@@ -51,8 +51,6 @@ def kernel_kind(cfg) -> str:
     return "combine" if isinstance(cfg, CombineConfig) else "recur"
 
 
-args_for = abi.args_for
-
 
 def dsl_version() -> str:
     from importlib.metadata import version
@@ -116,7 +114,7 @@ def compile_one(cfg, arch: str, out_dir: str) -> dict:
     else:
         from kernels.kda_recur_sm90 import KdaRecurSm90 as Kernel
     kern = Kernel(cfg)
-    args = args_for(cfg)
+    args = abi.args_for(cfg)
     compiled = cute.compile(kern, *_fake_args(args, cutlass, cute))
     cubin = compiled.__cubin__
     if not isinstance(cubin, bytes):

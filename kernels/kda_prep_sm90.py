@@ -34,7 +34,7 @@ import cutlass.utils as utils
 from cutlass.cute.nvgpu import cpasync
 from cutlass.cute.nvgpu import warp as warp_mma
 
-from kda_cute.config import GATE_BOUNDED, GATE_UNBOUNDED, PrepConfig
+from kda_cute.config import GATE_BOUNDED, GATE_UNBOUNDED, K1_GRID_Y, PrepConfig
 from kernels.common import TileCopy, tma_meta
 
 
@@ -88,10 +88,11 @@ class KdaPrepSm90(TileCopy):
     def _launch(self, kernel_args, num_chunks, num_heads, stream):
         """Size the shared storage, then one CTA per (chunk, head), heads fastest (grid x): the
         CTAs resident together read whole token rows of q, k and g (measured K1 -2 to -3%
-        against chunks fastest). Chunk = y + 65535 z (grid y is at most 65535)."""
+        against chunks fastest). Chunk = y + K1_GRID_Y z (grid y is at most 65535)."""
         self._make_storage()
         self.kernel(*kernel_args).launch(
-            grid=(num_heads, cutlass.min(num_chunks, 65535), (num_chunks + 65534) // 65535),
+            grid=(num_heads, cutlass.min(num_chunks, K1_GRID_Y),
+                  (num_chunks + K1_GRID_Y - 1) // K1_GRID_Y),
             block=(self.threads, 1, 1),
             smem=self.smem_bytes, stream=stream,
         )
@@ -167,7 +168,7 @@ class KdaPrepSm90(TileCopy):
         C, K, NT = self.C, self.K, self.threads
         tidx, _, _ = cute.arch.thread_idx()
         h, by, bz = cute.arch.block_idx()
-        bid = by + bz * 65535  # the chunk
+        bid = by + bz * K1_GRID_Y  # the chunk
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = cute.arch.lane_idx()
 

@@ -142,7 +142,7 @@ def test_combine_kernel(K, init, final):
     """The segments' combine kernel alone against the float64 serial combine, on random maps
     (near the identity, as a segment's are) and end states: two sequences of five segments,
     the start states and the final state in fp32 (bf16 states through fp32 copies)."""
-    from kda_cute import api
+    from kda_cute import api, segments
     from kda_cute.reference import rel_err
 
     B, P, H = 2, 5, 3
@@ -157,12 +157,10 @@ def test_combine_kernel(K, init, final):
                                                device="cuda")
     if final == "in-place":
         s1 = s0
-    ref = torch.zeros(B, H, K, K, dtype=torch.float64) if s0 is None else s0.double().cpu()
-    starts_ref = []
-    for j in range(P):
-        starts_ref.append(ref)
-        ref = ref @ A[j::P] + Bs[j::P]
-    starts_ref = torch.stack(starts_ref, 1).reshape(B * P, H, K, K)
+    # segments.combine (the torch form) in float64 on the CPU
+    starts_ref, ref = segments.combine(A.view(B, P, H, K, K), Bs.view(B, P, H, K, K),
+                                       None if s0 is None else s0.double().cpu())
+    starts_ref = starts_ref.reshape(B * P, H, K, K)
     maps, ends = A.float().cuda(), Bs.float().cuda()
     dev = torch.cuda.current_device()
     starts = api._combine(maps, ends, s0, s1, B, P, H, K,
