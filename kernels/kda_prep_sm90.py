@@ -37,6 +37,11 @@ from cutlass.cute.nvgpu import warp as warp_mma
 from kda_cute.config import GATE_BOUNDED, GATE_UNBOUNDED, K1_GRID_Y, PrepConfig
 from kernels.common import TileCopy, tma_meta
 
+# sm_90 per-SM budgets: shared memory (228 KB, 1 KB of it reserved per CTA) and registers
+SMEM_PER_SM = 233472
+SMEM_PER_CTA_RESERVED = 1024
+REGS_PER_SM = 65536
+
 
 class KdaPrepSm90(TileCopy):
     """The f32-operand K1 (for the SIMT K2): plain stores of its fp32 outputs."""
@@ -94,8 +99,12 @@ class KdaPrepSm90(TileCopy):
             grid=(num_heads, cutlass.min(num_chunks, K1_GRID_Y),
                   (num_chunks + K1_GRID_Y - 1) // K1_GRID_Y),
             block=(self.threads, 1, 1),
-            smem=self.smem_bytes, stream=stream,
+            smem=self.smem_bytes, stream=stream, **self._occupancy(),
         )
+
+    def _occupancy(self) -> dict:
+        """Launch bounds: none for the one-pass kernel."""
+        return {}
 
     def _make_loads(self, mQ, mK, mG):
         """The q, k and g TMA loads (C x K bf16 tiles) and their smem tile layout."""
@@ -159,7 +168,6 @@ class KdaPrepSm90(TileCopy):
               scale: cutlass.Float32, lower_bound: cutlass.Float32, gate_mode: cutlass.Int32,
               qk_l2norm: cutlass.Int32, beta_sigmoid: cutlass.Int32, s_tile: cute.Layout):
         """The kernel, whatever the output mode: `outs` holds tensors (f32) or TMA stores."""
-        (tma_q, tQ), (tma_k, tK), (tma_g, tG) = loads
         if cutlass.const_expr(self.split):
             st_qg, st_kg, mKdh, mKdl, mGl, mAwh, mAwl, mMqh, mMql = outs
             mQg = mKg = mKd = mAw = mMq = None
@@ -172,20 +180,7 @@ class KdaPrepSm90(TileCopy):
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = cute.arch.lane_idx()
 
-        # ---- which sequence and chunk this CTA owns --------------------------------------
-        # binary search over cu_chunks: log2(N) steps (none for one sequence)
-        lo = cutlass.Int32(0)
-        hi = num_seqs
-        while hi - lo > 1:
-            mid = (lo + hi) >> 1
-            if mCuChunk[mid] <= bid:
-                lo = mid
-            else:
-                hi = mid
-        seq = lo
-        total_chunks = mCuChunk[num_seqs]
-        t0 = mCuSeq[seq] + (bid - mCuChunk[seq]) * C
-        length = cutlass.min(C, mCuSeq[seq + 1] - t0)
+        t0, length, total_chunks = self._locate(mCuSeq, mCuChunk, num_seqs, bid)
 
         if bid < total_chunks:
             smem = utils.SmemAllocator()
@@ -209,55 +204,11 @@ class KdaPrepSm90(TileCopy):
             sMq = (mMqh, mMql) if cutlass.const_expr(self.split) else None
             unsafe = st.unsafe.get_tensor(cute.make_layout(1))
 
-            # ---- TMA: q, k, g tiles -> smem ----------------------------------------------
-            if warp == 0:
-                with cute.arch.elect_one():
-                    cute.arch.mbarrier_init(mbar, 1)
             if tidx == 0:
                 unsafe[0] = cutlass.Int32(0)
-            cute.arch.mbarrier_init_fence()
-            cute.arch.sync_threads()
-            if warp == 0:
-                with cute.arch.elect_one():
-                    cute.arch.mbarrier_arrive_and_expect_tx(mbar, 3 * C * K * 2)
-                for tma, tX, sX_ in ((tma_q, tQ, sQ), (tma_k, tK, sK), (tma_g, tG, sG)):
-                    self._tile_copy(tma, tX, sX_, (t0, h * K), (C, K), mbar)
-            if tidx < C:
-                b = cutlass.Float32(0.0)
-                if tidx < length:
-                    b = mBeta[t0 + tidx, h].to(cutlass.Float32)
-                if beta_sigmoid != 0:
-                    b = 1.0 / (1.0 + cute.math.exp(-b))
-                sBeta[tidx] = b
-            cute.arch.mbarrier_wait(mbar, 0)
-
-            # ---- phase A: norms, TPR threads per row of q (rows 0..C-1) and k (C..2C-1) ---
-            # 8-element (16-byte) vectors: thread `sub_` of a row takes vectors sub_ + TPR m,
-            # rotated by the row against bank conflicts between the rows of one access phase
-            TPR = NT // (2 * C)
-            nvec = K // 8 // TPR
-            row = tidx // TPR
-            sub_ = tidx - row * TPR
-            vecs = cute.logical_divide(sQK, (None, 8))  # (2C, (8, K/8))
-            acc2 = cutlass.Float32(0.0)
-            for m in cutlass.range_constexpr(nvec):
-                xv = vecs[row, (None, sub_ + TPR * ((m + row) % nvec))].load().to(
-                    cutlass.Float32)
-                acc2 = acc2 + (xv * xv).reduce(cute.ReductionOp.ADD, 0.0, 0)
-            for off in cutlass.range_constexpr(TPR.bit_length() - 1):
-                acc2 = acc2 + cute.arch.shuffle_sync_bfly(acc2, offset=1 << off)
-            if sub_ == 0:
-                r = cutlass.Float32(1.0)
-                if qk_l2norm != 0:
-                    r = cute.math.rsqrt(acc2 + 1e-6)
-                # q's rows carry the scale; rows past the length are zero, and with them every
-                # output and phase B operand of those rows (no per-element masking)
-                if row < C:
-                    r = r * scale
-                if row - (row // C) * C >= length:
-                    r = cutlass.Float32(0.0)
-                norm[row] = r
-            cute.arch.sync_threads()
+            self._load_tiles(loads, (sQ, sK, sG), mbar, mBeta, sBeta, t0, h, length,
+                             beta_sigmoid, tidx, warp)
+            self._norms(sQK, norm, length, scale, qk_l2norm, tidx)
 
             # ---- phase A: gates and cumulative decay G (chunk-local) ---------------------
             a_log = mALog[h]
@@ -390,37 +341,119 @@ class KdaPrepSm90(TileCopy):
                     self._store_m(mMq, sMq, row0, h, i, j2, m2, length)
             cute.arch.sync_threads()
 
-            # ---- phase C: Aw = (I + L)^-1 diag(beta), one column per thread ------------------
-            # forward substitution with the column in registers; L entries are smem broadcasts.
-            # Right-looking: once x_l is final it is taken out of every later row at once, so
-            # the dependent chain is C multiply-adds long, not C(C-1)/2 (same order of terms
-            # per row as the row-by-row form, so the same result)
-            if tidx < C:
-                j = tidx
-                xs = cute.make_rmem_tensor((C,), cutlass.Float32)
-                bj = sBeta[j]
-                for i in cutlass.range_constexpr(C):
-                    xs[i] = cutlass.Float32(0.0)
-                    if j == i:
-                        xs[i] = bj
-                for l_ in cutlass.range_constexpr(C - 1):
-                    xl = xs[l_]
-                    for i in cutlass.range_constexpr(l_ + 1, C):
-                        xs[i] = xs[i] - sL[i, l_] * xl
-                for i in cutlass.range_constexpr(C):
-                    x = xs[i]
-                    if j >= length or i >= length:
-                        x = cutlass.Float32(0.0)
-                    if cutlass.const_expr(self.split):
-                        hi_ = x.to(self.io_dtype)
-                        mAwh[row0 + i, h, j] = hi_
-                        mAwl[row0 + i, h, j] = (x - hi_.to(cutlass.Float32)).to(self.io_dtype)
-                    else:
-                        mAw[row0 + i, h, j] = x
+            self._phase_c(sL, sBeta, outs, row0, h, length, tidx)
             if cutlass.const_expr(self.split):
                 if warp == 0:
                     # smem must outlive the stores' reads of it
                     cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    @cute.jit
+    def _locate(self, mCuSeq: cute.Tensor, mCuChunk: cute.Tensor, num_seqs: cutlass.Int32, bid):
+        """(first token, valid rows, total chunks) of chunk `bid`: binary search over cu_chunks,
+        log2(N) steps (none for one sequence)."""
+        lo = cutlass.Int32(0)
+        hi = num_seqs
+        while hi - lo > 1:
+            mid = (lo + hi) >> 1
+            if mCuChunk[mid] <= bid:
+                lo = mid
+            else:
+                hi = mid
+        seq = lo
+        t0 = mCuSeq[seq] + (bid - mCuChunk[seq]) * self.C
+        return t0, cutlass.min(self.C, mCuSeq[seq + 1] - t0), mCuChunk[num_seqs]
+
+    @cute.jit
+    def _load_tiles(self, loads, tiles, mbar, mBeta: cute.Tensor, sBeta, t0, h, length,
+                    beta_sigmoid: cutlass.Int32, tidx, warp):
+        """TMA: the q, k and g tiles of this chunk and head into smem (one mbarrier, phase 0;
+        every thread waits on it); beta (through its sigmoid if asked) into sBeta meanwhile."""
+        C, K = self.C, self.K
+        if warp == 0:
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_init(mbar, 1)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+        if warp == 0:
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_arrive_and_expect_tx(mbar, 3 * C * K * 2)
+            for (tma, tX), sX_ in zip(loads, tiles, strict=True):
+                self._tile_copy(tma, tX, sX_, (t0, h * K), (C, K), mbar)
+        if tidx < C:
+            b = cutlass.Float32(0.0)
+            if tidx < length:
+                b = mBeta[t0 + tidx, h].to(cutlass.Float32)
+            if beta_sigmoid != 0:
+                b = 1.0 / (1.0 + cute.math.exp(-b))
+            sBeta[tidx] = b
+        cute.arch.mbarrier_wait(mbar, 0)
+
+    @cute.jit
+    def _norms(self, sQK, norm, length, scale: cutlass.Float32, qk_l2norm: cutlass.Int32,
+               tidx):
+        """Phase A's row norms, TPR threads per row of q (rows 0..C-1) and k (C..2C-1), into
+        norm[]: 8-element (16-byte) vectors, thread `sub_` of a row takes vectors sub_ + TPR m,
+        rotated by the row against bank conflicts between the rows of one access phase."""
+        C, K, NT = self.C, self.K, self.threads
+        TPR = NT // (2 * C)
+        nvec = K // 8 // TPR
+        row = tidx // TPR
+        sub_ = tidx - row * TPR
+        vecs = cute.logical_divide(sQK, (None, 8))  # (2C, (8, K/8))
+        acc2 = cutlass.Float32(0.0)
+        for m in cutlass.range_constexpr(nvec):
+            xv = vecs[row, (None, sub_ + TPR * ((m + row) % nvec))].load().to(
+                cutlass.Float32)
+            acc2 = acc2 + (xv * xv).reduce(cute.ReductionOp.ADD, 0.0, 0)
+        for off in cutlass.range_constexpr(TPR.bit_length() - 1):
+            acc2 = acc2 + cute.arch.shuffle_sync_bfly(acc2, offset=1 << off)
+        if sub_ == 0:
+            r = cutlass.Float32(1.0)
+            if qk_l2norm != 0:
+                r = cute.math.rsqrt(acc2 + 1e-6)
+            # q's rows carry the scale; rows past the length are zero, and with them every
+            # output and phase B operand of those rows (no per-element masking)
+            if row < C:
+                r = r * scale
+            if row - (row // C) * C >= length:
+                r = cutlass.Float32(0.0)
+            norm[row] = r
+        cute.arch.sync_threads()
+
+    @cute.jit
+    def _phase_c(self, sL, sBeta, outs, row0, h, length, tidx):
+        """Phase C: Aw = (I + L)^-1 diag(beta), one column per thread, by forward substitution
+        with the column in registers; L entries are smem broadcasts. Right-looking: once x_l is
+        final it is taken out of every later row at once, so the dependent chain is C
+        multiply-adds long, not C(C-1)/2 (same order of terms per row as the row-by-row form,
+        so the same result)."""
+        C = self.C
+        if cutlass.const_expr(self.split):
+            mAwh, mAwl = outs[5], outs[6]
+        else:
+            mAw = outs[4]
+        if tidx < C:
+            j = tidx
+            xs = cute.make_rmem_tensor((C,), cutlass.Float32)
+            bj = sBeta[j]
+            for i in cutlass.range_constexpr(C):
+                xs[i] = cutlass.Float32(0.0)
+                if j == i:
+                    xs[i] = bj
+            for l_ in cutlass.range_constexpr(C - 1):
+                xl = xs[l_]
+                for i in cutlass.range_constexpr(l_ + 1, C):
+                    xs[i] = xs[i] - sL[i, l_] * xl
+            for i in cutlass.range_constexpr(C):
+                x = xs[i]
+                if j >= length or i >= length:
+                    x = cutlass.Float32(0.0)
+                if cutlass.const_expr(self.split):
+                    hi_ = x.to(self.io_dtype)
+                    mAwh[row0 + i, h, j] = hi_
+                    mAwl[row0 + i, h, j] = (x - hi_.to(cutlass.Float32)).to(self.io_dtype)
+                else:
+                    mAw[row0 + i, h, j] = x
 
     @cute.jit
     def _output_pair(self, factored: cutlass.Constexpr, half: cutlass.Constexpr, pair, gref,
@@ -652,7 +685,51 @@ class KdaPrepSm90(TileCopy):
 
 class KdaPrepSm90Split(KdaPrepSm90):
     """The bf16-operand K1 (for the tensor-core K2): qg and kg leave by TMA stores from smem
-    tiles; kd, Aw and Mq (hi/lo planes) by the threads, straight from registers."""
+    tiles; kd, Aw and Mq (hi/lo planes) by the threads, straight from registers.
+
+    At chunk 16 with 64, 128 or 256 threads (every shipped config) it runs in column passes
+    (`_body_passes`): W = max(64, threads / 2) key columns at a time, so phase B's fp32 operand
+    rows take C x W floats, not C x K (K = 128: 24.7 KB of smem per CTA instead of 37.5)."""
+
+    def __init__(self, cfg: PrepConfig):
+        super().__init__(cfg)
+        self.W = max(64, cfg.threads // 2)
+        self.passes = (cfg.chunk == 16 and cfg.threads in (64, 128, 256)
+                       and self.K % self.W == 0)
+
+    def _occupancy(self) -> dict:
+        """The passes kernel asks ptxas for as many CTAs per SM as its smem allows, at most
+        64 registers per thread: at K = 128 eight CTAs (64 registers, no spills) instead of six."""
+        if not self.passes:
+            return {}
+        per_sm = min(SMEM_PER_SM // (self.smem_bytes + SMEM_PER_CTA_RESERVED),
+                     REGS_PER_SM // (64 * self.threads))
+        return {"min_blocks_per_mp": per_sm, "preferred_smem_carveout": 100}
+
+    def _make_storage(self):
+        if not self.passes:
+            super()._make_storage()
+            return
+        C, K, W, NT = self.C, self.K, self.W, self.threads
+        RG = 2 * NT // W
+        # the warps' partial L and Mqk tiles reuse the operand rows after the last pass
+        assert (NT // 32) * 2 * C * C <= 3 * C * (W + 1)
+
+        @cute.struct
+        class SharedStorage:
+            mbar: cute.struct.MemRange[cutlass.Int64, 1]
+            sQK: cute.struct.Align[cute.struct.MemRange[self.io_dtype, 2 * C * K], 128]
+            sG: cute.struct.Align[cute.struct.MemRange[self.io_dtype, C * K], 128]
+            # one pass's phase B operand rows fA, fB, fG, each (C, W) padded by a word
+            fABG: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, 3 * C * (W + 1)], 16]
+            part: cute.struct.MemRange[cutlass.Float32, RG * W]  # gate sum per row group
+            first: cute.struct.MemRange[cutlass.Float32, W]  # G at row 0
+            norm: cute.struct.MemRange[cutlass.Float32, 2 * C]
+            beta: cute.struct.MemRange[cutlass.Float32, C]
+            flag: cute.struct.MemRange[cutlass.Int32, K // 64]  # unfactored 64-column groups
+
+        self.shared_storage = SharedStorage
+        self.smem_bytes = SharedStorage.size_in_bytes()
 
     @cute.jit
     def __call__(
@@ -712,9 +789,340 @@ class KdaPrepSm90Split(KdaPrepSm90):
         s_tile: cute.Layout,
     ):
         outs = ((tma_qg, tQg), (tma_kg, tKg), mKdh, mKdl, mGl, mAwh, mAwl, mMqh, mMql)
-        self._body(((tma_q, tQ), (tma_k, tK), (tma_g, tG)), mBeta, mALog, mDtBias, mCuSeq,
-                   mCuChunk, outs, num_seqs, scale, lower_bound, gate_mode, qk_l2norm,
-                   beta_sigmoid, s_tile)
+        body = self._body_passes if cutlass.const_expr(self.passes) else self._body
+        body(((tma_q, tQ), (tma_k, tK), (tma_g, tG)), mBeta, mALog, mDtBias, mCuSeq,
+             mCuChunk, outs, num_seqs, scale, lower_bound, gate_mode, qk_l2norm,
+             beta_sigmoid, s_tile)
+
+    @cute.jit
+    def _body_passes(self, loads, mBeta: cute.Tensor, mALog: cute.Tensor,
+                     mDtBias: cute.Tensor, mCuSeq: cute.Tensor, mCuChunk: cute.Tensor, outs,
+                     num_seqs: cutlass.Int32, scale: cutlass.Float32,
+                     lower_bound: cutlass.Float32, gate_mode: cutlass.Int32,
+                     qk_l2norm: cutlass.Int32, beta_sigmoid: cutlass.Int32, s_tile: cute.Layout):
+        """Chunk 16 in K / W column passes. Thread (pl, rg) = (tidx mod W/2, tidx div W/2) of a
+        pass owns columns 2 pl, 2 pl + 1 of row group rg (C / RG rows); a warp covers one
+        64-column group of one row group. Per pass:
+          1. the gates of its rows and their running sum; group sums to smem;
+          2. G from the groups' prefix, r (G at row C/2 - 1) and Gl; the group is factored
+             unless some |G - r| or |r| exceeds 80 (a warp vote: every warp of a group sees the
+             same columns); the outputs qg, kg (in place, for the TMA stores), kd (hi/lo, to the
+             workspace) and phase B's operand rows for the pass's columns;
+          3. phase B's partial L and Mqk over those columns: factored groups on warp MMA (one
+             16-column block per warp, bf16 hi/lo, accumulators kept over the passes),
+             unfactored ones elementwise with e^(G_i - G_j) (accumulated per thread).
+        Then the warps' partial tiles meet in smem, L goes to smem, Mq to the workspace, and
+        phase C runs as in the one-pass kernel."""
+        st_qg, st_kg, mKdh, mKdl, mGl, mAwh, mAwl, mMqh, mMql = outs
+        C, K, NT, W = self.C, self.K, self.threads, self.W
+        f32, bf16 = cutlass.Float32, cutlass.BFloat16
+        NPAIR = W // 2
+        NW = NT // 32
+        BPW = (W // 16) // NW  # phase B blocks per warp per pass
+        NQ = C * C // NT  # (i, j) entries per thread in the final sum
+        tidx, _, _ = cute.arch.thread_idx()
+        h, by, bz = cute.arch.block_idx()
+        bid = by + bz * K1_GRID_Y  # the chunk
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        lane = cute.arch.lane_idx()
+        t0, length, total_chunks = self._locate(mCuSeq, mCuChunk, num_seqs, bid)
+
+        if bid < total_chunks:
+            smem = utils.SmemAllocator()
+            st = smem.allocate(self.shared_storage)
+            mbar = st.mbar.data_ptr()
+            sQK = st.sQK.get_tensor(cute.make_layout((2 * C, K), stride=(K, 1)))
+            sQ = cute.make_tensor(sQK.iterator, s_tile)
+            sK = cute.make_tensor(sQK.iterator + C * K, s_tile)
+            sG = st.sG.get_tensor(s_tile)
+            f_layout = cute.make_layout((C, W), stride=(W + 1, 1))
+            f0 = st.fABG.data_ptr()
+            fA = cute.make_tensor(f0, f_layout)
+            fB = cute.make_tensor(f0 + C * (W + 1), f_layout)
+            fG = cute.make_tensor(f0 + 2 * C * (W + 1), f_layout)
+            part = st.part.get_tensor(cute.make_layout((2 * NT // W, W), stride=(W, 1)))
+            first = st.first.get_tensor(cute.make_layout(W))
+            norm = st.norm.get_tensor(cute.make_layout(2 * C))
+            sBeta = st.beta.get_tensor(cute.make_layout(C))
+            flag = st.flag.get_tensor(cute.make_layout(K // 64))
+            sL = cute.make_tensor(cute.recast_ptr(sG.iterator, dtype=f32),
+                                  cute.make_layout((C, C), stride=(C, 1)))
+            row0 = bid * C
+            self._load_tiles(loads, (sQ, sK, sG), mbar, mBeta, sBeta, t0, h, length,
+                             beta_sigmoid, tidx, warp)
+            self._norms(sQK, norm, length, scale, qk_l2norm, tidx)
+
+            pl = tidx % NPAIR
+            rg = tidx // NPAIR
+            a_exp = cute.math.exp(mALog[h])
+            mma = cute.make_tiled_mma(warp_mma.MmaF16BF16Op(bf16, f32, (16, 8, 16)))
+            c_shape = mma.get_slice(lane).partition_shape_C((16, 8))
+            accs = [cute.make_rmem_tensor(c_shape, f32) for _ in range(4)]
+            for acc in accs:
+                acc.fill(0.0)
+            ew = cute.make_rmem_tensor((NQ, 2), f32)
+            ew.fill(0.0)
+            for ps in cutlass.range_constexpr(K // W):
+                gp = ps * NPAIR + pl  # this thread's column pair in the head
+                loc = self._pass_gates(sG, mDtBias, part, first, h, gp, pl, rg, a_exp,
+                                       lower_bound, gate_mode, length)
+                cute.arch.sync_threads()
+                self._pass_outputs(loc, part, first, flag, (fA, fB, fG), sQ, sK, norm,
+                                   (mKdh, mKdl), mGl, row0, h, bid, gp, pl, rg, lane)
+                if cutlass.const_expr(ps == K // W - 1):
+                    cute.arch.fence_proxy("async.shared", space="cta")
+                cute.arch.sync_threads()
+                if cutlass.const_expr(ps == K // W - 1):
+                    # qg and kg leave now; the final sums and phase C run while they drain
+                    if warp == 0:
+                        for (tma, tX), sX in ((st_qg, sQ), (st_kg, sK)):
+                            self._tile_store(tma, tX, sX, (row0, h * K), (C, K))
+                        cute.arch.cp_async_bulk_commit_group()
+                for bb in cutlass.range_constexpr(BPW):
+                    c0 = (warp * BPW + bb) * 16
+                    if flag[(ps * W + c0) // 64] == 0:
+                        self._phase_b_block(fA, fB, fG, c0, lane, accs)
+                for gg in cutlass.range_constexpr(W // 64):
+                    if flag[ps * (W // 64) + gg] != 0:
+                        self._phase_b_elementwise(fA, fB, fG, gg * 64, tidx, length, ew)
+            cute.arch.sync_threads()
+            sRed = cute.make_tensor(f0, cute.make_layout(
+                (NW, 2, C, C), stride=(2 * C * C, C * C, C, 1)))
+            self._phase_b_spill(sRed, warp, lane, accs)
+            cute.arch.sync_threads()
+            for p in cutlass.range_constexpr(2 * NQ):
+                prod = p // NQ
+                idx = tidx + (p - prod * NQ) * NT
+                i = idx // C
+                j = idx - i * C
+                acc = ew[p - prod * NQ, prod]
+                for w in cutlass.range_constexpr(NW):
+                    acc = acc + sRed[w, prod, i, j]
+                if cutlass.const_expr(prod == 0):
+                    self._store_l(sL, sBeta, i, j, acc, length)
+                else:
+                    self._store_m(None, (mMqh, mMql), row0, h, i, j, acc, length)
+            cute.arch.sync_threads()
+            self._phase_c(sL, sBeta, outs, row0, h, length, tidx)
+            if warp == 0:
+                # smem must outlive the stores' reads of it
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    @cute.jit
+    def _pass_gates(self, sG, mDtBias: cute.Tensor, part, first, h, gp, pl, rg, a_exp,
+                    lower_bound: cutlass.Float32, gate_mode: cutlass.Int32, length):
+        """Step 1 of a pass: the gate of columns 2 gp + c (c = 0, 1) at this thread's rows
+        rg * RPG ..., their running sum (rows past the length add nothing) returned as (RPG, 2),
+        the group's sum to part[rg] and G at row 0 to first[]."""
+        C, K, NT, W = self.C, self.K, self.threads, self.W
+        f32 = cutlass.Float32
+        RPG = C * W // (2 * NT)
+        vG = cute.logical_divide(sG, (None, 2))
+        bias = [mDtBias[h * K + 2 * gp + c] for c in range(2)]
+        acts = cute.make_rmem_tensor((RPG, 2), f32)
+        # one branch per mode (not per row), so the rows' exponentials overlap
+        if gate_mode == GATE_BOUNDED:
+            for r in cutlass.range_constexpr(RPG):
+                g2 = vG[rg * RPG + r, (None, gp)].load().to(f32)
+                for c in cutlass.range_constexpr(2):
+                    x = a_exp * (g2[c] + bias[c])
+                    acts[r, c] = lower_bound * cute.arch.rcp_approx(
+                        1.0 + cute.math.exp(-x, fastmath=True))
+        elif gate_mode == GATE_UNBOUNDED:
+            for r in cutlass.range_constexpr(RPG):
+                g2 = vG[rg * RPG + r, (None, gp)].load().to(f32)
+                for c in cutlass.range_constexpr(2):
+                    x = g2[c] + bias[c]
+                    # softplus without a branch: max(x, 0) + log1p(e^-|x|)
+                    sp = cute.arch.fmax(x, 0.0) + cute.math.log1p(
+                        cute.math.exp(-cute.arch.fmax(x, -x)))
+                    acts[r, c] = -a_exp * sp
+        else:
+            for r in cutlass.range_constexpr(RPG):
+                g2 = vG[rg * RPG + r, (None, gp)].load().to(f32)
+                for c in cutlass.range_constexpr(2):
+                    acts[r, c] = g2[c]
+        loc = cute.make_rmem_tensor((RPG, 2), f32)
+        for c in cutlass.range_constexpr(2):
+            run = cutlass.Float32(0.0)
+            for r in cutlass.range_constexpr(RPG):
+                if rg * RPG + r < length:
+                    run = run + acts[r, c]
+                loc[r, c] = run
+            part[rg, 2 * pl + c] = run
+            if rg == 0:
+                first[2 * pl + c] = loc[0, c]
+        return loc
+
+    @cute.jit
+    def _pass_outputs(self, loc, part, first, flag, fops, sQ, sK, norm, kd_planes, mGl, row0,
+                      h, bid, gp, pl, rg, lane):
+        """Step 2 of a pass, columns d = 2 gp + c of rows rg * RPG ...: G = (sum of the earlier
+        groups) + the running sum, r and Gl from the group sums; the factored test as a warp
+        vote (flag[] for phase B); gl = e^Gl; the outputs qg = scale qn e^G, kg = kn e^G and
+        kd = kn e^(Gl - G) (zeros past the length, whose rows have zero norms) and phase B's
+        operands, factored: (qn e^(G - r), kn e^(G - r), kn e^(r - G)), the outputs being
+        these times e^r, e^r and e^(Gl - r); otherwise (qn, kn, G)."""
+        C, K, NT, W = self.C, self.K, self.threads, self.W
+        f32, io = cutlass.Float32, self.io_dtype
+        RG = 2 * NT // W
+        RPG = C // RG
+        RGREF = (C // 2 - 1) // RPG  # the row group ending at row C/2 - 1
+        fA, fB, fG = fops
+        mKdh, mKdl = kd_planes
+        offs = cute.make_rmem_tensor((2,), f32)
+        ref = cute.make_rmem_tensor((2,), f32)
+        gl = cute.make_rmem_tensor((2,), f32)
+        big = cutlass.Int32(0)
+        for c in cutlass.range_constexpr(2):
+            col = 2 * pl + c
+            o = cutlass.Float32(0.0)
+            run = cutlass.Float32(0.0)
+            for r in cutlass.range_constexpr(RG):
+                p = part[r, col]
+                if r < rg:
+                    o = o + p
+                run = run + p
+                if cutlass.const_expr(r == RGREF):
+                    ref[c] = run
+            offs[c] = o
+            gl[c] = run
+            g0 = first[col]
+            # the factored products take e^(G_i - r) e^(r - G_j), the outputs e^G = e^(G - r)
+            # e^r: every factor a normal float (G is monotone, so its ends bound it)
+            rf = ref[c]
+            if g0 - rf > 80.0:
+                big = cutlass.Int32(1)
+            if rf - g0 > 80.0:
+                big = cutlass.Int32(1)
+            if run - rf > 80.0:
+                big = cutlass.Int32(1)
+            if rf - run > 80.0:
+                big = cutlass.Int32(1)
+            if rf > 80.0:
+                big = cutlass.Int32(1)
+            if rf < -80.0:
+                big = cutlass.Int32(1)
+        unsafe = cute.arch.vote_any_sync(big != 0)
+        if lane == 0:
+            flag[(2 * gp) // 64] = cutlass.Int32(unsafe)
+        if rg == 0:
+            for c in cutlass.range_constexpr(2):
+                mGl[bid, h, 2 * gp + c] = cute.math.exp(gl[c], fastmath=True)
+        # per column: e1 = e^(G - sa), e2 = e^(sb - G), outputs' factors cq, cl
+        sa = cute.make_rmem_tensor((2,), f32)
+        sb = cute.make_rmem_tensor((2,), f32)
+        cq = cute.make_rmem_tensor((2,), f32)
+        cl = cute.make_rmem_tensor((2,), f32)
+        for c in cutlass.range_constexpr(2):
+            sa[c] = ref[c]
+            sb[c] = ref[c]
+            cq[c] = cute.math.exp(ref[c], fastmath=True)
+            cl[c] = cute.math.exp(gl[c] - ref[c], fastmath=True)
+            if unsafe:
+                sa[c] = cutlass.Float32(0.0)
+                sb[c] = gl[c]
+                cq[c] = cutlass.Float32(1.0)
+                cl[c] = cutlass.Float32(1.0)
+        vQ, vK = (cute.logical_divide(x, (None, 2)) for x in (sQ, sK))
+        pairs_g = cute.make_layout((2, K // 2), stride=(1, 2))
+        qs2 = cute.make_rmem_tensor((2,), f32)
+        ke2 = cute.make_rmem_tensor((2,), f32)
+        kd2 = cute.make_rmem_tensor((2,), f32)
+        for r in cutlass.range_constexpr(RPG):
+            i = rg * RPG + r
+            q2 = vQ[i, (None, gp)].load().to(f32)
+            k2 = vK[i, (None, gp)].load().to(f32)
+            nq = norm[i]
+            nk = norm[C + i]
+            for c in cutlass.range_constexpr(2):
+                col = 2 * pl + c
+                Gi = offs[c] + loc[r, c]
+                qn = q2[c] * nq
+                kn = k2[c] * nk
+                e1 = cute.math.exp(Gi - sa[c], fastmath=True)
+                e2 = cute.math.exp(sb[c] - Gi, fastmath=True)
+                qe = qn * e1
+                ke = kn * e1
+                kx = kn * e2
+                fa = qe
+                fb = ke
+                fg = kx
+                if unsafe:
+                    fa = qn
+                    fb = kn
+                    fg = Gi
+                fA[i, col] = fa
+                fB[i, col] = fb
+                fG[i, col] = fg
+                qs2[c] = qe * cq[c]
+                ke2[c] = ke * cq[c]
+                kd2[c] = kx * cl[c]
+            # qg and kg in place of the q and k tiles (only this thread reads these two columns
+            # of this row); kd's planes straight to the workspace (128 bytes of a row per warp)
+            vQ[i, (None, gp)].store(qs2.load().to(io))
+            vK[i, (None, gp)].store(ke2.load().to(io))
+            x = kd2.load()
+            kh = x.to(io)
+            cute.make_tensor(mKdh[row0 + i, h, None].iterator, pairs_g)[None, gp].store(kh)
+            cute.make_tensor(mKdl[row0 + i, h, None].iterator, pairs_g)[None, gp].store(
+                (x - kh.to(f32)).to(io))
+
+    @cute.jit
+    def _phase_b_block(self, fA, fB, fG, c0, lane, accs):
+        """One 16-column block (pass columns c0 ...) of the factored L' = (kn e^(G-r))
+        (kn e^(r-G))^T and Mqk' = (qn e^(G-r))(kn e^(r-G))^T into accs[2 * product + nt]
+        (both 16 x 8 column tiles nt), by m16n8k16 bf16 MMAs on hi/lo splits (hi*hi + hi*lo +
+        lo*hi), each operand converted once."""
+        bf16, f32 = cutlass.BFloat16, cutlass.Float32
+        mma = cute.make_tiled_mma(warp_mma.MmaF16BF16Op(bf16, f32, (16, 8, 16)))
+        thr = mma.get_slice(lane)
+        cA = thr.partition_A(cute.make_identity_tensor((16, 16)))  # (i, d - c0)
+        cB = thr.partition_B(cute.make_identity_tensor((8, 16)))  # (j - 8 nt, d - c0)
+        a = [(cute.make_rmem_tensor(cA.shape, bf16), cute.make_rmem_tensor(cA.shape, bf16))
+             for _ in range(2)]
+        b = [(cute.make_rmem_tensor(cB.shape, bf16), cute.make_rmem_tensor(cB.shape, bf16))
+             for _ in range(2)]
+        for prod, src in ((0, fB), (1, fA)):
+            for e in cutlass.range_constexpr(cute.size(cA)):
+                i, d = cA[e]
+                x = src[i, c0 + d]
+                hi = x.to(bf16)
+                a[prod][0][e] = hi
+                a[prod][1][e] = (x - hi.to(f32)).to(bf16)
+        for nt in cutlass.range_constexpr(2):
+            for e in cutlass.range_constexpr(cute.size(cB)):
+                jj, d = cB[e]
+                x = fG[nt * 8 + jj, c0 + d]
+                hi = x.to(bf16)
+                b[nt][0][e] = hi
+                b[nt][1][e] = (x - hi.to(f32)).to(bf16)
+        for prod in cutlass.range_constexpr(2):
+            for nt in cutlass.range_constexpr(2):
+                acc = accs[2 * prod + nt]
+                for ah, bh in ((0, 0), (0, 1), (1, 0)):
+                    cute.gemm(mma, acc, a[prod][ah], b[nt][bh], acc)
+
+    @cute.jit
+    def _phase_b_elementwise(self, fA, fB, fG, g0, tidx, length, ew):
+        """An unfactored 64-column group (pass columns g0 ...: fA = qn, fB = kn, fG = G): this
+        thread's entries (i, j) = divmod(tidx + q * threads, C) of L' and Mqk' accumulate
+        sum_d kn_i kn_j e^(G_i - G_j) and the same with qn_i into ew[q, 0 / 1]; each term takes
+        e^(G_i - G_j) from the difference, so no factor exceeds 1 (strong decays)."""
+        C, NT = self.C, self.threads
+        for q in cutlass.range_constexpr(C * C // NT):
+            idx = tidx + q * NT
+            i = idx // C
+            j = idx - i * C
+            if j <= i and i < length:
+                lacc = ew[q, 0]
+                macc = ew[q, 1]
+                for d in cutlass.range(64, unroll=2):
+                    e = cute.math.exp(fG[i, g0 + d] - fG[j, g0 + d]) * fB[j, g0 + d]
+                    lacc = lacc + fB[i, g0 + d] * e
+                    macc = macc + fA[i, g0 + d] * e
+                ew[q, 0] = lacc
+                ew[q, 1] = macc
 
 
 def prep_kernel(cfg: PrepConfig) -> KdaPrepSm90:

@@ -239,8 +239,19 @@ def test_slow_decay(decay):
     _assert(errors(inp))
 
 
-def test_unbounded_strong_decay():
-    inp = make_inputs(B=1, T=300, H=2, K=128, gate="unbounded", g_shift=20.0, seed=13)
+@pytest.mark.parametrize("K", [64, 128, 256])
+def test_unbounded_strong_decay(K):
+    """Every chunk too steep for K1's factored products: e^(G_i - G_j) per term."""
+    inp = make_inputs(B=1, T=300, H=2, K=K, gate="unbounded", g_shift=20.0, seed=13)
+    _assert(errors(inp))
+
+
+@pytest.mark.parametrize("K", [128, 256])
+def test_strong_decay_in_some_columns(K):
+    """Steep decay in one 64-column group only: K1 takes that group's share of L and Mqk
+    elementwise and the others' on MMA, within the same chunk."""
+    inp = make_inputs(B=1, T=300, H=2, K=K, gate="unbounded", seed=14)
+    inp["g"][..., 64:128] += 20.0
     _assert(errors(inp))
 
 
