@@ -24,8 +24,12 @@ sequence's length are written as zeros (so K2 needs no tail masking of its opera
 bf16 outputs: qg and kg overwrite the q and k tiles in place (each thread rewrites only the
 columns it read) and leave by TMA stores that overlap phases B and C; kd's, Aw's and Mq's planes
 go straight from registers to the workspace (a warp writes whole 128-byte row segments of kd).
-With no staging tiles for those, and phase B's L over the g tile (dead after the gates), the bf16
-K1 at K = 128 needs 37.5 KB of smem: six CTAs per SM (at 78 registers).
+With no staging tiles for those, and phase B's L over the g tile (dead after the gates), the
+one-pass bf16 K1 at K = 128 needs 37.5 KB of smem: six CTAs per SM.
+The bf16 K1 of every shipped config (chunk 16) runs phases A and B in column passes instead
+(KdaPrepSm90Split._body_passes): phase B's fp32 operand rows exist for one pass's columns only,
+so at K = 128 it needs 26.5 KB and, capped at 64 registers without spilling, runs eight CTAs per
+SM (K1 -10% at B1 T8192 H64, bench/NOTES.md).
 """
 
 import cutlass
