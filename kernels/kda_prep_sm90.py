@@ -693,7 +693,7 @@ class KdaPrepSm90Split(KdaPrepSm90):
 
     At chunk 16 with 64, 128 or 256 threads (every shipped config) it runs in column passes
     (`_body_passes`): W = max(64, threads / 2) key columns at a time, so phase B's fp32 operand
-    rows take C x W floats, not C x K (K = 128: 24.7 KB of smem per CTA instead of 37.5)."""
+    rows take C x W floats, not C x K (K = 128: 26.5 KB of smem per CTA instead of 37.5)."""
 
     def __init__(self, cfg: PrepConfig):
         super().__init__(cfg)
