@@ -409,3 +409,20 @@ def test_shipped_kernels_do_not_spill(name):
     assert res == {"registers": manifest["registers"], "frame_bytes": manifest["frame_bytes"]}
     assert res["frame_bytes"] == 0, res
     assert res["registers"] <= 255, res
+
+
+# K1's speed rests on how many of its CTAs one SM holds (bench/NOTES.md, "K1 in column passes"):
+# the ladder's K1 per head dim and the residency its registers and smem allow on an sm_90 SM
+K1_RESIDENCY = {64: 11, 128: 8, 256: 4}
+
+
+@pytest.mark.parametrize("head_dim", sorted(K1_RESIDENCY))
+def test_ladder_k1_residency(head_dim):
+    cfg = select_config(head_dim, head_dim, varlen=False).prep
+    manifest, _, _ = load(cfg.name)
+    threads = manifest["block"][0]
+    regs = -(-manifest["registers"] // 8) * 8  # allocated per thread in units of 8
+    by_regs = 65536 // (regs * threads)
+    by_smem = 233472 // (manifest["dynamic_smem_bytes"] + 1024)  # 1 KB reserved per CTA
+    per_sm = min(by_regs, by_smem, 2048 // threads, 32)
+    assert per_sm >= K1_RESIDENCY[head_dim], (manifest["registers"], by_regs, by_smem)
