@@ -178,22 +178,12 @@ class KdaPrepSm90(TileCopy):
         else:
             mQg, mKg, mKd, mGl, mAw, mMq = outs
         C, K, NT = self.C, self.K, self.threads
-        tidx, _, _ = cute.arch.thread_idx()
-        h, by, bz = cute.arch.block_idx()
-        bid = by + bz * K1_GRID_Y  # the chunk
-        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        lane = cute.arch.lane_idx()
+        tidx, warp, lane, h, bid = self._ids()
 
         t0, length, total_chunks = self._locate(mCuSeq, mCuChunk, num_seqs, bid)
 
         if bid < total_chunks:
-            smem = utils.SmemAllocator()
-            st = smem.allocate(self.shared_storage)
-            mbar = st.mbar.data_ptr()
-            sQK = st.sQK.get_tensor(cute.make_layout((2 * C, K), stride=(K, 1)))
-            sQ = cute.make_tensor(sQK.iterator, s_tile)
-            sK = cute.make_tensor(sQK.iterator + C * K, s_tile)
-            sG = st.sG.get_tensor(s_tile)
+            st, mbar, sQK, sQ, sK, sG = self._input_tiles(s_tile)
             f_layout = cute.make_layout((C, K), stride=(K + 1, 1))
             fA = st.fA.get_tensor(f_layout)
             fB = st.fB.get_tensor(f_layout)
@@ -350,6 +340,25 @@ class KdaPrepSm90(TileCopy):
                 if warp == 0:
                     # smem must outlive the stores' reads of it
                     cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    @cute.jit
+    def _ids(self):
+        """(thread, warp, lane, head, chunk) of this thread: heads on grid x, the chunk
+        y + K1_GRID_Y z."""
+        tidx, _, _ = cute.arch.thread_idx()
+        h, by, bz = cute.arch.block_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        return tidx, warp, cute.arch.lane_idx(), h, by + bz * K1_GRID_Y
+
+    @cute.jit
+    def _input_tiles(self, s_tile: cute.Layout):
+        """The shared storage, its mbarrier and the q, k (one (2C, K) array for the row norms)
+        and g tiles."""
+        C, K = self.C, self.K
+        st = utils.SmemAllocator().allocate(self.shared_storage)
+        sQK = st.sQK.get_tensor(cute.make_layout((2 * C, K), stride=(K, 1)))
+        return (st, st.mbar.data_ptr(), sQK, cute.make_tensor(sQK.iterator, s_tile),
+                cute.make_tensor(sQK.iterator + C * K, s_tile), st.sG.get_tensor(s_tile))
 
     @cute.jit
     def _locate(self, mCuSeq: cute.Tensor, mCuChunk: cute.Tensor, num_seqs: cutlass.Int32, bid):
@@ -824,21 +833,11 @@ class KdaPrepSm90Split(KdaPrepSm90):
         NW = NT // 32
         BPW = (W // 16) // NW  # phase B blocks per warp per pass
         NQ = C * C // NT  # (i, j) entries per thread in the final sum
-        tidx, _, _ = cute.arch.thread_idx()
-        h, by, bz = cute.arch.block_idx()
-        bid = by + bz * K1_GRID_Y  # the chunk
-        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        lane = cute.arch.lane_idx()
+        tidx, warp, lane, h, bid = self._ids()
         t0, length, total_chunks = self._locate(mCuSeq, mCuChunk, num_seqs, bid)
 
         if bid < total_chunks:
-            smem = utils.SmemAllocator()
-            st = smem.allocate(self.shared_storage)
-            mbar = st.mbar.data_ptr()
-            sQK = st.sQK.get_tensor(cute.make_layout((2 * C, K), stride=(K, 1)))
-            sQ = cute.make_tensor(sQK.iterator, s_tile)
-            sK = cute.make_tensor(sQK.iterator + C * K, s_tile)
-            sG = st.sG.get_tensor(s_tile)
+            st, mbar, sQK, sQ, sK, sG = self._input_tiles(s_tile)
             f_layout = cute.make_layout((C, W), stride=(W + 1, 1))
             f0 = st.fABG.data_ptr()
             fA = cute.make_tensor(f0, f_layout)
