@@ -576,42 +576,48 @@ class KdaPrepSm90(TileCopy):
     def _phase_b_partials(self, fA, fB, fG, warp, lane, accs):
         """Chunk 16: this warp's share of L' = (kn e^(G-r))(kn e^(r-G))^T and Mqk' = (qn e^(G-r))
         (kn e^(r-G))^T over the 32-column slabs ks with ks % warps == warp, all four 16 x 8
-        tiles ((L', Mqk') x (columns 0-7, 8-15)) into accs[2 * product + nt], by m16n8k16 bf16
-        MMAs on hi/lo splits (hi*hi + hi*lo + lo*hi), each operand converted once."""
-        K = self.K
-        bf16, f32 = cutlass.BFloat16, cutlass.Float32
+        tiles ((L', Mqk') x (columns 0-7, 8-15)) into accs[2 * product + nt]."""
         KS = 32
+        for acc in accs:
+            acc.fill(0.0)
+        for ks in cutlass.range_constexpr(self.K // KS):
+            if ks % self.num_warps == warp:
+                self._phase_b_block(fA, fB, fG, ks * KS, lane, accs, KS)
+
+    @cute.jit
+    def _phase_b_block(self, fA, fB, fG, c0, lane, accs, width: cutlass.Constexpr = 16):
+        """One block of `width` columns (c0 ...) of the factored L' = (kn e^(G-r))
+        (kn e^(r-G))^T and Mqk' = (qn e^(G-r))(kn e^(r-G))^T into accs[2 * product + nt]
+        (both 16 x 8 column tiles nt), by m16n8k16 bf16 MMAs on hi/lo splits (hi*hi + hi*lo +
+        lo*hi), each operand converted once."""
+        bf16, f32 = cutlass.BFloat16, cutlass.Float32
         mma = cute.make_tiled_mma(warp_mma.MmaF16BF16Op(bf16, f32, (16, 8, 16)))
         thr = mma.get_slice(lane)
-        cA = thr.partition_A(cute.make_identity_tensor((16, KS)))  # (i, d - slab)
-        cB = thr.partition_B(cute.make_identity_tensor((8, KS)))  # (j - 8 nt, d - slab)
+        cA = thr.partition_A(cute.make_identity_tensor((16, width)))  # (i, d - c0)
+        cB = thr.partition_B(cute.make_identity_tensor((8, width)))  # (j - 8 nt, d - c0)
         a = [(cute.make_rmem_tensor(cA.shape, bf16), cute.make_rmem_tensor(cA.shape, bf16))
              for _ in range(2)]
         b = [(cute.make_rmem_tensor(cB.shape, bf16), cute.make_rmem_tensor(cB.shape, bf16))
              for _ in range(2)]
-        for acc in accs:
-            acc.fill(0.0)
-        for ks in cutlass.range_constexpr(K // KS):
-            if ks % self.num_warps == warp:
-                for prod, src in ((0, fB), (1, fA)):
-                    for e in cutlass.range_constexpr(cute.size(cA)):
-                        i, d = cA[e]
-                        x = src[i, ks * KS + d]
-                        hi = x.to(bf16)
-                        a[prod][0][e] = hi
-                        a[prod][1][e] = (x - hi.to(f32)).to(bf16)
-                for nt in cutlass.range_constexpr(2):
-                    for e in cutlass.range_constexpr(cute.size(cB)):
-                        jj, d = cB[e]
-                        x = fG[nt * 8 + jj, ks * KS + d]
-                        hi = x.to(bf16)
-                        b[nt][0][e] = hi
-                        b[nt][1][e] = (x - hi.to(f32)).to(bf16)
-                for prod in cutlass.range_constexpr(2):
-                    for nt in cutlass.range_constexpr(2):
-                        acc = accs[2 * prod + nt]
-                        for ah, bh in ((0, 0), (0, 1), (1, 0)):
-                            cute.gemm(mma, acc, a[prod][ah], b[nt][bh], acc)
+        for prod, src in ((0, fB), (1, fA)):
+            for e in cutlass.range_constexpr(cute.size(cA)):
+                i, d = cA[e]
+                x = src[i, c0 + d]
+                hi = x.to(bf16)
+                a[prod][0][e] = hi
+                a[prod][1][e] = (x - hi.to(f32)).to(bf16)
+        for nt in cutlass.range_constexpr(2):
+            for e in cutlass.range_constexpr(cute.size(cB)):
+                jj, d = cB[e]
+                x = fG[nt * 8 + jj, c0 + d]
+                hi = x.to(bf16)
+                b[nt][0][e] = hi
+                b[nt][1][e] = (x - hi.to(f32)).to(bf16)
+        for prod in cutlass.range_constexpr(2):
+            for nt in cutlass.range_constexpr(2):
+                acc = accs[2 * prod + nt]
+                for ah, bh in ((0, 0), (0, 1), (1, 0)):
+                    cute.gemm(mma, acc, a[prod][ah], b[nt][bh], acc)
 
     @cute.jit
     def _phase_b_spill(self, sRed, warp, lane, accs):
@@ -1070,41 +1076,6 @@ class KdaPrepSm90Split(KdaPrepSm90):
             cute.make_tensor(mKdh[row0 + i, h, None].iterator, pairs_g)[None, gp].store(kh)
             cute.make_tensor(mKdl[row0 + i, h, None].iterator, pairs_g)[None, gp].store(
                 (x - kh.to(f32)).to(io))
-
-    @cute.jit
-    def _phase_b_block(self, fA, fB, fG, c0, lane, accs):
-        """One 16-column block (pass columns c0 ...) of the factored L' = (kn e^(G-r))
-        (kn e^(r-G))^T and Mqk' = (qn e^(G-r))(kn e^(r-G))^T into accs[2 * product + nt]
-        (both 16 x 8 column tiles nt), by m16n8k16 bf16 MMAs on hi/lo splits (hi*hi + hi*lo +
-        lo*hi), each operand converted once."""
-        bf16, f32 = cutlass.BFloat16, cutlass.Float32
-        mma = cute.make_tiled_mma(warp_mma.MmaF16BF16Op(bf16, f32, (16, 8, 16)))
-        thr = mma.get_slice(lane)
-        cA = thr.partition_A(cute.make_identity_tensor((16, 16)))  # (i, d - c0)
-        cB = thr.partition_B(cute.make_identity_tensor((8, 16)))  # (j - 8 nt, d - c0)
-        a = [(cute.make_rmem_tensor(cA.shape, bf16), cute.make_rmem_tensor(cA.shape, bf16))
-             for _ in range(2)]
-        b = [(cute.make_rmem_tensor(cB.shape, bf16), cute.make_rmem_tensor(cB.shape, bf16))
-             for _ in range(2)]
-        for prod, src in ((0, fB), (1, fA)):
-            for e in cutlass.range_constexpr(cute.size(cA)):
-                i, d = cA[e]
-                x = src[i, c0 + d]
-                hi = x.to(bf16)
-                a[prod][0][e] = hi
-                a[prod][1][e] = (x - hi.to(f32)).to(bf16)
-        for nt in cutlass.range_constexpr(2):
-            for e in cutlass.range_constexpr(cute.size(cB)):
-                jj, d = cB[e]
-                x = fG[nt * 8 + jj, c0 + d]
-                hi = x.to(bf16)
-                b[nt][0][e] = hi
-                b[nt][1][e] = (x - hi.to(f32)).to(bf16)
-        for prod in cutlass.range_constexpr(2):
-            for nt in cutlass.range_constexpr(2):
-                acc = accs[2 * prod + nt]
-                for ah, bh in ((0, 0), (0, 1), (1, 0)):
-                    cute.gemm(mma, acc, a[prod][ah], b[nt][bh], acc)
 
     @cute.jit
     def _phase_b_elementwise(self, fA, fB, fG, g0, tidx, length, ew):
