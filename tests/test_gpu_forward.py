@@ -65,6 +65,15 @@ def test_varlen_many_sequences():
     _assert(errors(inp))
 
 
+def test_varlen_thousands_of_sequences():
+    """K1 finds each chunk's sequence in two narrowing rounds of its warp-wide search (more
+    than 1024 sequences), empty sequences among them."""
+    gen = torch.Generator().manual_seed(11)
+    lens = torch.randint(0, 40, (3000,), generator=gen).tolist()
+    inp = make_inputs(seqlens=lens, H=1, K=128, seed=5)
+    _assert(errors(inp))
+
+
 def test_empty_sequence_keeps_state():
     inp = make_inputs(seqlens=[3, 0, 20], H=2, K=64, seed=11)
     _, final = run_kda(inp)
