@@ -582,42 +582,56 @@ class KdaPrepSm90(TileCopy):
             acc.fill(0.0)
         for ks in cutlass.range_constexpr(self.K // KS):
             if ks % self.num_warps == warp:
-                self._phase_b_block(fA, fB, fG, ks * KS, lane, accs, KS)
+                self._phase_b_block(fA, fB, fG, ks * KS, lane, accs, self.K + 1, KS)
 
     @cute.jit
-    def _phase_b_block(self, fA, fB, fG, c0, lane, accs, width: cutlass.Constexpr = 16):
+    def _phase_b_block(self, fA, fB, fG, c0, lane, accs, row_stride: cutlass.Constexpr,
+                       width: cutlass.Constexpr = 16):
         """One block of `width` columns (c0 ...) of the factored L' = (kn e^(G-r))
         (kn e^(r-G))^T and Mqk' = (qn e^(G-r))(kn e^(r-G))^T into accs[2 * product + nt]
         (both 16 x 8 column tiles nt), by m16n8k16 bf16 MMAs on hi/lo splits (hi*hi + hi*lo +
-        lo*hi), each operand converted once."""
+        lo*hi), each operand converted once.
+        The sum runs over the block's columns in any order, so the MMA's k index is dealt to
+        the columns of a 32-column slab as column 8t + 4 kb + 2h + c for k = c + 2t + 8h of
+        block kb: lanes (g, t) of a fragment load then read rows g (+ 8) at columns 8t + const,
+        and with rows `row_stride` = 1 (mod 32) words apart the 32 lanes hit 32 banks (in
+        natural order, g + 2t, it was a 4-way conflict)."""
         bf16, f32 = cutlass.BFloat16, cutlass.Float32
         mma = cute.make_tiled_mma(warp_mma.MmaF16BF16Op(bf16, f32, (16, 8, 16)))
         thr = mma.get_slice(lane)
-        cA = thr.partition_A(cute.make_identity_tensor((16, width)))  # (i, d - c0)
-        cB = thr.partition_B(cute.make_identity_tensor((8, width)))  # (j - 8 nt, d - c0)
-        a = [(cute.make_rmem_tensor(cA.shape, bf16), cute.make_rmem_tensor(cA.shape, bf16))
-             for _ in range(2)]
-        b = [(cute.make_rmem_tensor(cB.shape, bf16), cute.make_rmem_tensor(cB.shape, bf16))
-             for _ in range(2)]
-        for prod, src in ((0, fB), (1, fA)):
-            for e in cutlass.range_constexpr(cute.size(cA)):
-                i, d = cA[e]
-                x = src[i, c0 + d]
-                hi = x.to(bf16)
-                a[prod][0][e] = hi
-                a[prod][1][e] = (x - hi.to(f32)).to(bf16)
-        for nt in cutlass.range_constexpr(2):
-            for e in cutlass.range_constexpr(cute.size(cB)):
-                jj, d = cB[e]
-                x = fG[nt * 8 + jj, c0 + d]
-                hi = x.to(bf16)
-                b[nt][0][e] = hi
-                b[nt][1][e] = (x - hi.to(f32)).to(bf16)
+        if cutlass.const_expr(width == 16):
+            k_mode = ((2, 4, 2), (1, 8, 2))
+            off = c0 - ((c0 // 16) % 2) * 12  # the slab's first column + 4 kb
+        else:
+            k_mode = ((2, 4, 2, 2), (1, 8, 2, 4))
+            off = c0
+
+        def block(src, row0, rows):
+            return cute.make_tensor(src.iterator + row0 * row_stride + off, cute.make_layout(
+                (rows, k_mode[0]), stride=(row_stride, k_mode[1])))
+
+        vA = [thr.partition_A(block(src, 0, 16)) for src in (fB, fA)]  # L', Mqk'
+        vB = [thr.partition_B(block(fG, 8 * nt, 8)) for nt in range(2)]
+        a = [self._hi_lo(v) for v in vA]
+        b = [self._hi_lo(v) for v in vB]
         for prod in cutlass.range_constexpr(2):
             for nt in cutlass.range_constexpr(2):
                 acc = accs[2 * prod + nt]
                 for ah, bh in ((0, 0), (0, 1), (1, 0)):
                     cute.gemm(mma, acc, a[prod][ah], b[nt][bh], acc)
+
+    @cute.jit
+    def _hi_lo(self, view):
+        """(bf16(x), bf16(x - bf16(x))) of every element of an fp32 smem fragment view."""
+        bf16, f32 = cutlass.BFloat16, cutlass.Float32
+        hi = cute.make_rmem_tensor(view.shape, bf16)
+        lo = cute.make_rmem_tensor(view.shape, bf16)
+        for e in cutlass.range_constexpr(cute.size(view)):
+            x = view[e]
+            h = x.to(bf16)
+            hi[e] = h
+            lo[e] = (x - h.to(f32)).to(bf16)
+        return hi, lo
 
     @cute.jit
     def _phase_b_spill(self, sRed, warp, lane, accs):
@@ -827,9 +841,9 @@ class KdaPrepSm90Split(KdaPrepSm90):
              unless some |G - r| or |r| exceeds 80 (a warp vote: every warp of a group sees the
              same columns); the outputs qg, kg (in place, for the TMA stores), kd (hi/lo, to the
              workspace) and phase B's operand rows for the pass's columns;
-          3. phase B's partial L and Mqk over those columns: factored groups on warp MMA (one
-             16-column block per warp, bf16 hi/lo, accumulators kept over the passes),
-             unfactored ones elementwise with e^(G_i - G_j) (accumulated per thread).
+          3. phase B's partial L and Mqk over those columns, one 16-column block per warp into
+             accumulators kept over the passes: factored groups on warp MMA (bf16 hi/lo),
+             unfactored ones elementwise with e^(G_i - G_j), each lane its own tile entries.
         Then the warps' partial tiles meet in smem, L goes to smem, Mq to the workspace, and
         phase C runs as in the one-pass kernel."""
         st_qg, st_kg, mKdh, mKdl, mGl, mAwh, mAwl, mMqh, mMql = outs
@@ -869,8 +883,6 @@ class KdaPrepSm90Split(KdaPrepSm90):
             accs = [cute.make_rmem_tensor(c_shape, f32) for _ in range(4)]
             for acc in accs:
                 acc.fill(0.0)
-            ew = cute.make_rmem_tensor((NQ, 2), f32)
-            ew.fill(0.0)
             for ps in cutlass.range_constexpr(K // W):
                 gp = ps * NPAIR + pl  # this thread's column pair in the head
                 loc = self._pass_gates(sG, mDtBias, part, first, h, gp, pl, rg, a_exp,
@@ -890,10 +902,9 @@ class KdaPrepSm90Split(KdaPrepSm90):
                 for bb in cutlass.range_constexpr(BPW):
                     c0 = (warp * BPW + bb) * 16
                     if flag[(ps * W + c0) // 64] == 0:
-                        self._phase_b_block(fA, fB, fG, c0, lane, accs)
-                for gg in cutlass.range_constexpr(W // 64):
-                    if flag[ps * (W // 64) + gg] != 0:
-                        self._phase_b_elementwise(fA, fB, fG, gg * 64, tidx, length, ew)
+                        self._phase_b_block(fA, fB, fG, c0, lane, accs, self.W + 1)
+                    else:
+                        self._phase_b_block_elementwise(fA, fB, fG, c0, lane, accs)
             cute.arch.sync_threads()
             sRed = cute.make_tensor(f0, cute.make_layout(
                 (NW, 2, C, C), stride=(2 * C * C, C * C, C, 1)))
@@ -904,8 +915,8 @@ class KdaPrepSm90Split(KdaPrepSm90):
                 idx = tidx + (p - prod * NQ) * NT
                 i = idx // C
                 j = idx - i * C
-                acc = ew[p - prod * NQ, prod]
-                for w in cutlass.range_constexpr(NW):
+                acc = sRed[0, prod, i, j]
+                for w in cutlass.range_constexpr(1, NW):
                     acc = acc + sRed[w, prod, i, j]
                 if cutlass.const_expr(prod == 0):
                     self._store_l(sL, sBeta, i, j, acc, length)
@@ -1015,9 +1026,6 @@ class KdaPrepSm90Split(KdaPrepSm90):
         unsafe = cute.arch.vote_any_sync(big != 0)
         if lane == 0:
             flag[(2 * gp) // 64] = cutlass.Int32(unsafe)
-        if rg == 0:
-            for c in cutlass.range_constexpr(2):
-                mGl[bid, h, 2 * gp + c] = cute.math.exp(gl[c], fastmath=True)
         # per column: e1 = e^(G - sa), e2 = e^(sb - G), outputs' factors cq, cl
         sa = cute.make_rmem_tensor((2,), f32)
         sb = cute.make_rmem_tensor((2,), f32)
@@ -1076,27 +1084,33 @@ class KdaPrepSm90Split(KdaPrepSm90):
             cute.make_tensor(mKdh[row0 + i, h, None].iterator, pairs_g)[None, gp].store(kh)
             cute.make_tensor(mKdl[row0 + i, h, None].iterator, pairs_g)[None, gp].store(
                 (x - kh.to(f32)).to(io))
+        if rg == 0:
+            for c in cutlass.range_constexpr(2):
+                mGl[bid, h, 2 * gp + c] = cute.math.exp(gl[c], fastmath=True)
 
     @cute.jit
-    def _phase_b_elementwise(self, fA, fB, fG, g0, tidx, length, ew):
-        """An unfactored 64-column group (pass columns g0 ...: fA = qn, fB = kn, fG = G): this
-        thread's entries (i, j) = divmod(tidx + q * threads, C) of L' and Mqk' accumulate
-        sum_d kn_i kn_j e^(G_i - G_j) and the same with qn_i into ew[q, 0 / 1]; each term takes
-        e^(G_i - G_j) from the difference, so no factor exceeds 1 (strong decays)."""
-        C, NT = self.C, self.threads
-        for q in cutlass.range_constexpr(C * C // NT):
-            idx = tidx + q * NT
-            i = idx // C
-            j = idx - i * C
-            if j <= i and i < length:
-                lacc = ew[q, 0]
-                macc = ew[q, 1]
-                for d in cutlass.range(64, unroll=2):
-                    e = cute.math.exp(fG[i, g0 + d] - fG[j, g0 + d]) * fB[j, g0 + d]
-                    lacc = lacc + fB[i, g0 + d] * e
-                    macc = macc + fA[i, g0 + d] * e
-                ew[q, 0] = lacc
-                ew[q, 1] = macc
+    def _phase_b_block_elementwise(self, fA, fB, fG, c0, lane, accs):
+        """An unfactored 16-column block (pass columns c0 ...: fA = qn, fB = kn, fG = G; steep
+        decay) into the same accumulators as `_phase_b_block`: each entry (i, j <= i) this lane
+        holds of the four 16 x 8 tiles adds sum_d kn_i kn_j e^(G_i - G_j) (L') and the same with
+        qn_i (Mqk'), the exponential taken from the difference, so no factor exceeds 1. Entries
+        above the diagonal are left alone (the final sums mask them)."""
+        bf16, f32 = cutlass.BFloat16, cutlass.Float32
+        mma = cute.make_tiled_mma(warp_mma.MmaF16BF16Op(bf16, f32, (16, 8, 16)))
+        cC = mma.get_slice(lane).partition_C(cute.make_identity_tensor((16, 8)))
+        for nt in cutlass.range_constexpr(2):
+            for e in cutlass.range_constexpr(cute.size(cC)):
+                i, jj = cC[e]
+                j = nt * 8 + jj
+                if j <= i:
+                    lacc = accs[nt][e]
+                    macc = accs[2 + nt][e]
+                    for d in cutlass.range(16, unroll=2):
+                        t = cute.math.exp(fG[i, c0 + d] - fG[j, c0 + d]) * fB[j, c0 + d]
+                        lacc = lacc + fB[i, c0 + d] * t
+                        macc = macc + fA[i, c0 + d] * t
+                    accs[nt][e] = lacc
+                    accs[2 + nt][e] = macc
 
 
 def prep_kernel(cfg: PrepConfig) -> KdaPrepSm90:
