@@ -241,6 +241,17 @@ def _k2_slots(device: int, k2_smem: int) -> tuple[int, int]:
         1, per_sm // (k2_smem + 1024))
 
 
+def _k2_resident(device: int, k2) -> int:
+    """K2 CTAs resident at once on the device: per SM the fewest that its shared memory, its
+    registers (allocated per warp in units of 256) and its threads allow."""
+    prop = torch.cuda.get_device_properties(device)
+    per_sm = getattr(prop, "shared_memory_per_multiprocessor", 233472)
+    threads = k2.block[0]
+    regs = -(-int(k2.manifest["registers"]) * 32 // 256) * 256 * -(-threads // 32)
+    return prop.multi_processor_count * max(1, min(
+        per_sm // (k2.smem + 1024), 65536 // regs, 2048 // threads))
+
+
 def _segment_count(p: Problem, cfg: FwdConfig, k2, device: int, requested) -> int:
     """Segments per sequence for K2 (1: the plain recurrence). Fixed-length batches with K == V
     only (the identity run reuses K2's config); `requested` (an int) overrides the choice."""
@@ -353,8 +364,24 @@ def launch_forward(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, in
         _segmented_recurrence(k2, cfg, vals2, syms, p, P, v, initial_state, final_state,
                               stream, di)
     elif p.N > 0 and H > 0:
-        k2.launch_with((V // cfg.recur.block_v, H, p.N), vals2, syms, stream, di)
+        nz = p.N
+        if not p.varlen and cfg.recur.mma == "wgmma":
+            nz = -(-p.N // k2_seqs_per_cta(p.N, V // cfg.recur.block_v * H,
+                                           _k2_resident(di, k2)))
+        k2.launch_with((V // cfg.recur.block_v, H, nz), vals2, syms, stream, di)
     return None
+
+
+def k2_seqs_per_cta(num_seqs: int, ctas_per_seq: int, slots: int) -> int:
+    """Sequences each tensor-core K2 CTA runs one after another (CTA z: z, z + grid z, ...):
+    the most that keep the waves as short, counted in sequences per resident CTA slot, as one
+    per CTA does, so fewer CTAs start and fill their pipelines. Fixed-length batches only: with
+    unequal lengths a CTA could collect several long ones."""
+    def waves(n):
+        return -(-ctas_per_seq * -(-num_seqs // n) // slots) * n
+
+    best = waves(1)
+    return max(n for n in range(1, min(num_seqs, 64) + 1) if waves(n) == best)
 
 
 _constants: dict[tuple, torch.Tensor] = {}

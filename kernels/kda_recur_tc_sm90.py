@@ -181,14 +181,11 @@ class KdaRecurTcSm90(TileCopy):
     ):
         C, K, BV, S = self.C, self.K, self.BV, self.stages
         tidx, _, _ = cute.arch.thread_idx()
-        vb, h, seq = cute.arch.block_idx()
+        vb, h, z = cute.arch.block_idx()
+        _, _, nz = cute.arch.grid_dim()
+        num_seqs = cute.size(mCuSeq) - 1  # this CTA runs sequences z, z + nz, ...
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         v0 = vb * BV
-
-        bos = mCuSeq[seq]
-        eos = mCuSeq[seq + 1]
-        chunk0 = mCuChunk[seq]
-        num_chunks = (eos - bos + C - 1) // C
 
         smem = utils.SmemAllocator()
         st = smem.allocate(self.shared_storage)
@@ -218,32 +215,37 @@ class KdaRecurTcSm90(TileCopy):
                      (tma_awh, tAwh, sAwh, (C, C), False), (tma_awl, tAwl, sAwl, (C, C), False),
                      (tma_mqh, tMqh, sMqh, (C, C), False), (tma_mql, tMql, sMql, (C, C), False))
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, S)
-            for c in cutlass.range(num_chunks):
-                pipe.producer_acquire(state)
-                bar = pipe.producer_get_barrier(state)
-                s = state.index
-                t0 = bos + c * C
-                r0 = (chunk0 + c) * C  # the chunk's first workspace row
-                for tma, tX, sX, tile, transposed in loads:
-                    col = h * tile[1] if not transposed else h * tile[0]
-                    coord = (col, r0) if transposed else (r0, col)
-                    self._tile_copy(tma, tX, sX[None, None, s], coord, tile, bar)
-                self._tile_copy(tma_gl, tGl, sGl[None, None, s], (chunk0 + c, h * K), (1, K),
-                                bar)
-                self._tile_copy(tma_v, tV, sV[None, None, s], (t0, h * self.V + v0), (C, BV),
-                                bar)
-                pipe.producer_commit(state)
-                state.advance()
+            # the next sequence's first chunks load while the consumer finishes this one's
+            for seq in cutlass.range(z, num_seqs, nz):
+                bos = mCuSeq[seq]
+                chunk0 = mCuChunk[seq]
+                for c in cutlass.range((mCuSeq[seq + 1] - bos + C - 1) // C):
+                    pipe.producer_acquire(state)
+                    bar = pipe.producer_get_barrier(state)
+                    s = state.index
+                    t0 = bos + c * C
+                    r0 = (chunk0 + c) * C  # the chunk's first workspace row
+                    for tma, tX, sX, tile, transposed in loads:
+                        col = h * tile[1] if not transposed else h * tile[0]
+                        coord = (col, r0) if transposed else (r0, col)
+                        self._tile_copy(tma, tX, sX[None, None, s], coord, tile, bar)
+                    self._tile_copy(tma_gl, tGl, sGl[None, None, s], (chunk0 + c, h * K),
+                                    (1, K), bar)
+                    self._tile_copy(tma_v, tV, sV[None, None, s], (t0, h * self.V + v0),
+                                    (C, BV), bar)
+                    pipe.producer_commit(state)
+                    state.advance()
         else:
             self._consume(pipe, sKg, sQg, sKdh, sKdl, sAwh, sAwl, sMqh, sMql, sGl, sV, sO,
                           l_slab, mOut, (tma_o, tO), mS0f, mS0h, mS1f, mS1h, state_in,
-                          state_out, mma_p, mma_s, tidx, warp, h, seq, vb, bos, eos, num_chunks)
+                          state_out, mma_p, mma_s, tidx, warp, h, vb, mCuSeq,
+                          (z, num_seqs, nz))
 
     @cute.jit
     def _consume(self, pipe, sKg, sQg, sKdh, sKdl, sAwh, sAwl, sMqh, sMql, sGl, sV, sO,
                  l_slab, mOut, store_o, mS0f, mS0h, mS1f, mS1h, state_in, state_out,
-                 mma_p: cute.TiledMma, mma_s: cute.TiledMma, tidx, warp, h, seq, vb, bos, eos,
-                 num_chunks):
+                 mma_p: cute.TiledMma, mma_s: cute.TiledMma, tidx, warp, h, vb,
+                 mCuSeq: cute.Tensor, seqs):
         C, K, BV = self.C, self.K, self.BV
         v0 = vb * BV
         bf16, f32 = cutlass.BFloat16, cutlass.Float32
@@ -277,111 +279,117 @@ class KdaRecurTcSm90(TileCopy):
         aUh = cute.make_rmem_tensor_like(vU, bf16)
         aUl = cute.make_rmem_tensor_like(vU, bf16)
 
-        # ---- initial state -> accumulator registers (one branch, then every load at once) ---
-        if state_in == STATE_F32:
-            acc_s.store(thr_s.partition_C(self._state_rows(mS0f, seq, h, vb)).load())
-        elif state_in == STATE_BF16:
-            acc_s.store(thr_s.partition_C(self._state_rows(mS0h, seq, h, vb)).load().to(f32))
-        else:
-            acc_s.fill(0.0)
-
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-        for c in cutlass.range(num_chunks):
-            pipe.consumer_wait(state)
-            s = state.index
-            t0 = bos + c * C
-            length = cutlass.min(C, eos - t0)
-
-            # ---- P = S kg^T, Pq = S qg^T (A: a bf16 copy of S, so S stays writable) -------
-            if cutlass.const_expr(nsplit == 1):
-                # the decay factors now, so their smem latency hides behind the products
-                for e in cutlass.range_constexpr(cute.size(acc_s)):
-                    _, d = cS[e]
-                    gl_r[e] = sGl[0, d, s]
-            for part in cutlass.range_constexpr(nsplit):
-                if part > 0:
-                    warpgroup.wait_group(0)  # the previous slab's products still read aS
-                for kb in cutlass.range_constexpr(kb_slab):
-                    aS[None, None, kb].store(vS[None, None, part * kb_slab + kb].load().to(bf16))
-                self._gemm(mma_p, acc_p, aS, bKg[None, None, None, s], part == 0,
-                           part * kb_slab)
-                warpgroup.commit_group()
-                self._gemm(mma_p, acc_o, aS, bQg[None, None, None, s], part == 0,
-                           part * kb_slab)
-                warpgroup.commit_group()
-            # while they run: this thread's v^T entries (widened after the wait, so the
-            # loads' latency hides behind the products)
-            vT = cute.make_rmem_tensor_like(acc_p, bf16)
-            for e in cutlass.range_constexpr(cute.size(acc_p)):
-                r, i = cP[e]
-                vT[e] = sV[i, r, s]
-            warpgroup.wait_group(1)
-
-            # ---- W^T = v^T - P; tokens past the chunk's length are zero -------------------
-            for e in cutlass.range_constexpr(cute.size(acc_p)):
-                _, i = cP[e]
-                w = f32(0.0)
-                if i < length:
-                    w = vT[e].to(f32) - acc_p[e]
-                acc_p[e] = w
-            self._split(vW, aWh, aWl)
-
-            # ---- U^T = W^T Aw^T ------------------------------------------------------------
-            self._gemm_split(mma_p, acc_u, aWh, aWl, bAwh[None, None, None, s],
-                             bAwl[None, None, None, s], True)
-            warpgroup.commit_group()
-            for e in cutlass.range_constexpr(cute.size(acc_s)):  # S diag(gl) meanwhile
-                _, d = cS[e]
-                if cutlass.const_expr(nsplit == 1):
-                    acc_s[e] = acc_s[e] * gl_r[e]
-                else:
-                    acc_s[e] = acc_s[e] * sGl[0, d, s]
-            warpgroup.wait_group(0)
-            self._split(vU, aUh, aUl)  # rows past the length: zero (Aw's are, W's are)
-
-            # ---- O^T = Pq + U^T Mq^T ---------------------------------------------------------
-            self._gemm_split(mma_p, acc_o, aUh, aUl, bMqh[None, None, None, s],
-                             bMql[None, None, None, s], False)
-            warpgroup.commit_group()
-
-            # ---- S = S diag(gl) + U^T kd -----------------------------------------------------
-            self._gemm_split(mma_s, acc_s, aUh, aUl, bKdh[None, None, None, s],
-                             bKdl[None, None, None, s], False)
-            warpgroup.commit_group()
-
-            warpgroup.wait_group(1)  # O done; the update runs on while the output is stored
-            if length == C:
-                # whole chunk: each warp its 16 rows, through its slab of smem buffer c % 2 and
-                # one TMA store (no barrier across the warpgroup)
-                b = c % 2
-                # the store two chunks back has read this buffer (one chunk back: long since)
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
-                cute.arch.sync_warp()
-                for e in cutlass.range_constexpr(cute.size(acc_o)):
-                    r, i = cP[e]
-                    sO[i, r, b] = acc_o[e].to(bf16)
-                cute.arch.fence_proxy("async.shared", space="cta")
-                cute.arch.sync_warp()
-                slab = cute.make_tensor(sO.iterator + b * C * BV + warp * C * 16, l_slab)
-                self._tile_store(store_o[0], store_o[1], slab,
-                                 (t0, h * self.V + v0 + warp * 16), (C, 16))
-                cute.arch.cp_async_bulk_commit_group()
+        z, num_seqs, nz = seqs
+        for seq in cutlass.range(z, num_seqs, nz):
+            bos = mCuSeq[seq]
+            eos = mCuSeq[seq + 1]
+            num_chunks = (eos - bos + C - 1) // C
+            # ---- initial state -> accumulator registers (one branch, then every load at once) ---
+            if state_in == STATE_F32:
+                acc_s.store(thr_s.partition_C(self._state_rows(mS0f, seq, h, vb)).load())
+            elif state_in == STATE_BF16:
+                acc_s.store(thr_s.partition_C(self._state_rows(mS0h, seq, h, vb)).load().to(f32))
             else:
-                for e in cutlass.range_constexpr(cute.size(acc_o)):
+                acc_s.fill(0.0)
+
+            for c in cutlass.range(num_chunks):
+                pipe.consumer_wait(state)
+                s = state.index
+                t0 = bos + c * C
+                length = cutlass.min(C, eos - t0)
+
+                # ---- P = S kg^T, Pq = S qg^T (A: a bf16 copy of S, so S stays writable) -------
+                if cutlass.const_expr(nsplit == 1):
+                    # the decay factors now, so their smem latency hides behind the products
+                    for e in cutlass.range_constexpr(cute.size(acc_s)):
+                        _, d = cS[e]
+                        gl_r[e] = sGl[0, d, s]
+                for part in cutlass.range_constexpr(nsplit):
+                    if part > 0:
+                        warpgroup.wait_group(0)  # the previous slab's products still read aS
+                    for kb in cutlass.range_constexpr(kb_slab):
+                        aS[None, None, kb].store(
+                            vS[None, None, part * kb_slab + kb].load().to(bf16))
+                    self._gemm(mma_p, acc_p, aS, bKg[None, None, None, s], part == 0,
+                               part * kb_slab)
+                    warpgroup.commit_group()
+                    self._gemm(mma_p, acc_o, aS, bQg[None, None, None, s], part == 0,
+                               part * kb_slab)
+                    warpgroup.commit_group()
+                # while they run: this thread's v^T entries (widened after the wait, so the
+                # loads' latency hides behind the products)
+                vT = cute.make_rmem_tensor_like(acc_p, bf16)
+                for e in cutlass.range_constexpr(cute.size(acc_p)):
                     r, i = cP[e]
+                    vT[e] = sV[i, r, s]
+                warpgroup.wait_group(1)
+
+                # ---- W^T = v^T - P; tokens past the chunk's length are zero -------------------
+                for e in cutlass.range_constexpr(cute.size(acc_p)):
+                    _, i = cP[e]
+                    w = f32(0.0)
                     if i < length:
-                        mOut[t0 + i, h, v0 + r] = acc_o[e].to(bf16)
-            warpgroup.wait_group(0)
-            pipe.consumer_release(state)
-            state.advance()
+                        w = vT[e].to(f32) - acc_p[e]
+                    acc_p[e] = w
+                self._split(vW, aWh, aWl)
 
-        cute.arch.cp_async_bulk_wait_group(0, read=True)  # smem outlives every warp's stores
+                # ---- U^T = W^T Aw^T ------------------------------------------------------------
+                self._gemm_split(mma_p, acc_u, aWh, aWl, bAwh[None, None, None, s],
+                                 bAwl[None, None, None, s], True)
+                warpgroup.commit_group()
+                for e in cutlass.range_constexpr(cute.size(acc_s)):  # S diag(gl) meanwhile
+                    _, d = cS[e]
+                    if cutlass.const_expr(nsplit == 1):
+                        acc_s[e] = acc_s[e] * gl_r[e]
+                    else:
+                        acc_s[e] = acc_s[e] * sGl[0, d, s]
+                warpgroup.wait_group(0)
+                self._split(vU, aUh, aUl)  # rows past the length: zero (Aw's are, W's are)
 
-        # ---- final state ------------------------------------------------------------------
-        if state_out == STATE_F32:
-            thr_s.partition_C(self._state_rows(mS1f, seq, h, vb)).store(acc_s.load())
-        elif state_out == STATE_BF16:
-            thr_s.partition_C(self._state_rows(mS1h, seq, h, vb)).store(acc_s.load().to(bf16))
+                # ---- O^T = Pq + U^T Mq^T ---------------------------------------------------------
+                self._gemm_split(mma_p, acc_o, aUh, aUl, bMqh[None, None, None, s],
+                                 bMql[None, None, None, s], False)
+                warpgroup.commit_group()
+
+                # ---- S = S diag(gl) + U^T kd -----------------------------------------------------
+                self._gemm_split(mma_s, acc_s, aUh, aUl, bKdh[None, None, None, s],
+                                 bKdl[None, None, None, s], False)
+                warpgroup.commit_group()
+
+                warpgroup.wait_group(1)  # O done; the update runs on while the output is stored
+                if length == C:
+                    # whole chunk: each warp its 16 rows, through its slab of smem buffer c % 2 and
+                    # one TMA store (no barrier across the warpgroup)
+                    b = c % 2
+                    # the store two chunks back has read this buffer (one chunk back: long since)
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
+                    cute.arch.sync_warp()
+                    for e in cutlass.range_constexpr(cute.size(acc_o)):
+                        r, i = cP[e]
+                        sO[i, r, b] = acc_o[e].to(bf16)
+                    cute.arch.fence_proxy("async.shared", space="cta")
+                    cute.arch.sync_warp()
+                    slab = cute.make_tensor(sO.iterator + b * C * BV + warp * C * 16, l_slab)
+                    self._tile_store(store_o[0], store_o[1], slab,
+                                     (t0, h * self.V + v0 + warp * 16), (C, 16))
+                    cute.arch.cp_async_bulk_commit_group()
+                else:
+                    for e in cutlass.range_constexpr(cute.size(acc_o)):
+                        r, i = cP[e]
+                        if i < length:
+                            mOut[t0 + i, h, v0 + r] = acc_o[e].to(bf16)
+                warpgroup.wait_group(0)
+                pipe.consumer_release(state)
+                state.advance()
+
+            cute.arch.cp_async_bulk_wait_group(0, read=True)  # smem outlives every warp's stores
+
+            # ---- final state ------------------------------------------------------------------
+            if state_out == STATE_F32:
+                thr_s.partition_C(self._state_rows(mS1f, seq, h, vb)).store(acc_s.load())
+            elif state_out == STATE_BF16:
+                thr_s.partition_C(self._state_rows(mS1h, seq, h, vb)).store(acc_s.load().to(bf16))
 
     @cute.jit
     def _state_rows(self, m: cute.Tensor, seq, h, vb) -> cute.Tensor:

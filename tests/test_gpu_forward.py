@@ -74,6 +74,21 @@ def test_varlen_thousands_of_sequences():
     _assert(errors(inp))
 
 
+@pytest.mark.parametrize("state_dtype,final_dtype,init", [
+    (torch.float32, torch.float32, True), (torch.float32, torch.bfloat16, False)])
+def test_several_sequences_per_k2_cta(state_dtype, final_dtype, init):
+    """A fixed-length batch big enough that each K2 CTA runs several sequences in turn
+    (api.k2_seqs_per_cta: 8 at B32 H32 on an H200), partial last chunks included: each
+    sequence's own initial and final state, its own outputs."""
+    from kda_cute import api, runtime
+    from kda_cute.config import select_config
+    k2 = runtime.get_kernel(select_config(128, 128, False).recur, runtime.arch_of(0))
+    assert api.k2_seqs_per_cta(32, 64, api._k2_resident(0, k2)) > 1
+    inp = make_inputs(B=32, T=100, H=32, K=128, state_dtype=state_dtype, init=init, seed=21)
+    _assert(errors(inp, final_dtype=final_dtype),
+            state_tol=STATE_TOL if final_dtype == torch.float32 else STATE_TOL_BF16)
+
+
 def test_empty_sequence_keeps_state():
     inp = make_inputs(seqlens=[3, 0, 20], H=2, K=64, seed=11)
     _, final = run_kda(inp)

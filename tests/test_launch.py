@@ -60,6 +60,7 @@ def stub_driver(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: type("S", (), {"cuda_stream": 0}))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(api, "_k2_slots", lambda device, smem: (132, 264))  # an H200's
+    monkeypatch.setattr(api, "_k2_resident", lambda device, k2: 264)
 
     class _Dev:
         def __init__(self, *a):
@@ -256,3 +257,18 @@ def test_segments_argument_validated(stub_driver, bad):
     x = _problem()
     with pytest.raises(ValueError, match="segments"):
         fwd(**x, segments=bad)
+
+
+def test_k2_seqs_per_cta():
+    """As few waves (sequences per resident K2 CTA) as one sequence per CTA, with the most
+    sequences per CTA that keeps them: B32 T256 H32 K = 128 on an H200 (64 CTAs a sequence,
+    264 resident) runs 8 a CTA in one wave; B8 2 a CTA; one sequence always 1."""
+    assert api.k2_seqs_per_cta(32, 64, 264) == 8
+    assert api.k2_seqs_per_cta(8, 64, 264) == 2
+    assert api.k2_seqs_per_cta(1, 128, 264) == 1
+    assert api.k2_seqs_per_cta(6, 128, 264) == 3  # 768 CTAs: 3 waves either way
+    assert api.k2_seqs_per_cta(32, 32, 396) == 3  # K = 64: three CTAs per SM
+    for n in range(1, 80):
+        k = api.k2_seqs_per_cta(n, 64, 264)
+        assert 1 <= k <= min(n, 64)
+        assert -(-64 * -(-n // k) // 264) * k == -(-64 * n // 264)
