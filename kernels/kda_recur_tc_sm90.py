@@ -1,8 +1,11 @@
 """K2 on tensor cores: the chunk recurrence with every product on bf16 warpgroup MMA (sm_90a).
 
-One CTA per (block of 64 state rows, head, sequence): one consumer warpgroup (warps 0-3) owns the
-state S [64 rows of V, K] in the fp32 accumulator registers of the update MMA; one producer warp
-(warp 4) streams each chunk's operands into a `stages`-deep `cutlass.pipeline.PipelineTmaAsync`.
+One CTA per (block of 64 state rows, head, sequence z), running sequences z, z + grid z, ... in
+turn (the launcher gives a fixed-length batch's CTAs several: api.k2_seqs_per_cta; one pipeline
+state runs across them, so the next sequence's first chunks load while the current one
+finishes). One consumer warpgroup (warps 0-3) owns the state S [64 rows of V, K] in the fp32
+accumulator registers of the update MMA; one producer warp (warp 4) streams each chunk's operands
+into a `stages`-deep `cutlass.pipeline.PipelineTmaAsync`.
 Every product has the 64-row side wgmma needs (M = 64) and takes its A operand from registers
 (the previous product's accumulator, converted to bf16), its B operand from swizzled smem that
 TMA fills straight from K1's bf16 workspace (no conversion pass, no S round trip through smem):
