@@ -244,12 +244,16 @@ def _k2_slots(device: int, k2_smem: int) -> tuple[int, int]:
 def _k2_resident(device: int, k2) -> int:
     """K2 CTAs resident at once on the device: per SM the fewest that its shared memory, its
     registers (allocated per warp in units of 256) and its threads allow."""
+    return _resident(device, k2.smem, int(k2.manifest["registers"]), k2.block[0])
+
+
+@functools.lru_cache(maxsize=64)
+def _resident(device: int, smem: int, registers: int, threads: int) -> int:
     prop = torch.cuda.get_device_properties(device)
     per_sm = getattr(prop, "shared_memory_per_multiprocessor", 233472)
-    threads = k2.block[0]
-    regs = -(-int(k2.manifest["registers"]) * 32 // 256) * 256 * -(-threads // 32)
+    regs = -(-registers * 32 // 256) * 256 * -(-threads // 32)
     return prop.multi_processor_count * max(1, min(
-        per_sm // (k2.smem + 1024), 65536 // regs, 2048 // threads))
+        per_sm // (smem + 1024), 65536 // regs, 2048 // threads))
 
 
 def _segment_count(p: Problem, cfg: FwdConfig, k2, device: int, requested) -> int:
@@ -372,6 +376,7 @@ def launch_forward(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, in
     return None
 
 
+@functools.lru_cache(maxsize=256)
 def k2_seqs_per_cta(num_seqs: int, ctas_per_seq: int, slots: int) -> int:
     """Sequences each tensor-core K2 CTA runs one after another (CTA z: z, z + grid z, ...):
     the most that keep the waves as short, counted in sequences per resident CTA slot, as one
