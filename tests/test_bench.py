@@ -63,7 +63,10 @@ def test_write_results_summary(tmp_path, monkeypatch):
     md = out.with_suffix(".md").read_text().splitlines()
     assert len(md) == 2 + len(rows)
     # the K = 64 row has no fla or FlashKDA figures: dashes, not zeros or NaN
-    assert md[-1].count(" - |") == 5 and "nan" not in md[-1]
+    assert md[-1].count(" - |") == 6 and "nan" not in md[-1]
+    # the first row: the FlashKDA estimate's ratio, then the figure's, unscaled
+    cells = [c.strip() for c in md[2].split("|")]
+    assert cells[11] == f"{est[0]:.2f}x" and cells[12] == f"{table[0]:.2f}x"
 
 
 def _run_doc(path, rows, commit="abc", device="NVIDIA H200", ceiling=4.2):
