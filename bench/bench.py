@@ -287,8 +287,13 @@ FLASHKDA_REF = {
 }
 
 
+def _flashkda_ref(r) -> tuple[float, float] | None:
+    """(FlashKDA ms, fla ms) of the issue's table for this row's case (K = 128 only)."""
+    return FLASHKDA_REF.get(r["case"]) if r["K"] == 128 else None
+
+
 def flashkda_estimate(r) -> float | None:
-    ref = FLASHKDA_REF.get(r["case"]) if r["K"] == 128 else None
+    ref = _flashkda_ref(r)
     if ref is None or "fla_ms" not in r:
         return None
     return ref[0] * r["fla_ms"] / ref[1]
@@ -296,7 +301,7 @@ def flashkda_estimate(r) -> float | None:
 
 def flashkda_table_ratio(r) -> float | None:
     """kda_cute's speed-up over the issue's FlashKDA figure as measured (not scaled by fla)."""
-    ref = FLASHKDA_REF.get(r["case"]) if r["K"] == 128 else None
+    ref = _flashkda_ref(r)
     return ref[0] / r["kda_ms"] if ref else None
 
 

@@ -232,28 +232,26 @@ def _offsets(p: Problem, cfg: FwdConfig, cu_seqlens, dev):
     return cs, cc
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=16)
+def _sm_budget(device: int) -> tuple[int, int]:
+    """(SMs, shared memory per SM in bytes) of a device."""
+    prop = torch.cuda.get_device_properties(device)
+    return prop.multi_processor_count, getattr(prop, "shared_memory_per_multiprocessor", 233472)
+
+
 def _k2_slots(device: int, k2_smem: int) -> tuple[int, int]:
     """(SMs, K2 CTAs resident at once by shared memory) of a device."""
-    prop = torch.cuda.get_device_properties(device)
-    per_sm = getattr(prop, "shared_memory_per_multiprocessor", 233472)
-    return prop.multi_processor_count, prop.multi_processor_count * max(
-        1, per_sm // (k2_smem + 1024))
+    sms, per_sm = _sm_budget(device)
+    return sms, sms * max(1, per_sm // (k2_smem + 1024))
 
 
 def _k2_resident(device: int, k2) -> int:
     """K2 CTAs resident at once on the device: per SM the fewest that its shared memory, its
     registers (allocated per warp in units of 256) and its threads allow."""
-    return _resident(device, k2.smem, int(k2.manifest["registers"]), k2.block[0])
-
-
-@functools.lru_cache(maxsize=64)
-def _resident(device: int, smem: int, registers: int, threads: int) -> int:
-    prop = torch.cuda.get_device_properties(device)
-    per_sm = getattr(prop, "shared_memory_per_multiprocessor", 233472)
-    regs = -(-registers * 32 // 256) * 256 * -(-threads // 32)
-    return prop.multi_processor_count * max(1, min(
-        per_sm // (smem + 1024), 65536 // regs, 2048 // threads))
+    sms, per_sm = _sm_budget(device)
+    threads = k2.block[0]
+    regs = -(-int(k2.manifest["registers"]) * 32 // 256) * 256 * -(-threads // 32)
+    return sms * max(1, min(per_sm // (k2.smem + 1024), 65536 // regs, 2048 // threads))
 
 
 def _segment_count(p: Problem, cfg: FwdConfig, k2, device: int, requested) -> int:
