@@ -476,7 +476,7 @@ class KdaPrepSm90(TileCopy):
         norms: a whole chunk's rows are stored) and phase B's operands (factored: (qn e^(G - r),
         kn e^(G - r), kn e^(r - G)); otherwise (qn, kn, G)). gref holds (Gl, r) per column."""
         C = self.C
-        f32, io = cutlass.Float32, self.io_dtype
+        f32 = cutlass.Float32
         mKdh, mKdl, mQg, mKg, mKd = outs_a
         vQ, vK = (cute.logical_divide(x, (None, 2)) for x in (sQ, sK))
         e_ref = cute.make_rmem_tensor((2,), f32)
@@ -531,14 +531,23 @@ class KdaPrepSm90(TileCopy):
                 # qg and kg in place of the q and k tiles (only this thread reads these two
                 # columns of these rows), as bf16 pairs, for the TMA stores; kd's planes
                 # straight to the workspace (a warp writes 128 contiguous bytes of a row)
-                vQ[i, (None, pair)].store(qs2.load().to(io))
-                vK[i, (None, pair)].store(ke2.load().to(io))
-                x = kd2.load()
-                kh = x.to(io)
-                pairs_g = cute.make_layout((2, self.K // 2), stride=(1, 2))
-                cute.make_tensor(mKdh[row0 + i, h, None].iterator, pairs_g)[None, pair].store(kh)
-                cute.make_tensor(mKdl[row0 + i, h, None].iterator, pairs_g)[None, pair].store(
-                    (x - kh.to(f32)).to(io))
+                self._store_row_pair(vQ, vK, (mKdh, mKdl), row0, h, i, pair, qs2, ke2, kd2)
+
+    @cute.jit
+    def _store_row_pair(self, vQ, vK, kd_planes, row0, h, i, pair, qs2, ke2, kd2):
+        """Columns 2 pair, 2 pair + 1 of row i: qg and kg as bf16 pairs in place of the q and k
+        tiles (only this thread reads them), for the TMA stores; kd's hi and lo planes straight
+        to the workspace (a warp writes 128 contiguous bytes of a row)."""
+        f32, io = cutlass.Float32, self.io_dtype
+        mKdh, mKdl = kd_planes
+        vQ[i, (None, pair)].store(qs2.load().to(io))
+        vK[i, (None, pair)].store(ke2.load().to(io))
+        x = kd2.load()
+        kh = x.to(io)
+        pairs_g = cute.make_layout((2, self.K // 2), stride=(1, 2))
+        cute.make_tensor(mKdh[row0 + i, h, None].iterator, pairs_g)[None, pair].store(kh)
+        cute.make_tensor(mKdl[row0 + i, h, None].iterator, pairs_g)[None, pair].store(
+            (x - kh.to(f32)).to(io))
 
     @cute.jit
     def _phase_b_ksplit(self, fA, fB, fG, sL, sBeta, mMq, sMq, row0, h, tidx, warp, lane,
@@ -983,13 +992,12 @@ class KdaPrepSm90Split(KdaPrepSm90):
         kd = kn e^(Gl - G) (zeros past the length, whose rows have zero norms) and phase B's
         operands, factored: (qn e^(G - r), kn e^(G - r), kn e^(r - G)), the outputs being
         these times e^r, e^r and e^(Gl - r); otherwise (qn, kn, G)."""
-        C, K, NT, W = self.C, self.K, self.threads, self.W
-        f32, io = cutlass.Float32, self.io_dtype
+        C, NT, W = self.C, self.threads, self.W
+        f32 = cutlass.Float32
         RG = 2 * NT // W
         RPG = C // RG
         RGREF = (C // 2 - 1) // RPG  # the row group ending at row C/2 - 1
         fA, fB, fG = fops
-        mKdh, mKdl = kd_planes
         offs = cute.make_rmem_tensor((2,), f32)
         ref = cute.make_rmem_tensor((2,), f32)
         gl = cute.make_rmem_tensor((2,), f32)
@@ -1042,7 +1050,6 @@ class KdaPrepSm90Split(KdaPrepSm90):
                 cq[c] = cutlass.Float32(1.0)
                 cl[c] = cutlass.Float32(1.0)
         vQ, vK = (cute.logical_divide(x, (None, 2)) for x in (sQ, sK))
-        pairs_g = cute.make_layout((2, K // 2), stride=(1, 2))
         qs2 = cute.make_rmem_tensor((2,), f32)
         ke2 = cute.make_rmem_tensor((2,), f32)
         kd2 = cute.make_rmem_tensor((2,), f32)
@@ -1077,13 +1084,7 @@ class KdaPrepSm90Split(KdaPrepSm90):
                 kd2[c] = kx * cl[c]
             # qg and kg in place of the q and k tiles (only this thread reads these two columns
             # of this row); kd's planes straight to the workspace (128 bytes of a row per warp)
-            vQ[i, (None, gp)].store(qs2.load().to(io))
-            vK[i, (None, gp)].store(ke2.load().to(io))
-            x = kd2.load()
-            kh = x.to(io)
-            cute.make_tensor(mKdh[row0 + i, h, None].iterator, pairs_g)[None, gp].store(kh)
-            cute.make_tensor(mKdl[row0 + i, h, None].iterator, pairs_g)[None, gp].store(
-                (x - kh.to(f32)).to(io))
+            self._store_row_pair(vQ, vK, kd_planes, row0, h, i, gp, qs2, ke2, kd2)
         if rg == 0:
             for c in cutlass.range_constexpr(2):
                 mGl[bid, h, 2 * gp + c] = cute.math.exp(gl[c], fastmath=True)
