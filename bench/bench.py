@@ -243,7 +243,9 @@ def bench_case(name, spec, K, iters, fla, ceiling, simt=False, sweep=False):
             sets[0]["final_state"].fill_(float("nan"))
             run_c(sets[0])
             torch.cuda.synchronize()
-            row["sweep"][f"c{cfg.chunk}_s{cfg.recur.stages}_t{cfg.prep.threads}"] = {
+            # K1's and K2's thread counts both: two configs may differ in one only
+            row["sweep"][f"c{cfg.chunk}_s{cfg.recur.stages}_t{cfg.prep.threads}"
+                         f"_k2t{cfg.recur.threads}"] = {
                 "ms": ms, "k1_ms": time_fn(k1_runner(cfg), sets, iters),
                 "out_err": rel_err(sets[0]["out"][:, :, :nh], ref_o),
                 "state_err": rel_err(sets[0]["final_state"][:, :nh], ref_s)}

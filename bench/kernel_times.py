@@ -1,0 +1,88 @@
+"""Each kernel's own GPU time in a forward (the profiler's kernel records, no host gaps), for
+benchmark cases or ad-hoc shapes, inputs rotated as in bench.py so the L2 is cold.
+
+    python3 bench/kernel_times.py "B1 T8192 H64" B8_T1024_H64 V1024x8_H64 --head-dim 128
+
+A case is a bench.py case name ('_' for ' '), "B<b>_T<t>_H<h>" (a fixed-length batch) or
+"V<len>x<n>_H<h>" (n sequences of len tokens as one varlen batch). Prints the median duration
+of every kernel the forward launches (K1, K2, and any small torch kernels), and their sum.
+Eager and graph timings in bench.py also count the gaps between launches; this does not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import math
+import re
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from bench import CASES, L2_BYTES, case_inputs, compulsory_bytes, kda_runner  # noqa: E402
+
+
+def parse_case(name: str):
+    """(label, bench.py spec) of a case name, a fixed-length shape or a varlen shape."""
+    label = name.replace("_", " ")
+    if label in CASES:
+        return label, CASES[label]
+    m = re.fullmatch(r"B(\d+)_T(\d+)_H(\d+)", name.replace(" ", "_"))
+    if m:
+        return label, tuple(int(x) for x in m.groups())
+    m = re.fullmatch(r"V(\d+)x(\d+)_H(\d+)", name.replace(" ", "_"))
+    if m:
+        n_tok, n_seq, h = (int(x) for x in m.groups())
+        return label, ("varlen", [n_tok] * n_seq, h)
+    raise SystemExit(f"unknown case {name!r}: a bench.py case, B<b>_T<t>_H<h> or V<len>x<n>_H<h>")
+
+
+def kernel_times(spec, K: int, iters: int) -> dict[str, float]:
+    """Median GPU ms per launch of each kernel in `iters` forwards (name -> ms)."""
+    base = case_inputs(spec, K, seed=1)
+    n_sets = max(2, math.ceil(3 * L2_BYTES / compulsory_bytes(base)))
+    sets = []
+    for i in range(n_sets):
+        x = base if i == 0 else case_inputs(spec, K, seed=i + 1)
+        x["out"] = torch.empty_like(x["v"])
+        x["final_state"] = torch.empty_like(x["initial_state"])
+        x["workspace"] = None
+        sets.append(x)
+    run = kda_runner()
+    for i in range(5):
+        run(sets[i % n_sets])
+    torch.cuda.synchronize()
+    acts = [torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        for i in range(iters):
+            run(sets[i % n_sets])
+        torch.cuda.synchronize()
+    per = collections.defaultdict(list)
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            per[ev.name].append(ev.device_time_total / 1e3)
+    return {name: statistics.median(ts) * len(ts) / iters for name, ts in per.items()}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("cases", nargs="+")
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--iters", type=int, default=50)
+    a = ap.parse_args(argv)
+    for name in a.cases:
+        label, spec = parse_case(name)
+        times = kernel_times(spec, a.head_dim, a.iters)
+        print(f"{label} K{a.head_dim}: sum {sum(times.values()):.3f} ms")
+        for kname, ms in sorted(times.items(), key=lambda kv: -kv[1]):
+            print(f"    {ms:8.4f} ms  {kname[:90]}")
+
+
+if __name__ == "__main__":
+    main()
