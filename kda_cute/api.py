@@ -173,7 +173,8 @@ def config_for(p: Problem, config: FwdConfig | None = None) -> FwdConfig:
 
 def _workspace_rows(p: Problem, chunk: int) -> tuple[int, int]:
     """(chunks, rows) the workspace holds: every sequence's chunks, whole (a sequence's last
-    chunk padded to `chunk` rows, which K1 writes as zeros), at most B*T // chunk + N of them."""
+    chunk padded to `chunk` rows, which K1 writes as zeros), B*T // chunk + N slots: a varlen
+    batch's sequence s starts at slot cu_seqlens[s] // chunk + s (`chunk_slots`)."""
     nch = p.B * p.T // chunk + p.N
     return nch, nch * chunk
 
@@ -219,17 +220,37 @@ def workspace_views(workspace: torch.Tensor, p: Problem, cfg: FwdConfig) -> dict
             for name, off, n, shape, dtype in _workspace_plan(p, cfg)[0]}
 
 
+def chunk_slots(cu_seqlens: torch.Tensor, chunk: int, ramp: torch.Tensor) -> torch.Tensor:
+    """Each varlen sequence's first workspace chunk slot (cu_chunks), cu_seqlens[s] // chunk +
+    s (`ramp` = 0, 1, ..., N): no prefix sum over the lengths, so two small kernels, and every
+    sequence's slots begin past the previous one's last chunk (floor((a + n) / C) - floor(a / C)
+    + 1 >= ceil(n / C) slots for n tokens). The slots between (at most one a sequence) hold no
+    tokens: K1 skips them, K2 never reads them. A fixed-length batch packs its chunks instead
+    (_segment_offsets)."""
+    return torch.div(cu_seqlens, chunk, rounding_mode="floor").add_(ramp)
+
+
 def _offsets(p: Problem, cfg: FwdConfig, cu_seqlens, dev):
     """int32 cu_seqlens and cu_chunks on the device, without a host sync (a fixed-length
-    batch: its sequences as one segment each)."""
+    batch: its sequences as one segment each, made once per shape)."""
     C = cfg.chunk
     if cu_seqlens is None:
         return _segment_offsets(p.B, p.T, C, 1, dev)
-    cs = cu_seqlens.to(torch.int32)
-    nch = (cs[1:] - cs[:-1] + (C - 1)) // C
-    cc = torch.zeros_like(cs)
-    torch.cumsum(nch, 0, out=cc[1:])
-    return cs, cc
+    cs = cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
+    return cs, chunk_slots(cs, C, _ramp(p.N + 1, dev))
+
+
+_ramps: dict[tuple, torch.Tensor] = {}
+
+
+def _ramp(n: int, dev) -> torch.Tensor:
+    """0, 1, ..., n - 1 (int32) on a device, made once per length; nothing writes it."""
+    key = (n, dev)
+    t = _ramps.get(key)
+    if t is None:
+        t = torch.arange(n, dtype=torch.int32, device=dev)
+        _remember(_ramps, key, t, dev)
+    return t
 
 
 @functools.lru_cache(maxsize=16)

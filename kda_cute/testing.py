@@ -158,10 +158,13 @@ def prep_errors(inp, config=None) -> dict:
     ref = chunk_intermediates(qn, kn, a, b, chunk=chunk, scale=d["scale"],
                               cu_seqlens=d["cu_seqlens"])
     B, T, H = q.shape[:3]
-    rows, used = token_rows(B, T, inp["cu_seqlens"], chunk)
-    rows = rows.to(q.device)
-    pad = torch.ones(used, dtype=torch.bool, device=q.device)
+    rows, chunk_rows = token_rows(B, T, inp["cu_seqlens"], chunk)
+    n_rows = int(chunk_rows.max()) + 1 if chunk_rows.numel() else 0
+    pad = torch.zeros(n_rows, dtype=torch.bool)
+    pad[chunk_rows] = True
     pad[rows] = False
+    pad = pad.to(q.device)
+    rows = rows.to(q.device)
     res = {"pad_max": 0.0}
     for name in ("qg", "kg", "kd", "aw", "mq"):
         r = ref[name.replace("aw", "Aw").replace("mq", "Mq")].reshape(B * T, H, -1)
@@ -170,19 +173,28 @@ def prep_errors(inp, config=None) -> dict:
             x = x[0].double() + x[1].double()
         res[name] = rel_err(x[rows], r)
         # the padding rows of each sequence's last chunk: K1 writes them as zeros (K2 reads them)
-        res["pad_max"] = max(res["pad_max"], float(x[:used][pad].double().abs().max())
+        res["pad_max"] = max(res["pad_max"], float(x[:n_rows][pad].double().abs().max())
                              if bool(pad.any()) else 0.0)
     return res
 
 
-def token_rows(B, T, cu_seqlens, chunk) -> tuple[torch.Tensor, int]:
-    """The workspace row of every token (sequences start on whole chunks) and the rows used."""
+def token_rows(B, T, cu_seqlens, chunk) -> tuple[torch.Tensor, torch.Tensor]:
+    """The workspace row of every token, and every row of the sequences' whole chunks (what K1
+    writes: each sequence's tokens, then zeros to the end of its last chunk). A fixed-length
+    batch packs its chunks; a varlen batch's sequence s starts at slot api.chunk_slots gives."""
     if cu_seqlens is None:
         lens = [T] * B
+        starts = [b * -(-T // chunk) for b in range(B)]
     else:
-        lens = torch.diff(cu_seqlens.cpu()).tolist()
-    rows, base = [], 0
-    for n in lens:
-        rows.append(base + torch.arange(n))
-        base += -(-n // chunk) * chunk
-    return torch.cat(rows) if rows else torch.zeros(0, dtype=torch.long), base
+        from kda_cute import api
+
+        cs = cu_seqlens.cpu().to(torch.int32)
+        lens = torch.diff(cs).tolist()
+        starts = api.chunk_slots(cs, chunk, torch.arange(len(cs), dtype=torch.int32)).tolist()
+    rows, chunk_rows = [], []
+    for n, slot in zip(lens, starts, strict=False):
+        rows.append(slot * chunk + torch.arange(n))
+        chunk_rows.append(slot * chunk + torch.arange(-(-n // chunk) * chunk))
+    empty = torch.zeros(0, dtype=torch.long)
+    return (torch.cat(rows) if rows else empty,
+            torch.cat(chunk_rows) if chunk_rows else empty)

@@ -2,7 +2,8 @@
 
 One CTA per (chunk, head), heads fastest (grid x). A chunk is `chunk` consecutive tokens of
 one sequence, starting at the sequence's first token, so the last chunk of a sequence may be
-short; CTAs past the last chunk exit.
+short; CTAs whose chunk slot holds no tokens (past the last chunk, or between two varlen
+sequences: api.chunk_slots) exit.
 
 Warp roles: none; all `threads` threads run every phase, separated by CTA barriers.
 Pipeline: one mbarrier; one elected thread issues three TMA loads (q, k and g tiles of
@@ -180,9 +181,9 @@ class KdaPrepSm90(TileCopy):
         C, K, NT = self.C, self.K, self.threads
         tidx, warp, lane, h, bid = self._ids()
 
-        t0, length, total_chunks = self._locate(mCuSeq, mCuChunk, num_seqs, bid)
+        t0, length, bound = self._locate(mCuSeq, mCuChunk, num_seqs, bid)
 
-        if bid < total_chunks:
+        if bid < bound:
             st, mbar, sQK, sQ, sK, sG = self._input_tiles(s_tile)
             f_layout = cute.make_layout((C, K), stride=(K + 1, 1))
             fA = st.fA.get_tensor(f_layout)
@@ -362,8 +363,10 @@ class KdaPrepSm90(TileCopy):
 
     @cute.jit
     def _locate(self, mCuSeq: cute.Tensor, mCuChunk: cute.Tensor, num_seqs: cutlass.Int32, bid):
-        """(first token, valid rows, total chunks) of chunk `bid`: binary search over cu_chunks,
-        log2(N) steps (none for one sequence)."""
+        """(first token, valid rows, chunk bound) of chunk slot `bid`: binary search over
+        cu_chunks, log2(N) steps (none for one sequence). The bound is the number of slots, or
+        0 for a slot that holds no tokens (past the end, or between two varlen sequences:
+        api.chunk_slots), so `bid < bound` says whether this CTA has a chunk."""
         lo = cutlass.Int32(0)
         hi = num_seqs
         while hi - lo > 1:
@@ -374,7 +377,11 @@ class KdaPrepSm90(TileCopy):
                 hi = mid
         seq = lo
         t0 = mCuSeq[seq] + (bid - mCuChunk[seq]) * self.C
-        return t0, cutlass.min(self.C, mCuSeq[seq + 1] - t0), mCuChunk[num_seqs]
+        length = cutlass.min(self.C, mCuSeq[seq + 1] - t0)
+        bound = mCuChunk[num_seqs]
+        if length < 1:
+            bound = cutlass.Int32(0)
+        return t0, length, bound
 
     @cute.jit
     def _load_tiles(self, loads, tiles, mbar, mBeta: cute.Tensor, sBeta, t0, h, length,
@@ -863,9 +870,9 @@ class KdaPrepSm90Split(KdaPrepSm90):
         BPW = (W // 16) // NW  # phase B blocks per warp per pass
         NQ = C * C // NT  # (i, j) entries per thread in the final sum
         tidx, warp, lane, h, bid = self._ids()
-        t0, length, total_chunks = self._locate(mCuSeq, mCuChunk, num_seqs, bid)
+        t0, length, bound = self._locate(mCuSeq, mCuChunk, num_seqs, bid)
 
-        if bid < total_chunks:
+        if bid < bound:
             st, mbar, sQK, sQ, sK, sG = self._input_tiles(s_tile)
             f_layout = cute.make_layout((C, W), stride=(W + 1, 1))
             f0 = st.fABG.data_ptr()
