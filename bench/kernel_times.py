@@ -7,6 +7,9 @@ A case is a bench.py case name ('_' for ' '), "B<b>_T<t>_H<h>" (a fixed-length b
 "V<len>x<n>_H<h>" (n sequences of len tokens as one varlen batch). Prints the median duration
 of every kernel the forward launches (K1, K2, and any small torch kernels), and their sum.
 Eager and graph timings in bench.py also count the gaps between launches; this does not.
+--states in,out / in / out / none: which of the initial and final states the forward reads and
+writes (default both; the others show what K2's state traffic costs). --config NAME: the
+forward whose K2 (or K1) config has that name (config.SHIPPED + EXPERIMENTAL), not the ladder's.
 """
 
 from __future__ import annotations
@@ -43,18 +46,23 @@ def parse_case(name: str):
     raise SystemExit(f"unknown case {name!r}: a bench.py case, B<b>_T<t>_H<h> or V<len>x<n>_H<h>")
 
 
-def kernel_times(spec, K: int, iters: int) -> dict[str, float]:
-    """Median GPU ms per launch of each kernel in `iters` forwards (name -> ms)."""
+def kernel_times(spec, K: int, iters: int, states: str = "in,out",
+                 config=None) -> dict[str, float]:
+    """Median GPU ms per launch of each kernel in `iters` forwards (name -> ms); `states` says
+    which of the initial ("in") and final ("out") states the forwards use."""
     base = case_inputs(spec, K, seed=1)
     n_sets = max(2, math.ceil(3 * L2_BYTES / compulsory_bytes(base)))
     sets = []
     for i in range(n_sets):
         x = base if i == 0 else case_inputs(spec, K, seed=i + 1)
         x["out"] = torch.empty_like(x["v"])
-        x["final_state"] = torch.empty_like(x["initial_state"])
+        x["final_state"] = (torch.empty_like(x["initial_state"]) if "out" in states.split(",")
+                            else None)
+        if "in" not in states.split(","):
+            x["initial_state"] = None
         x["workspace"] = None
         sets.append(x)
-    run = kda_runner()
+    run = kda_runner(config)
     for i in range(5):
         run(sets[i % n_sets])
     torch.cuda.synchronize()
@@ -75,11 +83,21 @@ def main(argv=None):
     ap.add_argument("cases", nargs="+")
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--states", default="in,out", choices=["in,out", "in", "out", "none"])
+    ap.add_argument("--config", default=None)
     a = ap.parse_args(argv)
+    config = None
+    if a.config:
+        from kda_cute.config import EXPERIMENTAL, SHIPPED
+        config = next((c for c in SHIPPED + EXPERIMENTAL
+                       if a.config in (c.recur.name, c.prep.name)), None)
+        if config is None:
+            raise SystemExit(f"--config: no shipped or experimental config named {a.config!r}")
     for name in a.cases:
         label, spec = parse_case(name)
-        times = kernel_times(spec, a.head_dim, a.iters)
-        print(f"{label} K{a.head_dim}: sum {sum(times.values()):.3f} ms")
+        times = kernel_times(spec, a.head_dim, a.iters, a.states, config)
+        print(f"{label} K{a.head_dim} states {a.states} {a.config or 'ladder'}: "
+              f"sum {sum(times.values()):.3f} ms")
         for kname, ms in sorted(times.items(), key=lambda kv: -kv[1]):
             print(f"    {ms:8.4f} ms  {kname[:90]}")
 
