@@ -110,6 +110,31 @@ def time_fn(fn, sets, iters, warmup=10) -> float:
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends, strict=True))
 
 
+def gpu_kernel_ms(fn, sets, iters=30) -> dict[str, float]:
+    """Each kernel's own GPU time per call of `fn` (ms; name -> the median of its launches
+    times its launches per call), from the profiler's kernel records: no launch gaps, no host."""
+    for i in range(3):
+        fn(sets[i % len(sets)])
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for i in range(iters):
+            fn(sets[i % len(sets)])
+        torch.cuda.synchronize()
+    per = collections.defaultdict(list)
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            per[ev.name].append(ev.device_time_total / 1e3)
+    return {name: statistics.median(ts) * len(ts) / iters for name, ts in per.items()}
+
+
+def kernel_split(times: dict[str, float]) -> tuple[float, float, float]:
+    """(K1, K2, other) GPU ms of a forward from gpu_kernel_ms: K2 counts every recurrence
+    launch and the segments' combine; other is the small torch kernels (offsets, copies)."""
+    k1 = sum(t for n, t in times.items() if "KdaPrep" in n)
+    k2 = sum(t for n, t in times.items() if "KdaRecur" in n or "KdaCombine" in n)
+    return k1, k2, sum(times.values()) - k1 - k2
+
+
 def graph_runner(fn, sets):
     """`fn` captured once per input set in a CUDA graph; replaying it times the GPU work alone,
     without the host's launch path (what a serving engine that captures its forward sees)."""
@@ -211,6 +236,7 @@ def bench_case(name, spec, K, iters, fla, ceiling, simt=False, sweep=False):
     t_kda = time_fn(run, sets, iters)
     t_k1 = time_fn(k1_runner(), sets, iters)  # K2's share is the difference
     t_graph = time_fn(graph_runner(run, sets), sets, iters)
+    k1_gpu, k2_gpu, other_gpu = kernel_split(gpu_kernel_ms(run, sets))
     # correctness of the timed configuration, on the first set
     run(sets[0])
     torch.cuda.synchronize()
@@ -221,6 +247,7 @@ def bench_case(name, spec, K, iters, fla, ceiling, simt=False, sweep=False):
     row = {"case": name, "K": K, "config": [ladder.prep.name, ladder.recur.name],
            "bytes": nbytes, "roofline_ms": nbytes / ceiling * 1e3,
            "kda_ms": t_kda, "kda_k1_ms": t_k1, "kda_graph_ms": t_graph,
+           "kda_k1_gpu_ms": k1_gpu, "kda_k2_gpu_ms": k2_gpu, "kda_other_gpu_ms": other_gpu,
            "kda_out_err": rel_err(sets[0]["out"][:, :, :nh], ref_o),
            "kda_state_err": rel_err(sets[0]["final_state"][:, :nh], ref_s),
            "input_sets": n_sets, "checked_heads": nh}
@@ -308,9 +335,9 @@ def flashkda_table_ratio(r) -> float | None:
 
 
 def markdown(rows) -> str:
-    head = ("| case | K | roofline ms | kda_cute ms | K1 ms | graph ms | % roofline | fla ms | "
-            "vs fla | FlashKDA est. ms | vs FlashKDA est. | vs FlashKDA figure | out err | "
-            "state err | fla out/state err |"
+    head = ("| case | K | roofline ms | kda_cute ms | K1 / K2 ms | graph ms | % roofline | "
+            "fla ms | vs fla | FlashKDA est. ms | vs FlashKDA est. | vs FlashKDA figure | "
+            "out err | state err | fla out/state err |"
             "\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
     lines = []
     for r in rows:
@@ -322,8 +349,11 @@ def markdown(rows) -> str:
         fkt = f"{ft:.2f}x" if ft else "-"
         fe = (f"{r['fla_out_err']:.1e} / {r['fla_state_err']:.1e}" if "fla_out_err" in r
               else "-")
+        # each kernel's own GPU time; results from before it was recorded: K1 alone, eager
+        split = (f"{r['kda_k1_gpu_ms']:.3f} / {r['kda_k2_gpu_ms']:.3f}" if "kda_k1_gpu_ms" in r
+                 else f"{r['kda_k1_ms']:.3f} (eager) / -")
         lines.append(f"| {r['case']} | {r['K']} | {r['roofline_ms']:.3f} | {r['kda_ms']:.3f} | "
-                     f"{r['kda_k1_ms']:.3f} | {r.get('kda_graph_ms', float('nan')):.3f} | "
+                     f"{split} | {r.get('kda_graph_ms', float('nan')):.3f} | "
                      f"{r['kda_pct_roofline']:.1f} | {fla} | {sp} | {fks} | {fkr} | {fkt} | "
                      f"{r['kda_out_err']:.2e} | {r['kda_state_err']:.2e} | {fe} |")
     return head + "\n".join(lines) + "\n"
@@ -392,7 +422,8 @@ def main(argv=None):
             rows.append(bench_case(name, CASES[name], K, max(100, a.iters), fla, ceiling,
                                    a.simt, a.sweep))
             r = rows[-1]
-            print(f"{name:<22} K{K:<4} kda {r['kda_ms']:.3f} ms (K1 {r['kda_k1_ms']:.3f}; "
+            print(f"{name:<22} K{K:<4} kda {r['kda_ms']:.3f} ms (GPU K1 {r['kda_k1_gpu_ms']:.3f} "
+                  f"K2 {r['kda_k2_gpu_ms']:.3f} other {r['kda_other_gpu_ms']:.3f}; "
                   f"graph {r['kda_graph_ms']:.3f}; "
                   f"{r['kda_pct_roofline']:.1f}% "
                   f"roofline) fla {r.get('fla_ms', float('nan')):.3f} ms "

@@ -15,10 +15,8 @@ forward whose K2 (or K1) config has that name (config.SHIPPED + EXPERIMENTAL), n
 from __future__ import annotations
 
 import argparse
-import collections
 import math
 import re
-import statistics
 import sys
 from pathlib import Path
 
@@ -28,14 +26,14 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from bench import CASES, L2_BYTES, case_inputs, compulsory_bytes, kda_runner  # noqa: E402
+import bench  # noqa: E402
 
 
 def parse_case(name: str):
     """(label, bench.py spec) of a case name, a fixed-length shape or a varlen shape."""
     label = name.replace("_", " ")
-    if label in CASES:
-        return label, CASES[label]
+    if label in bench.CASES:
+        return label, bench.CASES[label]
     m = re.fullmatch(r"B(\d+)_T(\d+)_H(\d+)", name.replace(" ", "_"))
     if m:
         return label, tuple(int(x) for x in m.groups())
@@ -48,13 +46,13 @@ def parse_case(name: str):
 
 def kernel_times(spec, K: int, iters: int, states: str = "in,out",
                  config=None) -> dict[str, float]:
-    """Median GPU ms per launch of each kernel in `iters` forwards (name -> ms); `states` says
-    which of the initial ("in") and final ("out") states the forwards use."""
-    base = case_inputs(spec, K, seed=1)
-    n_sets = max(2, math.ceil(3 * L2_BYTES / compulsory_bytes(base)))
+    """Each kernel's GPU ms per forward over `iters` forwards (bench.gpu_kernel_ms); `states`
+    says which of the initial ("in") and final ("out") states the forwards use."""
+    base = bench.case_inputs(spec, K, seed=1)
+    n_sets = max(2, math.ceil(3 * bench.L2_BYTES / bench.compulsory_bytes(base)))
     sets = []
     for i in range(n_sets):
-        x = base if i == 0 else case_inputs(spec, K, seed=i + 1)
+        x = base if i == 0 else bench.case_inputs(spec, K, seed=i + 1)
         x["out"] = torch.empty_like(x["v"])
         x["final_state"] = (torch.empty_like(x["initial_state"]) if "out" in states.split(",")
                             else None)
@@ -62,20 +60,7 @@ def kernel_times(spec, K: int, iters: int, states: str = "in,out",
             x["initial_state"] = None
         x["workspace"] = None
         sets.append(x)
-    run = kda_runner(config)
-    for i in range(5):
-        run(sets[i % n_sets])
-    torch.cuda.synchronize()
-    acts = [torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=acts) as prof:
-        for i in range(iters):
-            run(sets[i % n_sets])
-        torch.cuda.synchronize()
-    per = collections.defaultdict(list)
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
-            per[ev.name].append(ev.device_time_total / 1e3)
-    return {name: statistics.median(ts) * len(ts) / iters for name, ts in per.items()}
+    return bench.gpu_kernel_ms(bench.kda_runner(config), sets, iters)
 
 
 def main(argv=None):

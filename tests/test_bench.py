@@ -27,6 +27,7 @@ accuracy = _load("accuracy")
 
 def _row(case="B1 T8192 H64", K=128, kda=0.5, fla=None, **kw):
     r = {"case": case, "K": K, "roofline_ms": 0.16, "kda_ms": kda, "kda_k1_ms": 0.2,
+         "kda_k1_gpu_ms": 0.18, "kda_k2_gpu_ms": kda - 0.18, "kda_other_gpu_ms": 0.0,
          "kda_graph_ms": kda, "kda_pct_roofline": 100 * 0.16 / kda, "kda_out_err": 1.7e-3,
          "kda_state_err": 5e-6, **kw}
     if fla is not None:
@@ -143,3 +144,25 @@ def test_fla_call_matches_the_gate_form(monkeypatch, gate, expected):
     assert kw["use_qk_l2norm_in_kernel"] is True and kw["use_beta_sigmoid_in_kernel"] is True
     assert kw["state_v_first"] is True and kw["output_final_state"] is True
     assert kw["initial_state"] is x["initial_state"] and kw["A_log"] is x["A_log"]
+
+
+def test_kernel_split_sorts_kernels():
+    """K1 is the prep kernel, K2 every recurrence launch and the segments' combine, the rest
+    the small torch kernels."""
+    times = {"kernel_cutlass_kernel_kernelskda_prep_sm90KdaPrepSm90Split_object_at_": 0.3,
+             "kernel_cutlass_kernel_kernelskda_recur_tc_sm90KdaRecurTcSm90_object_at_": 0.4,
+             "kernel_cutlass_kernel_kernelskda_combine_sm90KdaCombineSm90_object_at_": 0.02,
+             "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor": 0.001}
+    k1, k2, other = bench.kernel_split(times)
+    assert (k1, k2, other) == pytest.approx((0.3, 0.42, 0.001))
+
+
+def test_markdown_shows_each_kernels_gpu_time():
+    """The K1 / K2 column: each kernel's own GPU time when recorded; results from before it
+    was show the eager K1 time, marked."""
+    new = _row(kda_k1_gpu_ms=0.334, kda_k2_gpu_ms=0.397)
+    old = {k: v for k, v in _row("B1 T8192 H16").items() if "gpu" not in k}
+    lines = bench.markdown([new, old]).splitlines()
+    assert "K1 / K2 ms" in lines[0]
+    assert "| 0.334 / 0.397 |" in lines[2]
+    assert "| 0.200 (eager) / - |" in lines[3]
