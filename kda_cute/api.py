@@ -244,13 +244,9 @@ _ramps: dict[tuple, torch.Tensor] = {}
 
 
 def _ramp(n: int, dev) -> torch.Tensor:
-    """0, 1, ..., n - 1 (int32) on a device, made once per length; nothing writes it."""
-    key = (n, dev)
-    t = _ramps.get(key)
-    if t is None:
-        t = torch.arange(n, dtype=torch.int32, device=dev)
-        _remember(_ramps, key, t, dev)
-    return t
+    """0, 1, ..., n - 1 (int32) on a device, made once per length; nothing writes it. Its own
+    cache: varlen batches of many sizes must not push out the segments' large constants."""
+    return _cached(_ramps, (n, dev), dev, lambda: torch.arange(n, dtype=torch.int32, device=dev))
 
 
 @functools.lru_cache(maxsize=16)
@@ -299,24 +295,31 @@ def _remember(cache: dict, key, value, dev) -> None:
     cache[key] = value
 
 
+def _cached(cache: dict, key, dev, make):
+    """cache[key], made by make() on a miss and kept as _remember allows."""
+    hit = cache.get(key)
+    if hit is None:
+        hit = make()
+        _remember(cache, key, hit, dev)
+    return hit
+
+
 def _segment_offsets(B: int, T: int, C: int, P: int, dev) -> tuple[torch.Tensor, torch.Tensor]:
     """segments.plan's offsets, built on the device (no host copy, so it can be graph-captured)
     once per shape and device; nothing writes them."""
-    key = (B, T, C, P, dev)
-    hit = _seg_offsets.get(key)
-    if hit is not None:
-        return hit
-    nc = -(-T // C)
-    cps = max(1, -(-nc // P))
-    idx = torch.arange(B * P, device=dev, dtype=torch.int32)
-    b, j = idx // P, idx % P
-    c1 = torch.clamp((j + 1) * cps, max=nc)
-    cu = torch.zeros(B * P + 1, device=dev, dtype=torch.int32)
-    cc = torch.zeros_like(cu)
-    cu[1:] = b * T + torch.clamp(c1 * C, max=T)
-    cc[1:] = b * nc + c1
-    _remember(_seg_offsets, key, (cu, cc), dev)
-    return cu, cc
+    def make():
+        nc = -(-T // C)
+        cps = max(1, -(-nc // P))
+        idx = torch.arange(B * P, device=dev, dtype=torch.int32)
+        b, j = idx // P, idx % P
+        c1 = torch.clamp((j + 1) * cps, max=nc)
+        cu = torch.zeros(B * P + 1, device=dev, dtype=torch.int32)
+        cc = torch.zeros_like(cu)
+        cu[1:] = b * T + torch.clamp(c1 * C, max=T)
+        cc[1:] = b * nc + c1
+        return cu, cc
+
+    return _cached(_seg_offsets, (B, T, C, P, dev), dev, make)
 
 
 def launch_forward(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state,
@@ -414,15 +417,12 @@ _constants: dict[tuple, torch.Tensor] = {}
 def _constant(kind: str, shape: tuple, dtype, dev) -> torch.Tensor:
     """A zero tensor or a stack of identities, made once per shape and device (K2's identity
     run reads them; nothing writes them)."""
-    key = (kind, shape, dtype, dev)
-    t = _constants.get(key)
-    if t is None:
+    def make():
         if kind == "zeros":
-            t = torch.zeros(shape, dtype=dtype, device=dev)
-        else:
-            t = torch.eye(shape[-1], dtype=dtype, device=dev).expand(shape).contiguous()
-        _remember(_constants, key, t, dev)
-    return t
+            return torch.zeros(shape, dtype=dtype, device=dev)
+        return torch.eye(shape[-1], dtype=dtype, device=dev).expand(shape).contiguous()
+
+    return _cached(_constants, (kind, shape, dtype, dev), dev, make)
 
 
 def _segmented_recurrence(k2, cfg, vals2, syms, p, P, v, initial_state, final_state,
