@@ -234,7 +234,6 @@ def bench_case(name, spec, K, iters, fla, ceiling, simt=False, sweep=False):
         sets.append(x)
     run = kda_runner()
     t_kda = time_fn(run, sets, iters)
-    t_k1 = time_fn(k1_runner(), sets, iters)  # K2's share is the difference
     t_graph = time_fn(graph_runner(run, sets), sets, iters)
     k1_gpu, k2_gpu, other_gpu = kernel_split(gpu_kernel_ms(run, sets))
     # correctness of the timed configuration, on the first set
@@ -246,7 +245,7 @@ def bench_case(name, spec, K, iters, fla, ceiling, simt=False, sweep=False):
     ladder = api.config_for(p)  # every input set has the same problem shape
     row = {"case": name, "K": K, "config": [ladder.prep.name, ladder.recur.name],
            "bytes": nbytes, "roofline_ms": nbytes / ceiling * 1e3,
-           "kda_ms": t_kda, "kda_k1_ms": t_k1, "kda_graph_ms": t_graph,
+           "kda_ms": t_kda, "kda_graph_ms": t_graph,
            "kda_k1_gpu_ms": k1_gpu, "kda_k2_gpu_ms": k2_gpu, "kda_other_gpu_ms": other_gpu,
            "kda_out_err": rel_err(sets[0]["out"][:, :, :nh], ref_o),
            "kda_state_err": rel_err(sets[0]["final_state"][:, :nh], ref_s),
