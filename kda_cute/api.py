@@ -15,7 +15,15 @@ import torch
 
 from . import runtime, segments
 from .abi import SYM_DIV
-from .config import GATE_MODES, K1_GRID_Y, FwdConfig, combine_config, select_config, supports
+from .config import (
+    GATE_MODES,
+    K1_GRID_Y,
+    SEGMENT_RUNS,
+    FwdConfig,
+    combine_config,
+    select_config,
+    supports,
+)
 
 _STATE_CODE = {None: 0, torch.float32: 1, torch.bfloat16: 2}
 
@@ -429,7 +437,9 @@ def _segmented_recurrence(k2, cfg, vals2, syms, p, P, v, initial_state, final_st
                           stream, di):
     """K2 over B * P segments (kda_cute.segments): the value rows from zero (end states B_j),
     the identity rows with v = 0 (state maps A_j), the combine (start states and the final
-    state), then the value rows again from each segment's start state, writing `out`."""
+    state), then the value rows again from each segment's start state, writing `out`. The
+    first two runs' outputs are not needed: they run K2's output-free variant
+    (config.SEGMENT_RUNS) where one is built for this config."""
     dev = v.device
     B, T, H, K, V = p.B, p.T, p.H, p.K, p.V
     C, bv, N = cfg.chunk, cfg.recur.block_v, p.B * P
@@ -439,18 +449,22 @@ def _segmented_recurrence(k2, cfg, vals2, syms, p, P, v, initial_state, final_st
     maps = torch.empty(N, H, K, K, dtype=f32, device=dev)
     zeros = _constant("zeros", (B * T, H, K), torch.bfloat16, dev)
     eye = _constant("eye", (N, H, K, K), f32, dev)
-    # the first two runs' outputs are not needed: the value run writes `out` (overwritten by
-    # the third), the identity run a scratch tensor
-    scratch = torch.empty(B * T, H, K, dtype=torch.bfloat16, device=dev)
+    arch = runtime.arch_of(di)
+    quiet = replace(cfg.recur, outputs=False)
+    k2z = runtime.get_kernel(quiet, arch) if quiet in SEGMENT_RUNS else k2
+    # without the output-free variant the value run writes `out` (overwritten by the third
+    # run) and the identity run a scratch tensor; with it they write nothing
+    scratch = (vals2["out"] if k2z is not k2
+               else torch.empty(B * T, H, K, dtype=torch.bfloat16, device=dev).data_ptr())
     seg = {"cu_seqlens": cu.data_ptr(), "cu_chunks": cc.data_ptr(), "num_seqs": N}
     syms_v = {**syms, "N1": N + 1, "NS": N}
-    k2.launch_with((V // bv, H, N), {**vals2, **seg, "state_in": 0, "state_out": 1,
-                                     "s1f": ends.data_ptr(), "s1h": ends.data_ptr()},
-                   syms_v, stream, di)
-    k2i = runtime.get_kernel(replace(cfg.recur, head_dim_v=K), runtime.arch_of(di))
+    k2z.launch_with((V // bv, H, N), {**vals2, **seg, "state_in": 0, "state_out": 1,
+                                      "s1f": ends.data_ptr(), "s1h": ends.data_ptr()},
+                    syms_v, stream, di)
+    k2i = runtime.get_kernel(replace(quiet if k2z is not k2 else cfg.recur, head_dim_v=K), arch)
     syms_i = {**syms_v, "HV": H * K, "sV": H * K, "sO": H * K, "sS": H * K * K}
     k2i.launch_with((K // bv, H, N), {**vals2, **seg, "v": zeros.data_ptr(),
-                                      "out": scratch.data_ptr(), "out_tma": scratch.data_ptr(),
+                                      "out": scratch, "out_tma": scratch,
                                       "state_in": 1, "s0f": eye.data_ptr(),
                                       "s0h": eye.data_ptr(), "state_out": 1,
                                       "s1f": maps.data_ptr(), "s1h": maps.data_ptr()},

@@ -53,12 +53,17 @@ class RecurConfig:
     threads: int = 128
     stages: int = 2
     mma: str = "simt"  # "simt": fp32 CUDA cores; "wgmma": bf16 warpgroup MMA (hi/lo update)
+    # False (wgmma): the state runs only, no output (no Pq and O products, no stores): the
+    # segments' runs from zero and from the identity (kda_cute.segments), whose outputs are
+    # not used
+    outputs: bool = True
 
     @property
     def name(self) -> str:
         tag = "" if self.mma == "simt" else f"_{self.mma}"
+        no = "" if self.outputs else "_noout"
         return (f"kda_recur{tag}_k{self.head_dim_k}_v{self.head_dim_v}_c{self.chunk}"
-                f"_bv{self.block_v}_t{self.threads}_s{self.stages}")
+                f"_bv{self.block_v}_t{self.threads}_s{self.stages}{no}")
 
     @property
     def block_threads(self) -> int:
@@ -144,6 +149,8 @@ def supports_recur(cfg: RecurConfig) -> tuple[bool, str]:
         return False, f"stages must be in [1, 4], got {cfg.stages}"
     if cfg.mma not in ("simt", "wgmma"):
         return False, f"mma must be 'simt' or 'wgmma', got {cfg.mma!r}"
+    if not cfg.outputs and cfg.mma != "wgmma":
+        return False, f"outputs=False needs mma 'wgmma', got {cfg.mma!r}"
     if cfg.mma == "wgmma" and (cfg.block_v != 64 or cfg.threads != 128
                                or cfg.head_dim_k % 64 or cfg.chunk not in (16, 32)
                                or cfg.stages < 2):
@@ -209,6 +216,12 @@ SHIPPED: tuple[FwdConfig, ...] = TENSOR_CORE + SIMT
 # the ladder until their GPU tests have passed on the H200: chunk 32 (half the serial steps).
 EXPERIMENTAL: tuple[FwdConfig, ...] = tuple(_tc_fwd(d, d, chunk=32, stages=2) for d in HEAD_DIMS)
 
+
+# The segmented K2's state runs (from zero, and the identity rows): each tensor-core K2 without
+# its outputs (the launcher's _segmented_recurrence; segments need K == V).
+SEGMENT_RUNS: tuple[RecurConfig, ...] = tuple(
+    RecurConfig(**{**f.recur.as_dict(), "outputs": False}) for f in TENSOR_CORE
+    if f.recur.head_dim_k == f.recur.head_dim_v)
 
 # The segments' combine, one per head dim (the segmented K2 runs with K == V).
 COMBINE: tuple[CombineConfig, ...] = tuple(CombineConfig(d) for d in HEAD_DIMS)

@@ -23,8 +23,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from kda_cute import abi  # noqa: E402
-from kda_cute.config import COMBINE, EXPERIMENTAL, SHIPPED, CombineConfig, PrepConfig  # noqa: E402
+from kda_cute import abi, config  # noqa: E402
+from kda_cute.config import CombineConfig, PrepConfig  # noqa: E402
 from kda_cute.cubin import kernel_params, kernel_resources  # noqa: E402
 
 DEFAULT_OUT = ROOT / "kda_cute" / "_cubins"
@@ -175,7 +175,8 @@ def main(argv=None) -> int:
         print(f"warning: {a.arch} compiles but is untested", file=sys.stderr)
     out_dir = Path(a.out) / a.arch
     todo, skipped = [], []
-    for cfg in jobs_for(SHIPPED + EXPERIMENTAL, COMBINE):
+    for cfg in jobs_for(config.SHIPPED + config.EXPERIMENTAL,
+                        config.SEGMENT_RUNS + config.COMBINE):
         (skipped if not a.force and up_to_date(cfg, a.arch, out_dir) else todo).append(cfg)
     t0 = time.time()
     results, failed = [], []

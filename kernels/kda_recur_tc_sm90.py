@@ -64,6 +64,7 @@ class KdaRecurTcSm90(TileCopy):
         self.stages = cfg.stages
         self.mma_threads = cfg.threads
         self.threads = cfg.threads + 32  # + the producer warp
+        self.outputs = cfg.outputs  # False: the state runs only (no Pq, O, stores)
         self.producer_warp = cfg.threads // 32
         C, K, BV = self.C, self.K, self.BV
         self.tx_bytes = (4 * C * K + 4 * C * C + C * BV) * 2 + K * 4
@@ -317,16 +318,17 @@ class KdaRecurTcSm90(TileCopy):
                     self._gemm(mma_p, acc_p, aS, bKg[None, None, None, s], part == 0,
                                part * kb_slab)
                     warpgroup.commit_group()
-                    self._gemm(mma_p, acc_o, aS, bQg[None, None, None, s], part == 0,
-                               part * kb_slab)
-                    warpgroup.commit_group()
+                    if cutlass.const_expr(self.outputs):
+                        self._gemm(mma_p, acc_o, aS, bQg[None, None, None, s], part == 0,
+                                   part * kb_slab)
+                        warpgroup.commit_group()
                 # while they run: this thread's v^T entries (widened after the wait, so the
                 # loads' latency hides behind the products)
                 vT = cute.make_rmem_tensor_like(acc_p, bf16)
                 for e in cutlass.range_constexpr(cute.size(acc_p)):
                     r, i = cP[e]
                     vT[e] = sV[i, r, s]
-                warpgroup.wait_group(1)
+                warpgroup.wait_group(1 if self.outputs else 0)
 
                 # ---- W^T = v^T - P; tokens past the chunk's length are zero -------------------
                 for e in cutlass.range_constexpr(cute.size(acc_p)):
@@ -351,37 +353,40 @@ class KdaRecurTcSm90(TileCopy):
                 self._split(vU, aUh, aUl)  # rows past the length: zero (Aw's are, W's are)
 
                 # ---- O^T = Pq + U^T Mq^T ---------------------------------------------------------
-                self._gemm_split(mma_p, acc_o, aUh, aUl, bMqh[None, None, None, s],
-                                 bMql[None, None, None, s], False)
-                warpgroup.commit_group()
+                if cutlass.const_expr(self.outputs):
+                    self._gemm_split(mma_p, acc_o, aUh, aUl, bMqh[None, None, None, s],
+                                     bMql[None, None, None, s], False)
+                    warpgroup.commit_group()
 
                 # ---- S = S diag(gl) + U^T kd -----------------------------------------------------
                 self._gemm_split(mma_s, acc_s, aUh, aUl, bKdh[None, None, None, s],
                                  bKdl[None, None, None, s], False)
                 warpgroup.commit_group()
 
-                warpgroup.wait_group(1)  # O done; the update runs on while the output is stored
-                if length == C:
-                    # whole chunk: each warp its 16 rows, through its slab of smem buffer c % 2 and
-                    # one TMA store (no barrier across the warpgroup)
-                    b = c % 2
-                    # the store two chunks back has read this buffer (one chunk back: long since)
-                    cute.arch.cp_async_bulk_wait_group(0, read=True)
-                    cute.arch.sync_warp()
-                    for e in cutlass.range_constexpr(cute.size(acc_o)):
-                        r, i = cP[e]
-                        sO[i, r, b] = acc_o[e].to(bf16)
-                    cute.arch.fence_proxy("async.shared", space="cta")
-                    cute.arch.sync_warp()
-                    slab = cute.make_tensor(sO.iterator + b * C * BV + warp * C * 16, l_slab)
-                    self._tile_store(store_o[0], store_o[1], slab,
-                                     (t0, h * self.V + v0 + warp * 16), (C, 16))
-                    cute.arch.cp_async_bulk_commit_group()
-                else:
-                    for e in cutlass.range_constexpr(cute.size(acc_o)):
-                        r, i = cP[e]
-                        if i < length:
-                            mOut[t0 + i, h, v0 + r] = acc_o[e].to(bf16)
+                if cutlass.const_expr(self.outputs):
+                    # O done; the update runs on while the output is stored
+                    warpgroup.wait_group(1)
+                    if length == C:
+                        # whole chunk: each warp its 16 rows, through its slab of smem buffer
+                        # c % 2 and one TMA store (no barrier across the warpgroup)
+                        b = c % 2
+                        # the store two chunks back has read this buffer (one back: long since)
+                        cute.arch.cp_async_bulk_wait_group(0, read=True)
+                        cute.arch.sync_warp()
+                        for e in cutlass.range_constexpr(cute.size(acc_o)):
+                            r, i = cP[e]
+                            sO[i, r, b] = acc_o[e].to(bf16)
+                        cute.arch.fence_proxy("async.shared", space="cta")
+                        cute.arch.sync_warp()
+                        slab = cute.make_tensor(sO.iterator + b * C * BV + warp * C * 16, l_slab)
+                        self._tile_store(store_o[0], store_o[1], slab,
+                                         (t0, h * self.V + v0 + warp * 16), (C, 16))
+                        cute.arch.cp_async_bulk_commit_group()
+                    else:
+                        for e in cutlass.range_constexpr(cute.size(acc_o)):
+                            r, i = cP[e]
+                            if i < length:
+                                mOut[t0 + i, h, v0 + r] = acc_o[e].to(bf16)
                 warpgroup.wait_group(0)
                 pipe.consumer_release(state)
                 state.advance()

@@ -140,7 +140,8 @@ NAME_FIELDS += [(RecurConfig(128, 128), f.name) for f in dataclasses.fields(Recu
                          ids=[f"{type(c).__name__}-{f}" for c, f in NAME_FIELDS])
 def test_name_encodes_every_field(cfg, field):
     """Two configs with one name would overwrite each other's cubin and manifest."""
-    other = dataclasses.replace(cfg, **{field: getattr(cfg, field) * 2})
+    value = getattr(cfg, field)
+    other = dataclasses.replace(cfg, **{field: not value if isinstance(value, bool) else value * 2})
     assert other.name != cfg.name
 
 

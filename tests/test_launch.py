@@ -219,13 +219,15 @@ def test_chunk_slots_never_overlap(chunk):
 
 def test_segmented_launches(stub_driver):
     """segments=3 on a 40-token batch of one: K1, then K2 over 3 segments from zero (V rows),
-    from the identity (K rows), the combine, and K2 from the segments' starts."""
+    from the identity (K rows), the combine, and K2 from the segments' starts. The first two
+    K2 runs' outputs are not used: they run K2 without outputs."""
     x = _problem()
     _run(x, segments=3)
     names = [name for name, *_ in stub_driver]
     grids = [grid for _, grid, *_ in stub_driver]
     assert names[0].startswith("kda_prep") and names[3] == "kda_combine_k64_r8"
     assert all(n.startswith("kda_recur") for n in names[1:3] + names[4:])
+    assert [n.endswith("_noout") for n in names[1:3] + names[4:]] == [True, True, False]
     assert len(names) == 5
     assert grids[1:3] + grids[4:] == [(1, 2, 3)] * 3  # (V / 64, H, B * segments), K = V = 64
     assert grids[3] == (8, 2, 1)  # (K / rows, H, B)

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from kda_cute import runtime
-from kda_cute.config import EXPERIMENTAL, SHIPPED
+from kda_cute.config import EXPERIMENTAL, SEGMENT_RUNS, SHIPPED
 
 
 def _nvdisasm() -> Path | None:
@@ -45,3 +45,19 @@ def test_wgmma_not_serialized(cfg):
     assert "HGMMA" in sass
     assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in sass, (
         f"{cfg.name}: every wgmma waits for all before it (ptxas serialized them)")
+
+
+@pytest.mark.skipif(NVDISASM is None, reason="no nvdisasm (triton's wheel ships one)")
+@pytest.mark.parametrize("cfg", SEGMENT_RUNS, ids=lambda r: r.name)
+def test_state_run_wgmma_groups_not_split(cfg):
+    """K2 without outputs keeps one product group in flight at a time (P, U, the update: each
+    waited for with DEPBAR 0x0 by design), so the serialization shows differently: a
+    WARPGROUP.ARRIVE before every HGMMA instead of one per group."""
+    cubin = runtime.CUBIN_ROOT / "sm_90a" / f"{cfg.name}.cubin"
+    if not cubin.exists():
+        pytest.skip(f"{cubin.name} not built (make kernels)")
+    sass = subprocess.run([str(NVDISASM), "-c", str(cubin)], capture_output=True, text=True,
+                          check=True).stdout
+    hgmma, arrive = sass.count("HGMMA."), sass.count("WARPGROUP.ARRIVE")
+    assert hgmma >= 3 * cfg.head_dim_k // 64 + 3, sass.count("HGMMA")
+    assert arrive <= hgmma // 3, (hgmma, arrive)
