@@ -24,6 +24,7 @@ from .config import CombineConfig, PrepConfig, RecurConfig
 # Dynamic dimensions: name -> bit width. One name is one run-time value within a kernel.
 SYM_WIDTH = {
     "T": 32, "R": 32, "H": 32, "HK": 32, "HV": 32, "HC": 32, "NCH": 32, "N1": 32, "NS": 32,
+    "FL": 32,
     "sQ": 64, "sK": 64, "sG": 64, "sB": 64, "sV": 64, "sO": 64, "sS": 64, "sW": 32, "sWc": 32,
     "NSP": 32,
 }
@@ -102,6 +103,7 @@ def prep_args(cfg: PrepConfig) -> list[Arg]:
         _ten("cu_seqlens", "int32", ("N1",), (1,)),
         _ten("cu_chunks", "int32", ("N1",), (1,)),
         *outs,
+        _ten("flags", "int32", ("FL",), (1,)),
         Arg("num_seqs", "i32"),
         Arg("num_chunks", "i32", grid_only=True),
         Arg("num_heads", "i32", grid_only=True),
@@ -110,6 +112,7 @@ def prep_args(cfg: PrepConfig) -> list[Arg]:
         Arg("gate_mode", "i32"),
         Arg("qk_l2norm", "i32"),
         Arg("beta_sigmoid", "i32"),
+        Arg("signal", "i32"),
     ]
 
 
@@ -153,10 +156,12 @@ def _recur_common(cfg: RecurConfig) -> list[Arg]:
         _ten("s1h", "bfloat16", ("NS", "H", V, K), ("sS", V * K, K, 1)),
         _ten("cu_seqlens", "int32", ("N1",), (1,)),
         _ten("cu_chunks", "int32", ("N1",), (1,)),
+        *([_ten("flags", "int32", ("FL",), (1,))] if cfg.mma == "wgmma" else []),
         Arg("num_seqs", "i32", grid_only=True),
         Arg("num_heads", "i32", grid_only=True),
         Arg("state_in", "i32"),
         Arg("state_out", "i32"),
+        *([Arg("wait", "i32")] if cfg.mma == "wgmma" else []),
     ]
 
 

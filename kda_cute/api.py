@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from dataclasses import dataclass, replace
 
 import torch
@@ -193,15 +194,18 @@ def _workspace_layout(p: Problem, cfg: FwdConfig) -> list[tuple[str, tuple, torc
     C, H, K = cfg.chunk, p.H, p.K
     nch, R = _workspace_rows(p, C)
     f32, bf16 = torch.float32, torch.bfloat16
+    # one int32 per (chunk slot, head): K1 flags the pair once written, for a K2 running
+    # alongside it (_k2_alongside; zeroed before each such launch)
+    flags = ("flags", (nch * H,), torch.int32)
     if cfg.prep.operands == "bf16":
         return [("qg", (R, H, K), bf16), ("kg", (R, H, K), bf16), ("kd", (2, R, H, K), bf16),
                 ("gl", (nch, H, K), f32), ("aw", (2, R, H, C), bf16),
-                ("mq", (2, R, H, C), bf16)]
+                ("mq", (2, R, H, C), bf16), flags]
     return [("qg", (R, H, K), f32), ("kg", (R, H, K), f32), ("kd", (R, H, K), f32),
-            ("gl", (nch, H, K), f32), ("aw", (R, H, C), f32), ("mq", (R, H, C), f32)]
+            ("gl", (nch, H, K), f32), ("aw", (R, H, C), f32), ("mq", (R, H, C), f32), flags]
 
 
-_ELEM = {torch.float32: 4, torch.bfloat16: 2}
+_ELEM = {torch.float32: 4, torch.bfloat16: 2, torch.int32: 4}
 
 
 @functools.lru_cache(maxsize=1024)
@@ -258,22 +262,24 @@ def _ramp(n: int, dev) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=16)
-def _sm_budget(device: int) -> tuple[int, int]:
-    """(SMs, shared memory per SM in bytes) of a device."""
+def _sm_budget(device: int) -> tuple[int, int, int]:
+    """(SMs, shared memory per SM, the most one CTA may reserve) of a device, in bytes."""
     prop = torch.cuda.get_device_properties(device)
-    return prop.multi_processor_count, getattr(prop, "shared_memory_per_multiprocessor", 233472)
+    return (prop.multi_processor_count,
+            getattr(prop, "shared_memory_per_multiprocessor", 233472),
+            getattr(prop, "shared_memory_per_block_optin", 232448))
 
 
 def _k2_slots(device: int, k2_smem: int) -> tuple[int, int]:
     """(SMs, K2 CTAs resident at once by shared memory) of a device."""
-    sms, per_sm = _sm_budget(device)
+    sms, per_sm, _ = _sm_budget(device)
     return sms, sms * max(1, per_sm // (k2_smem + 1024))
 
 
 def _k2_resident(device: int, k2) -> int:
     """K2 CTAs resident at once on the device: per SM the fewest that its shared memory, its
     registers (allocated per warp in units of 256) and its threads allow."""
-    sms, per_sm = _sm_budget(device)
+    sms, per_sm, _ = _sm_budget(device)
     threads = k2.block[0]
     regs = -(-int(k2.manifest["registers"]) * 32 // 256) * 256 * -(-threads // 32)
     return sms * max(1, min(per_sm // (k2.smem + 1024), 65536 // regs, 2048 // threads))
@@ -370,7 +376,18 @@ def launch_forward(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, in
     syms = {"T": Tt, "R": R, "H": H, "HK": H * K, "HV": H * V, "HC": H * C, "NCH": nch,
             "N1": p.N + 1, "NS": p.N, "sQ": q.stride(1), "sK": k.stride(1), "sG": g.stride(1),
             "sB": beta.stride(1), "sV": v.stride(1), "sO": out.stride(1), "sS": H * V * K,
-            "sW": H * K, "sWc": H * C}
+            "sW": H * K, "sWc": H * C, "FL": nch * H}
+    P = 1
+    k2_grid = None
+    if run_recurrence and p.N > 0 and H > 0:
+        P = _segment_count(p, cfg, k2, di, segments_per_seq)
+        nz = p.N
+        if not p.varlen and cfg.recur.mma == "wgmma":
+            nz = -(-p.N // k2_seqs_per_cta(p.N, V // cfg.recur.block_v * H,
+                                           _k2_resident(di, k2)))
+        k2_grid = (V // cfg.recur.block_v, H, nz)
+    alongside = (P == 1 and Tt > 0 and k2_grid is not None
+                 and _k2_alongside(cfg, k2_grid, di))
     if Tt > 0 and H > 0:
         vals1 = {"q": q.data_ptr(), "k": k.data_ptr(), "g": g.data_ptr(),
                  "beta": beta.data_ptr(), "A_log": A_log.data_ptr(),
@@ -379,11 +396,14 @@ def launch_forward(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, in
                  "num_chunks": nch, "num_heads": H,
                  "scale": float(scale), "lower_bound": float(lower_bound or 0.0),
                  "gate_mode": GATE_MODES[gate], "qk_l2norm": int(bool(qk_l2norm)),
-                 "beta_sigmoid": int(bool(beta_sigmoid))}
-        # heads fastest; chunks on y and z
-        k1.launch_with((H, min(nch, K1_GRID_Y), -(-nch // K1_GRID_Y)), vals1, syms, stream, di)
-    if not run_recurrence:
-        return workspace_views(workspace, p, cfg)
+                 "beta_sigmoid": int(bool(beta_sigmoid)), "signal": int(alongside)}
+    if not run_recurrence or not alongside:
+        if Tt > 0 and H > 0:
+            # heads fastest; chunks on y and z
+            k1.launch_with((H, min(nch, K1_GRID_Y), -(-nch // K1_GRID_Y)), vals1, syms,
+                           stream, di)
+        if not run_recurrence:
+            return workspace_views(workspace, p, cfg)
     dummy = out.data_ptr()
     s_in = _STATE_CODE[initial_state.dtype if initial_state is not None else None]
     s_out = _STATE_CODE[final_state.dtype if final_state is not None else None]
@@ -392,18 +412,33 @@ def launch_forward(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, in
     vals2 = {**ws, "v": v.data_ptr(), "out": out.data_ptr(), "out_tma": out.data_ptr(),
              "s0f": sp_in, "s0h": sp_in, "s1f": sp_out, "s1h": sp_out,
              "cu_seqlens": cs.data_ptr(), "cu_chunks": cc.data_ptr(), "num_seqs": p.N,
-             "num_heads": H, "state_in": s_in, "state_out": s_out}
-    P = _segment_count(p, cfg, k2, di, segments_per_seq) if p.N > 0 and H > 0 else 1
-    if P > 1:
+             "num_heads": H, "state_in": s_in, "state_out": s_out, "wait": 0}
+    if alongside:
+        # K2 first, alone on its SMs (its shared memory padded to a whole SM's), waiting on
+        # K1's per-chunk flags; K1 as its programmatic dependent on the SMs left
+        runtime.memset_d32(ws["flags"], 0, nch * H, stream)
+        k2.launch_with(k2_grid, {**vals2, "wait": 1}, syms, stream, di,
+                       smem=_sm_budget(di)[2])
+        k1.launch_with((H, min(nch, K1_GRID_Y), -(-nch // K1_GRID_Y)), vals1, syms, stream,
+                       di, programmatic=True)
+    elif P > 1:
         _segmented_recurrence(k2, cfg, vals2, syms, p, P, v, initial_state, final_state,
                               stream, di)
-    elif p.N > 0 and H > 0:
-        nz = p.N
-        if not p.varlen and cfg.recur.mma == "wgmma":
-            nz = -(-p.N // k2_seqs_per_cta(p.N, V // cfg.recur.block_v * H,
-                                           _k2_resident(di, k2)))
-        k2.launch_with((V // cfg.recur.block_v, H, nz), vals2, syms, stream, di)
+    elif k2_grid is not None:
+        k2.launch_with(k2_grid, vals2, syms, stream, di)
     return None
+
+
+def _k2_alongside(cfg: FwdConfig, k2_grid: tuple, device: int) -> bool:
+    """Whether K2 runs alongside K1 rather than after it: where K2's grid (one CTA per SM)
+    takes at most half of the SMs, so K1 keeps the other half and K2 consumes each chunk as
+    K1 flags it (the tensor-core K2 only). K2 is then launched first and every one of its
+    CTAs is resident before K1 starts (K1 is its programmatic dependent), so its waits always
+    end. KDA_CUTE_ALONGSIDE=0 turns it off."""
+    if cfg.recur.mma != "wgmma" or os.environ.get("KDA_CUTE_ALONGSIDE", "1") == "0":
+        return False
+    sms = _sm_budget(device)[0]
+    return math.prod(k2_grid) <= sms // 2
 
 
 @functools.lru_cache(maxsize=256)

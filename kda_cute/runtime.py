@@ -82,20 +82,26 @@ class Kernel:
         self._funcs: dict[int, object] = {}
         self._packed: dict[tuple, tuple] = {}
 
-    def _function(self, device: int):
-        f = self._funcs.get(device)
-        if f is None:
+    def _function(self, device: int, smem: int):
+        """The kernel's CUfunction on `device`, allowed `smem` bytes of dynamic shared memory."""
+        f, allowed = self._funcs.get(device, (None, 0))
+        if f is None or smem > allowed:
             cu = _cu()
-            f = check(cu.cuKernelGetFunction(self._kernel))
+            if f is None:
+                f = check(cu.cuKernelGetFunction(self._kernel))
             attr = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-            check(cu.cuFuncSetAttribute(f, attr, self.smem))
-            self._funcs[device] = f
+            check(cu.cuFuncSetAttribute(f, attr, smem))
+            self._funcs[device] = (f, smem)
         return f
 
-    def launch_with(self, grid, values: dict, syms: dict, stream: int, device: int) -> None:
+    def launch_with(self, grid, values: dict, syms: dict, stream: int, device: int,
+                    smem: int | None = None, programmatic: bool = False) -> None:
         """Pack `values` (see pack_params) and launch. The packed parameter block is cached by
         everything it is made of, so a repeated call (same tensors, shapes and scalars: a
-        serving loop, a benchmark) skips the packing."""
+        serving loop, a benchmark) skips the packing. `smem`: dynamic shared memory to reserve
+        per CTA, at least the kernel's (more keeps other kernels' CTAs off its SMs).
+        `programmatic`: launch as the programmatic dependent of the stream's previous kernel
+        (it may start once every CTA of that kernel has run griddepcontrol.launch_dependents)."""
         key = (tuple(values.values()), tuple(syms.values()))
         arr = self._packed.get(key)
         if arr is None:
@@ -104,7 +110,7 @@ class Kernel:
                 if len(self._packed) >= _PACKED_MAX:
                     self._packed.clear()
                 self._packed[key] = arr
-        self._launch(grid, arr, stream, device)
+        self._launch(grid, arr, stream, device, max(self.smem, smem or 0), programmatic)
 
     def _param_array(self, params: list[bytes]):
         if [len(p) for p in params] != self.sizes:
@@ -114,10 +120,31 @@ class Kernel:
         ptrs = (ctypes.c_void_p * len(bufs))(*[ctypes.addressof(b) for b in bufs])
         return bufs, ptrs  # the buffers must outlive every launch that uses the pointers
 
-    def _launch(self, grid, arr, stream: int, device: int) -> None:
+    def _launch(self, grid, arr, stream: int, device: int, smem: int,
+                programmatic: bool = False) -> None:
         cu = _cu()
-        check(cu.cuLaunchKernel(self._function(device), *grid, *self.block, self.smem,
-                                cu.CUstream(stream), ctypes.addressof(arr[1]), 0))
+        f = self._function(device, smem)
+        if not programmatic:
+            check(cu.cuLaunchKernel(f, *grid, *self.block, smem, cu.CUstream(stream),
+                                    ctypes.addressof(arr[1]), 0))
+            return
+        attr = cu.CUlaunchAttribute()
+        attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        attr.value.programmaticStreamSerializationAllowed = 1
+        conf = cu.CUlaunchConfig()
+        conf.gridDimX, conf.gridDimY, conf.gridDimZ = grid
+        conf.blockDimX, conf.blockDimY, conf.blockDimZ = self.block
+        conf.sharedMemBytes = smem
+        conf.hStream = cu.CUstream(stream)
+        conf.attrs = [attr]
+        conf.numAttrs = 1
+        check(cu.cuLaunchKernelEx(conf, f, ctypes.addressof(arr[1]), 0))
+
+
+def memset_d32(ptr: int, value: int, count: int, stream: int) -> None:
+    """`count` 32-bit words at `ptr` set to `value`, on `stream` (graph-capturable)."""
+    cu = _cu()
+    check(cu.cuMemsetD32Async(ptr, value, count, cu.CUstream(stream)))
 
 
 # ------------------------------------------------------------------------- TMA descriptors

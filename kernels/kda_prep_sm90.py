@@ -80,6 +80,7 @@ class KdaPrepSm90(TileCopy):
         mGl: cute.Tensor,  # (num_chunks, H, K) fp32
         mAw: cute.Tensor,  # (R, H, C) fp32
         mMq: cute.Tensor,
+        mFlags: cute.Tensor,  # (num_chunks * H,) int32: a (chunk, head)'s flag, set when written
         num_seqs: cutlass.Int32,
         num_chunks: cutlass.Int32,
         num_heads: cutlass.Int32,
@@ -88,12 +89,14 @@ class KdaPrepSm90(TileCopy):
         gate_mode: cutlass.Int32,
         qk_l2norm: cutlass.Int32,
         beta_sigmoid: cutlass.Int32,
+        signal: cutlass.Int32,  # 1: flag each (chunk, head) once written (a K2 runs alongside)
         stream,
     ):
         loads, s_tile = self._make_loads(mQ, mK, mG)
         self._launch((*loads, mBeta, mALog, mDtBias, mCuSeq, mCuChunk,
-                      mQg, mKg, mKd, mGl, mAw, mMq, num_seqs, scale, lower_bound,
-                      gate_mode, qk_l2norm, beta_sigmoid, s_tile), num_chunks, num_heads, stream)
+                      mQg, mKg, mKd, mGl, mAw, mMq, mFlags, num_seqs, scale, lower_bound,
+                      gate_mode, qk_l2norm, beta_sigmoid, signal, s_tile), num_chunks,
+                     num_heads, stream)
 
     def _launch(self, kernel_args, num_chunks, num_heads, stream):
         """Size the shared storage, then one CTA per (chunk, head), heads fastest (grid x): the
@@ -155,15 +158,15 @@ class KdaPrepSm90(TileCopy):
         mBeta: cute.Tensor, mALog: cute.Tensor, mDtBias: cute.Tensor,
         mCuSeq: cute.Tensor, mCuChunk: cute.Tensor,
         mQg: cute.Tensor, mKg: cute.Tensor, mKd: cute.Tensor, mGl: cute.Tensor,
-        mAw: cute.Tensor, mMq: cute.Tensor,
+        mAw: cute.Tensor, mMq: cute.Tensor, mFlags: cute.Tensor,
         num_seqs: cutlass.Int32,
         scale: cutlass.Float32, lower_bound: cutlass.Float32,
         gate_mode: cutlass.Int32, qk_l2norm: cutlass.Int32, beta_sigmoid: cutlass.Int32,
-        s_tile: cute.Layout,
+        signal: cutlass.Int32, s_tile: cute.Layout,
     ):
         self._body(((tma_q, tQ), (tma_k, tK), (tma_g, tG)), mBeta, mALog, mDtBias, mCuSeq,
                    mCuChunk, (mQg, mKg, mKd, mGl, mAw, mMq), num_seqs, scale, lower_bound,
-                   gate_mode, qk_l2norm, beta_sigmoid, s_tile)
+                   gate_mode, qk_l2norm, beta_sigmoid, s_tile, mFlags, signal)
 
 
     # ---------------------------------------------------------------- device
@@ -171,7 +174,8 @@ class KdaPrepSm90(TileCopy):
     def _body(self, loads, mBeta: cute.Tensor, mALog: cute.Tensor, mDtBias: cute.Tensor,
               mCuSeq: cute.Tensor, mCuChunk: cute.Tensor, outs, num_seqs: cutlass.Int32,
               scale: cutlass.Float32, lower_bound: cutlass.Float32, gate_mode: cutlass.Int32,
-              qk_l2norm: cutlass.Int32, beta_sigmoid: cutlass.Int32, s_tile: cute.Layout):
+              qk_l2norm: cutlass.Int32, beta_sigmoid: cutlass.Int32, s_tile: cute.Layout,
+              mFlags: cute.Tensor, signal: cutlass.Int32):
         """The kernel, whatever the output mode: `outs` holds tensors (f32) or TMA stores."""
         if cutlass.const_expr(self.split):
             st_qg, st_kg, mKdh, mKdl, mGl, mAwh, mAwl, mMqh, mMql = outs
@@ -337,10 +341,33 @@ class KdaPrepSm90(TileCopy):
             cute.arch.sync_threads()
 
             self._phase_c(sL, sBeta, outs, row0, h, length, tidx)
+            self._publish(mFlags, signal, tidx, warp, h, bid, bound)
+
+    @cute.jit
+    def _publish(self, mFlags: cute.Tensor, signal: cutlass.Int32, tidx, warp, h, bid, bound):
+        """A chunk's end. The TMA stores of qg and kg (bf16 outputs) must have read smem before
+        the CTA exits; with `signal` they must have landed, and then one thread flags this
+        (chunk, head) with a release (the barrier orders every thread's stores before it): a
+        K2 running alongside (api: K2 first, this grid its programmatic dependent) waits on
+        the flag before loading the chunk. The last chunk of the last head then waits for that
+        K2 to complete (griddepcontrol.wait; a no-op without a programmatic primary), so what
+        follows K1 on the stream sees both kernels done."""
+        if signal != 0:
             if cutlass.const_expr(self.split):
                 if warp == 0:
-                    # smem must outlive the stores' reads of it
-                    cute.arch.cp_async_bulk_wait_group(0, read=True)
+                    cute.arch.cp_async_bulk_wait_group(0, read=False)
+                    cute.arch.fence_proxy("async.global")
+            cute.arch.sync_threads()
+            if tidx == 0:
+                nh, _, _ = cute.arch.grid_dim()
+                cute.arch.atomic_add(mFlags.iterator + bid * nh + h, cutlass.Int32(1),
+                                     sem="release", scope="gpu")
+                if h == nh - 1 and bid == bound - 1:
+                    cute.arch.griddepcontrol_wait()
+        elif cutlass.const_expr(self.split):
+            if warp == 0:
+                # smem must outlive the stores' reads of it
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
     def _ids(self):
@@ -795,6 +822,7 @@ class KdaPrepSm90Split(KdaPrepSm90):
         mMqh: cute.Tensor,
         mMql: cute.Tensor,
         mGl: cute.Tensor,  # (num_chunks, H, K) fp32
+        mFlags: cute.Tensor,  # (num_chunks * H,) int32
         num_seqs: cutlass.Int32,
         num_chunks: cutlass.Int32,
         num_heads: cutlass.Int32,
@@ -803,6 +831,7 @@ class KdaPrepSm90Split(KdaPrepSm90):
         gate_mode: cutlass.Int32,
         qk_l2norm: cutlass.Int32,
         beta_sigmoid: cutlass.Int32,
+        signal: cutlass.Int32,
         stream,
     ):
         C, K = self.C, self.K
@@ -814,8 +843,8 @@ class KdaPrepSm90Split(KdaPrepSm90):
             stores += [atom, tX]
             self.tma_meta.append(tma_meta(name, atom, "bfloat16"))
         self._launch((*loads, mBeta, mALog, mDtBias, mCuSeq, mCuChunk, *stores, mKdh, mKdl,
-                      mAwh, mAwl, mMqh, mMql, mGl, num_seqs,
-                      scale, lower_bound, gate_mode, qk_l2norm, beta_sigmoid, s_tile),
+                      mAwh, mAwl, mMqh, mMql, mGl, mFlags, num_seqs,
+                      scale, lower_bound, gate_mode, qk_l2norm, beta_sigmoid, signal, s_tile),
                      num_chunks, num_heads, stream)
 
     @cute.kernel
@@ -831,24 +860,25 @@ class KdaPrepSm90Split(KdaPrepSm90):
         mKdh: cute.Tensor, mKdl: cute.Tensor,
         mAwh: cute.Tensor, mAwl: cute.Tensor,
         mMqh: cute.Tensor, mMql: cute.Tensor,
-        mGl: cute.Tensor,
+        mGl: cute.Tensor, mFlags: cute.Tensor,
         num_seqs: cutlass.Int32,
         scale: cutlass.Float32, lower_bound: cutlass.Float32,
         gate_mode: cutlass.Int32, qk_l2norm: cutlass.Int32, beta_sigmoid: cutlass.Int32,
-        s_tile: cute.Layout,
+        signal: cutlass.Int32, s_tile: cute.Layout,
     ):
         outs = ((tma_qg, tQg), (tma_kg, tKg), mKdh, mKdl, mGl, mAwh, mAwl, mMqh, mMql)
         body = self._body_passes if cutlass.const_expr(self.passes) else self._body
         body(((tma_q, tQ), (tma_k, tK), (tma_g, tG)), mBeta, mALog, mDtBias, mCuSeq,
              mCuChunk, outs, num_seqs, scale, lower_bound, gate_mode, qk_l2norm,
-             beta_sigmoid, s_tile)
+             beta_sigmoid, s_tile, mFlags, signal)
 
     @cute.jit
     def _body_passes(self, loads, mBeta: cute.Tensor, mALog: cute.Tensor,
                      mDtBias: cute.Tensor, mCuSeq: cute.Tensor, mCuChunk: cute.Tensor, outs,
                      num_seqs: cutlass.Int32, scale: cutlass.Float32,
                      lower_bound: cutlass.Float32, gate_mode: cutlass.Int32,
-                     qk_l2norm: cutlass.Int32, beta_sigmoid: cutlass.Int32, s_tile: cute.Layout):
+                     qk_l2norm: cutlass.Int32, beta_sigmoid: cutlass.Int32, s_tile: cute.Layout,
+                     mFlags: cute.Tensor, signal: cutlass.Int32):
         """Chunk 16 in K / W column passes. Thread (pl, rg) = (tidx mod W/2, tidx div W/2) of a
         pass owns columns 2 pl, 2 pl + 1 of row group rg (C / RG rows); a warp covers one
         64-column group of one row group. Per pass:
@@ -940,9 +970,7 @@ class KdaPrepSm90Split(KdaPrepSm90):
                     self._store_m(None, (mMqh, mMql), row0, h, i, j, acc, length)
             cute.arch.sync_threads()
             self._phase_c(sL, sBeta, outs, row0, h, length, tidx)
-            if warp == 0:
-                # smem must outlive the stores' reads of it
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
+            self._publish(mFlags, signal, tidx, warp, h, bid, bound)
 
     @cute.jit
     def _pass_gates(self, sG, mDtBias: cute.Tensor, part, first, h, gp, pl, rg, a_exp,

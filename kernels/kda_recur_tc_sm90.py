@@ -85,8 +85,10 @@ class KdaRecurTcSm90(TileCopy):
         mOutT: cute.Tensor,  # (T, H*V) view of the same: TMA stores of whole chunks
         mS0f: cute.Tensor, mS0h: cute.Tensor, mS1f: cute.Tensor, mS1h: cute.Tensor,
         mCuSeq: cute.Tensor, mCuChunk: cute.Tensor,
+        mFlags: cute.Tensor,  # (num_chunks * H,) int32: K1's per-(chunk, head) flags
         num_seqs: cutlass.Int32, num_heads: cutlass.Int32,
         state_in: cutlass.Int32, state_out: cutlass.Int32,
+        wait: cutlass.Int32,  # 1: K1 runs alongside; wait for each chunk's flag
         stream,
     ):
         C, K, BV, S = self.C, self.K, self.BV, self.stages
@@ -153,8 +155,8 @@ class KdaRecurTcSm90(TileCopy):
         self.shared_storage = SharedStorage
         self.smem_bytes = SharedStorage.size_in_bytes()
         self.kernel(
-            *atoms, mOut, tma_o, tO, mS0f, mS0h, mS1f, mS1h, mCuSeq, mCuChunk, state_in,
-            state_out, mma_p, mma_s, l_ck, l_cc, l_kc, l_gl, l_v, l_o, l_slab,
+            *atoms, mOut, tma_o, tO, mS0f, mS0h, mS1f, mS1h, mCuSeq, mCuChunk, mFlags,
+            state_in, state_out, wait, mma_p, mma_s, l_ck, l_cc, l_kc, l_gl, l_v, l_o, l_slab,
         ).launch(
             grid=(self.V // BV, num_heads, num_seqs), block=(self.threads, 1, 1),
             smem=self.smem_bytes, stream=stream,
@@ -177,8 +179,8 @@ class KdaRecurTcSm90(TileCopy):
         mOut: cute.Tensor,
         tma_o: cute.CopyAtom, tO: cute.Tensor,
         mS0f: cute.Tensor, mS0h: cute.Tensor, mS1f: cute.Tensor, mS1h: cute.Tensor,
-        mCuSeq: cute.Tensor, mCuChunk: cute.Tensor,
-        state_in: cutlass.Int32, state_out: cutlass.Int32,
+        mCuSeq: cute.Tensor, mCuChunk: cute.Tensor, mFlags: cute.Tensor,
+        state_in: cutlass.Int32, state_out: cutlass.Int32, wait: cutlass.Int32,
         mma_p: cute.TiledMma, mma_s: cute.TiledMma,
         l_ck: cute.ComposedLayout, l_cc: cute.ComposedLayout, l_kc: cute.ComposedLayout,
         l_gl: cute.Layout, l_v: cute.Layout, l_o: cute.Layout, l_slab: cute.Layout,
@@ -188,8 +190,12 @@ class KdaRecurTcSm90(TileCopy):
         vb, h, z = cute.arch.block_idx()
         _, _, nz = cute.arch.grid_dim()
         num_seqs = cute.size(mCuSeq) - 1  # this CTA runs sequences z, z + nz, ...
+        _, nh, _ = cute.arch.grid_dim()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         v0 = vb * BV
+        # a K1 launched as this grid's programmatic dependent (api: K2 first, K1 alongside on
+        # the SMs K2 leaves free) may start once every CTA of this grid is resident
+        cute.arch.griddepcontrol_launch_dependents()
 
         smem = utils.SmemAllocator()
         st = smem.allocate(self.shared_storage)
@@ -229,6 +235,14 @@ class KdaRecurTcSm90(TileCopy):
                     s = state.index
                     t0 = bos + c * C
                     r0 = (chunk0 + c) * C  # the chunk's first workspace row
+                    if wait != 0:
+                        # spin until K1 has flagged this (chunk, head), then order the tile
+                        # loads (async proxy) after the flag's acquire
+                        ready = cutlass.Int32(0)
+                        while ready == 0:
+                            ready = cute.arch.load(mFlags.iterator + (chunk0 + c) * nh + h,
+                                                   cutlass.Int32, sem="acquire", scope="gpu")
+                        cute.arch.fence_proxy("async.global")
                     for tma, tX, sX, tile, transposed in loads:
                         col = h * tile[1] if not transposed else h * tile[0]
                         coord = (col, r0) if transposed else (r0, col)

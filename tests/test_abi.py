@@ -163,7 +163,7 @@ SIMT_CFG = [c for c in SIMT if c.prep.head_dim_k == 128][0]
 TC_CFG = select_config(128, 128, False)
 # 64-bit strides above 2**32 so a 32-bit field would truncate them
 SYMS = {"T": 4099, "R": 4208, "H": 5, "HK": 5 * 128, "HV": 5 * 128, "HC": 5 * 16, "NCH": 263,
-        "N1": 7,
+        "N1": 7, "FL": 263 * 5,
         "NS": 6, "NSP": 18, "sQ": 0x1_0000_0008, "sK": 1928, "sG": 1936, "sB": 0x2_0000_0003,
         "sV": 1944, "sO": 0x3_0000_0040, "sS": 0x4_0000_2000, "sW": 640, "sWc": 80}
 

@@ -384,3 +384,47 @@ def test_more_chunks_than_grid_y():
     assert rel_err(out[:, :cut], o1) == 0.0  # the same kernels on the same tokens
     assert rel_err(out[:, cut:], o2) < 1e-3
     assert rel_err(final, s2) < 1e-3
+
+
+ALONGSIDE = [
+    # K2's grid takes at most half of the SMs: K2 runs alongside K1 (api._k2_alongside)
+    dict(B=1, T=3000, H=8, K=128),
+    dict(B=2, T=777, H=3, K=64),
+    dict(B=1, T=1500, H=4, K=256),
+    dict(seqlens=[1300, 0, 547, 17, 2048], H=4, K=128),
+]
+
+
+@pytest.mark.parametrize("case", ALONGSIDE, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()
+                                                                 if k != "seqlens") or "varlen")
+def test_k2_alongside_k1_equals_k1_then_k2(case, monkeypatch):
+    """The same kernels in either schedule: bit-identical outputs and final states, and both
+    against the reference."""
+    inp = make_inputs(**case, seed=sum(case.get("seqlens", [case.get("T", 0)])))
+    out_a, final_a = run_kda(inp)
+    monkeypatch.setenv("KDA_CUTE_ALONGSIDE", "0")
+    out_s, final_s = run_kda(inp)
+    assert torch.isfinite(out_a.float()).all() and torch.isfinite(final_a).all()
+    assert torch.equal(out_a, out_s) and torch.equal(final_a, final_s)
+    _assert(errors(inp))
+
+
+def test_k2_alongside_is_done_for_the_next_kernel_on_the_stream():
+    """What follows the forward on its stream sees both kernels' writes (K1, launched last,
+    ends after K2), repeatedly and without a host sync in between."""
+    from kda_cute import fwd
+
+    inp = make_inputs(B=1, T=4096, H=4, K=128, seed=43)
+    ref, ref_final = run_kda(inp)
+    out = torch.empty_like(ref)
+    final = torch.empty_like(ref_final)
+    copies = []
+    for _ in range(20):
+        out.fill_(float("nan"))
+        final.fill_(float("nan"))
+        fwd(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], inp["scale"], out,
+            inp["A_log"], inp["dt_bias"], inp["lower_bound"], inp["initial_state"], final)
+        copies.append((out.clone(), final.clone()))
+    torch.cuda.synchronize()
+    for o, s in copies:
+        assert torch.equal(o, ref) and torch.equal(s, ref_final)

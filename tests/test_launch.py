@@ -45,16 +45,19 @@ def stub_driver(monkeypatch):
             kernels[cfg] = k
         return kernels[cfg]
 
-    def record(self, grid, arr, stream, device):
+    def record(self, grid, arr, stream, device, smem=0, programmatic=False):
         bufs, ptrs = arr
         blob = [ctypes.string_at(ptrs[i], len(b.raw)) for i, b in enumerate(bufs)]
-        launches.append((self.manifest["name"], grid, blob, id(arr)))
+        launches.append((self.manifest["name"], grid, blob, id(arr), smem, programmatic))
 
     monkeypatch.setattr(runtime, "get_kernel", get_kernel)
     monkeypatch.setattr(runtime, "arch_of", lambda dev: "sm_90a")
     monkeypatch.setattr(runtime, "encode_tiled", lambda dt, ptr, dims, rs, box, sw=0:
                         ptr.to_bytes(8, "little") + bytes(120))
     monkeypatch.setattr(runtime.Kernel, "_launch", record)
+    monkeypatch.setattr(runtime, "memset_d32", lambda ptr, value, count, stream:
+                        launches.append(("memset", ptr, value, count)))
+    monkeypatch.setattr(api, "_sm_budget", lambda device: (132, 233472, 232448))  # an H200's
     monkeypatch.setattr(api, "_check_device", lambda *a: None)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: type("S", (), {"cuda_stream": 0}))
@@ -99,22 +102,27 @@ def test_repeated_call_reuses_the_packed_block(stub_driver):
     x = _problem()
     _run(x)
     _run(x)
-    (k1a, k2a, k1b, k2b) = stub_driver
+    (k1a, k2a, k1b, k2b) = _kernels(stub_driver)
     assert [k1a[0], k2a[0]] == [k1b[0], k2b[0]]
     assert k1a[2] == k1b[2] and k2a[2] == k2b[2]
     assert k1a[3] == k1b[3] and k2a[3] == k2b[3]  # the same cached array
 
 
+def _kernels(launches):
+    """The recorded kernel launches (not the memsets)."""
+    return [r for r in launches if r[0] != "memset"]
+
+
 def test_cached_block_equals_a_fresh_packing(stub_driver):
     x = _problem()
     _run(x)
-    cached = [blob for _, _, blob, _ in stub_driver]
+    cached = [r[2] for r in _kernels(stub_driver)]
     # the same call again with the cache emptied: every block is packed anew
     for k in {runtime.get_kernel(c, "sm_90a")
               for f in [select_config(64, 64, False)] for c in (f.prep, f.recur)}:
         k._packed.clear()
     _run(x)
-    fresh = [blob for _, _, blob, _ in stub_driver[2:]]
+    fresh = [r[2] for r in _kernels(stub_driver)[2:]]
     assert cached == fresh
 
 
@@ -135,7 +143,7 @@ def test_any_change_repacks(stub_driver, change):
     _run(x)
     CHANGES[change](x)
     _run(x)
-    before, after = stub_driver[:2], stub_driver[2:]
+    before, after = _kernels(stub_driver)[:2], _kernels(stub_driver)[2:]
     assert any(b[2] != a[2] for b, a in zip(before, after, strict=True)), change
 
 
@@ -261,7 +269,7 @@ def test_segmented_combine_states(stub_driver, initial, final):
                      x["A_log"], x["dt_bias"], -5.0, None, None, None, "bounded")
     x["workspace"] = torch.empty(api.workspace_bytes(p, api.config_for(p)), dtype=torch.uint8)
     _run(x, segments=3)
-    (name, grid, blob, _), = [r for r in stub_driver if r[0].startswith("kda_combine")]
+    (name, grid, blob, *_), = [r for r in stub_driver if r[0].startswith("kda_combine")]
     assert grid == (8, 2, 2)
     ptrs, rows, flags = _combine_params(blob)
     assert rows == [6, 6, 2, 6, 2]  # maps, ends, s0, starts (B * P); final (B)
@@ -299,3 +307,62 @@ def test_k2_seqs_per_cta():
         k = api.k2_seqs_per_cta(n, 64, 264)
         assert 1 <= k <= min(n, 64)
         assert -(-64 * -(-n // k) // 264) * k == -(-64 * n // 264)
+
+
+def _param(launch, cfg_of, name):
+    """The packed bytes of argument `name` in a recorded launch (`cfg_of`: its config)."""
+    i = 0
+    for a in abi.args_for(cfg_of):
+        if a.grid_only:
+            continue
+        if a.name == name:
+            return launch[2][i]
+        i += 2 if a.kind == "tma" and any(isinstance(e, str) for e in a.shape) else 1
+    raise KeyError(name)
+
+
+def _with_heads(H, T=40, K=64):
+    """A problem with H heads (K2's grid: V / block_v x H CTAs for one sequence)."""
+    x = _problem(T=T, H=H, K=K)
+    return x, api.validate(x["q"], x["k"], x["v"], x["g"], x["beta"], x["scale"], x["out"],
+                           x["A_log"], x["dt_bias"], -5.0, None, None, None, "bounded")
+
+
+def test_k2_alongside_k1_when_its_grid_takes_at_most_half_the_sms(stub_driver):
+    # 2 K2 CTAs on an H200's 132 SMs: K2 first, alone on its SMs, waiting on K1's flags; K1
+    # as its programmatic dependent, flagging each (chunk, head)
+    x, p = _with_heads(2)
+    cfg = api.config_for(p)
+    _run(x)
+    memset, k2, k1 = stub_driver
+    nch = api._workspace_rows(p, cfg.chunk)[0]
+    flags = api.workspace_views(x["workspace"], p, cfg)["flags"]
+    assert memset[0] == "memset" and memset[2:] == (0, nch * p.H)
+    assert k2[0] == cfg.recur.name and k1[0] == cfg.prep.name
+    assert k2[4] == 232448 and not k2[5]  # a whole SM's shared memory: no K1 CTA beside it
+    assert k1[5] and k1[4] == 0
+    assert struct.unpack("<i", _param(k2, cfg.recur, "wait"))[0] == 1
+    assert struct.unpack("<i", _param(k1, cfg.prep, "signal"))[0] == 1
+    # both read the same flags, the ones zeroed
+    f1 = struct.unpack_from("<Q", _param(k1, cfg.prep, "flags"))[0]
+    f2 = struct.unpack_from("<Q", _param(k2, cfg.recur, "flags"))[0]
+    assert f1 == f2 == memset[1] == flags.data_ptr() and flags.numel() == nch * p.H
+
+
+@pytest.mark.parametrize("why", ["many-heads", "switched-off", "segments"])
+def test_k1_then_k2_otherwise(stub_driver, monkeypatch, why):
+    # 67 K2 CTAs (K = 64: one per head) > 132 / 2; the switch; K2 over segments
+    H = 67 if why == "many-heads" else 2
+    if why == "switched-off":
+        monkeypatch.setenv("KDA_CUTE_ALONGSIDE", "0")
+    x, p = _with_heads(H, T=200 if why == "segments" else 40)
+    cfg = api.config_for(p)
+    _run(x, segments=3 if why == "segments" else None)
+    assert not any(r[0] == "memset" for r in stub_driver)
+    k1 = stub_driver[0]
+    assert k1[0] == cfg.prep.name and not k1[5]
+    assert struct.unpack("<i", _param(k1, cfg.prep, "signal"))[0] == 0
+    for r in stub_driver[1:]:
+        assert not r[5] and r[4] == 0
+        if r[0].startswith("kda_recur_wgmma"):
+            assert struct.unpack("<i", _param(r, cfg.recur, "wait"))[0] == 0
