@@ -416,6 +416,7 @@ def launch_forward(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, in
     if alongside:
         # K2 first, alone on its SMs (its shared memory padded to a whole SM's), waiting on
         # K1's per-chunk flags; K1 as its programmatic dependent on the SMs left
+        k1.load(di)  # a first load would wait for K2, which waits for K1
         runtime.memset_d32(ws["flags"], 0, nch * H, stream)
         k2.launch_with(k2_grid, {**vals2, "wait": 1}, syms, stream, di,
                        smem=_sm_budget(di)[2])

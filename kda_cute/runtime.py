@@ -82,6 +82,11 @@ class Kernel:
         self._funcs: dict[int, object] = {}
         self._packed: dict[tuple, tuple] = {}
 
+    def load(self, device: int) -> None:
+        """Load the kernel on `device` now. A first load waits for the device to go idle, so a
+        kernel launched while another waits on it (K1 alongside K2) must be loaded before."""
+        self._function(device, self.smem)
+
     def _function(self, device: int, smem: int):
         """The kernel's CUfunction on `device`, allowed `smem` bytes of dynamic shared memory."""
         f, allowed = self._funcs.get(device, (None, 0))

@@ -3,7 +3,9 @@
 import re
 
 import cutlass.cute as cute
+from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync
+from cutlass.cutlass_dsl import dsl_user_op
 
 _GBASIS = re.compile(r'tma_gbasis = <"\(([^)]*)\):\(([^)]*)\)">')
 _BITS = re.compile(r"copy_bits = (\d+)")
@@ -102,3 +104,10 @@ class ChunkTileLoader(TileCopy):
                             bar)
         self._tile_copy(tma_gl, tGl, sGl[None, None, s], (chunk_id, gl_col), (1, self.K), bar)
         self._tile_copy(tma_v, tV, sV[None, None, s], (t0, v_col), (self.C, self.BV), bar)
+
+
+@dsl_user_op
+def trap(*, loc=None, ip=None):
+    """Abort the kernel (the launch fails with an error instead of hanging)."""
+    llvm.inline_asm(None, [], "trap;", "", has_side_effects=True, is_align_stack=False,
+                    asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)

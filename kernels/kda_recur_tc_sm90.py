@@ -38,9 +38,11 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.utils import LayoutEnum
 
 from kda_cute.config import RecurConfig
-from kernels.common import TileCopy, swizzle_bytes, tma_meta
+from kernels.common import TileCopy, swizzle_bytes, tma_meta, trap
 
 STATE_NONE, STATE_F32, STATE_BF16 = 0, 1, 2
+# the longest K2 waits for one chunk's flag from a K1 running alongside it before failing
+WAIT_LIMIT_NS = 5_000_000_000
 
 
 def acc_as_operand_a(acc: cute.Tensor) -> cute.Tensor:
@@ -237,11 +239,16 @@ class KdaRecurTcSm90(TileCopy):
                     r0 = (chunk0 + c) * C  # the chunk's first workspace row
                     if wait != 0:
                         # spin until K1 has flagged this (chunk, head), then order the tile
-                        # loads (async proxy) after the flag's acquire
+                        # loads (async proxy) after the flag's acquire; a flag that never
+                        # comes (K1 not running) fails the launch after WAIT_LIMIT_NS
                         ready = cutlass.Int32(0)
+                        since = cute.arch.globaltimer()
                         while ready == 0:
                             ready = cute.arch.load(mFlags.iterator + (chunk0 + c) * nh + h,
                                                    cutlass.Int32, sem="acquire", scope="gpu")
+                            if ready == 0:
+                                if cute.arch.globaltimer() - since > WAIT_LIMIT_NS:
+                                    trap()
                         cute.arch.fence_proxy("async.global")
                     for tma, tX, sX, tile, transposed in loads:
                         col = h * tile[1] if not transposed else h * tile[0]

@@ -41,7 +41,7 @@ def stub_driver(monkeypatch):
             k.args = abi.args_for(cfg)
             k.sizes = [p[2] for p in k.manifest["params"]]
             k.block, k.smem, k._packed = tuple(k.manifest["block"]), 0, {}
-            k._function = lambda device: None
+            k._function = lambda device, smem=0: None
             kernels[cfg] = k
         return kernels[cfg]
 
