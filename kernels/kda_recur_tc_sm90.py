@@ -43,6 +43,7 @@ from kernels.common import TileCopy, swizzle_bytes, tma_meta, trap
 STATE_NONE, STATE_F32, STATE_BF16 = 0, 1, 2
 # the longest K2 waits for one chunk's flag from a K1 running alongside it before failing
 WAIT_LIMIT_NS = 5_000_000_000
+FLAG_BATCH = 8  # flags a waiting K2 reads at once
 
 
 def acc_as_operand_a(acc: cute.Tensor) -> cute.Tensor:
@@ -231,25 +232,17 @@ class KdaRecurTcSm90(TileCopy):
             for seq in cutlass.range(z, num_seqs, nz):
                 bos = mCuSeq[seq]
                 chunk0 = mCuChunk[seq]
-                for c in cutlass.range((mCuSeq[seq + 1] - bos + C - 1) // C):
+                nch = (mCuSeq[seq + 1] - bos + C - 1) // C
+                flagged = cutlass.Int32(-1)  # chunks 0 .. flagged known written (K1 alongside)
+                for c in cutlass.range(nch):
                     pipe.producer_acquire(state)
                     bar = pipe.producer_get_barrier(state)
                     s = state.index
                     t0 = bos + c * C
                     r0 = (chunk0 + c) * C  # the chunk's first workspace row
                     if wait != 0:
-                        # spin until K1 has flagged this (chunk, head), then order the tile
-                        # loads (async proxy) after the flag's acquire; a flag that never
-                        # comes (K1 not running) fails the launch after WAIT_LIMIT_NS
-                        ready = cutlass.Int32(0)
-                        since = cute.arch.globaltimer()
-                        while ready == 0:
-                            ready = cute.arch.load(mFlags.iterator + (chunk0 + c) * nh + h,
-                                                   cutlass.Int32, sem="acquire", scope="gpu")
-                            if ready == 0:
-                                if cute.arch.globaltimer() - since > WAIT_LIMIT_NS:
-                                    trap()
-                        cute.arch.fence_proxy("async.global")
+                        if c > flagged:
+                            flagged = self._await_flags(mFlags, chunk0, c, nch, nh, h)
                     for tma, tX, sX, tile, transposed in loads:
                         col = h * tile[1] if not transposed else h * tile[0]
                         coord = (col, r0) if transposed else (r0, col)
@@ -265,6 +258,31 @@ class KdaRecurTcSm90(TileCopy):
                           l_slab, mOut, (tma_o, tO), mS0f, mS0h, mS1f, mS1h, state_in,
                           state_out, mma_p, mma_s, tidx, warp, h, vb, mCuSeq,
                           (z, num_seqs, nz))
+
+    @cute.jit
+    def _await_flags(self, mFlags: cute.Tensor, chunk0, c, nch, nh, h):
+        """Wait until K1 (running alongside) has flagged chunk c of this head; returns the
+        last chunk of the run c, c + 1, ... found flagged. FLAG_BATCH flags are read at once
+        (relaxed loads, one round trip) and one fence then orders the tile loads (async proxy)
+        after them: one acquire per chunk costs a round trip to L2 each, more than a K2 step.
+        A flag that never comes (K1 not running) fails the launch after WAIT_LIMIT_NS."""
+        last = c - 1
+        since = cute.arch.globaltimer()
+        while last < c:
+            run = cutlass.Int32(1)
+            for i in cutlass.range_constexpr(FLAG_BATCH):
+                j = cutlass.min(c + i, nch - 1)
+                f = cute.arch.load(mFlags.iterator + (chunk0 + j) * nh + h, cutlass.Int32,
+                                   sem="relaxed", scope="gpu")
+                if f == 0:
+                    run = cutlass.Int32(0)
+                last = last + run
+            if last < c:
+                if cute.arch.globaltimer() - since > WAIT_LIMIT_NS:
+                    trap()
+        cute.arch.fence_acq_rel_gpu()
+        cute.arch.fence_proxy("async.global")
+        return last
 
     @cute.jit
     def _consume(self, pipe, sKg, sQg, sKdh, sKdl, sAwh, sAwl, sMqh, sMql, sGl, sV, sO,
