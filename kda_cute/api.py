@@ -386,7 +386,7 @@ def launch_forward(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, in
             nz = -(-p.N // k2_seqs_per_cta(p.N, V // cfg.recur.block_v * H,
                                            _k2_resident(di, k2)))
         k2_grid = (V // cfg.recur.block_v, H, nz)
-    alongside = (P == 1 and Tt > 0 and k2_grid is not None
+    alongside = (P == 1 and k2_grid is not None and Tt >= ALONGSIDE_MIN_CHUNKS * C * p.N
                  and _k2_alongside(cfg, k2_grid, di))
     if Tt > 0 and H > 0:
         vals1 = {"q": q.data_ptr(), "k": k.data_ptr(), "g": g.data_ptr(),
@@ -430,12 +430,19 @@ def launch_forward(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, in
     return None
 
 
+# K2 runs alongside K1 only where the sequences average at least this many chunks (shorter
+# ones, decode above all, would pay the flags' memset and gain nothing)
+ALONGSIDE_MIN_CHUNKS = 32
+
+
 def _k2_alongside(cfg: FwdConfig, k2_grid: tuple, device: int) -> bool:
     """Whether K2 runs alongside K1 rather than after it: where K2's grid (one CTA per SM)
     takes at most half of the SMs, so K1 keeps the other half and K2 consumes each chunk as
     K1 flags it (the tensor-core K2 only). K2 is then launched first and every one of its
     CTAs is resident before K1 starts (K1 is its programmatic dependent), so its waits always
-    end. KDA_CUTE_ALONGSIDE=0 turns it off."""
+    end. Measured on the H200 (bench/NOTES.md): B1 T8192 H32 -8% at K = 128, -12% at K = 64;
+    K2 steps are ~25% slower than alone, so it pays only where K2 leaves SMs idle.
+    KDA_CUTE_ALONGSIDE=0 turns it off."""
     if cfg.recur.mma != "wgmma" or os.environ.get("KDA_CUTE_ALONGSIDE", "1") == "0":
         return False
     sms = _sm_budget(device)[0]

@@ -331,7 +331,7 @@ def _with_heads(H, T=40, K=64):
 def test_k2_alongside_k1_when_its_grid_takes_at_most_half_the_sms(stub_driver):
     # 2 K2 CTAs on an H200's 132 SMs: K2 first, alone on its SMs, waiting on K1's flags; K1
     # as its programmatic dependent, flagging each (chunk, head)
-    x, p = _with_heads(2)
+    x, p = _with_heads(2, T=32 * 16)
     cfg = api.config_for(p)
     _run(x)
     memset, k2, k1 = stub_driver
@@ -349,13 +349,14 @@ def test_k2_alongside_k1_when_its_grid_takes_at_most_half_the_sms(stub_driver):
     assert f1 == f2 == memset[1] == flags.data_ptr() and flags.numel() == nch * p.H
 
 
-@pytest.mark.parametrize("why", ["many-heads", "switched-off", "segments"])
+@pytest.mark.parametrize("why", ["many-heads", "switched-off", "segments", "short"])
 def test_k1_then_k2_otherwise(stub_driver, monkeypatch, why):
-    # 67 K2 CTAs (K = 64: one per head) > 132 / 2; the switch; K2 over segments
+    # 67 K2 CTAs (K = 64: one per head) > 132 / 2; the switch; K2 over segments; a sequence
+    # of fewer than 32 chunks
     H = 67 if why == "many-heads" else 2
     if why == "switched-off":
         monkeypatch.setenv("KDA_CUTE_ALONGSIDE", "0")
-    x, p = _with_heads(H, T=200 if why == "segments" else 40)
+    x, p = _with_heads(H, T=32 * 16 - 1 if why == "short" else 32 * 16)
     cfg = api.config_for(p)
     _run(x, segments=3 if why == "segments" else None)
     assert not any(r[0] == "memset" for r in stub_driver)
