@@ -455,5 +455,5 @@ def test_k2_alongside_in_a_cuda_graph():
     final.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
-    ref, ref_final = run_kda(fresh)
+    ref, ref_final = run_kda(inp)  # the new inputs (A_log and dt_bias as captured)
     assert torch.equal(out, ref) and torch.equal(final, ref_final)
