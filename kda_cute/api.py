@@ -377,17 +377,8 @@ def launch_forward(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, in
             "N1": p.N + 1, "NS": p.N, "sQ": q.stride(1), "sK": k.stride(1), "sG": g.stride(1),
             "sB": beta.stride(1), "sV": v.stride(1), "sO": out.stride(1), "sS": H * V * K,
             "sW": H * K, "sWc": H * C, "FL": nch * H}
-    P = 1
-    k2_grid = None
-    if run_recurrence and p.N > 0 and H > 0:
-        P = _segment_count(p, cfg, k2, di, segments_per_seq)
-        nz = p.N
-        if not p.varlen and cfg.recur.mma == "wgmma":
-            nz = -(-p.N // k2_seqs_per_cta(p.N, V // cfg.recur.block_v * H,
-                                           _k2_resident(di, k2)))
-        k2_grid = (V // cfg.recur.block_v, H, nz)
-    alongside = (P == 1 and k2_grid is not None and Tt >= ALONGSIDE_MIN_CHUNKS * C * p.N
-                 and _k2_alongside(cfg, k2_grid, di))
+    P, alongside, k2_grid = (_schedule(p, cfg, k2, di, segments_per_seq) if run_recurrence
+                             else (1, False, None))
     if Tt > 0 and H > 0:
         vals1 = {"q": q.data_ptr(), "k": k.data_ptr(), "g": g.data_ptr(),
                  "beta": beta.data_ptr(), "A_log": A_log.data_ptr(),
@@ -428,6 +419,30 @@ def launch_forward(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, in
     elif k2_grid is not None:
         k2.launch_with(k2_grid, vals2, syms, stream, di)
     return None
+
+
+def schedule(p: Problem, cfg: FwdConfig, device: int, segments=None) -> str:
+    """How a forward of problem `p` runs K2 on `device`: "alongside" (K2 first, K1 beside it),
+    "segments P" (K2 over P segments of each sequence, then the combine) or "serial" (K1, then
+    K2). Loads K2's cubin (its shared memory and registers decide)."""
+    k2 = runtime.get_kernel(cfg.recur, runtime.arch_of(device))
+    P, alongside, _ = _schedule(p, cfg, k2, device, segments)
+    return "alongside" if alongside else f"segments {P}" if P > 1 else "serial"
+
+
+def _schedule(p: Problem, cfg: FwdConfig, k2, device: int, segments_per_seq):
+    """(segments per sequence, K2 alongside K1, K2's grid or None when K2 has no work)."""
+    if p.N == 0 or p.H == 0:
+        return 1, False, None
+    P = _segment_count(p, cfg, k2, device, segments_per_seq)
+    nz = p.N
+    if not p.varlen and cfg.recur.mma == "wgmma":
+        nz = -(-p.N // k2_seqs_per_cta(p.N, p.V // cfg.recur.block_v * p.H,
+                                       _k2_resident(device, k2)))
+    grid = (p.V // cfg.recur.block_v, p.H, nz)
+    alongside = (P == 1 and p.B * p.T >= ALONGSIDE_MIN_CHUNKS * cfg.chunk * p.N
+                 and _k2_alongside(cfg, grid, device))
+    return P, alongside, grid
 
 
 # K2 runs alongside K1 only where the sequences average at least this many chunks (shorter

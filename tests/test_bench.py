@@ -166,3 +166,16 @@ def test_markdown_shows_each_kernels_gpu_time():
     assert "K1 / K2 ms" in lines[0]
     assert "| 0.334 / 0.397 |" in lines[2]
     assert "| 0.200 (eager) / - |" in lines[3]
+
+
+def test_markdown_names_the_schedule_where_kernels_overlap():
+    """Alongside (and segmented) rows say so beside the K1 / K2 times, which overlap there;
+    serial rows and rows from before the schedule was recorded show the times alone."""
+    rows = [_row(kda_k1_gpu_ms=0.511, kda_k2_gpu_ms=0.512, schedule="alongside"),
+            _row(kda_k1_gpu_ms=0.090, kda_k2_gpu_ms=0.258, schedule="segments 8"),
+            _row(kda_k1_gpu_ms=0.334, kda_k2_gpu_ms=0.397, schedule="serial"),
+            _row(kda_k1_gpu_ms=0.334, kda_k2_gpu_ms=0.397)]
+    lines = bench.markdown(rows).splitlines()
+    assert "| 0.511 / 0.512 (alongside) |" in lines[2]
+    assert "| 0.090 / 0.258 (segments 8) |" in lines[3]
+    assert "| 0.334 / 0.397 |" in lines[4] and "| 0.334 / 0.397 |" in lines[5]

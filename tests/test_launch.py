@@ -367,3 +367,20 @@ def test_k1_then_k2_otherwise(stub_driver, monkeypatch, why):
         assert not r[5] and r[4] == 0
         if r[0].startswith("kda_recur_wgmma"):
             assert struct.unpack("<i", _param(r, cfg.recur, "wait"))[0] == 0
+
+
+@pytest.mark.parametrize("H,T,segments,expect", [
+    (2, 32 * 16, None, "alongside"), (67, 32 * 16, None, "serial"),
+    (2, 32 * 16 - 1, None, "serial"), (2, 32 * 16, 3, "segments 3")])
+def test_schedule_names_what_the_launch_does(stub_driver, H, T, segments, expect):
+    x, p = _with_heads(H, T=T)
+    cfg = api.config_for(p)
+    assert api.schedule(p, cfg, 0, segments) == expect
+    _run(x, segments=segments)
+    names = [r[0] for r in stub_driver]
+    if expect == "alongside":
+        assert names == ["memset", cfg.recur.name, cfg.prep.name]
+    elif expect == "serial":
+        assert names == [cfg.prep.name, cfg.recur.name]
+    else:
+        assert names[0] == cfg.prep.name and any(n.startswith("kda_combine") for n in names)
