@@ -286,6 +286,23 @@ def test_accuracy_bar(T):
     _assert(errors(inp))
 
 
+def _capture_and_replay(step, inp, fresh, outputs):
+    """Run `step` once (loading the cubins outside the capture), capture it in a CUDA graph,
+    copy `fresh`'s token inputs and initial state into `inp` (the captured tensors), poison
+    `outputs` and replay the graph."""
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for name in ("q", "k", "v", "g", "beta", "initial_state"):
+        inp[name].copy_(fresh[name])
+    for t in outputs:
+        t.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+
+
 def test_cuda_graph_capture_and_replay():
     """No host sync in a launch: capture once (varlen, caller workspace), replay on new values."""
     from kda_cute import api, fwd
@@ -306,18 +323,8 @@ def test_cuda_graph_capture_and_replay():
             inp["dt_bias"], inp["lower_bound"], inp["initial_state"], final, inp["cu_seqlens"],
             ws, check_seqlens=False)
 
-    step()  # loads the cubins outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    fresh = make_inputs(seqlens=[40, 0, 77], H=2, K=128, seed=22)
-    for name in ("q", "k", "v", "g", "beta", "initial_state"):
-        inp[name].copy_(fresh[name])
-    out.fill_(float("nan"))
-    final.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
+    _capture_and_replay(step, inp, make_inputs(seqlens=[40, 0, 77], H=2, K=128, seed=22),
+                        (out, final))
     ref_o, ref_s = reference(inp)
     assert rel_err(out, ref_o) < OUT_TOL
     assert rel_err(final, ref_s) < STATE_TOL
@@ -443,17 +450,7 @@ def test_k2_alongside_in_a_cuda_graph():
         fwd(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], inp["scale"], out,
             inp["A_log"], inp["dt_bias"], inp["lower_bound"], inp["initial_state"], final)
 
-    step()  # loads the cubins outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    fresh = make_inputs(B=1, T=2048, H=4, K=128, seed=45)
-    for name in ("q", "k", "v", "g", "beta", "initial_state"):
-        inp[name].copy_(fresh[name])
-    out.fill_(float("nan"))
-    final.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
+    _capture_and_replay(step, inp, make_inputs(B=1, T=2048, H=4, K=128, seed=45),
+                        (out, final))
     ref, ref_final = run_kda(inp)  # the new inputs (A_log and dt_bias as captured)
     assert torch.equal(out, ref) and torch.equal(final, ref_final)
