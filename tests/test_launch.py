@@ -384,3 +384,27 @@ def test_schedule_names_what_the_launch_does(stub_driver, H, T, segments, expect
         assert names == [cfg.prep.name, cfg.recur.name]
     else:
         assert names[0] == cfg.prep.name and any(n.startswith("kda_combine") for n in names)
+
+
+@pytest.mark.parametrize("mode,expect", [
+    ("serial", ["prep", "recur"]), ("alongside", [0, "recur", "prep"]),
+    ("preset", [1, "recur", "prep"]), ("k2-only", [1, "recur"])])
+def test_alongside_probe_schedules(stub_driver, monkeypatch, mode, expect):
+    """bench/alongside_probe.py's four schedules launch what its docstring says, and leave the
+    launcher as they found it."""
+    import sys
+    from pathlib import Path
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "bench"))
+    monkeypatch.delenv("KDA_CUTE_ALONGSIDE", raising=False)
+    probe = __import__("alongside_probe")
+    x, p = _with_heads(2, T=32 * 16)
+    cfg = api.config_for(p)
+    before = (runtime.memset_d32, runtime.Kernel.launch_with)
+    with probe._Schedule(mode):
+        _run(x)
+    assert (runtime.memset_d32, runtime.Kernel.launch_with) == before
+    assert "KDA_CUTE_ALONGSIDE" not in __import__("os").environ
+    names = {"prep": cfg.prep.name, "recur": cfg.recur.name}
+    got = [r[2] if r[0] == "memset" else r[0] for r in stub_driver]
+    assert got == [names.get(e, e) for e in expect]
+    del sys.modules["alongside_probe"]

@@ -1,0 +1,136 @@
+"""Where K2's time goes when it runs alongside K1 (api: "alongside"): four schedules of the same
+forward, each kernel's own GPU time from the profiler, inputs rotated as in bench.py.
+
+    python3 bench/alongside_probe.py B1_T8192_H32 B1_T32768_H32 --head-dim 128
+
+  serial     K1, then K2 (KDA_CUTE_ALONGSIDE=0): K2's pace alone
+  alongside  the launcher's schedule: K2 first, K1 beside it, K2 waiting on K1's flags
+  preset     the same, but the flags are set before K2 starts (the memset writes ones): K1
+             still runs beside K2 and K2 never waits for it; what is left is the two kernels
+             sharing the device (memory system, clocks)
+  k2-only    flags preset and K1 not launched: K2 alone on its padded SMs, reading the
+             workspace a serial forward of the same inputs wrote; the flag reads' own cost
+
+Each schedule's output must equal the serial one bit for bit (checked on every input set), so
+what is timed is the same computation. Cases as kernel_times.py takes them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from kernel_times import parse_case  # noqa: E402
+
+import bench  # noqa: E402
+from kda_cute import api, fwd, runtime  # noqa: E402
+
+MODES = ("serial", "alongside", "preset", "k2-only")
+
+
+class _Schedule:
+    """Patches the launcher's flags memset and K1's programmatic launch for one mode."""
+
+    def __init__(self, mode: str):
+        self.mode = mode
+        self.saved = (runtime.memset_d32, runtime.Kernel.launch_with,
+                      os.environ.get("KDA_CUTE_ALONGSIDE"))
+
+    def __enter__(self):
+        memset, launch, _ = self.saved
+        if self.mode == "serial":
+            os.environ["KDA_CUTE_ALONGSIDE"] = "0"
+        else:
+            os.environ.pop("KDA_CUTE_ALONGSIDE", None)
+        if self.mode in ("preset", "k2-only"):
+            runtime.memset_d32 = lambda ptr, value, count, stream: memset(ptr, 1, count, stream)
+        if self.mode == "k2-only":
+            def launch_with(kernel, *args, programmatic=False, **kw):
+                if not programmatic:
+                    launch(kernel, *args, programmatic=programmatic, **kw)
+            runtime.Kernel.launch_with = launch_with
+        return self
+
+    def __exit__(self, *exc):
+        runtime.memset_d32, runtime.Kernel.launch_with, env = self.saved
+        if env is None:
+            os.environ.pop("KDA_CUTE_ALONGSIDE", None)
+        else:
+            os.environ["KDA_CUTE_ALONGSIDE"] = env
+        return False
+
+
+def run(x):
+    fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], x["scale"], x["out"], x["A_log"],
+        x["dt_bias"], x["lower_bound"], x["initial_state"], x["final_state"], x["cu_seqlens"],
+        x["workspace"], check_seqlens=False)
+
+
+def probe(spec, K: int, iters: int) -> dict[str, dict]:
+    base = bench.case_inputs(spec, K, seed=1)
+    n_sets = max(2, math.ceil(3 * bench.L2_BYTES / bench.compulsory_bytes(base)))
+    sets = []
+    for i in range(n_sets):
+        x = base if i == 0 else bench.case_inputs(spec, K, seed=i + 1)
+        x["out"] = torch.empty_like(x["v"])
+        x["final_state"] = torch.empty_like(x["initial_state"])
+        p = api.validate(x["q"], x["k"], x["v"], x["g"], x["beta"], x["scale"], x["out"],
+                         x["A_log"], x["dt_bias"], x["lower_bound"], x["initial_state"],
+                         x["final_state"], x["cu_seqlens"], "bounded")
+        x["workspace"] = torch.empty(api.workspace_bytes(p, api.config_for(p)),
+                                     dtype=torch.uint8, device="cuda")
+        sets.append(x)
+    sched = api.schedule(p, api.config_for(p), torch.cuda.current_device())
+    if sched != "alongside":
+        raise SystemExit(f"this shape runs {sched!r}, not alongside: nothing to probe")
+    # serial outputs of every set; its workspace is what k2-only reads
+    with _Schedule("serial"):
+        expect = []
+        for x in sets:
+            run(x)
+            torch.cuda.synchronize()
+            expect.append((x["out"].clone(), x["final_state"].clone()))
+    res = {}
+    for mode in MODES:
+        with _Schedule(mode):
+            ms = bench.time_fn(run, sets, iters)
+            k1, k2, _ = bench.kernel_split(bench.gpu_kernel_ms(run, sets))
+            same = True
+            for x, (o, s) in zip(sets, expect, strict=True):
+                x["out"].fill_(float("nan"))
+                x["final_state"].fill_(float("nan"))
+                run(x)
+                torch.cuda.synchronize()
+                same = same and torch.equal(x["out"], o) and torch.equal(x["final_state"], s)
+            if mode == "k2-only":
+                k1 = float("nan")
+        res[mode] = {"ms": ms, "k1_ms": k1, "k2_ms": k2, "bit_identical": same}
+    return res
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("cases", nargs="+")
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--iters", type=int, default=100)
+    a = ap.parse_args(argv)
+    for name in a.cases:
+        label, spec = parse_case(name)
+        res = probe(spec, a.head_dim, a.iters)
+        for mode, r in res.items():
+            print(f"{label:<16} K{a.head_dim:<4} {mode:<10} {r['ms']:.3f} ms  K1 {r['k1_ms']:.3f}"
+                  f"  K2 {r['k2_ms']:.3f}  {'same' if r['bit_identical'] else 'DIFFERENT'}",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
