@@ -578,7 +578,8 @@ def fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state
     with B == 1. workspace: optional caller-owned uint8 CUDA tensor (see `workspace_bytes`).
     config: a FwdConfig to use instead of the ladder's choice (kernel development, sweeps).
     segments: K2's segments per sequence (kda_cute.segments; fixed-length batches, K == V);
-    None chooses from the grid's size, 1 turns them off.
+    None chooses from the grid's size, 1 turns them off. Where K2's grid is small and not
+    split, K2 runs alongside K1 (`schedule`; KDA_CUTE_ALONGSIDE=0 turns that off).
     """
     if out is None:
         raise _err("out", "a bf16 tensor [B, T, H, V] to write", None)
