@@ -18,7 +18,6 @@ what is timed is the same computation. Cases as kernel_times.py takes them.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 from pathlib import Path
@@ -76,19 +75,11 @@ def run(x):
 
 
 def probe(spec, K: int, iters: int) -> dict[str, dict]:
-    base = bench.case_inputs(spec, K, seed=1)
-    n_sets = max(2, math.ceil(3 * bench.L2_BYTES / bench.compulsory_bytes(base)))
-    sets = []
-    for i in range(n_sets):
-        x = base if i == 0 else bench.case_inputs(spec, K, seed=i + 1)
-        x["out"] = torch.empty_like(x["v"])
-        x["final_state"] = torch.empty_like(x["initial_state"])
-        p = api.validate(x["q"], x["k"], x["v"], x["g"], x["beta"], x["scale"], x["out"],
-                         x["A_log"], x["dt_bias"], x["lower_bound"], x["initial_state"],
-                         x["final_state"], x["cu_seqlens"], "bounded")
-        x["workspace"] = torch.empty(api.workspace_bytes(p, api.config_for(p)),
-                                     dtype=torch.uint8, device="cuda")
-        sets.append(x)
+    sets = bench.input_sets(spec, K)
+    x = sets[0]
+    p = api.validate(x["q"], x["k"], x["v"], x["g"], x["beta"], x["scale"], x["out"],
+                     x["A_log"], x["dt_bias"], x["lower_bound"], x["initial_state"],
+                     x["final_state"], x["cu_seqlens"], "bounded")
     sched = api.schedule(p, api.config_for(p), torch.cuda.current_device())
     if sched != "alongside":
         raise SystemExit(f"this shape runs {sched!r}, not alongside: nothing to probe")

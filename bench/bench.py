@@ -94,6 +94,30 @@ def compulsory_bytes(inp) -> int:
     return (3 * B * T * H * K + 2 * B * T * H * V + B * T * H) * 2 + 2 * inp["N"] * H * V * K * 4
 
 
+def input_sets(spec, K, seed: int = 1, *, workspace: bool = True) -> list[dict]:
+    """Inputs for timing a case: enough sets (at least two) that cycling through them keeps the
+    L2 cold (3x its size), seeds seed, seed + 1, ...; each with NaN-poisoned `out` and
+    `final_state` and, with `workspace`, its own workspace for the ladder's config (else None:
+    the launcher allocates one per call)."""
+    from kda_cute import api
+
+    base = case_inputs(spec, K, seed=seed)
+    sets = []
+    for i in range(max(2, math.ceil(3 * L2_BYTES / compulsory_bytes(base)))):
+        x = base if i == 0 else case_inputs(spec, K, seed=seed + i)
+        x["out"] = torch.full_like(x["v"], float("nan"))
+        x["final_state"] = torch.full_like(x["initial_state"], float("nan"))
+        x["workspace"] = None
+        if workspace:
+            p = api.validate(x["q"], x["k"], x["v"], x["g"], x["beta"], x["scale"], x["out"],
+                             x["A_log"], x["dt_bias"], x["lower_bound"], x["initial_state"],
+                             x["final_state"], x["cu_seqlens"], "bounded")
+            x["workspace"] = torch.empty(api.workspace_bytes(p, api.config_for(p)),
+                                         dtype=torch.uint8, device="cuda")
+        sets.append(x)
+    return sets
+
+
 def time_fn(fn, sets, iters, warmup=10) -> float:
     """Median ms over `iters` launches, cycling through the input sets."""
     for i in range(warmup):

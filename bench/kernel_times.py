@@ -15,12 +15,9 @@ forward whose K2 (or K1) config has that name (config.SHIPPED + EXPERIMENTAL), n
 from __future__ import annotations
 
 import argparse
-import math
 import re
 import sys
 from pathlib import Path
-
-import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -48,18 +45,12 @@ def kernel_times(spec, K: int, iters: int, states: str = "in,out",
                  config=None) -> dict[str, float]:
     """Each kernel's GPU ms per forward over `iters` forwards (bench.gpu_kernel_ms); `states`
     says which of the initial ("in") and final ("out") states the forwards use."""
-    base = bench.case_inputs(spec, K, seed=1)
-    n_sets = max(2, math.ceil(3 * bench.L2_BYTES / bench.compulsory_bytes(base)))
-    sets = []
-    for i in range(n_sets):
-        x = base if i == 0 else bench.case_inputs(spec, K, seed=i + 1)
-        x["out"] = torch.empty_like(x["v"])
-        x["final_state"] = (torch.empty_like(x["initial_state"]) if "out" in states.split(",")
-                            else None)
+    sets = bench.input_sets(spec, K, workspace=False)
+    for x in sets:
+        if "out" not in states.split(","):
+            x["final_state"] = None
         if "in" not in states.split(","):
             x["initial_state"] = None
-        x["workspace"] = None
-        sets.append(x)
     return bench.gpu_kernel_ms(bench.kda_runner(config), sets, iters)
 
 
