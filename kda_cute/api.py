@@ -388,11 +388,10 @@ def launch_forward(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, in
                  "scale": float(scale), "lower_bound": float(lower_bound or 0.0),
                  "gate_mode": GATE_MODES[gate], "qk_l2norm": int(bool(qk_l2norm)),
                  "beta_sigmoid": int(bool(beta_sigmoid)), "signal": int(alongside)}
+    k1_grid = (H, min(nch, K1_GRID_Y), -(-nch // K1_GRID_Y))  # heads fastest; chunks on y, z
     if not run_recurrence or not alongside:
         if Tt > 0 and H > 0:
-            # heads fastest; chunks on y and z
-            k1.launch_with((H, min(nch, K1_GRID_Y), -(-nch // K1_GRID_Y)), vals1, syms,
-                           stream, di)
+            k1.launch_with(k1_grid, vals1, syms, stream, di)
         if not run_recurrence:
             return workspace_views(workspace, p, cfg)
     dummy = out.data_ptr()
@@ -411,8 +410,7 @@ def launch_forward(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, in
         runtime.memset_d32(ws["flags"], 0, nch * H, stream)
         k2.launch_with(k2_grid, {**vals2, "wait": 1}, syms, stream, di,
                        smem=_sm_budget(di)[2])
-        k1.launch_with((H, min(nch, K1_GRID_Y), -(-nch // K1_GRID_Y)), vals1, syms, stream,
-                       di, programmatic=True)
+        k1.launch_with(k1_grid, vals1, syms, stream, di, programmatic=True)
     elif P > 1:
         _segmented_recurrence(k2, cfg, vals2, syms, p, P, v, initial_state, final_state,
                               stream, di)
