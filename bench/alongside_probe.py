@@ -76,10 +76,7 @@ def run(x):
 
 def probe(spec, K: int, iters: int) -> dict[str, dict]:
     sets = bench.input_sets(spec, K)
-    x = sets[0]
-    p = api.validate(x["q"], x["k"], x["v"], x["g"], x["beta"], x["scale"], x["out"],
-                     x["A_log"], x["dt_bias"], x["lower_bound"], x["initial_state"],
-                     x["final_state"], x["cu_seqlens"], "bounded")
+    p = bench.problem_of(sets[0])
     sched = api.schedule(p, api.config_for(p), torch.cuda.current_device())
     if sched != "alongside":
         raise SystemExit(f"this shape runs {sched!r}, not alongside: nothing to probe")

@@ -94,26 +94,39 @@ def compulsory_bytes(inp) -> int:
     return (3 * B * T * H * K + 2 * B * T * H * V + B * T * H) * 2 + 2 * inp["N"] * H * V * K * 4
 
 
-def input_sets(spec, K, seed: int = 1, *, workspace: bool = True) -> list[dict]:
+def problem_of(x, check_seqlens=True):
+    """kda_cute's validated problem for a dict of inputs (make_inputs' keys plus out and
+    final_state), the bounded gate."""
+    from kda_cute import api
+
+    return api.validate(x["q"], x["k"], x["v"], x["g"], x["beta"], x["scale"], x["out"],
+                        x["A_log"], x["dt_bias"], x["lower_bound"], x["initial_state"],
+                        x["final_state"], x["cu_seqlens"], "bounded",
+                        check_seqlens=check_seqlens)
+
+
+def input_sets(spec, K, seed: int = 1, *, later_seed: int | None = None, configs=(None,),
+               workspace: bool = True) -> list[dict]:
     """Inputs for timing a case: enough sets (at least two) that cycling through them keeps the
-    L2 cold (3x its size), seeds seed, seed + 1, ...; each with NaN-poisoned `out` and
-    `final_state` and, with `workspace`, its own workspace for the ladder's config (else None:
-    the launcher allocates one per call)."""
+    L2 cold (3x its size). Set 0 has seed `seed`, set i > 0 seed `later_seed` (default `seed`)
+    + i. Each has NaN-poisoned `out` and `final_state` and, with `workspace`, its own workspace
+    large enough for every config in `configs` (None: the ladder's); else None (the launcher
+    allocates one per call)."""
     from kda_cute import api
 
     base = case_inputs(spec, K, seed=seed)
+    later = seed if later_seed is None else later_seed
     sets = []
     for i in range(max(2, math.ceil(3 * L2_BYTES / compulsory_bytes(base)))):
-        x = base if i == 0 else case_inputs(spec, K, seed=seed + i)
+        x = base if i == 0 else case_inputs(spec, K, seed=later + i)
         x["out"] = torch.full_like(x["v"], float("nan"))
         x["final_state"] = torch.full_like(x["initial_state"], float("nan"))
         x["workspace"] = None
         if workspace:
-            p = api.validate(x["q"], x["k"], x["v"], x["g"], x["beta"], x["scale"], x["out"],
-                             x["A_log"], x["dt_bias"], x["lower_bound"], x["initial_state"],
-                             x["final_state"], x["cu_seqlens"], "bounded")
-            x["workspace"] = torch.empty(api.workspace_bytes(p, api.config_for(p)),
-                                         dtype=torch.uint8, device="cuda")
+            p = problem_of(x)
+            x["workspace"] = torch.empty(max(api.workspace_bytes(p, api.config_for(p, c))
+                                             for c in configs),
+                                         dtype=torch.uint8, device=x["v"].device)
         sets.append(x)
     return sets
 
@@ -195,9 +208,7 @@ def k1_runner(config=None):
     from kda_cute import api
 
     def run(x):
-        p = api.validate(x["q"], x["k"], x["v"], x["g"], x["beta"], x["scale"], x["out"],
-                         x["A_log"], x["dt_bias"], x["lower_bound"], x["initial_state"],
-                         x["final_state"], x["cu_seqlens"], "bounded", check_seqlens=False)
+        p = problem_of(x, check_seqlens=False)
         api.launch_forward(x["q"], x["k"], x["v"], x["g"], x["beta"], x["scale"], x["out"],
                            x["A_log"], x["dt_bias"], x["lower_bound"], x["initial_state"],
                            x["final_state"], x["cu_seqlens"], x["workspace"], "bounded", True,
@@ -240,22 +251,12 @@ def bench_case(name, spec, K, iters, fla, ceiling, simt=False, sweep=False):
     # --sweep: every tensor-core config for this head dim, shipped and experimental
     sweep_cfgs = [c for c in SHIPPED + EXPERIMENTAL if c.prep.head_dim_k == K
                   and c.recur.mma == "wgmma"] if sweep else []
-    base = case_inputs(spec, K, seed=zlib.crc32(name.encode()) % 1000)
+    sets = input_sets(spec, K, zlib.crc32(name.encode()) % 1000, later_seed=0,
+                      configs=[None, simt_cfg, *sweep_cfgs])
+    base = sets[0]
     nbytes = compulsory_bytes(base)
-    n_sets = max(2, math.ceil(3 * L2_BYTES / nbytes))
-    sets = []
-    for i in range(n_sets):
-        x = base if i == 0 else case_inputs(spec, K, seed=i)
-        q, v = x["q"], x["v"]
-        x["out"] = torch.full(v.shape, float("nan"), dtype=torch.bfloat16, device="cuda")
-        x["final_state"] = torch.full_like(x["initial_state"], float("nan"))
-        p = api.validate(q, x["k"], v, x["g"], x["beta"], x["scale"], x["out"], x["A_log"],
-                         x["dt_bias"], x["lower_bound"], x["initial_state"], x["final_state"],
-                         x["cu_seqlens"], "bounded")
-        ws = max(api.workspace_bytes(p, api.config_for(p, c))
-                 for c in [None, simt_cfg, *sweep_cfgs])
-        x["workspace"] = torch.empty(ws, dtype=torch.uint8, device="cuda")
-        sets.append(x)
+    n_sets = len(sets)
+    p = problem_of(base)
     run = kda_runner()
     t_kda = time_fn(run, sets, iters)
     t_graph = time_fn(graph_runner(run, sets), sets, iters)

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from bench import CASES, case_inputs, graph_runner, kda_runner, time_fn  # noqa: E402
+from bench import CASES, case_inputs, graph_runner, kda_runner, problem_of, time_fn  # noqa: E402
 from kda_cute import api  # noqa: E402
 
 
@@ -51,9 +51,7 @@ def main(argv=None):
         x = case_inputs(CASES[name], a.head_dim, seed=0)
         x["out"] = torch.empty_like(x["v"])
         x["final_state"] = torch.empty_like(x["initial_state"])
-        pr = api.validate(x["q"], x["k"], x["v"], x["g"], x["beta"], x["scale"], x["out"],
-                          x["A_log"], x["dt_bias"], x["lower_bound"], x["initial_state"],
-                          x["final_state"], x["cu_seqlens"], "bounded")
+        pr = problem_of(x)
         x["workspace"] = torch.empty(api.workspace_bytes(pr, api.config_for(pr)),
                                      dtype=torch.uint8, device="cuda")
         run = kda_runner()

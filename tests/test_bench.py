@@ -179,3 +179,37 @@ def test_markdown_names_the_schedule_where_kernels_overlap():
     assert "| 0.511 / 0.512 (alongside) |" in lines[2]
     assert "| 0.090 / 0.258 (segments 8) |" in lines[3]
     assert "| 0.334 / 0.397 |" in lines[4] and "| 0.334 / 0.397 |" in lines[5]
+
+
+def test_input_sets_rotate_poisoned_sets_with_workspaces(monkeypatch):
+    """input_sets (CPU inputs): enough sets for 3x the L2, the seeds it documents, NaN outputs,
+    and a workspace large enough for every config asked for."""
+    from kda_cute import api
+    from kda_cute.config import EXPERIMENTAL
+    from kda_cute.testing import make_inputs
+
+    seeds = []
+
+    def cpu_inputs(spec, K, seed):
+        seeds.append(seed)
+        B, T, H = spec
+        return make_inputs(B=B, T=T, H=H, K=K, seed=seed, device="cpu")
+
+    monkeypatch.setattr(bench, "case_inputs", cpu_inputs)
+    monkeypatch.setattr(bench, "L2_BYTES", 3 * 2**20)
+    monkeypatch.setattr(api, "_check_device", lambda *a: None)  # CPU tensors
+    spec, K = (1, 256, 4), 64
+    wide = next(c for c in EXPERIMENTAL if c.prep.head_dim_k == K)
+    sets = bench.input_sets(spec, K, 7, later_seed=0, configs=[None, wide])
+    per_set = bench.compulsory_bytes(sets[0])
+    assert len(sets) == max(2, math.ceil(9 * 2**20 / per_set))
+    assert seeds == [7, *range(1, len(sets))]
+    p = bench.problem_of(sets[0])
+    need = max(api.workspace_bytes(p, api.config_for(p, c)) for c in (None, wide))
+    for x in sets:
+        assert torch.isnan(x["out"].float()).all() and torch.isnan(x["final_state"]).all()
+        assert x["workspace"].dtype == torch.uint8 and x["workspace"].numel() == need
+    seeds.clear()
+    plain = bench.input_sets(spec, K, 3, workspace=False)
+    assert seeds == [3 + i for i in range(len(plain))]
+    assert all(x["workspace"] is None for x in plain)
