@@ -13,13 +13,21 @@ forward, each kernel's own GPU time from the profiler, inputs rotated as in benc
 
 Each schedule's output must equal the serial one bit for bit (checked on every input set), so
 what is timed is the same computation. Cases as kernel_times.py takes them.
+
+  --k1-ctas N     K1 beside K2 at most N CTAs per SM (config.ALONGSIDE_K1_CTAS: the launcher
+                  pads its shared memory; fewer is slower K1, lighter on the memory system)
+  --clocks        each schedule also runs ~1.5 s in a loop while nvidia-smi samples the SM clock
+                  and the board power (median of the samples)
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -32,6 +40,7 @@ from kernel_times import parse_case  # noqa: E402
 
 import bench  # noqa: E402
 from kda_cute import api, fwd, runtime  # noqa: E402
+from kda_cute.config import ALONGSIDE_K1_CTAS  # noqa: E402
 
 MODES = ("serial", "alongside", "preset", "k2-only")
 
@@ -68,13 +77,55 @@ class _Schedule:
         return False
 
 
+class _K1Ctas:
+    """Sets K1's CTAs per SM alongside K2 (config.ALONGSIDE_K1_CTAS) for one head dim."""
+
+    def __init__(self, head_dim: int, ctas: int | None):
+        self.head_dim, self.ctas = head_dim, ctas
+        self.saved = ALONGSIDE_K1_CTAS[head_dim]
+
+    def __enter__(self):
+        if self.ctas:
+            ALONGSIDE_K1_CTAS[self.head_dim] = self.ctas
+        return self
+
+    def __exit__(self, *exc):
+        ALONGSIDE_K1_CTAS[self.head_dim] = self.saved
+        return False
+
+
+def clocks(fn, sets, seconds: float = 1.5) -> tuple[float, float]:
+    """(median SM clock MHz, median board power W) sampled by nvidia-smi while fn runs over
+    the input sets in a loop; nan where nvidia-smi is missing."""
+    try:
+        smi = subprocess.Popen(
+            ["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits",
+             "-lms", "50", "-i", str(torch.cuda.current_device())],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    except OSError:
+        return float("nan"), float("nan")
+    end = time.time() + seconds
+    while time.time() < end:
+        for x in sets:
+            fn(x)
+        torch.cuda.synchronize()
+    smi.terminate()
+    out, _ = smi.communicate()
+    rows = [r.split(",") for r in out.strip().splitlines() if "," in r]
+    vals = [(float(a), float(b)) for a, b in rows if a.strip() and b.strip()]
+    if not vals:
+        return float("nan"), float("nan")
+    return statistics.median(v[0] for v in vals), statistics.median(v[1] for v in vals)
+
+
 def run(x):
     fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], x["scale"], x["out"], x["A_log"],
         x["dt_bias"], x["lower_bound"], x["initial_state"], x["final_state"], x["cu_seqlens"],
         x["workspace"], check_seqlens=False)
 
 
-def probe(spec, K: int, iters: int) -> dict[str, dict]:
+def probe(spec, K: int, iters: int, want_clocks: bool = False,
+          modes: tuple[str, ...] = MODES) -> dict[str, dict]:
     sets = bench.input_sets(spec, K)
     p = bench.problem_of(sets[0])
     sched = api.schedule(p, api.config_for(p), torch.cuda.current_device())
@@ -88,7 +139,7 @@ def probe(spec, K: int, iters: int) -> dict[str, dict]:
             torch.cuda.synchronize()
             expect.append((x["out"].clone(), x["final_state"].clone()))
     res = {}
-    for mode in MODES:
+    for mode in modes:
         with _Schedule(mode):
             ms = bench.time_fn(run, sets, iters)
             k1, k2, _ = bench.kernel_split(bench.gpu_kernel_ms(run, sets))
@@ -101,7 +152,9 @@ def probe(spec, K: int, iters: int) -> dict[str, dict]:
                 same = same and torch.equal(x["out"], o) and torch.equal(x["final_state"], s)
             if mode == "k2-only":
                 k1 = float("nan")
-        res[mode] = {"ms": ms, "k1_ms": k1, "k2_ms": k2, "bit_identical": same}
+            mhz, watts = clocks(run, sets) if want_clocks else (float("nan"), float("nan"))
+        res[mode] = {"ms": ms, "k1_ms": k1, "k2_ms": k2, "bit_identical": same,
+                     "sm_mhz": mhz, "power_w": watts}
     return res
 
 
@@ -110,14 +163,29 @@ def main(argv=None):
     ap.add_argument("cases", nargs="+")
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--iters", type=int, default=100)
+    ap.add_argument("--k1-ctas", type=int, nargs="+", default=[None],
+                    help="one probe per value")
+    ap.add_argument("--modes", default=",".join(MODES), help="comma-separated subset")
+    ap.add_argument("--clocks", action="store_true")
     a = ap.parse_args(argv)
+    modes = tuple(m for m in a.modes.split(",") if m)
+    if any(m not in MODES for m in modes):
+        ap.error(f"--modes: expected a subset of {','.join(MODES)}, got {a.modes!r}")
     for name in a.cases:
         label, spec = parse_case(name)
-        res = probe(spec, a.head_dim, a.iters)
-        for mode, r in res.items():
-            print(f"{label:<16} K{a.head_dim:<4} {mode:<10} {r['ms']:.3f} ms  K1 {r['k1_ms']:.3f}"
-                  f"  K2 {r['k2_ms']:.3f}  {'same' if r['bit_identical'] else 'DIFFERENT'}",
-                  flush=True)
+        for ctas in a.k1_ctas:
+            tag = f" k1 {ctas}/SM" if ctas else ""
+            with _K1Ctas(a.head_dim, ctas):
+                res = probe(spec, a.head_dim, a.iters, a.clocks, modes)
+            _report(label, a, tag, res)
+
+
+def _report(label, a, tag, res):
+    for mode, r in res.items():
+        clk = f"  {r['sm_mhz']:.0f} MHz {r['power_w']:.0f} W" if a.clocks else ""
+        print(f"{label:<16} K{a.head_dim:<4}{tag} {mode:<10} {r['ms']:.3f} ms  K1 "
+              f"{r['k1_ms']:.3f}  K2 {r['k2_ms']:.3f}{clk}  "
+              f"{'same' if r['bit_identical'] else 'DIFFERENT'}", flush=True)
 
 
 if __name__ == "__main__":

@@ -103,7 +103,7 @@ def prep_args(cfg: PrepConfig) -> list[Arg]:
         _ten("cu_seqlens", "int32", ("N1",), (1,)),
         _ten("cu_chunks", "int32", ("N1",), (1,)),
         *outs,
-        _ten("flags", "int32", ("FL",), (1,)),
+        _ten("flags", "int32", ("FL",), (1,)),  # written only by an alongside build
         Arg("num_seqs", "i32"),
         Arg("num_chunks", "i32", grid_only=True),
         Arg("num_heads", "i32", grid_only=True),
@@ -112,7 +112,6 @@ def prep_args(cfg: PrepConfig) -> list[Arg]:
         Arg("gate_mode", "i32"),
         Arg("qk_l2norm", "i32"),
         Arg("beta_sigmoid", "i32"),
-        Arg("signal", "i32"),
     ]
 
 
@@ -156,12 +155,12 @@ def _recur_common(cfg: RecurConfig) -> list[Arg]:
         _ten("s1h", "bfloat16", ("NS", "H", V, K), ("sS", V * K, K, 1)),
         _ten("cu_seqlens", "int32", ("N1",), (1,)),
         _ten("cu_chunks", "int32", ("N1",), (1,)),
+        # read only by an alongside build
         *([_ten("flags", "int32", ("FL",), (1,))] if cfg.mma == "wgmma" else []),
         Arg("num_seqs", "i32", grid_only=True),
         Arg("num_heads", "i32", grid_only=True),
         Arg("state_in", "i32"),
         Arg("state_out", "i32"),
-        *([Arg("wait", "i32")] if cfg.mma == "wgmma" else []),
     ]
 
 

@@ -17,10 +17,12 @@ import torch
 from . import runtime, segments
 from .abi import SYM_DIV
 from .config import (
+    ALONGSIDE_K1_CTAS,
     GATE_MODES,
     K1_GRID_Y,
     SEGMENT_RUNS,
     FwdConfig,
+    alongside_of,
     combine_config,
     select_config,
     supports,
@@ -387,7 +389,7 @@ def launch_forward(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, in
                  "num_chunks": nch, "num_heads": H,
                  "scale": float(scale), "lower_bound": float(lower_bound or 0.0),
                  "gate_mode": GATE_MODES[gate], "qk_l2norm": int(bool(qk_l2norm)),
-                 "beta_sigmoid": int(bool(beta_sigmoid)), "signal": int(alongside)}
+                 "beta_sigmoid": int(bool(beta_sigmoid))}
     k1_grid = (H, min(nch, K1_GRID_Y), -(-nch // K1_GRID_Y))  # heads fastest; chunks on y, z
     if not run_recurrence or not alongside:
         if Tt > 0 and H > 0:
@@ -402,15 +404,18 @@ def launch_forward(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, in
     vals2 = {**ws, "v": v.data_ptr(), "out": out.data_ptr(), "out_tma": out.data_ptr(),
              "s0f": sp_in, "s0h": sp_in, "s1f": sp_out, "s1h": sp_out,
              "cu_seqlens": cs.data_ptr(), "cu_chunks": cc.data_ptr(), "num_seqs": p.N,
-             "num_heads": H, "state_in": s_in, "state_out": s_out, "wait": 0}
+             "num_heads": H, "state_in": s_in, "state_out": s_out}
     if alongside:
-        # K2 first, alone on its SMs (its shared memory padded to a whole SM's), waiting on
-        # K1's per-chunk flags; K1 as its programmatic dependent on the SMs left
-        k1.load(di)  # a first load would wait for K2, which waits for K1
+        # the alongside builds: K2 first, alone on its SMs (its shared memory padded to a whole
+        # SM's), waiting on K1's per-chunk flags; K1 as its programmatic dependent on the SMs
+        # left, at most ALONGSIDE_K1_CTAS CTAs per SM (padded shared memory)
+        acfg = alongside_of(cfg)
+        k1a, k2a = runtime.get_kernel(acfg.prep, arch), runtime.get_kernel(acfg.recur, arch)
+        k1a.load(di)  # a first load would wait for K2, which waits for K1
         runtime.memset_d32(ws["flags"], 0, nch * H, stream)
-        k2.launch_with(k2_grid, {**vals2, "wait": 1}, syms, stream, di,
-                       smem=_sm_budget(di)[2])
-        k1.launch_with(k1_grid, vals1, syms, stream, di, programmatic=True)
+        k2a.launch_with(k2_grid, vals2, syms, stream, di, smem=_sm_budget(di)[2])
+        k1a.launch_with(k1_grid, vals1, syms, stream, di, programmatic=True,
+                        smem=_k1_alongside_smem(di, K))
     elif P > 1:
         _segmented_recurrence(k2, cfg, vals2, syms, p, P, v, initial_state, final_state,
                               stream, di)
@@ -448,6 +453,13 @@ def _schedule(p: Problem, cfg: FwdConfig, k2, device: int, segments_per_seq):
 ALONGSIDE_MIN_CHUNKS = 32
 
 
+def _k1_alongside_smem(device: int, head_dim: int) -> int:
+    """K1's shared memory reservation alongside K2: what holds it to ALONGSIDE_K1_CTAS
+    CTAs per SM (the launch takes the kernel's own where that is more)."""
+    _, per_sm, _ = _sm_budget(device)
+    return per_sm // ALONGSIDE_K1_CTAS[head_dim] - 1024
+
+
 def _k2_alongside(cfg: FwdConfig, k2_grid: tuple, device: int) -> bool:
     """Whether K2 runs alongside K1 rather than after it: where K2's grid (one CTA per SM)
     takes at most half of the SMs, so K1 keeps the other half and K2 consumes each chunk as
@@ -456,7 +468,8 @@ def _k2_alongside(cfg: FwdConfig, k2_grid: tuple, device: int) -> bool:
     end. Measured on the H200 (bench/NOTES.md): B1 T8192 H32 -8% at K = 128, -12% at K = 64;
     K2 steps are ~25% slower than alone, so it pays only where K2 leaves SMs idle.
     KDA_CUTE_ALONGSIDE=0 turns it off."""
-    if cfg.recur.mma != "wgmma" or os.environ.get("KDA_CUTE_ALONGSIDE", "1") == "0":
+    if (alongside_of(cfg) is None
+            or os.environ.get("KDA_CUTE_ALONGSIDE", "1") == "0"):
         return False
     sms = _sm_budget(device)[0]
     return math.prod(k2_grid) <= sms // 2

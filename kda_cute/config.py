@@ -6,6 +6,7 @@ runtime must load without the CuTe DSL installed.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass
 
 # gate_mode values passed to K1 at run time (one cubin serves all three forms)
@@ -28,11 +29,15 @@ class PrepConfig:
     # "f32": fp32 workspace, read by the SIMT K2. "bf16": the tensor-core K2's operands (bf16 qg,
     # kg, Mq; kd and Aw as bf16 hi + lo pairs; fp32 gl), laid out for its TMA loads
     operands: str = "f32"
+    # True (bf16 operands): flag each (chunk, head) in the workspace once written, for a K2
+    # running alongside (api: K2 first, this K1 its programmatic dependent)
+    alongside: bool = False
 
     @property
     def name(self) -> str:
         tag = "" if self.operands == "f32" else f"_{self.operands}"
-        return f"kda_prep{tag}_k{self.head_dim_k}_c{self.chunk}_t{self.threads}"
+        al = "_al" if self.alongside else ""
+        return f"kda_prep{tag}_k{self.head_dim_k}_c{self.chunk}_t{self.threads}{al}"
 
     @property
     def block_threads(self) -> int:
@@ -57,13 +62,17 @@ class RecurConfig:
     # segments' runs from zero and from the identity (kda_cute.segments), whose outputs are
     # not used
     outputs: bool = True
+    # True (wgmma): K1 runs alongside and flags each (chunk, head); wait for a chunk's flag
+    # before loading it
+    alongside: bool = False
 
     @property
     def name(self) -> str:
         tag = "" if self.mma == "simt" else f"_{self.mma}"
         no = "" if self.outputs else "_noout"
+        al = "_al" if self.alongside else ""
         return (f"kda_recur{tag}_k{self.head_dim_k}_v{self.head_dim_v}_c{self.chunk}"
-                f"_bv{self.block_v}_t{self.threads}_s{self.stages}{no}")
+                f"_bv{self.block_v}_t{self.threads}_s{self.stages}{no}{al}")
 
     @property
     def block_threads(self) -> int:
@@ -126,6 +135,8 @@ def supports_prep(cfg: PrepConfig) -> tuple[bool, str]:
                        f"the rows per thread), got {cfg.threads}")
     if cfg.operands not in ("f32", "bf16"):
         return False, f"operands must be 'f32' or 'bf16', got {cfg.operands!r}"
+    if cfg.alongside and cfg.operands != "bf16":
+        return False, f"alongside needs operands 'bf16', got {cfg.operands!r}"
     return True, ""
 
 
@@ -145,12 +156,16 @@ def supports_recur(cfg: RecurConfig) -> tuple[bool, str]:
     if tpr > 32 or 32 % tpr:
         return False, f"threads per state row (threads/block_v) must be a power of two <= 32, " \
             f"got {tpr}"
-    if not 1 <= cfg.stages <= 4:
-        return False, f"stages must be in [1, 4], got {cfg.stages}"
+    most = 8 if cfg.mma == "wgmma" else 4
+    if not 1 <= cfg.stages <= most:
+        return False, f"stages must be in [1, {most}] for mma {cfg.mma!r}, got {cfg.stages}"
     if cfg.mma not in ("simt", "wgmma"):
         return False, f"mma must be 'simt' or 'wgmma', got {cfg.mma!r}"
     if not cfg.outputs and cfg.mma != "wgmma":
         return False, f"outputs=False needs mma 'wgmma', got {cfg.mma!r}"
+    if cfg.alongside and (cfg.mma != "wgmma" or not cfg.outputs):
+        return False, (f"alongside needs mma 'wgmma' with outputs, got {cfg.mma!r}, "
+                       f"outputs={cfg.outputs}")
     if cfg.mma == "wgmma" and (cfg.block_v != 64 or cfg.threads != 128
                                or cfg.head_dim_k % 64 or cfg.chunk not in (16, 32)
                                or cfg.stages < 2):
@@ -171,6 +186,9 @@ def supports_combine(cfg: CombineConfig) -> tuple[bool, str]:
 def supports(cfg: FwdConfig) -> tuple[bool, str]:
     if cfg.prep.chunk != cfg.recur.chunk:
         return False, f"K1 chunk {cfg.prep.chunk} != K2 chunk {cfg.recur.chunk}"
+    if cfg.prep.alongside != cfg.recur.alongside:
+        return False, (f"K1 alongside {cfg.prep.alongside} != K2 alongside "
+                       f"{cfg.recur.alongside}")
     if cfg.prep.head_dim_k != cfg.recur.head_dim_k:
         return False, (f"K1 head_dim_k {cfg.prep.head_dim_k} != K2 head_dim_k "
                        f"{cfg.recur.head_dim_k}")
@@ -222,6 +240,30 @@ EXPERIMENTAL: tuple[FwdConfig, ...] = tuple(_tc_fwd(d, d, chunk=32, stages=2) fo
 SEGMENT_RUNS: tuple[RecurConfig, ...] = tuple(
     RecurConfig(**{**f.recur.as_dict(), "outputs": False}) for f in TENSOR_CORE
     if f.recur.head_dim_k == f.recur.head_dim_v)
+
+# K2 alongside K1 (api._k2_alongside): each tensor-core forward built to run its two kernels at
+# once, K1 flagging each (chunk, head) and K2 waiting on the flags (serial forwards carry none
+# of that code). K2's shared memory is padded to a whole SM's there, so at K = 64 and 128 it
+# streams its chunks through eight stages instead of four (K = 256's take 37 KB a stage).
+ALONGSIDE: tuple[FwdConfig, ...] = tuple(
+    FwdConfig(PrepConfig(**{**f.prep.as_dict(), "alongside": True}),
+              RecurConfig(**{**f.recur.as_dict(), "alongside": True,
+                             "stages": 8 if f.recur.head_dim_k <= 128 else f.recur.stages}))
+    for f in TENSOR_CORE)
+# K1 CTAs per SM when it runs alongside K2 (the launcher pads its shared memory to hold it
+# there): at its full occupancy its memory traffic slows K2's steps, which set the pace.
+ALONGSIDE_K1_CTAS = {64: 6, 128: 4, 256: 2}
+
+
+def alongside_of(cfg: FwdConfig) -> FwdConfig | None:
+    """The alongside build of a shipped tensor-core forward, or None."""
+    for a in ALONGSIDE:
+        if (dataclasses.replace(a.prep, alongside=False) == cfg.prep
+                and dataclasses.replace(a.recur, alongside=False, stages=cfg.recur.stages)
+                == cfg.recur):
+            return a
+    return None
+
 
 # The segments' combine, one per head dim (the segmented K2 runs with K == V).
 COMBINE: tuple[CombineConfig, ...] = tuple(CombineConfig(d) for d in HEAD_DIMS)

@@ -175,7 +175,7 @@ def main(argv=None) -> int:
         print(f"warning: {a.arch} compiles but is untested", file=sys.stderr)
     out_dir = Path(a.out) / a.arch
     todo, skipped = [], []
-    for cfg in jobs_for(config.SHIPPED + config.EXPERIMENTAL,
+    for cfg in jobs_for(config.SHIPPED + config.EXPERIMENTAL + config.ALONGSIDE,
                         config.SEGMENT_RUNS + config.COMBINE):
         (skipped if not a.force and up_to_date(cfg, a.arch, out_dir) else todo).append(cfg)
     t0 = time.time()

@@ -55,6 +55,7 @@ class KdaPrepSm90(TileCopy):
         self.cfg = cfg
         self.K = cfg.head_dim_k
         self.C = cfg.chunk
+        self.alongside = cfg.alongside  # flag each (chunk, head) once written (K2 alongside)
         self.threads = cfg.threads
         self.num_warps = cfg.threads // 32
         self.io_dtype = cutlass.BFloat16
@@ -89,13 +90,12 @@ class KdaPrepSm90(TileCopy):
         gate_mode: cutlass.Int32,
         qk_l2norm: cutlass.Int32,
         beta_sigmoid: cutlass.Int32,
-        signal: cutlass.Int32,  # 1: flag each (chunk, head) once written (a K2 runs alongside)
         stream,
     ):
         loads, s_tile = self._make_loads(mQ, mK, mG)
         self._launch((*loads, mBeta, mALog, mDtBias, mCuSeq, mCuChunk,
                       mQg, mKg, mKd, mGl, mAw, mMq, mFlags, num_seqs, scale, lower_bound,
-                      gate_mode, qk_l2norm, beta_sigmoid, signal, s_tile), num_chunks,
+                      gate_mode, qk_l2norm, beta_sigmoid, s_tile), num_chunks,
                      num_heads, stream)
 
     def _launch(self, kernel_args, num_chunks, num_heads, stream):
@@ -162,11 +162,11 @@ class KdaPrepSm90(TileCopy):
         num_seqs: cutlass.Int32,
         scale: cutlass.Float32, lower_bound: cutlass.Float32,
         gate_mode: cutlass.Int32, qk_l2norm: cutlass.Int32, beta_sigmoid: cutlass.Int32,
-        signal: cutlass.Int32, s_tile: cute.Layout,
+        s_tile: cute.Layout,
     ):
         self._body(((tma_q, tQ), (tma_k, tK), (tma_g, tG)), mBeta, mALog, mDtBias, mCuSeq,
                    mCuChunk, (mQg, mKg, mKd, mGl, mAw, mMq), num_seqs, scale, lower_bound,
-                   gate_mode, qk_l2norm, beta_sigmoid, s_tile, mFlags, signal)
+                   gate_mode, qk_l2norm, beta_sigmoid, s_tile, mFlags)
 
 
     # ---------------------------------------------------------------- device
@@ -175,7 +175,7 @@ class KdaPrepSm90(TileCopy):
               mCuSeq: cute.Tensor, mCuChunk: cute.Tensor, outs, num_seqs: cutlass.Int32,
               scale: cutlass.Float32, lower_bound: cutlass.Float32, gate_mode: cutlass.Int32,
               qk_l2norm: cutlass.Int32, beta_sigmoid: cutlass.Int32, s_tile: cute.Layout,
-              mFlags: cute.Tensor, signal: cutlass.Int32):
+              mFlags: cute.Tensor):
         """The kernel, whatever the output mode: `outs` holds tensors (f32) or TMA stores."""
         if cutlass.const_expr(self.split):
             st_qg, st_kg, mKdh, mKdl, mGl, mAwh, mAwl, mMqh, mMql = outs
@@ -341,18 +341,18 @@ class KdaPrepSm90(TileCopy):
             cute.arch.sync_threads()
 
             self._phase_c(sL, sBeta, outs, row0, h, length, tidx)
-            self._publish(mFlags, signal, tidx, warp, h, bid, bound)
+            self._publish(mFlags, tidx, warp, h, bid, bound)
 
     @cute.jit
-    def _publish(self, mFlags: cute.Tensor, signal: cutlass.Int32, tidx, warp, h, bid, bound):
+    def _publish(self, mFlags: cute.Tensor, tidx, warp, h, bid, bound):
         """A chunk's end. The TMA stores of qg and kg (bf16 outputs) must have read smem before
-        the CTA exits; with `signal` they must have landed, and then one thread flags this
+        the CTA exits; built `alongside` they must have landed, and then one thread flags this
         (chunk, head) with a release (the barrier orders every thread's stores before it): a
         K2 running alongside (api: K2 first, this grid its programmatic dependent) waits on
         the flag before loading the chunk. The last chunk of the last head then waits for that
         K2 to complete (griddepcontrol.wait; a no-op without a programmatic primary), so what
         follows K1 on the stream sees both kernels done."""
-        if signal != 0:
+        if cutlass.const_expr(self.alongside):
             if cutlass.const_expr(self.split):
                 if warp == 0:
                     cute.arch.cp_async_bulk_wait_group(0, read=False)
@@ -831,7 +831,6 @@ class KdaPrepSm90Split(KdaPrepSm90):
         gate_mode: cutlass.Int32,
         qk_l2norm: cutlass.Int32,
         beta_sigmoid: cutlass.Int32,
-        signal: cutlass.Int32,
         stream,
     ):
         C, K = self.C, self.K
@@ -844,7 +843,7 @@ class KdaPrepSm90Split(KdaPrepSm90):
             self.tma_meta.append(tma_meta(name, atom, "bfloat16"))
         self._launch((*loads, mBeta, mALog, mDtBias, mCuSeq, mCuChunk, *stores, mKdh, mKdl,
                       mAwh, mAwl, mMqh, mMql, mGl, mFlags, num_seqs,
-                      scale, lower_bound, gate_mode, qk_l2norm, beta_sigmoid, signal, s_tile),
+                      scale, lower_bound, gate_mode, qk_l2norm, beta_sigmoid, s_tile),
                      num_chunks, num_heads, stream)
 
     @cute.kernel
@@ -864,13 +863,13 @@ class KdaPrepSm90Split(KdaPrepSm90):
         num_seqs: cutlass.Int32,
         scale: cutlass.Float32, lower_bound: cutlass.Float32,
         gate_mode: cutlass.Int32, qk_l2norm: cutlass.Int32, beta_sigmoid: cutlass.Int32,
-        signal: cutlass.Int32, s_tile: cute.Layout,
+        s_tile: cute.Layout,
     ):
         outs = ((tma_qg, tQg), (tma_kg, tKg), mKdh, mKdl, mGl, mAwh, mAwl, mMqh, mMql)
         body = self._body_passes if cutlass.const_expr(self.passes) else self._body
         body(((tma_q, tQ), (tma_k, tK), (tma_g, tG)), mBeta, mALog, mDtBias, mCuSeq,
              mCuChunk, outs, num_seqs, scale, lower_bound, gate_mode, qk_l2norm,
-             beta_sigmoid, s_tile, mFlags, signal)
+             beta_sigmoid, s_tile, mFlags)
 
     @cute.jit
     def _body_passes(self, loads, mBeta: cute.Tensor, mALog: cute.Tensor,
@@ -878,7 +877,7 @@ class KdaPrepSm90Split(KdaPrepSm90):
                      num_seqs: cutlass.Int32, scale: cutlass.Float32,
                      lower_bound: cutlass.Float32, gate_mode: cutlass.Int32,
                      qk_l2norm: cutlass.Int32, beta_sigmoid: cutlass.Int32, s_tile: cute.Layout,
-                     mFlags: cute.Tensor, signal: cutlass.Int32):
+                     mFlags: cute.Tensor):
         """Chunk 16 in K / W column passes. Thread (pl, rg) = (tidx mod W/2, tidx div W/2) of a
         pass owns columns 2 pl, 2 pl + 1 of row group rg (C / RG rows); a warp covers one
         64-column group of one row group. Per pass:
@@ -970,7 +969,7 @@ class KdaPrepSm90Split(KdaPrepSm90):
                     self._store_m(None, (mMqh, mMql), row0, h, i, j, acc, length)
             cute.arch.sync_threads()
             self._phase_c(sL, sBeta, outs, row0, h, length, tidx)
-            self._publish(mFlags, signal, tidx, warp, h, bid, bound)
+            self._publish(mFlags, tidx, warp, h, bid, bound)
 
     @cute.jit
     def _pass_gates(self, sG, mDtBias: cute.Tensor, part, first, h, gp, pl, rg, a_exp,

@@ -68,6 +68,7 @@ class KdaRecurTcSm90(TileCopy):
         self.mma_threads = cfg.threads
         self.threads = cfg.threads + 32  # + the producer warp
         self.outputs = cfg.outputs  # False: the state runs only (no Pq, O, stores)
+        self.alongside = cfg.alongside  # K1 runs alongside: wait for each chunk's flag
         self.producer_warp = cfg.threads // 32
         C, K, BV = self.C, self.K, self.BV
         self.tx_bytes = (4 * C * K + 4 * C * C + C * BV) * 2 + K * 4
@@ -91,7 +92,6 @@ class KdaRecurTcSm90(TileCopy):
         mFlags: cute.Tensor,  # (num_chunks * H,) int32: K1's per-(chunk, head) flags
         num_seqs: cutlass.Int32, num_heads: cutlass.Int32,
         state_in: cutlass.Int32, state_out: cutlass.Int32,
-        wait: cutlass.Int32,  # 1: K1 runs alongside; wait for each chunk's flag
         stream,
     ):
         C, K, BV, S = self.C, self.K, self.BV, self.stages
@@ -159,7 +159,7 @@ class KdaRecurTcSm90(TileCopy):
         self.smem_bytes = SharedStorage.size_in_bytes()
         self.kernel(
             *atoms, mOut, tma_o, tO, mS0f, mS0h, mS1f, mS1h, mCuSeq, mCuChunk, mFlags,
-            state_in, state_out, wait, mma_p, mma_s, l_ck, l_cc, l_kc, l_gl, l_v, l_o, l_slab,
+            state_in, state_out, mma_p, mma_s, l_ck, l_cc, l_kc, l_gl, l_v, l_o, l_slab,
         ).launch(
             grid=(self.V // BV, num_heads, num_seqs), block=(self.threads, 1, 1),
             smem=self.smem_bytes, stream=stream,
@@ -183,7 +183,7 @@ class KdaRecurTcSm90(TileCopy):
         tma_o: cute.CopyAtom, tO: cute.Tensor,
         mS0f: cute.Tensor, mS0h: cute.Tensor, mS1f: cute.Tensor, mS1h: cute.Tensor,
         mCuSeq: cute.Tensor, mCuChunk: cute.Tensor, mFlags: cute.Tensor,
-        state_in: cutlass.Int32, state_out: cutlass.Int32, wait: cutlass.Int32,
+        state_in: cutlass.Int32, state_out: cutlass.Int32,
         mma_p: cute.TiledMma, mma_s: cute.TiledMma,
         l_ck: cute.ComposedLayout, l_cc: cute.ComposedLayout, l_kc: cute.ComposedLayout,
         l_gl: cute.Layout, l_v: cute.Layout, l_o: cute.Layout, l_slab: cute.Layout,
@@ -196,9 +196,10 @@ class KdaRecurTcSm90(TileCopy):
         _, nh, _ = cute.arch.grid_dim()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         v0 = vb * BV
-        # a K1 launched as this grid's programmatic dependent (api: K2 first, K1 alongside on
-        # the SMs K2 leaves free) may start once every CTA of this grid is resident
-        cute.arch.griddepcontrol_launch_dependents()
+        if cutlass.const_expr(self.alongside):
+            # K1, launched as this grid's programmatic dependent (api: K2 first, K1 alongside
+            # on the SMs K2 leaves free), may start once every CTA of this grid is resident
+            cute.arch.griddepcontrol_launch_dependents()
 
         smem = utils.SmemAllocator()
         st = smem.allocate(self.shared_storage)
@@ -240,7 +241,7 @@ class KdaRecurTcSm90(TileCopy):
                     s = state.index
                     t0 = bos + c * C
                     r0 = (chunk0 + c) * C  # the chunk's first workspace row
-                    if wait != 0:
+                    if cutlass.const_expr(self.alongside):
                         if c > flagged:
                             flagged = self._await_flags(mFlags, chunk0, c, nch, nh, h)
                     for tma, tX, sX, tile, transposed in loads:

@@ -16,8 +16,10 @@ import torch
 
 from kda_cute import abi, runtime
 from kda_cute.config import (
+    ALONGSIDE,
     COMBINE,
     EXPERIMENTAL,
+    SEGMENT_RUNS,
     SHIPPED,
     SIMT,
     CombineConfig,
@@ -35,9 +37,11 @@ PARAM_BASE = 0x210
 MAX_SMEM = 227 * 1024  # opt-in dynamic shared memory per block on H100 / H200
 
 KERNELS = {}
-for _f in SHIPPED + EXPERIMENTAL:
+for _f in SHIPPED + EXPERIMENTAL + ALONGSIDE:
     KERNELS.setdefault(_f.prep.name, (_f.prep, abi.prep_args))
     KERNELS.setdefault(_f.recur.name, (_f.recur, abi.recur_args))
+for _r in SEGMENT_RUNS:
+    KERNELS[_r.name] = (_r, abi.recur_args)
 for _c in COMBINE:
     KERNELS[_c.name] = (_c, abi.combine_args)
 KERNEL_IDS = list(KERNELS)

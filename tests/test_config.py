@@ -9,12 +9,16 @@ import pytest
 
 from kda_cute import runtime
 from kda_cute.config import (
+    ALONGSIDE,
+    EXPERIMENTAL,
     HEAD_DIMS,
     SHIPPED,
+    SIMT,
     TENSOR_CORE,
     FwdConfig,
     PrepConfig,
     RecurConfig,
+    alongside_of,
     select_config,
     supports,
     supports_prep,
@@ -43,6 +47,8 @@ ACCEPTED = {
     "recur-bv32": (supports_recur, RecurConfig(64, 64, block_v=32)),
     "recur-s1": (supports_recur, RecurConfig(128, 128, stages=1)),
     "recur-s4": (supports_recur, RecurConfig(128, 128, stages=4)),
+    "recur-wgmma-s8": (supports_recur, RecurConfig(128, 128, block_v=64, stages=8,
+                                                   mma="wgmma")),
     "fwd-k128-v64": (supports, FwdConfig(PrepConfig(128), RecurConfig(128, 64))),
 }
 
@@ -92,6 +98,19 @@ REJECTED = {
                      "threads", "100"),
     "fwd-bad-recur": (supports, FwdConfig(PrepConfig(64), RecurConfig(64, 64, stages=9)),
                       "stages", "9"),
+    "recur-wgmma-s9": (supports_recur, RecurConfig(64, 64, block_v=64, stages=9, mma="wgmma"),
+                       "stages", "9"),
+    "prep-alongside-f32": (supports_prep, PrepConfig(64, alongside=True), "alongside", "f32"),
+    "recur-alongside-simt": (supports_recur, RecurConfig(64, 64, alongside=True), "alongside",
+                             "simt"),
+    "recur-alongside-noout": (supports_recur, RecurConfig(64, 64, block_v=64, mma="wgmma",
+                                                          outputs=False, alongside=True),
+                              "alongside", "outputs=False"),
+    # a K1 that never flags beside a K2 that waits for its flags would hang
+    "fwd-alongside-mismatch": (supports, FwdConfig(
+        PrepConfig(64, threads=64, operands="bf16"),
+        RecurConfig(64, 64, block_v=64, stages=8, mma="wgmma", alongside=True)),
+        "alongside", "False"),
 }
 
 
@@ -101,6 +120,26 @@ def test_supports_rejects_naming_field(case_id):
     ok, reason = check(cfg)
     assert ok is False
     assert field in reason and got in reason, reason
+
+
+# ---------------------------------------------------------------------- alongside builds
+@pytest.mark.parametrize("fwd_cfg", TENSOR_CORE, ids=lambda f: f.prep.name)
+def test_alongside_build_of_each_tensor_core_forward(fwd_cfg):
+    """Each shipped tensor-core forward has its alongside build: the same kernels with the
+    flags compiled in (K1 flags, K2 waits), K2 in eight stages where they fit a whole SM."""
+    a = alongside_of(fwd_cfg)
+    assert a in ALONGSIDE and supports(a) == (True, "")
+    assert a.prep == dataclasses.replace(fwd_cfg.prep, alongside=True)
+    assert a.recur == dataclasses.replace(fwd_cfg.recur, alongside=True, stages=a.recur.stages)
+    assert a.recur.stages == (8 if fwd_cfg.recur.head_dim_k <= 128 else 4)
+    assert a.prep.name == fwd_cfg.prep.name + "_al" and a.recur.name.endswith("_al")
+    assert a.prep in jobs_for(ALONGSIDE) and a.recur in jobs_for(ALONGSIDE)
+
+
+@pytest.mark.parametrize("fwd_cfg", SIMT + EXPERIMENTAL + ALONGSIDE,
+                         ids=lambda f: f"{f.prep.name}-{f.recur.name}")
+def test_no_alongside_build_otherwise(fwd_cfg):
+    assert alongside_of(fwd_cfg) is None
 
 
 # ------------------------------------------------------------------------------ the ladder

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kda_cute import abi, api, fwd, runtime
-from kda_cute.config import select_config
+from kda_cute.config import ALONGSIDE_K1_CTAS, alongside_of, select_config
 
 BF16 = torch.bfloat16
 
@@ -338,14 +338,17 @@ def test_k2_alongside_k1_when_its_grid_takes_at_most_half_the_sms(stub_driver):
     nch = api._workspace_rows(p, cfg.chunk)[0]
     flags = api.workspace_views(x["workspace"], p, cfg)["flags"]
     assert memset[0] == "memset" and memset[2:] == (0, nch * p.H)
-    assert k2[0] == cfg.recur.name and k1[0] == cfg.prep.name
+    # the alongside builds of the shipped forward: K1 flags, K2 waits, in eight stages
+    acfg = alongside_of(cfg)
+    assert acfg.prep.alongside and acfg.recur.alongside and acfg.recur.stages == 8
+    assert k2[0] == acfg.recur.name and k1[0] == acfg.prep.name
     assert k2[4] == 232448 and not k2[5]  # a whole SM's shared memory: no K1 CTA beside it
-    assert k1[5] and k1[4] == 0
-    assert struct.unpack("<i", _param(k2, cfg.recur, "wait"))[0] == 1
-    assert struct.unpack("<i", _param(k1, cfg.prep, "signal"))[0] == 1
+    # K1 programmatic, held to ALONGSIDE_K1_CTAS CTAs per SM by its shared memory
+    assert k1[5] and k1[4] == api._k1_alongside_smem(0, p.K)
+    assert 233472 // (k1[4] + 1024) == ALONGSIDE_K1_CTAS[p.K]
     # both read the same flags, the ones zeroed
-    f1 = struct.unpack_from("<Q", _param(k1, cfg.prep, "flags"))[0]
-    f2 = struct.unpack_from("<Q", _param(k2, cfg.recur, "flags"))[0]
+    f1 = struct.unpack_from("<Q", _param(k1, acfg.prep, "flags"))[0]
+    f2 = struct.unpack_from("<Q", _param(k2, acfg.recur, "flags"))[0]
     assert f1 == f2 == memset[1] == flags.data_ptr() and flags.numel() == nch * p.H
 
 
@@ -361,12 +364,10 @@ def test_k1_then_k2_otherwise(stub_driver, monkeypatch, why):
     _run(x, segments=3 if why == "segments" else None)
     assert not any(r[0] == "memset" for r in stub_driver)
     k1 = stub_driver[0]
-    assert k1[0] == cfg.prep.name and not k1[5]
-    assert struct.unpack("<i", _param(k1, cfg.prep, "signal"))[0] == 0
+    assert k1[0] == cfg.prep.name and not k1[5] and not cfg.prep.alongside
     for r in stub_driver[1:]:
         assert not r[5] and r[4] == 0
-        if r[0].startswith("kda_recur_wgmma"):
-            assert struct.unpack("<i", _param(r, cfg.recur, "wait"))[0] == 0
+        assert not r[0].endswith("_al")  # the builds without flags
 
 
 @pytest.mark.parametrize("H,T,segments,expect", [
@@ -379,7 +380,8 @@ def test_schedule_names_what_the_launch_does(stub_driver, H, T, segments, expect
     _run(x, segments=segments)
     names = [r[0] for r in stub_driver]
     if expect == "alongside":
-        assert names == ["memset", cfg.recur.name, cfg.prep.name]
+        acfg = alongside_of(cfg)
+        assert names == ["memset", acfg.recur.name, acfg.prep.name]
     elif expect == "serial":
         assert names == [cfg.prep.name, cfg.recur.name]
     else:
@@ -404,7 +406,8 @@ def test_alongside_probe_schedules(stub_driver, monkeypatch, mode, expect):
         _run(x)
     assert (runtime.memset_d32, runtime.Kernel.launch_with) == before
     assert "KDA_CUTE_ALONGSIDE" not in __import__("os").environ
-    names = {"prep": cfg.prep.name, "recur": cfg.recur.name}
+    names = ({"prep": cfg.prep.name, "recur": cfg.recur.name} if mode == "serial" else
+             {"prep": alongside_of(cfg).prep.name, "recur": alongside_of(cfg).recur.name})
     got = [r[2] if r[0] == "memset" else r[0] for r in stub_driver]
     assert got == [names.get(e, e) for e in expect]
     del sys.modules["alongside_probe"]

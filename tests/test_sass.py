@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from kda_cute import runtime
-from kda_cute.config import EXPERIMENTAL, SEGMENT_RUNS, SHIPPED
+from kda_cute.config import ALONGSIDE, EXPERIMENTAL, SEGMENT_RUNS, SHIPPED
 
 
 def _nvdisasm() -> Path | None:
@@ -30,7 +30,7 @@ def _nvdisasm() -> Path | None:
 
 
 NVDISASM = _nvdisasm()
-WGMMA = sorted({c.recur for c in SHIPPED + EXPERIMENTAL if c.recur.mma == "wgmma"},
+WGMMA = sorted({c.recur for c in SHIPPED + EXPERIMENTAL + ALONGSIDE if c.recur.mma == "wgmma"},
                key=lambda r: r.name)
 
 
