@@ -14,8 +14,9 @@ forward, each kernel's own GPU time from the profiler, inputs rotated as in benc
 Each schedule's output must equal the serial one bit for bit (checked on every input set), so
 what is timed is the same computation. Cases as kernel_times.py takes them.
 
-  --k1-ctas N     K1 beside K2 at most N CTAs per SM (config.ALONGSIDE_K1_CTAS: the launcher
-                  pads its shared memory; fewer is slower K1, lighter on the memory system)
+  --k1-ctas N ... K1 beside K2 at most N CTAs per SM, one probe per N (instead of the
+                  launcher's api._k1_alongside_ctas; it pads K1's shared memory: fewer is a
+                  slower K1, lighter on the memory system)
   --clocks        each schedule also runs ~1.5 s in a loop while nvidia-smi samples the SM clock
                   and the board power (median of the samples)
 """
@@ -40,7 +41,6 @@ from kernel_times import parse_case  # noqa: E402
 
 import bench  # noqa: E402
 from kda_cute import api, fwd, runtime  # noqa: E402
-from kda_cute.config import ALONGSIDE_K1_CTAS  # noqa: E402
 
 MODES = ("serial", "alongside", "preset", "k2-only")
 
@@ -78,19 +78,19 @@ class _Schedule:
 
 
 class _K1Ctas:
-    """Sets K1's CTAs per SM alongside K2 (config.ALONGSIDE_K1_CTAS) for one head dim."""
+    """Holds K1 alongside K2 to `ctas` CTAs per SM (None: the launcher's choice)."""
 
-    def __init__(self, head_dim: int, ctas: int | None):
-        self.head_dim, self.ctas = head_dim, ctas
-        self.saved = ALONGSIDE_K1_CTAS[head_dim]
+    def __init__(self, ctas: int | None):
+        self.ctas = ctas
+        self.saved = api._k1_alongside_ctas
 
     def __enter__(self):
         if self.ctas:
-            ALONGSIDE_K1_CTAS[self.head_dim] = self.ctas
+            api._k1_alongside_ctas = lambda *args: self.ctas
         return self
 
     def __exit__(self, *exc):
-        ALONGSIDE_K1_CTAS[self.head_dim] = self.saved
+        api._k1_alongside_ctas = self.saved
         return False
 
 
@@ -175,7 +175,7 @@ def main(argv=None):
         label, spec = parse_case(name)
         for ctas in a.k1_ctas:
             tag = f" k1 {ctas}/SM" if ctas else ""
-            with _K1Ctas(a.head_dim, ctas):
+            with _K1Ctas(ctas):
                 res = probe(spec, a.head_dim, a.iters, a.clocks, modes)
             _report(label, a, tag, res)
 

@@ -17,7 +17,7 @@ import torch
 from . import runtime, segments
 from .abi import SYM_DIV
 from .config import (
-    ALONGSIDE_K1_CTAS,
+    ALONGSIDE_K1_PER_PAIR,
     GATE_MODES,
     K1_GRID_Y,
     SEGMENT_RUNS,
@@ -408,14 +408,15 @@ def launch_forward(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, in
     if alongside:
         # the alongside builds: K2 first, alone on its SMs (its shared memory padded to a whole
         # SM's), waiting on K1's per-chunk flags; K1 as its programmatic dependent on the SMs
-        # left, at most ALONGSIDE_K1_CTAS CTAs per SM (padded shared memory)
+        # left, held to _k1_alongside_ctas CTAs per SM (padded shared memory)
         acfg = alongside_of(cfg)
         k1a, k2a = runtime.get_kernel(acfg.prep, arch), runtime.get_kernel(acfg.recur, arch)
         k1a.load(di)  # a first load would wait for K2, which waits for K1
         runtime.memset_d32(ws["flags"], 0, nch * H, stream)
         k2a.launch_with(k2_grid, vals2, syms, stream, di, smem=_sm_budget(di)[2])
+        ctas = _k1_alongside_ctas(p, math.prod(k2_grid), di, k1a)
         k1a.launch_with(k1_grid, vals1, syms, stream, di, programmatic=True,
-                        smem=_k1_alongside_smem(di, K))
+                        smem=_k1_alongside_smem(di, ctas))
     elif P > 1:
         _segmented_recurrence(k2, cfg, vals2, syms, p, P, v, initial_state, final_state,
                               stream, di)
@@ -453,11 +454,26 @@ def _schedule(p: Problem, cfg: FwdConfig, k2, device: int, segments_per_seq):
 ALONGSIDE_MIN_CHUNKS = 32
 
 
-def _k1_alongside_smem(device: int, head_dim: int) -> int:
-    """K1's shared memory reservation alongside K2: what holds it to ALONGSIDE_K1_CTAS
-    CTAs per SM (the launch takes the kernel's own where that is more)."""
+def _k1_resident_per_sm(device: int, k1) -> int:
+    """K1 CTAs one SM holds at once: the fewest its shared memory, registers and threads allow."""
     _, per_sm, _ = _sm_budget(device)
-    return per_sm // ALONGSIDE_K1_CTAS[head_dim] - 1024
+    threads = k1.block[0]
+    regs = -(-int(k1.manifest["registers"]) * 32 // 256) * 256 * -(-threads // 32)
+    return max(1, min(per_sm // (k1.smem + 1024), 65536 // regs, 2048 // threads))
+
+
+def _k1_alongside_ctas(p: Problem, k2_ctas: int, device: int, k1) -> int:
+    """K1 CTAs per SM alongside K2: ALONGSIDE_K1_PER_PAIR per (sequence, head) pair per SM left
+    to K1, at least one, at most what fits."""
+    free = max(1, _sm_budget(device)[0] - k2_ctas)
+    want = round(ALONGSIDE_K1_PER_PAIR[p.K] * p.N * p.H / free)
+    return max(1, min(want, _k1_resident_per_sm(device, k1)))
+
+
+def _k1_alongside_smem(device: int, ctas: int) -> int:
+    """The shared memory reservation that holds K1 to `ctas` CTAs per SM (the launch takes
+    the kernel's own where that is more)."""
+    return _sm_budget(device)[1] // ctas - 1024
 
 
 def _k2_alongside(cfg: FwdConfig, k2_grid: tuple, device: int) -> bool:

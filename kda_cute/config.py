@@ -250,9 +250,12 @@ ALONGSIDE: tuple[FwdConfig, ...] = tuple(
               RecurConfig(**{**f.recur.as_dict(), "alongside": True,
                              "stages": 8 if f.recur.head_dim_k <= 128 else f.recur.stages}))
     for f in TENSOR_CORE)
-# K1 CTAs per SM when it runs alongside K2 (the launcher pads its shared memory to hold it
-# there): at its full occupancy its memory traffic slows K2's steps, which set the pace.
-ALONGSIDE_K1_CTAS = {64: 6, 128: 4, 256: 2}
+# K1 alongside K2 is held to fewer CTAs per SM than it fits (the launcher pads its shared
+# memory): at its full occupancy its memory traffic slows K2's steps, which set the pace. It
+# needs about this many CTAs per SM for each (sequence, head) pair per SM left to it (K2
+# consumes one chunk of every pair a step); fitted on the H200 (bench/NOTES.md: K = 64 H32 and
+# H64, K = 128 H32, K = 256 H16, each the best of a sweep over CTAs per SM).
+ALONGSIDE_K1_PER_PAIR = {64: 12.0, 128: 11.0, 256: 8.0}
 
 
 def alongside_of(cfg: FwdConfig) -> FwdConfig | None:

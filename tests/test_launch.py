@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kda_cute import abi, api, fwd, runtime
-from kda_cute.config import ALONGSIDE_K1_CTAS, alongside_of, select_config
+from kda_cute.config import alongside_of, select_config
 
 BF16 = torch.bfloat16
 
@@ -343,9 +343,9 @@ def test_k2_alongside_k1_when_its_grid_takes_at_most_half_the_sms(stub_driver):
     assert acfg.prep.alongside and acfg.recur.alongside and acfg.recur.stages == 8
     assert k2[0] == acfg.recur.name and k1[0] == acfg.prep.name
     assert k2[4] == 232448 and not k2[5]  # a whole SM's shared memory: no K1 CTA beside it
-    # K1 programmatic, held to ALONGSIDE_K1_CTAS CTAs per SM by its shared memory
-    assert k1[5] and k1[4] == api._k1_alongside_smem(0, p.K)
-    assert 233472 // (k1[4] + 1024) == ALONGSIDE_K1_CTAS[p.K]
+    # K1 programmatic, held by its shared memory to the CTAs per SM it needs: 2 pairs on the
+    # 130 SMs K2 leaves, round(12 * 2 / 130) = 0 -> at least one
+    assert k1[5] and k1[4] == api._k1_alongside_smem(0, 1) == 233472 - 1024
     # both read the same flags, the ones zeroed
     f1 = struct.unpack_from("<Q", _param(k1, acfg.prep, "flags"))[0]
     f2 = struct.unpack_from("<Q", _param(k2, acfg.recur, "flags"))[0]
@@ -411,3 +411,35 @@ def test_alongside_probe_schedules(stub_driver, monkeypatch, mode, expect):
     got = [r[2] if r[0] == "memset" else r[0] for r in stub_driver]
     assert got == [names.get(e, e) for e in expect]
     del sys.modules["alongside_probe"]
+
+
+class _K1Resources:
+    """A K1 kernel's resources as the launcher reads them (block, registers, shared memory)."""
+
+    def __init__(self, threads: int, registers: int, smem: int):
+        self.block, self.manifest, self.smem = (threads, 1, 1), {"registers": registers}, smem
+
+
+# the shipped K1 builds' resources at K = 64, 128, 256 (make kernels' table)
+_K1_64, _K1_128, _K1_256 = (_K1Resources(64, 77, 19840), _K1Resources(128, 64, 26496),
+                            _K1Resources(256, 64, 52352))
+
+
+@pytest.mark.parametrize("K,N,H,k2_ctas,k1,expect", [
+    (64, 1, 64, 64, _K1_64, 11),  # as many as fit: K1 must keep up with 64 heads
+    (64, 1, 32, 32, _K1_64, 4),
+    (128, 1, 32, 64, _K1_128, 5),
+    (256, 1, 16, 64, _K1_256, 2),
+    (128, 2, 16, 64, _K1_128, 5),  # pairs count, not heads
+    (128, 1, 1, 2, _K1_128, 1),  # at least one
+])
+def test_k1_alongside_ctas_the_sweeps_best(monkeypatch, K, N, H, k2_ctas, k1, expect):
+    """K1's CTAs per SM alongside K2 are the best of the H200 sweeps (bench/NOTES.md) where
+    one was run, and the shared memory asked for holds K1 to exactly that many."""
+    import types
+    monkeypatch.setattr(api, "_sm_budget", lambda device: (132, 233472, 232448))
+    p = types.SimpleNamespace(K=K, N=N, H=H)
+    ctas = api._k1_alongside_ctas(p, k2_ctas, 0, k1)
+    assert ctas == expect
+    smem = max(k1.smem, api._k1_alongside_smem(0, ctas))
+    assert min(233472 // (smem + 1024), api._k1_resident_per_sm(0, k1)) == ctas
