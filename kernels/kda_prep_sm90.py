@@ -185,7 +185,7 @@ class KdaPrepSm90(TileCopy):
         C, K, NT = self.C, self.K, self.threads
         tidx, warp, lane, h, bid = self._ids()
 
-        t0, length, bound = self._locate(mCuSeq, mCuChunk, num_seqs, bid)
+        t0, length, bound = self._locate(mCuSeq, mCuChunk, num_seqs, bid, lane)
 
         if bid < bound:
             st, mbar, sQK, sQ, sK, sG = self._input_tiles(s_tile)
@@ -389,26 +389,52 @@ class KdaPrepSm90(TileCopy):
                 cute.make_tensor(sQK.iterator + C * K, s_tile), st.sG.get_tensor(s_tile))
 
     @cute.jit
-    def _locate(self, mCuSeq: cute.Tensor, mCuChunk: cute.Tensor, num_seqs: cutlass.Int32, bid):
-        """(first token, valid rows, chunk bound) of chunk slot `bid`: binary search over
-        cu_chunks, log2(N) steps (none for one sequence). The bound is the number of slots, or
-        0 for a slot that holds no tokens (past the end, or between two varlen sequences:
-        api.chunk_slots), so `bid < bound` says whether this CTA has a chunk."""
-        lo = cutlass.Int32(0)
-        hi = num_seqs
-        while hi - lo > 1:
-            mid = (lo + hi) >> 1
-            if mCuChunk[mid] <= bid:
-                lo = mid
-            else:
-                hi = mid
-        seq = lo
-        t0 = mCuSeq[seq] + (bid - mCuChunk[seq]) * self.C
-        length = cutlass.min(self.C, mCuSeq[seq + 1] - t0)
+    def _locate(self, mCuSeq: cute.Tensor, mCuChunk: cute.Tensor, num_seqs: cutlass.Int32, bid,
+                lane):
+        """(first token, valid rows, chunk bound) of chunk slot `bid`. The sequence holding it
+        is found by a 32-way search, each warp by itself: a round's lanes read 32 evenly spaced
+        entries of cu_chunks (and the cu_seqlens pair beside each) at once and a ballot counts
+        those at or before `bid`, so N <= 32 sequences take one round of loads and N <= 1024
+        two (a binary search's dependent loads were log2(N) rounds, each an L2 round trip at
+        the CTA's start). The lane that sampled the sequence in the last round hands its
+        loads over by shuffles. The bound is the number of slots, or 0 for a slot that holds
+        no tokens (past the end, or between two varlen sequences: api.chunk_slots), so
+        `bid < bound` says whether this CTA has a chunk."""
         bound = mCuChunk[num_seqs]
+        lo, hi, c0, s0, s1, k = self._locate_round(mCuSeq, mCuChunk, cutlass.Int32(0),
+                                                   num_seqs, bid, lane)
+        while hi - lo > 1:
+            lo, hi, c0, s0, s1, k = self._locate_round(mCuSeq, mCuChunk, lo, hi, bid, lane)
+        c0 = cute.arch.shuffle_sync(c0, k)
+        s0 = cute.arch.shuffle_sync(s0, k)
+        s1 = cute.arch.shuffle_sync(s1, k)
+        t0 = s0 + (bid - c0) * self.C
+        length = cutlass.min(self.C, s1 - t0)
         if length < 1:
             bound = cutlass.Int32(0)
         return t0, length, bound
+
+    @cute.jit
+    def _locate_round(self, mCuSeq: cute.Tensor, mCuChunk: cute.Tensor, lo, hi, bid, lane):
+        """One round of _locate's search over [lo, hi) (cu_chunks[lo] <= bid, or lo = 0): lane
+        l samples entry lo + l * step, step = ceil((hi - lo) / 32), so the 32 samples cover the
+        range; cu_chunks increases, so the lanes at or before `bid` are the first k + 1 and the
+        sequence lies in [lo + k step, lo + (k + 1) step). Returns the new range, this lane's
+        cu_chunks, cu_seqlens pair and k."""
+        step = (hi - lo + 31) // 32
+        idx = lo + lane * step
+        j = cutlass.min(idx, hi - 1)
+        c0 = mCuChunk[j]
+        s0 = mCuSeq[j]
+        s1 = mCuSeq[j + 1]
+        ok = cutlass.Int32(0)
+        if idx < hi:
+            if c0 <= bid:
+                ok = cutlass.Int32(1)
+        k = cute.arch.popc(cute.arch.vote_ballot_sync(ok != 0)) - 1
+        k = cutlass.max(k, 0)
+        lo2 = lo + k * step
+        return lo2, cutlass.min(lo2 + step, hi), c0, s0, s1, k
 
     @cute.jit
     def _load_tiles(self, loads, tiles, mbar, mBeta: cute.Tensor, sBeta, t0, h, length,
@@ -899,7 +925,7 @@ class KdaPrepSm90Split(KdaPrepSm90):
         BPW = (W // 16) // NW  # phase B blocks per warp per pass
         NQ = C * C // NT  # (i, j) entries per thread in the final sum
         tidx, warp, lane, h, bid = self._ids()
-        t0, length, bound = self._locate(mCuSeq, mCuChunk, num_seqs, bid)
+        t0, length, bound = self._locate(mCuSeq, mCuChunk, num_seqs, bid, lane)
 
         if bid < bound:
             st, mbar, sQK, sQ, sK, sG = self._input_tiles(s_tile)
