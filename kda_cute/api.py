@@ -479,11 +479,12 @@ def _k1_alongside_smem(device: int, ctas: int) -> int:
 def _k2_alongside(cfg: FwdConfig, k2_grid: tuple, device: int) -> bool:
     """Whether K2 runs alongside K1 rather than after it: where K2's grid (one CTA per SM)
     takes at most half of the SMs, so K1 keeps the other half and K2 consumes each chunk as
-    K1 flags it (the tensor-core K2 only). K2 is then launched first and every one of its
-    CTAs is resident before K1 starts (K1 is its programmatic dependent), so its waits always
-    end. Measured on the H200 (bench/NOTES.md): B1 T8192 H32 -8% at K = 128, -12% at K = 64;
-    K2 steps are ~25% slower than alone, so it pays only where K2 leaves SMs idle.
-    KDA_CUTE_ALONGSIDE=0 turns it off."""
+    K1 flags it (the tensor-core forwards with an alongside build, config.ALONGSIDE). K2 is
+    then launched first and every one of its CTAs is resident before K1 starts (K1 is its
+    programmatic dependent), so its waits always end. Measured on the H200 (bench/NOTES.md,
+    K1 held to _k1_alongside_ctas): B1 T8192 H32 -20% at K = 128 and 64; K2's steps
+    are still ~15% slower than alone (K1's memory traffic), so it pays only where K2 leaves SMs
+    idle. KDA_CUTE_ALONGSIDE=0 turns it off."""
     if (alongside_of(cfg) is None
             or os.environ.get("KDA_CUTE_ALONGSIDE", "1") == "0"):
         return False

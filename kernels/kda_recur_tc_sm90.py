@@ -26,6 +26,9 @@ no masking; only v's rows past the length (another sequence's, or zero-filled) a
 Whole output chunks leave by TMA stores from a double-buffered smem tile, each warp storing its
 own 16 state rows (no barrier across the warpgroup); a sequence's last, partial chunk is stored
 by the threads (a whole tile would overwrite the next sequence's rows).
+Built `alongside` (config.ALONGSIDE: K1 runs at the same time on the other SMs), the CTA lets its
+programmatic dependent K1 launch once resident, and the producer waits for K1's flag of each
+(chunk, head) before loading it; the serial builds carry none of that.
 Constraints: block_v == 64, threads == 128 (+ 32 producer), chunk == 16, head_dim_k % 64 == 0.
 """
 
