@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from kernel_times import parse_case  # noqa: E402
 
 import bench  # noqa: E402
-from kda_cute import api, fwd, runtime  # noqa: E402
+from kda_cute import api, runtime  # noqa: E402
 
 MODES = ("serial", "alongside", "preset", "k2-only")
 
@@ -118,10 +118,7 @@ def clocks(fn, sets, seconds: float = 1.5) -> tuple[float, float]:
     return statistics.median(v[0] for v in vals), statistics.median(v[1] for v in vals)
 
 
-def run(x):
-    fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], x["scale"], x["out"], x["A_log"],
-        x["dt_bias"], x["lower_bound"], x["initial_state"], x["final_state"], x["cu_seqlens"],
-        x["workspace"], check_seqlens=False)
+run = bench.kda_runner()  # the launcher's choice of config and segments, as bench.py times it
 
 
 def probe(spec, K: int, iters: int, want_clocks: bool = False,

@@ -278,13 +278,18 @@ def _k2_slots(device: int, k2_smem: int) -> tuple[int, int]:
     return sms, sms * max(1, per_sm // (k2_smem + 1024))
 
 
+def _resident_per_sm(device: int, kernel) -> int:
+    """A kernel's CTAs one SM holds at once: the fewest that its shared memory, its registers
+    (allocated per warp in units of 256) and its threads allow."""
+    _, per_sm, _ = _sm_budget(device)
+    threads = kernel.block[0]
+    regs = -(-int(kernel.manifest["registers"]) * 32 // 256) * 256 * -(-threads // 32)
+    return max(1, min(per_sm // (kernel.smem + 1024), 65536 // regs, 2048 // threads))
+
+
 def _k2_resident(device: int, k2) -> int:
-    """K2 CTAs resident at once on the device: per SM the fewest that its shared memory, its
-    registers (allocated per warp in units of 256) and its threads allow."""
-    sms, per_sm, _ = _sm_budget(device)
-    threads = k2.block[0]
-    regs = -(-int(k2.manifest["registers"]) * 32 // 256) * 256 * -(-threads // 32)
-    return sms * max(1, min(per_sm // (k2.smem + 1024), 65536 // regs, 2048 // threads))
+    """K2 CTAs resident at once on the device."""
+    return _sm_budget(device)[0] * _resident_per_sm(device, k2)
 
 
 def _segment_count(p: Problem, cfg: FwdConfig, k2, device: int, requested) -> int:
@@ -454,20 +459,12 @@ def _schedule(p: Problem, cfg: FwdConfig, k2, device: int, segments_per_seq):
 ALONGSIDE_MIN_CHUNKS = 32
 
 
-def _k1_resident_per_sm(device: int, k1) -> int:
-    """K1 CTAs one SM holds at once: the fewest its shared memory, registers and threads allow."""
-    _, per_sm, _ = _sm_budget(device)
-    threads = k1.block[0]
-    regs = -(-int(k1.manifest["registers"]) * 32 // 256) * 256 * -(-threads // 32)
-    return max(1, min(per_sm // (k1.smem + 1024), 65536 // regs, 2048 // threads))
-
-
 def _k1_alongside_ctas(p: Problem, k2_ctas: int, device: int, k1) -> int:
     """K1 CTAs per SM alongside K2: ALONGSIDE_K1_PER_PAIR per (sequence, head) pair per SM left
     to K1, at least one, at most what fits."""
     free = max(1, _sm_budget(device)[0] - k2_ctas)
     want = round(ALONGSIDE_K1_PER_PAIR[p.K] * p.N * p.H / free)
-    return max(1, min(want, _k1_resident_per_sm(device, k1)))
+    return max(1, min(want, _resident_per_sm(device, k1)))
 
 
 def _k1_alongside_smem(device: int, ctas: int) -> int:

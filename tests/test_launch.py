@@ -442,4 +442,4 @@ def test_k1_alongside_ctas_the_sweeps_best(monkeypatch, K, N, H, k2_ctas, k1, ex
     ctas = api._k1_alongside_ctas(p, k2_ctas, 0, k1)
     assert ctas == expect
     smem = max(k1.smem, api._k1_alongside_smem(0, ctas))
-    assert min(233472 // (smem + 1024), api._k1_resident_per_sm(0, k1)) == ctas
+    assert min(233472 // (smem + 1024), api._resident_per_sm(0, k1)) == ctas
