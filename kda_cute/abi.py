@@ -161,6 +161,8 @@ def _recur_common(cfg: RecurConfig) -> list[Arg]:
         Arg("num_heads", "i32", grid_only=True),
         Arg("state_in", "i32"),
         Arg("state_out", "i32"),
+        # 1: grid z runs the z-th longest sequence (varlen, fewer than the CTA's threads)
+        *([Arg("ordered", "i32")] if cfg.mma == "wgmma" else []),
     ]
 
 

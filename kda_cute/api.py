@@ -409,7 +409,8 @@ def launch_forward(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, in
     vals2 = {**ws, "v": v.data_ptr(), "out": out.data_ptr(), "out_tma": out.data_ptr(),
              "s0f": sp_in, "s0h": sp_in, "s1f": sp_out, "s1h": sp_out,
              "cu_seqlens": cs.data_ptr(), "cu_chunks": cc.data_ptr(), "num_seqs": p.N,
-             "num_heads": H, "state_in": s_in, "state_out": s_out}
+             "num_heads": H, "state_in": s_in, "state_out": s_out,
+             "ordered": int(_longest_first(p, k2, k2_grid, di))}
     if alongside:
         # the alongside builds: K2 first, alone on its SMs (its shared memory padded to a whole
         # SM's), waiting on K1's per-chunk flags; K1 as its programmatic dependent on the SMs
@@ -428,6 +429,15 @@ def launch_forward(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, in
     elif k2_grid is not None:
         k2.launch_with(k2_grid, vals2, syms, stream, di)
     return None
+
+
+def _longest_first(p: Problem, k2, k2_grid, device: int) -> bool:
+    """Whether K2's grid z takes the sequences longest first (the kernel ranks them from
+    cu_seqlens): a varlen batch of 2 .. threads - 1 sequences whose K2 grid needs more than one
+    wave. Its CTAs are dispatched about in grid order, so a long sequence that comes last in
+    cu_seqlens would otherwise start last and run on alone at the end."""
+    return (p.varlen and 2 <= p.N < k2.block[0] and k2_grid is not None
+            and math.prod(k2_grid) > _k2_resident(device, k2))
 
 
 def schedule(p: Problem, cfg: FwdConfig, device: int, segments=None) -> str:

@@ -95,6 +95,7 @@ class KdaRecurTcSm90(TileCopy):
         mFlags: cute.Tensor,  # (num_chunks * H,) int32: K1's per-(chunk, head) flags
         num_seqs: cutlass.Int32, num_heads: cutlass.Int32,
         state_in: cutlass.Int32, state_out: cutlass.Int32,
+        ordered: cutlass.Int32,  # 1: grid z is the z-th longest sequence (a varlen batch)
         stream,
     ):
         C, K, BV, S = self.C, self.K, self.BV, self.stages
@@ -157,12 +158,15 @@ class KdaRecurTcSm90(TileCopy):
             sGl: align[buf[cutlass.Float32, cute.cosize(l_gl)], 128]
             sV: align[buf[bf16, cute.cosize(l_v)], 128]
             sO: align[buf[bf16, cute.cosize(l_o)], 128]
+            # `ordered`: cu_seqlens (at most `threads` entries), then the CTA's sequence
+            sOrd: buf[cutlass.Int32, self.threads + 1]
 
         self.shared_storage = SharedStorage
         self.smem_bytes = SharedStorage.size_in_bytes()
         self.kernel(
             *atoms, mOut, tma_o, tO, mS0f, mS0h, mS1f, mS1h, mCuSeq, mCuChunk, mFlags,
-            state_in, state_out, mma_p, mma_s, l_ck, l_cc, l_kc, l_gl, l_v, l_o, l_slab,
+            state_in, state_out, ordered, mma_p, mma_s, l_ck, l_cc, l_kc, l_gl, l_v, l_o,
+            l_slab,
         ).launch(
             grid=(self.V // BV, num_heads, num_seqs), block=(self.threads, 1, 1),
             smem=self.smem_bytes, stream=stream,
@@ -186,7 +190,7 @@ class KdaRecurTcSm90(TileCopy):
         tma_o: cute.CopyAtom, tO: cute.Tensor,
         mS0f: cute.Tensor, mS0h: cute.Tensor, mS1f: cute.Tensor, mS1h: cute.Tensor,
         mCuSeq: cute.Tensor, mCuChunk: cute.Tensor, mFlags: cute.Tensor,
-        state_in: cutlass.Int32, state_out: cutlass.Int32,
+        state_in: cutlass.Int32, state_out: cutlass.Int32, ordered: cutlass.Int32,
         mma_p: cute.TiledMma, mma_s: cute.TiledMma,
         l_ck: cute.ComposedLayout, l_cc: cute.ComposedLayout, l_kc: cute.ComposedLayout,
         l_gl: cute.Layout, l_v: cute.Layout, l_o: cute.Layout, l_slab: cute.Layout,
@@ -206,6 +210,9 @@ class KdaRecurTcSm90(TileCopy):
 
         smem = utils.SmemAllocator()
         st = smem.allocate(self.shared_storage)
+        if ordered != 0:
+            z = self._longest_first(mCuSeq, st.sOrd.get_tensor(cute.make_layout(
+                self.threads + 1)), num_seqs, z, tidx)
         sKg = st.sKg.get_tensor(l_ck.outer, swizzle=l_ck.inner)  # (C, K, S)
         sQg = st.sQg.get_tensor(l_ck.outer, swizzle=l_ck.inner)
         sKdh = st.sKdh.get_tensor(l_kc.outer, swizzle=l_kc.inner)  # (K, C, S)
@@ -262,6 +269,32 @@ class KdaRecurTcSm90(TileCopy):
                           l_slab, mOut, (tma_o, tO), mS0f, mS0h, mS1f, mS1h, state_in,
                           state_out, mma_p, mma_s, tidx, warp, h, vb, mCuSeq,
                           (z, num_seqs, nz))
+
+    @cute.jit
+    def _longest_first(self, mCuSeq: cute.Tensor, sOrd: cute.Tensor, num_seqs, z, tidx):
+        """The sequence of rank z by length, longest first (ties by index): grid z = 0, 1, ...
+        is dispatched about in order, so the longest sequences start first and the shortest
+        fill the last wave (a varlen batch whose longest sequence comes last otherwise starts
+        it last, and its CTAs alone run on at the end). num_seqs < threads: every thread copies
+        one cu_seqlens entry to smem, thread i ranks sequence i against all, and the one whose
+        rank is z hands its index over."""
+        if tidx <= num_seqs:
+            sOrd[tidx] = mCuSeq[tidx]
+        cute.arch.sync_threads()
+        if tidx < num_seqs:
+            li = sOrd[tidx + 1] - sOrd[tidx]
+            rank = cutlass.Int32(0)
+            for j in cutlass.range(num_seqs):
+                lj = sOrd[j + 1] - sOrd[j]
+                if lj > li:
+                    rank = rank + 1
+                if lj == li:
+                    if j < tidx:
+                        rank = rank + 1
+            if rank == z:
+                sOrd[self.threads] = tidx
+        cute.arch.sync_threads()
+        return sOrd[self.threads]
 
     @cute.jit
     def _await_flags(self, mFlags: cute.Tensor, chunk0, c, nch, nh, h):

@@ -454,3 +454,29 @@ def test_k2_alongside_in_a_cuda_graph():
                         (out, final))
     ref, ref_final = run_kda(inp)  # the new inputs (A_log and dt_bias as captured)
     assert torch.equal(out, ref) and torch.equal(final, ref_final)
+
+
+def test_varlen_longest_first_equals_cu_seqlens_order(monkeypatch):
+    """A varlen batch of several K2 waves runs its sequences longest first (the kernel ranks
+    them): every sequence exactly once (outputs are NaN-poisoned), bit-identical to the same
+    forward in cu_seqlens order, and against the reference."""
+    from kda_cute import api, runtime
+
+    seqlens = [130, 0, 47, 300, 1, 96, 513, 47]  # ties and an empty one
+    H = torch.cuda.get_device_properties(0).multi_processor_count  # K2: 2 CTAs a head
+    inp = make_inputs(seqlens=seqlens, H=H, K=128, seed=47)
+    p = api.validate(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], inp["scale"],
+                     torch.empty_like(inp["v"]), inp["A_log"], inp["dt_bias"],
+                     inp["lower_bound"], inp["initial_state"], None, inp["cu_seqlens"],
+                     "bounded")
+    cfg = api.config_for(p)
+    k2 = runtime.get_kernel(cfg.recur, runtime.arch_of(0))
+    assert api._longest_first(p, k2, (2, H, len(seqlens)), 0)
+    out_o, final_o = run_kda(inp)
+    monkeypatch.setattr(api, "_longest_first", lambda *a: False)
+    out_s, final_s = run_kda(inp)
+    assert torch.isfinite(out_o.float()).all() and torch.isfinite(final_o).all()
+    assert torch.equal(out_o, out_s) and torch.equal(final_o, final_s)
+    small = make_inputs(seqlens=seqlens, H=2, K=128, seed=48)
+    monkeypatch.setattr(api, "_longest_first", lambda *a: True)  # ranked on a small batch too
+    _assert(errors(small))

@@ -9,6 +9,7 @@ new one, and that the workspace plan the launcher addresses matches the views th
 from __future__ import annotations
 
 import ctypes
+import itertools
 import struct
 
 import pytest
@@ -443,3 +444,41 @@ def test_k1_alongside_ctas_the_sweeps_best(monkeypatch, K, N, H, k2_ctas, k1, ex
     assert ctas == expect
     smem = max(k1.smem, api._k1_alongside_smem(0, ctas))
     assert min(233472 // (smem + 1024), api._resident_per_sm(0, k1)) == ctas
+
+
+def _varlen(seqlens, H, K=64, seed=1):
+    """A varlen problem (B = 1, cu_seqlens int32) as fwd's keyword arguments."""
+    x = _problem(T=sum(seqlens), H=H, K=K, seed=seed)
+    N = len(seqlens)
+    cu = torch.tensor([0] + list(itertools.accumulate(seqlens)), dtype=torch.int32)
+    s0 = torch.randn(N, H, K, K)
+    x.update(cu_seqlens=cu, initial_state=s0, final_state=torch.empty_like(s0))
+    p = api.validate(x["q"], x["k"], x["v"], x["g"], x["beta"], x["scale"], x["out"],
+                     x["A_log"], x["dt_bias"], -5.0, s0, x["final_state"], cu, "bounded")
+    x["workspace"] = torch.empty(api.workspace_bytes(p, api.config_for(p)), dtype=torch.uint8)
+    return x, p
+
+
+@pytest.mark.parametrize("seqlens,H,expect", [
+    ([40, 7, 90, 33, 5, 120], 64, 1),  # K2: 6 x 64 CTAs, more than one wave (264)
+    ([40, 7, 90, 33, 5, 120], 2, 0),  # one wave: every CTA starts at once
+    ([3] * 160, 2, 0),  # as many sequences as K2 has threads: the kernel cannot rank them
+    ([3] * 159, 2, 1),
+])
+def test_k2_longest_first_for_varlen_batches_of_several_waves(stub_driver, seqlens, H, expect):
+    x, p = _varlen(seqlens, H)
+    cfg = api.config_for(p)
+    _run(x)
+    (k2,) = [r for r in stub_driver if r[0] == cfg.recur.name]
+    assert k2[1] == (1, H, len(seqlens))  # grid z: one sequence each
+    assert struct.unpack("<i", _param(k2, cfg.recur, "ordered"))[0] == expect
+
+
+def test_k2_in_cu_seqlens_order_for_fixed_length_batches(stub_driver):
+    x = _problem(T=40, H=300)  # 300 K2 CTAs: more than one wave
+    p = api.validate(x["q"], x["k"], x["v"], x["g"], x["beta"], x["scale"], x["out"],
+                     x["A_log"], x["dt_bias"], -5.0, None, None, None, "bounded")
+    cfg = api.config_for(p)
+    _run(x)
+    (k2,) = [r for r in stub_driver if r[0] == cfg.recur.name]
+    assert struct.unpack("<i", _param(k2, cfg.recur, "ordered"))[0] == 0
