@@ -7,9 +7,11 @@ was got. A launch itself does no host sync except the optional check of cu_seqle
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
+import threading
 from dataclasses import dataclass, replace
 
 import torch
@@ -418,11 +420,12 @@ def launch_forward(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, in
         acfg = alongside_of(cfg)
         k1a, k2a = runtime.get_kernel(acfg.prep, arch), runtime.get_kernel(acfg.recur, arch)
         k1a.load(di)  # a first load would wait for K2, which waits for K1
-        runtime.memset_d32(ws["flags"], 0, nch * H, stream)
-        k2a.launch_with(k2_grid, vals2, syms, stream, di, smem=_sm_budget(di)[2])
         ctas = _k1_alongside_ctas(p, math.prod(k2_grid), di, k1a)
-        k1a.launch_with(k1_grid, vals1, syms, stream, di, programmatic=True,
-                        smem=_k1_alongside_smem(di, ctas))
+        with _alongside_order(di, stream, not _capturing(dev)):
+            runtime.memset_d32(ws["flags"], 0, nch * H, stream)
+            k2a.launch_with(k2_grid, vals2, syms, stream, di, smem=_sm_budget(di)[2])
+            k1a.launch_with(k1_grid, vals1, syms, stream, di, programmatic=True,
+                            smem=_k1_alongside_smem(di, ctas))
     elif P > 1:
         _segmented_recurrence(k2, cfg, vals2, syms, p, P, v, initial_state, final_state,
                               stream, di)
@@ -438,6 +441,34 @@ def _longest_first(p: Problem, k2, k2_grid, device: int) -> bool:
     cu_seqlens would otherwise start last and run on alone at the end."""
     return (p.varlen and 2 <= p.N < k2.block[0] and k2_grid is not None
             and math.prod(k2_grid) > _k2_resident(device, k2))
+
+
+# per device: (the stream of the last alongside forward launched, an event recorded after it)
+_alongside_last: dict[int, tuple[int, int]] = {}
+_alongside_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _alongside_order(device: int, stream: int, enabled: bool):
+    """Around an alongside forward's launches: alongside forwards on different streams must not
+    run at once (each K2 grid holds up to half of the SMs while it waits for its K1, so two can
+    leave K1 none: a hang, ended by K2's trap). One launched on another stream than the last
+    waits (on the device, not the host) for that one's end; then an event marks its own end
+    (one event per device, reused: a wait takes its last record at the time of the wait). The
+    lock keeps host threads launching at once in order. Off during capture: a captured stream
+    cannot wait on an event recorded outside it (graphs replayed at once on several streams
+    are not covered)."""
+    if not enabled:
+        yield
+        return
+    with _alongside_lock:
+        last = _alongside_last.get(device)
+        if last is not None and last[0] != stream:
+            runtime.wait_event(stream, last[1])
+        yield
+        event = last[1] if last is not None else runtime.new_event()
+        runtime.record_event(event, stream)
+        _alongside_last[device] = (stream, event)
 
 
 def schedule(p: Problem, cfg: FwdConfig, device: int, segments=None) -> str:

@@ -152,6 +152,25 @@ def memset_d32(ptr: int, value: int, count: int, stream: int) -> None:
     check(cu.cuMemsetD32Async(ptr, value, count, cu.CUstream(stream)))
 
 
+def new_event() -> int:
+    """A CUDA event without timing (for ordering streams), on the current context."""
+    cu = _cu()
+    ev = check(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING))
+    return int(ev)
+
+
+def record_event(event: int, stream: int) -> None:
+    """`event` marks the work enqueued on `stream` so far."""
+    cu = _cu()
+    check(cu.cuEventRecord(cu.CUevent(event), cu.CUstream(stream)))
+
+
+def wait_event(stream: int, event: int) -> None:
+    """Work enqueued on `stream` from now on waits for `event`'s last record (no host wait)."""
+    cu = _cu()
+    check(cu.cuStreamWaitEvent(cu.CUstream(stream), cu.CUevent(event), 0))
+
+
 # ------------------------------------------------------------------------- TMA descriptors
 _desc_cache: dict[tuple, bytes] = {}
 _DESC_CACHE_MAX = 4096

@@ -480,3 +480,31 @@ def test_varlen_longest_first_equals_cu_seqlens_order(monkeypatch):
     small = make_inputs(seqlens=seqlens, H=2, K=128, seed=48)
     monkeypatch.setattr(api, "_longest_first", lambda *a: True)  # ranked on a small batch too
     _assert(errors(small))
+
+
+def test_k2_alongside_on_several_streams_at_once():
+    """Alongside forwards launched on four streams without a host sync, each K2 grid half of
+    the SMs: two at once would leave K1 no SM (K2 would trap after 5 s); the launcher orders
+    them across streams (api._alongside_order). Every result bit-identical to a lone run."""
+    from kda_cute import api, fwd
+
+    H = torch.cuda.get_device_properties(0).multi_processor_count // 4  # K2: 2 CTAs a head
+    inp = make_inputs(B=1, T=2048, H=H, K=128, seed=46)
+    p = api.validate(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], inp["scale"],
+                     torch.empty_like(inp["v"]), inp["A_log"], inp["dt_bias"],
+                     inp["lower_bound"], inp["initial_state"], None, None, "bounded")
+    assert api.schedule(p, api.config_for(p), 0) == "alongside"
+    ref, ref_final = run_kda(inp)
+    streams = [torch.cuda.Stream() for _ in range(4)]
+    outs = [(torch.full_like(ref, float("nan")), torch.full_like(ref_final, float("nan")))
+            for _ in streams]
+    torch.cuda.synchronize()
+    for _ in range(3):
+        for s, (out, final) in zip(streams, outs, strict=True):
+            with torch.cuda.stream(s):
+                fwd(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], inp["scale"], out,
+                    inp["A_log"], inp["dt_bias"], inp["lower_bound"], inp["initial_state"],
+                    final)
+    torch.cuda.synchronize()
+    for out, final in outs:
+        assert torch.equal(out, ref) and torch.equal(final, ref_final)

@@ -29,10 +29,19 @@ class _FakeCu:
         return s
 
 
+class _Launches(list):
+    """Recorded launches, and the event operations beside them."""
+
+    def __init__(self):
+        super().__init__()
+        self.events = []
+
+
 @pytest.fixture
 def stub_driver(monkeypatch):
-    """Kernels built from the manifests without a driver; launches recorded, not run."""
-    launches = []
+    """Kernels built from the manifests without a driver; launches recorded, not run (event
+    operations in `.events`)."""
+    launches = _Launches()
     kernels = {}
 
     def get_kernel(cfg, arch):
@@ -58,6 +67,13 @@ def stub_driver(monkeypatch):
     monkeypatch.setattr(runtime.Kernel, "_launch", record)
     monkeypatch.setattr(runtime, "memset_d32", lambda ptr, value, count, stream:
                         launches.append(("memset", ptr, value, count)))
+    events = iter(range(1000, 2000))
+    monkeypatch.setattr(runtime, "new_event", lambda: next(events))
+    monkeypatch.setattr(runtime, "record_event", lambda ev, stream:
+                        launches.events.append(("record", ev, stream)))
+    monkeypatch.setattr(runtime, "wait_event", lambda stream, ev:
+                        launches.events.append(("wait", stream, ev)))
+    monkeypatch.setattr(api, "_alongside_last", {})
     monkeypatch.setattr(api, "_sm_budget", lambda device: (132, 233472, 232448))  # an H200's
     monkeypatch.setattr(api, "_check_device", lambda *a: None)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
@@ -482,3 +498,43 @@ def test_k2_in_cu_seqlens_order_for_fixed_length_batches(stub_driver):
     _run(x)
     (k2,) = [r for r in stub_driver if r[0] == cfg.recur.name]
     assert struct.unpack("<i", _param(k2, cfg.recur, "ordered"))[0] == 0
+
+
+def _on_stream(monkeypatch, handle):
+    monkeypatch.setattr(torch.cuda, "current_stream",
+                        lambda *a: type("S", (), {"cuda_stream": handle}))
+
+
+def test_alongside_forwards_on_two_streams_do_not_overlap(stub_driver, monkeypatch):
+    """Each alongside forward records one event after its K1; one launched on another stream
+    than the last waits for that event before it zeroes its flags (two K2 grids at once could
+    leave K1 no SMs). On the same stream, no wait: the stream orders them."""
+    x, _ = _with_heads(2, T=32 * 16)
+    monkeypatch.setattr(runtime, "wait_event", lambda stream, ev:
+                        stub_driver.append(("wait", stream, ev)))
+    _run(x)
+    _run(x)  # same stream: no wait
+    _on_stream(monkeypatch, 7)
+    _run(x)
+    _run(x)
+    names = [r[0] for r in stub_driver]
+    assert names.count("wait") == 1
+    w = names.index("wait")
+    assert stub_driver[w] == ("wait", 7, 1000)  # stream 7 waits on stream 0's last forward
+    assert names[w + 1] == "memset" and names[:w].count("memset") == 2
+    # one event, recorded after each forward's K1, on the stream it ran on
+    assert stub_driver.events == [("record", 1000, 0)] * 2 + [("record", 1000, 7)] * 2
+
+
+@pytest.mark.parametrize("why", ["serial", "capturing"])
+def test_no_stream_ordering_otherwise(stub_driver, monkeypatch, why):
+    """Serial forwards need no ordering; a captured stream cannot wait on an event recorded
+    outside the capture, so capture skips it."""
+    x, _ = _with_heads(2 if why == "capturing" else 67, T=32 * 16)
+    if why == "capturing":
+        monkeypatch.setattr(api, "_capturing", lambda dev: True)
+    _run(x)
+    _on_stream(monkeypatch, 7)
+    _run(x)
+    assert stub_driver.events == []
+    assert any(r[0] == "memset" for r in stub_driver) == (why == "capturing")
