@@ -5,7 +5,9 @@ splits (Ah Bh + Ah Bl + Al Bh, ~16 bits), and P, Pq from bf16(S). This emulates 
 on a fixed-length sequence (chunk 16, T a multiple of it) with K1's workspace rounded as K1
 writes it (qg, kg bf16; kd, Aw, Mq hi + lo), and drops one term of one product at a time: "no B
 lo" (Ah Bh + Al Bh: the operand K1 writes needs no lo plane) or "no A lo" (Ah Bh + Ah Bl), or
-keeps one product (Ah Bh). Errors against the float64 loop, FlashKDA-benchmark-like inputs.
+keeps one product (Ah Bh), or runs it as one product of fp16 operands ("fp16": 10 mantissa
+bits, as an f16 warpgroup MMA takes them). Errors against the float64 loop,
+FlashKDA-benchmark-like inputs.
 
     python bench/precision_products.py [--T 1024] [--H 2]
 """
@@ -35,8 +37,15 @@ def lo(x):
     return round_bf16(x - round_bf16(x))
 
 
+def fp16(x):
+    return x.to(torch.float16).to(torch.float32)
+
+
 def product(a, b, mode):
-    """a @ b as the kernel's bf16 MMAs compute it (fp32 accumulation)."""
+    """a @ b as the kernel's bf16 MMAs compute it (fp32 accumulation); "fp16": one product of
+    fp16 operands (10 mantissa bits against bf16's 7), as an f16 wgmma would."""
+    if mode == "fp16":
+        return fp16(a) @ fp16(b)
     if mode == "3":
         return hi(a) @ hi(b) + hi(a) @ lo(b) + lo(a) @ hi(b)
     if mode == "no B lo":
@@ -56,7 +65,10 @@ def k2(inter, v, C, s0, modes):
         sl = slice(c * C, (c + 1) * C)
         q_, k_, d_, v_, aw, mq = (x[:, sl].transpose(1, 2) for x in (qg, kg, kd, v, Aw, Mq))
         St = hi(S).transpose(-1, -2)  # P and Pq from bf16(S)
-        if modes.get("P") == "S hi/lo":  # and S's lo part: two products each
+        if modes.get("P") == "fp16":  # P, Pq from fp16 S, kg and qg
+            W = v_ - fp16(k_) @ fp16(S).transpose(-1, -2)
+            Pq = fp16(q_) @ fp16(S).transpose(-1, -2)
+        elif modes.get("P") == "S hi/lo":  # and S's lo part: two products each
             Sl = lo(S).transpose(-1, -2)
             W = v_ - hi(k_) @ St - hi(k_) @ Sl
             Pq = hi(q_) @ St + hi(q_) @ Sl
@@ -116,8 +128,12 @@ def main(argv=None):
     # (product, its A operand, its B operand): U = Aw W, O = Mq U, S += U^T kd
     for prod, a_name, b_name in (("U", "Aw", "W"), ("O", "Mq", "U"), ("S", "U", "kd")):
         for mode, what in (("no A lo", f"no {a_name} lo"), ("no B lo", f"no {b_name} lo"),
-                           ("1", "one product")):
+                           ("1", "one product"), ("fp16", "one fp16 product")):
             variants.append((f"{prod}: {what}", {**base, prod: mode}))
+    variants.append(("U, O, S: one fp16 product each", {"U": "fp16", "O": "fp16", "S": "fp16"}))
+    variants.append(("U, S: one fp16 product each", {**base, "U": "fp16", "S": "fp16"}))
+    variants.append(("P, Pq, U, O, S: fp16", {"P": "fp16", "U": "fp16", "O": "fp16",
+                                              "S": "fp16"}))
     for name, modes in variants:
         o, s = k2(inter, v.float(), C, s0, modes)
         row = {"variant": name, "out_err": rel_err(o.to(torch.bfloat16), ref_o),
