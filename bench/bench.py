@@ -298,7 +298,7 @@ def bench_case(name, spec, K, iters, fla, ceiling, simt=False, sweep=False):
             torch.cuda.synchronize()
             # K1's and K2's thread counts both: two configs may differ in one only
             row["sweep"][f"c{cfg.chunk}_s{cfg.recur.stages}_t{cfg.prep.threads}"
-                         f"_k2t{cfg.recur.threads}"] = {
+                         f"_k2t{cfg.recur.threads}{'_f16' if cfg.recur.f16 else ''}"] = {
                 "ms": ms, "k1_ms": time_fn(k1_runner(cfg), sets, iters),
                 "out_err": rel_err(sets[0]["out"][:, :, :nh], ref_o),
                 "state_err": rel_err(sets[0]["final_state"][:, :nh], ref_s)}

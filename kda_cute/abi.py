@@ -31,7 +31,7 @@ SYM_WIDTH = {
 # divisibility promised to the compiler; the launcher validates it
 SYM_DIV = {"sQ": 8, "sK": 8, "sG": 8, "sV": 8, "sO": 8, "sW": 8, "sWc": 8}
 
-DTYPE_BYTES = {"bfloat16": 2, "float32": 4, "int32": 4}
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "int32": 4}
 
 
 @dataclass(frozen=True)
@@ -55,15 +55,15 @@ def _tma(name, dtype, shape, stride, box, swizzle=0):
     return Arg(name, "tma", dtype, shape, stride, box, swizzle, align=16)
 
 
-def _operand_tma(name, cols, rows, inner, mn_major=False):
-    """A bf16 MMA operand tile of K1's workspace (R rows: whole chunks) loaded by TMA into a
-    swizzled smem layout: `inner` contiguous elements per row, `rows` rows. The swizzle span is
-    the row's bytes (32, 64 or 128); rows of more than 128 bytes are loaded as several
-    128-byte-wide boxes. An MN-major operand (kd) is declared as the transposed view (cols, R)
-    of the same row-major tensor."""
+def _operand_tma(name, cols, rows, inner, mn_major=False, dtype="bfloat16"):
+    """A 16-bit (bf16; fp16 for the f16 configs) MMA operand tile of K1's workspace (R rows:
+    whole chunks) loaded by TMA into a swizzled smem layout: `inner` contiguous elements per
+    row, `rows` rows. The swizzle span is the row's bytes (32, 64 or 128); rows of more than 128
+    bytes are loaded as several 128-byte-wide boxes. An MN-major operand (kd) is declared as
+    the transposed view (cols, R) of the same row-major tensor."""
     span = min(128, inner * 2)
     shape, stride = ((cols, "R"), (1, cols)) if mn_major else (("R", cols), (cols, 1))
-    return _tma(name, "bfloat16", shape, stride, (span // 2, rows), span)
+    return _tma(name, dtype, shape, stride, (span // 2, rows), span)
 
 
 def _ws_tile(name, dtype, cols, box):
@@ -86,10 +86,11 @@ def prep_args(cfg: PrepConfig) -> list[Arg]:
     gl = _ten("gl", "float32", ("NCH", "H", K), ("sW", K, 1), 16)
     if cfg.operands == "bf16":
         # TMA stores from smem: (C, K) tiles of qg and kg; kd's, Aw's and Mq's planes by the
-        # threads
-        outs = [_ws_tile("qg", "bfloat16", "HK", (K, C)), _ws_tile("kg", "bfloat16", "HK", (K, C)),
-                *(_ws_rows(n, "bfloat16", K, "sW") for n in ("kdh", "kdl")),
-                *(_ws_rows(n, "bfloat16", C, "sWc") for n in ("awh", "awl", "mqh", "mql")), gl]
+        # threads (fp16 throughout for the f16 configs, which write no lo planes)
+        dt = "float16" if cfg.f16 else "bfloat16"
+        outs = [_ws_tile("qg", dt, "HK", (K, C)), _ws_tile("kg", dt, "HK", (K, C)),
+                *(_ws_rows(n, dt, K, "sW") for n in ("kdh", "kdl")),
+                *(_ws_rows(n, dt, C, "sWc") for n in ("awh", "awl", "mqh", "mql")), gl]
     else:
         outs = [*(_ws_rows(n, "float32", K, "sW") for n in ("qg", "kg", "kd")), gl,
                 *(_ws_rows(n, "float32", C, "sWc") for n in ("aw", "mq"))]
@@ -118,15 +119,16 @@ def prep_args(cfg: PrepConfig) -> list[Arg]:
 def recur_args(cfg: RecurConfig) -> list[Arg]:
     K, C = cfg.head_dim_k, cfg.chunk
     if cfg.mma == "wgmma":
+        dt = "float16" if cfg.f16 else "bfloat16"
         return [
-            _operand_tma("kg", "HK", C, K),
-            _operand_tma("qg", "HK", C, K),
-            _operand_tma("kdh", "HK", C, K, mn_major=True),
-            _operand_tma("kdl", "HK", C, K, mn_major=True),
-            _operand_tma("awh", "HC", C, C),
-            _operand_tma("awl", "HC", C, C),
-            _operand_tma("mqh", "HC", C, C),
-            _operand_tma("mql", "HC", C, C),
+            _operand_tma("kg", "HK", C, K, dtype=dt),
+            _operand_tma("qg", "HK", C, K, dtype=dt),
+            _operand_tma("kdh", "HK", C, K, mn_major=True, dtype=dt),
+            _operand_tma("kdl", "HK", C, K, mn_major=True, dtype=dt),
+            _operand_tma("awh", "HC", C, C, dtype=dt),
+            _operand_tma("awl", "HC", C, C, dtype=dt),
+            _operand_tma("mqh", "HC", C, C, dtype=dt),
+            _operand_tma("mql", "HC", C, C, dtype=dt),
             *_recur_common(cfg),
             Arg("mma_p", "mma", kernel_only=True),
             Arg("mma_s", "mma", kernel_only=True),

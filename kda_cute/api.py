@@ -202,14 +202,17 @@ def _workspace_layout(p: Problem, cfg: FwdConfig) -> list[tuple[str, tuple, torc
     # alongside it (_k2_alongside; zeroed before each such launch)
     flags = ("flags", (nch * H,), torch.int32)
     if cfg.prep.operands == "bf16":
-        return [("qg", (R, H, K), bf16), ("kg", (R, H, K), bf16), ("kd", (2, R, H, K), bf16),
-                ("gl", (nch, H, K), f32), ("aw", (2, R, H, C), bf16),
-                ("mq", (2, R, H, C), bf16), flags]
+        # the f16 configs: fp16 throughout, the lo planes unwritten (their slots are kept, so
+        # both builds share one layout)
+        h = torch.float16 if cfg.prep.f16 else bf16
+        return [("qg", (R, H, K), h), ("kg", (R, H, K), h), ("kd", (2, R, H, K), h),
+                ("gl", (nch, H, K), f32), ("aw", (2, R, H, C), h),
+                ("mq", (2, R, H, C), h), flags]
     return [("qg", (R, H, K), f32), ("kg", (R, H, K), f32), ("kd", (R, H, K), f32),
             ("gl", (nch, H, K), f32), ("aw", (R, H, C), f32), ("mq", (R, H, C), f32), flags]
 
 
-_ELEM = {torch.float32: 4, torch.bfloat16: 2, torch.int32: 4}
+_ELEM = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2, torch.int32: 4}
 
 
 @functools.lru_cache(maxsize=1024)

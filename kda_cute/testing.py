@@ -133,7 +133,8 @@ def errors(inp, **kw) -> dict:
 
 def prep_errors(inp, config=None) -> dict:
     """K1 alone: its workspace against the float64 chunked twin's intermediates. With bf16
-    operands (config.prep.operands), kd, Aw and Mq are compared as hi + lo."""
+    operands (config.prep.operands), kd, Aw and Mq are compared as hi + lo (as the fp16 hi
+    plane for config.prep.f16)."""
     from kda_cute import api
     from kda_cute.reference import chunk_intermediates, preprocess
 
@@ -170,7 +171,8 @@ def prep_errors(inp, config=None) -> dict:
         r = ref[name.replace("aw", "Aw").replace("mq", "Mq")].reshape(B * T, H, -1)
         x = w[name]
         if cfg.prep.operands == "bf16" and name in ("kd", "aw", "mq"):
-            x = x[0].double() + x[1].double()
+            # hi + lo; the f16 configs write the hi plane only, in fp16
+            x = x[0].double() if cfg.prep.f16 else x[0].double() + x[1].double()
         res[name] = rel_err(x[rows], r)
         # the padding rows of each sequence's last chunk: K1 writes them as zeros (K2 reads them)
         res["pad_max"] = max(res["pad_max"], float(x[:n_rows][pad].double().abs().max())

@@ -59,6 +59,10 @@ class KdaPrepSm90(TileCopy):
         self.threads = cfg.threads
         self.num_warps = cfg.threads // 32
         self.io_dtype = cutlass.BFloat16
+        # the tensor-core operands K1 writes: bf16 (hi + lo planes for kd, Aw, Mq), or fp16
+        # single planes (cfg.f16: the lo planes are not written)
+        self.f16 = cfg.f16
+        self.out_dtype = cutlass.Float16 if cfg.f16 else cutlass.BFloat16
         self.split = cfg.operands == "bf16"  # outputs as bf16 (hi + lo planes for kd and Aw)
         self.smem_bytes = 0
         self.tma_meta = []
@@ -521,7 +525,9 @@ class KdaPrepSm90(TileCopy):
                 x = xs[i]
                 if j >= length or i >= length:
                     x = cutlass.Float32(0.0)
-                if cutlass.const_expr(self.split):
+                if cutlass.const_expr(self.f16):
+                    mAwh[row0 + i, h, j] = x.to(self.out_dtype)
+                elif cutlass.const_expr(self.split):
                     hi_ = x.to(self.io_dtype)
                     mAwh[row0 + i, h, j] = hi_
                     mAwl[row0 + i, h, j] = (x - hi_.to(cutlass.Float32)).to(self.io_dtype)
@@ -598,16 +604,24 @@ class KdaPrepSm90(TileCopy):
         """Columns 2 pair, 2 pair + 1 of row i: qg and kg as bf16 pairs in place of the q and k
         tiles (only this thread reads them), for the TMA stores; kd's hi and lo planes straight
         to the workspace (a warp writes 128 contiguous bytes of a row)."""
-        f32, io = cutlass.Float32, self.io_dtype
+        f32, io = cutlass.Float32, self.out_dtype
         mKdh, mKdl = kd_planes
-        vQ[i, (None, pair)].store(qs2.load().to(io))
-        vK[i, (None, pair)].store(ke2.load().to(io))
+        self._as_out(vQ)[i, (None, pair)].store(qs2.load().to(io))
+        self._as_out(vK)[i, (None, pair)].store(ke2.load().to(io))
         x = kd2.load()
         kh = x.to(io)
         pairs_g = cute.make_layout((2, self.K // 2), stride=(1, 2))
         cute.make_tensor(mKdh[row0 + i, h, None].iterator, pairs_g)[None, pair].store(kh)
-        cute.make_tensor(mKdl[row0 + i, h, None].iterator, pairs_g)[None, pair].store(
-            (x - kh.to(f32)).to(io))
+        if cutlass.const_expr(not self.f16):
+            cute.make_tensor(mKdl[row0 + i, h, None].iterator, pairs_g)[None, pair].store(
+                (x - kh.to(f32)).to(io))
+
+    def _as_out(self, t):
+        """A bf16 smem tile (the q and k input tiles, which take qg and kg in place) as the
+        output dtype: itself, or an fp16 view of its bytes (cfg.f16)."""
+        if not self.f16:
+            return t
+        return cute.make_tensor(cute.recast_ptr(t.iterator, dtype=cutlass.Float16), t.layout)
 
     @cute.jit
     def _phase_b_ksplit(self, fA, fB, fG, sL, sBeta, mMq, sMq, row0, h, tidx, warp, lane,
@@ -777,7 +791,9 @@ class KdaPrepSm90(TileCopy):
         m = cutlass.Float32(0.0)
         if j <= i and i < length:
             m = macc
-        if cutlass.const_expr(self.split):
+        if cutlass.const_expr(self.f16):
+            sMq[0][row0 + i, h, j] = m.to(self.out_dtype)
+        elif cutlass.const_expr(self.split):
             hi = m.to(self.io_dtype)
             sMq[0][row0 + i, h, j] = hi
             sMq[1][row0 + i, h, j] = (m - hi.to(cutlass.Float32)).to(self.io_dtype)
@@ -866,7 +882,7 @@ class KdaPrepSm90Split(KdaPrepSm90):
         for name, m in (("qg", mQg), ("kg", mKg)):
             atom, tX = cpasync.make_tiled_tma_atom(op, m, s_tile, (C, K))
             stores += [atom, tX]
-            self.tma_meta.append(tma_meta(name, atom, "bfloat16"))
+            self.tma_meta.append(tma_meta(name, atom, "float16" if self.f16 else "bfloat16"))
         self._launch((*loads, mBeta, mALog, mDtBias, mCuSeq, mCuChunk, *stores, mKdh, mKdl,
                       mAwh, mAwl, mMqh, mMql, mGl, mFlags, num_seqs,
                       scale, lower_bound, gate_mode, qk_l2norm, beta_sigmoid, s_tile),
@@ -968,7 +984,7 @@ class KdaPrepSm90Split(KdaPrepSm90):
                     # qg and kg leave now; the final sums and phase C run while they drain
                     if warp == 0:
                         for (tma, tX), sX in ((st_qg, sQ), (st_kg, sK)):
-                            self._tile_store(tma, tX, sX, (row0, h * K), (C, K))
+                            self._tile_store(tma, tX, self._as_out(sX), (row0, h * K), (C, K))
                         cute.arch.cp_async_bulk_commit_group()
                 for bb in cutlass.range_constexpr(BPW):
                     c0 = (warp * BPW + bb) * 16

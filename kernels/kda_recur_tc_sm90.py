@@ -74,7 +74,12 @@ class KdaRecurTcSm90(TileCopy):
         self.alongside = cfg.alongside  # K1 runs alongside: wait for each chunk's flag
         self.producer_warp = cfg.threads // 32
         C, K, BV = self.C, self.K, self.BV
-        self.tx_bytes = (4 * C * K + 4 * C * C + C * BV) * 2 + K * 4
+        # cfg.f16: every product on fp16 operands, one each (K1's kd, Aw and Mq fp16 in their
+        # hi planes; the lo planes are neither written nor loaded)
+        self.f16 = cfg.f16
+        self.op = cutlass.Float16 if cfg.f16 else cutlass.BFloat16
+        planes = 1 if cfg.f16 else 2
+        self.tx_bytes = ((2 + planes) * C * K + 2 * planes * C * C + C * BV) * 2 + K * 4
         self.smem_bytes = 0
         self.tma_meta = []
 
@@ -100,19 +105,20 @@ class KdaRecurTcSm90(TileCopy):
     ):
         C, K, BV, S = self.C, self.K, self.BV, self.stages
         bf16 = cutlass.BFloat16
+        odt = self.op  # the operands' type (K1's workspace): bf16, or fp16 (cfg.f16)
         k_major = LayoutEnum.ROW_MAJOR.sm90_mma_major_mode()
         rmem = warpgroup.OperandSource.RMEM
         # N = chunk products (P, Pq, U, O): B K-major
         mma_p = sm90_utils.make_trivial_tiled_mma(
-            bf16, bf16, k_major, k_major, cutlass.Float32, (1, 1, 1), tiler_mn=(BV, C),
+            odt, odt, k_major, k_major, cutlass.Float32, (1, 1, 1), tiler_mn=(BV, C),
             a_source=rmem)
         # the state update: B = kd [chunk, K] read as (K, chunk), MN-major
         mma_s = sm90_utils.make_trivial_tiled_mma(
-            bf16, bf16, k_major, LayoutEnum.COL_MAJOR.sm90_mma_major_mode(), cutlass.Float32,
+            odt, odt, k_major, LayoutEnum.COL_MAJOR.sm90_mma_major_mode(), cutlass.Float32,
             (1, 1, 1), tiler_mn=(BV, K), a_source=rmem)
-        l_ck = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (BV, C, K), bf16, S)
-        l_cc = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (BV, C, C), bf16, S)
-        l_kc = sm90_utils.make_smem_layout_b(LayoutEnum.COL_MAJOR, (BV, K, C), bf16, S)
+        l_ck = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (BV, C, K), odt, S)
+        l_cc = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (BV, C, C), odt, S)
+        l_kc = sm90_utils.make_smem_layout_b(LayoutEnum.COL_MAJOR, (BV, K, C), odt, S)
         l_gl = cute.make_layout((1, K, S), stride=(K, 1, K))
         l_v = cute.make_layout((C, BV, S), stride=(BV, 1, C * BV))
 
@@ -126,7 +132,8 @@ class KdaRecurTcSm90(TileCopy):
                 ("mqh", mMqh, l_cc, (C, C), None), ("mql", mMql, l_cc, (C, C), None)):
             atom, tX = cpasync.make_tiled_tma_atom(op, m, cute.slice_(layout, one), tile)
             atoms += [atom, tX]
-            self.tma_meta.append(tma_meta(name, atom, "bfloat16", swizzle_bytes(layout),
+            self.tma_meta.append(tma_meta(name, atom, "float16" if self.f16 else "bfloat16",
+                                          swizzle_bytes(layout),
                                           inner_mode=inner))
         for name, m, layout, tile, dtype in (("gl", mGl, l_gl, (1, K), "float32"),
                                              ("v", mV, l_v, (C, BV), "bfloat16")):
@@ -147,14 +154,14 @@ class KdaRecurTcSm90(TileCopy):
         @cute.struct
         class SharedStorage:
             bars: buf[cutlass.Int64, 2 * S]
-            sKg: align[buf[bf16, cute.cosize(l_ck)], 1024]
-            sQg: align[buf[bf16, cute.cosize(l_ck)], 1024]
-            sKdh: align[buf[bf16, cute.cosize(l_kc)], 1024]
-            sKdl: align[buf[bf16, cute.cosize(l_kc)], 1024]
-            sAwh: align[buf[bf16, cute.cosize(l_cc)], 1024]
-            sAwl: align[buf[bf16, cute.cosize(l_cc)], 1024]
-            sMqh: align[buf[bf16, cute.cosize(l_cc)], 1024]
-            sMql: align[buf[bf16, cute.cosize(l_cc)], 1024]
+            sKg: align[buf[odt, cute.cosize(l_ck)], 1024]
+            sQg: align[buf[odt, cute.cosize(l_ck)], 1024]
+            sKdh: align[buf[odt, cute.cosize(l_kc)], 1024]
+            sKdl: align[buf[odt, cute.cosize(l_kc)], 1024]
+            sAwh: align[buf[odt, cute.cosize(l_cc)], 1024]
+            sAwl: align[buf[odt, cute.cosize(l_cc)], 1024]
+            sMqh: align[buf[odt, cute.cosize(l_cc)], 1024]
+            sMql: align[buf[odt, cute.cosize(l_cc)], 1024]
             sGl: align[buf[cutlass.Float32, cute.cosize(l_gl)], 128]
             sV: align[buf[bf16, cute.cosize(l_v)], 128]
             sO: align[buf[bf16, cute.cosize(l_o)], 128]
@@ -238,6 +245,8 @@ class KdaRecurTcSm90(TileCopy):
                      (tma_kdh, tKdh, sKdh, (K, C), True), (tma_kdl, tKdl, sKdl, (K, C), True),
                      (tma_awh, tAwh, sAwh, (C, C), False), (tma_awl, tAwl, sAwl, (C, C), False),
                      (tma_mqh, tMqh, sMqh, (C, C), False), (tma_mql, tMql, sMql, (C, C), False))
+            if cutlass.const_expr(self.f16):  # no lo planes
+                loads = loads[0:3] + loads[4:5] + loads[6:7]
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, S)
             # the next sequence's first chunks load while the consumer finishes this one's
             for seq in cutlass.range(z, num_seqs, nz):
@@ -354,9 +363,9 @@ class KdaRecurTcSm90(TileCopy):
         kb_slab = K // 16 // nsplit
         aS = thr_p.make_fragment_A(thr_p.partition_shape_A((BV, K // nsplit)))
         gl_r = cute.make_rmem_tensor_like(acc_s, f32)  # per element; equal d's share registers
-        aWh = cute.make_rmem_tensor_like(vW, bf16)
+        aWh = cute.make_rmem_tensor_like(vW, self.op)
         aWl = cute.make_rmem_tensor_like(vW, bf16)
-        aUh = cute.make_rmem_tensor_like(vU, bf16)
+        aUh = cute.make_rmem_tensor_like(vU, self.op)
         aUl = cute.make_rmem_tensor_like(vU, bf16)
 
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
@@ -390,7 +399,7 @@ class KdaRecurTcSm90(TileCopy):
                         warpgroup.wait_group(0)  # the previous slab's products still read aS
                     for kb in cutlass.range_constexpr(kb_slab):
                         aS[None, None, kb].store(
-                            vS[None, None, part * kb_slab + kb].load().to(bf16))
+                            vS[None, None, part * kb_slab + kb].load().to(self.op))
                     self._gemm(mma_p, acc_p, aS, bKg[None, None, None, s], part == 0,
                                part * kb_slab)
                     warpgroup.commit_group()
@@ -413,10 +422,10 @@ class KdaRecurTcSm90(TileCopy):
                     if i < length:
                         w = vT[e].to(f32) - acc_p[e]
                     acc_p[e] = w
-                self._split(vW, aWh, aWl)
+                self._operand(vW, aWh, aWl)
 
                 # ---- U^T = W^T Aw^T ------------------------------------------------------------
-                self._gemm_split(mma_p, acc_u, aWh, aWl, bAwh[None, None, None, s],
+                self._product(mma_p, acc_u, aWh, aWl, bAwh[None, None, None, s],
                                  bAwl[None, None, None, s], True)
                 warpgroup.commit_group()
                 for e in cutlass.range_constexpr(cute.size(acc_s)):  # S diag(gl) meanwhile
@@ -426,16 +435,16 @@ class KdaRecurTcSm90(TileCopy):
                     else:
                         acc_s[e] = acc_s[e] * sGl[0, d, s]
                 warpgroup.wait_group(0)
-                self._split(vU, aUh, aUl)  # rows past the length: zero (Aw's are, W's are)
+                self._operand(vU, aUh, aUl)  # rows past the length: zero (Aw's are, W's are)
 
                 # ---- O^T = Pq + U^T Mq^T ---------------------------------------------------------
                 if cutlass.const_expr(self.outputs):
-                    self._gemm_split(mma_p, acc_o, aUh, aUl, bMqh[None, None, None, s],
+                    self._product(mma_p, acc_o, aUh, aUl, bMqh[None, None, None, s],
                                      bMql[None, None, None, s], False)
                     warpgroup.commit_group()
 
                 # ---- S = S diag(gl) + U^T kd -----------------------------------------------------
-                self._gemm_split(mma_s, acc_s, aUh, aUl, bKdh[None, None, None, s],
+                self._product(mma_s, acc_s, aUh, aUl, bKdh[None, None, None, s],
                                  bKdl[None, None, None, s], False)
                 warpgroup.commit_group()
 
@@ -487,6 +496,24 @@ class KdaRecurTcSm90(TileCopy):
         h = x.to(cutlass.BFloat16)
         hi.store(h)
         lo.store((x - h.to(cutlass.Float32)).to(cutlass.BFloat16))
+
+    @cute.jit
+    def _operand(self, acc_view: cute.Tensor, hi: cute.Tensor, lo: cute.Tensor):
+        """An fp32 accumulator as the next product's A operand: fp16(x) (cfg.f16), or its
+        bf16 hi/lo split."""
+        if cutlass.const_expr(self.f16):
+            hi.store(acc_view.load().to(cutlass.Float16))
+        else:
+            self._split(acc_view, hi, lo)
+
+    @cute.jit
+    def _product(self, mma: cute.TiledMma, acc, rAh, rAl, rBh, rBl,
+                 zero_init: cutlass.Constexpr):
+        """acc (+)= A B^T: one fp16 product (cfg.f16), or the three-term hi/lo product."""
+        if cutlass.const_expr(self.f16):
+            self._gemm(mma, acc, rAh, rBh, zero_init)
+        else:
+            self._gemm_split(mma, acc, rAh, rAl, rBh, rBl, zero_init)
 
     @cute.jit
     def _gemm_split(self, mma: cute.TiledMma, acc, rAh, rAl, rBh, rBl,

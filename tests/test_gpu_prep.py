@@ -35,11 +35,22 @@ def test_prep_bf16_operands(name, chunk):
     (~16 mantissa bits), for the shipped chunk and the experimental one."""
     kw = CASES[name]
     (cfg,) = [c for c in TENSOR_CORE + EXPERIMENTAL
-              if c.prep.head_dim_k == kw["K"] and c.chunk == chunk]
+              if c.prep.head_dim_k == kw["K"] and c.chunk == chunk and not c.prep.f16]
     res = prep_errors(make_inputs(seed=len(name), **kw), config=cfg)
     assert res["pad_max"] == 0.0, res
     assert all(res[n] < 3e-3 for n in ("qg", "kg")), res
     assert all(res[n] < 3e-5 for n in ("kd", "aw", "mq")), res
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_prep_f16_operands(name):
+    """The f16 configs' workspace: qg, kg, kd, Aw and Mq each one fp16 value (10 mantissa
+    bits: rounding ~2^-11 relative), no lo planes."""
+    kw = CASES[name]
+    (cfg,) = [c for c in EXPERIMENTAL if c.prep.head_dim_k == kw["K"] and c.prep.f16]
+    res = prep_errors(make_inputs(seed=len(name), **kw), config=cfg)
+    assert res["pad_max"] == 0.0, res
+    assert all(res[n] < 1e-3 for n in ("qg", "kg", "kd", "aw", "mq")), res
 
 
 @pytest.mark.parametrize("K", [64, 128])
