@@ -44,8 +44,9 @@ def test_prep_bf16_operands(name, chunk):
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_prep_f16_operands(name):
-    """The f16 configs' workspace: qg, kg, kd, Aw and Mq each one fp16 value (10 mantissa
-    bits: rounding ~2^-11 relative), no lo planes."""
+    """The f16 configs' workspace: qg, kg, kd, Aw and Mq each one fp16 value, no lo planes:
+    the float64 twin's values rounded to fp16, up to a last-bit flip where K1's fp32
+    arithmetic lands on the other side of a rounding boundary (~2^-11 relative)."""
     kw = CASES[name]
     (cfg,) = [c for c in EXPERIMENTAL if c.prep.head_dim_k == kw["K"] and c.prep.f16]
     res = prep_errors(make_inputs(seed=len(name), **kw), config=cfg)
