@@ -277,12 +277,6 @@ def _sm_budget(device: int) -> tuple[int, int, int]:
             getattr(prop, "shared_memory_per_block_optin", 232448))
 
 
-def _k2_slots(device: int, k2_smem: int) -> tuple[int, int]:
-    """(SMs, K2 CTAs resident at once by shared memory) of a device."""
-    sms, per_sm, _ = _sm_budget(device)
-    return sms, sms * max(1, per_sm // (k2_smem + 1024))
-
-
 def _resident_per_sm(device: int, kernel) -> int:
     """A kernel's CTAs one SM holds at once: the fewest that its shared memory, its registers
     (allocated per warp in units of 256) and its threads allow."""
@@ -304,8 +298,8 @@ def _segment_count(p: Problem, cfg: FwdConfig, k2, device: int, requested) -> in
         return 1
     if requested is not None:
         return max(1, min(int(requested), -(-p.T // cfg.chunk)))
-    sms, slots = _k2_slots(device, k2.smem)
-    return segments.choose(p.B, p.T, p.H, p.V, cfg.chunk, cfg.recur.block_v, sms, slots)
+    return segments.choose(p.B, p.T, p.H, p.V, cfg.chunk, cfg.recur.block_v,
+                           _sm_budget(device)[0], _k2_resident(device, k2))
 
 
 _seg_offsets: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}

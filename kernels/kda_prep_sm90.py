@@ -601,9 +601,10 @@ class KdaPrepSm90(TileCopy):
 
     @cute.jit
     def _store_row_pair(self, vQ, vK, kd_planes, row0, h, i, pair, qs2, ke2, kd2):
-        """Columns 2 pair, 2 pair + 1 of row i: qg and kg as bf16 pairs in place of the q and k
-        tiles (only this thread reads them), for the TMA stores; kd's hi and lo planes straight
-        to the workspace (a warp writes 128 contiguous bytes of a row)."""
+        """Columns 2 pair, 2 pair + 1 of row i: qg and kg as bf16 (fp16: cfg.f16) pairs in place
+        of the q and k tiles (only this thread reads them), for the TMA stores; kd's hi and lo
+        planes (fp16: its one plane) straight to the workspace (a warp writes 128 contiguous
+        bytes of a row)."""
         f32, io = cutlass.Float32, self.out_dtype
         mKdh, mKdl = kd_planes
         self._as_out(vQ)[i, (None, pair)].store(qs2.load().to(io))

@@ -205,9 +205,8 @@ class KdaRecurTcSm90(TileCopy):
         C, K, BV, S = self.C, self.K, self.BV, self.stages
         tidx, _, _ = cute.arch.thread_idx()
         vb, h, z = cute.arch.block_idx()
-        _, _, nz = cute.arch.grid_dim()
+        _, nh, nz = cute.arch.grid_dim()
         num_seqs = cute.size(mCuSeq) - 1  # this CTA runs sequences z, z + nz, ...
-        _, nh, _ = cute.arch.grid_dim()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         v0 = vb * BV
         if cutlass.const_expr(self.alongside):
@@ -426,7 +425,7 @@ class KdaRecurTcSm90(TileCopy):
 
                 # ---- U^T = W^T Aw^T ------------------------------------------------------------
                 self._product(mma_p, acc_u, aWh, aWl, bAwh[None, None, None, s],
-                                 bAwl[None, None, None, s], True)
+                              bAwl[None, None, None, s], True)
                 warpgroup.commit_group()
                 for e in cutlass.range_constexpr(cute.size(acc_s)):  # S diag(gl) meanwhile
                     _, d = cS[e]
@@ -440,12 +439,12 @@ class KdaRecurTcSm90(TileCopy):
                 # ---- O^T = Pq + U^T Mq^T ---------------------------------------------------------
                 if cutlass.const_expr(self.outputs):
                     self._product(mma_p, acc_o, aUh, aUl, bMqh[None, None, None, s],
-                                     bMql[None, None, None, s], False)
+                                  bMql[None, None, None, s], False)
                     warpgroup.commit_group()
 
                 # ---- S = S diag(gl) + U^T kd -----------------------------------------------------
                 self._product(mma_s, acc_s, aUh, aUl, bKdh[None, None, None, s],
-                                 bKdl[None, None, None, s], False)
+                              bKdl[None, None, None, s], False)
                 warpgroup.commit_group()
 
                 if cutlass.const_expr(self.outputs):

@@ -79,7 +79,6 @@ def stub_driver(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: type("S", (), {"cuda_stream": 0}))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(api, "_k2_slots", lambda device, smem: (132, 264))  # an H200's
     monkeypatch.setattr(api, "_k2_resident", lambda device, k2: 264)
 
     class _Dev:
