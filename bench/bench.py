@@ -192,6 +192,7 @@ def graph_runner(fn, sets):
 
 
 SEGMENTS = None  # --segments: K2's segments per sequence (None: the launcher's choice)
+PRECISION = "fast"  # --precision: the ladder's "fast" (fp16 products) or "precise" (bf16 hi/lo)
 
 
 def kda_runner(config=None):
@@ -199,7 +200,7 @@ def kda_runner(config=None):
         fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], x["scale"], x["out"], x["A_log"],
             x["dt_bias"], x["lower_bound"], x["initial_state"], x["final_state"],
             x["cu_seqlens"], x["workspace"], check_seqlens=False, config=config,
-            segments=SEGMENTS)
+            segments=SEGMENTS, precision=PRECISION)
     return run
 
 
@@ -212,7 +213,7 @@ def k1_runner(config=None):
         api.launch_forward(x["q"], x["k"], x["v"], x["g"], x["beta"], x["scale"], x["out"],
                            x["A_log"], x["dt_bias"], x["lower_bound"], x["initial_state"],
                            x["final_state"], x["cu_seqlens"], x["workspace"], "bounded", True,
-                           True, p, api.config_for(p, config), run_recurrence=False)
+                           True, p, api.config_for(p, config, PRECISION), run_recurrence=False)
     return run
 
 
@@ -267,8 +268,9 @@ def bench_case(name, spec, K, iters, fla, ceiling, simt=False, sweep=False):
     # heads are independent: the float64 check covers the first few, which keeps it fast
     nh = min(REF_HEADS, base["q"].shape[2])
     ref_o, ref_s = reference(head_slice(base, nh))
-    ladder = api.config_for(p)  # every input set has the same problem shape
+    ladder = api.config_for(p, None, PRECISION)  # every input set has the same problem shape
     row = {"case": name, "K": K, "config": [ladder.prep.name, ladder.recur.name],
+           "precision": PRECISION,
            # alongside: K1's and K2's GPU times overlap (each kernel's span covers the other's)
            "schedule": api.schedule(p, ladder, torch.cuda.current_device(), SEGMENTS),
            "bytes": nbytes, "roofline_ms": nbytes / ceiling * 1e3,
@@ -424,6 +426,8 @@ def main(argv=None):
                     help="also time the fp32 CUDA-core baseline forward (config.SIMT)")
     ap.add_argument("--segments", type=int, default=0,
                     help="K2's segments per sequence (0: the launcher's choice; 1: none)")
+    ap.add_argument("--precision", choices=("fast", "precise"), default="fast",
+                    help="the ladder kda_cute is timed with (fwd's precision)")
     ap.add_argument("--merge", nargs="+", metavar="JSON", default=None,
                     help="no timing: merge these result files (one commit and device; a table "
                          "measured in several calls to fit a time limit) into --out")
@@ -432,8 +436,9 @@ def main(argv=None):
     if a.merge:
         merge_results([Path(p) for p in a.merge], Path(a.out))
         return
-    global SEGMENTS
+    global SEGMENTS, PRECISION
     SEGMENTS = a.segments or None
+    PRECISION = a.precision
     # '_' may stand for ' ' in case names, so a shell variable can carry them unquoted
     names = ([n.replace("_", " ") for n in a.cases.split(",")] if a.cases
              else (QUICK if a.quick else list(CASES)))

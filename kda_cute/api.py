@@ -22,6 +22,7 @@ from .config import (
     ALONGSIDE_K1_PER_PAIR,
     GATE_MODES,
     K1_GRID_Y,
+    PRECISIONS,
     SEGMENT_RUNS,
     FwdConfig,
     alongside_of,
@@ -166,7 +167,12 @@ def validate(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_
     return Problem(B, T, H, K, V, N, cu_seqlens is not None)
 
 
-def config_for(p: Problem, config: FwdConfig | None = None) -> FwdConfig:
+def config_for(p: Problem, config: FwdConfig | None = None, precision: str = "fast"
+               ) -> FwdConfig:
+    """The forward config for problem `p`: `config` as given (checked), or the ladder's for
+    `precision` ("fast" or "precise": config.select_config)."""
+    if precision not in PRECISIONS:
+        raise _err("precision", f"one of {PRECISIONS}", repr(precision))
     if config is not None:
         if not isinstance(config, FwdConfig):
             raise TypeError(f"config: expected a FwdConfig, got {type(config).__name__}")
@@ -177,7 +183,7 @@ def config_for(p: Problem, config: FwdConfig | None = None) -> FwdConfig:
             raise _err("config", f"head dims ({p.K}, {p.V})",
                        f"({config.prep.head_dim_k}, {config.recur.head_dim_v})")
         return config
-    cfg = select_config(p.K, p.V, p.varlen)
+    cfg = select_config(p.K, p.V, p.varlen, precision)
     if cfg is None:
         raise _err("q/v", "head dims (K, V) with a shipped config: (64, 64), (128, 128), "
                    "(256, 256)", f"K={p.K}, V={p.V}")
@@ -630,7 +636,7 @@ def _combine(maps, ends, initial_state, final_state, B, P, H, K, stream, di):
 
 def fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state=None,
         final_state=None, cu_seqlens=None, workspace=None, *, gate="bounded", qk_l2norm=True,
-        beta_sigmoid=True, check_seqlens=True, config=None, segments=None):
+        beta_sigmoid=True, check_seqlens=True, config=None, segments=None, precision="fast"):
     """KDA forward, FlashKDA's low-level call: writes `out` and `final_state` in place.
 
     q, k, g: [B, T, H, K] bf16; v, out: [B, T, H, V] bf16; beta: [B, T, H] bf16 (logits when
@@ -640,6 +646,9 @@ def fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state
     final_state: [N, H, V, K] fp32 or bf16, may be the same tensor. cu_seqlens: [N+1] int64/int32
     with B == 1. workspace: optional caller-owned uint8 CUDA tensor (see `workspace_bytes`).
     config: a FwdConfig to use instead of the ladder's choice (kernel development, sweeps).
+    precision: the ladder's choice between "fast" (K2's products on fp16 operands: fp32 state
+    within ~4e-4 of float64, values up to ~1e4 in magnitude) and "precise" (bf16 hi/lo
+    products: ~5e-6, bf16's range; ~15% slower at K = 128).
     segments: K2's segments per sequence (kda_cute.segments; fixed-length batches, K == V);
     None chooses from the grid's size, 1 turns them off. Where K2's grid is small and not
     split, K2 runs alongside K1 (`schedule`; KDA_CUTE_ALONGSIDE=0 turns that off).
@@ -651,7 +660,7 @@ def fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state
         raise _err("segments", "None or an int >= 1", repr(segments))
     p = validate(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state,
                  final_state, cu_seqlens, gate, check_seqlens)
-    cfg = config_for(p, config)
+    cfg = config_for(p, config, precision)
     # the kernel handles and the stream belong to q's device, whatever device is current
     with torch.cuda.device(q.device):
         launch_forward(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state,
@@ -662,12 +671,14 @@ def fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state
 def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
               use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
               use_beta_sigmoid_in_kernel=False, safe_gate=False, lower_bound=None, A_log=None,
-              dt_bias=None, state_v_first=False, cu_seqlens=None, workspace=None, **kwargs):
+              dt_bias=None, state_v_first=False, cu_seqlens=None, workspace=None,
+              precision="fast", **kwargs):
     """fla-compatible forward: returns (o, final_state or None).
 
     State layout is [N, H, K, V] unless state_v_first=True ([N, H, V, K], the kernels' own).
     The gate is bounded when use_gate_in_kernel and (safe_gate or lower_bound is set), unbounded
-    when use_gate_in_kernel alone, and taken as the log-space decay otherwise.
+    when use_gate_in_kernel alone, and taken as the log-space decay otherwise. precision:
+    "fast" or "precise", as in `fwd`.
     """
     unsupported = sorted(k_ for k_, v_ in kwargs.items() if v_ not in (None, False))
     if unsupported:
@@ -698,7 +709,7 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
         s1 = torch.empty(N, q.shape[2], v.shape[-1], K, dtype=torch.float32, device=q.device)
     fwd(q, k, v, g, beta, float(scale), out, A_log, dt_bias, lower_bound, s0, s1, cu_seqlens,
         workspace, gate=gate, qk_l2norm=use_qk_l2norm_in_kernel,
-        beta_sigmoid=use_beta_sigmoid_in_kernel)
+        beta_sigmoid=use_beta_sigmoid_in_kernel, precision=precision)
     if s1 is not None and not state_v_first:
         s1 = s1.transpose(-1, -2).contiguous()
     return out, s1

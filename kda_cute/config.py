@@ -236,8 +236,16 @@ def _tc_fwd(k: int, v: int, chunk: int = 16, stages: int = 4, f16: bool = False)
                      RecurConfig(k, v, chunk, 64, stages=stages, mma="wgmma", f16=f16))
 
 
-# The tensor-core forwards: what the ladder picks.
-TENSOR_CORE: tuple[FwdConfig, ...] = tuple(_tc_fwd(d, d) for d in HEAD_DIMS)
+# The tensor-core forwards: what the ladder picks. "fast" (the default): every K2 product one
+# fp16 warpgroup MMA, K1's operands fp16; "precise": the products on bf16 hi/lo splits (three
+# MMAs each), the fp32 state at ~5e-6 instead of ~3.5e-4 against float64 (bench/NOTES.md), and
+# bf16's range for the values (fp16's overflows past ~6.5e4: README, limits). K = 256 has no fast
+# forward on the ladder yet: its fp16 K1 spills a register in phase B at the 64 it is held to
+# (built among the experimental configs).
+FAST: tuple[FwdConfig, ...] = tuple(_tc_fwd(d, d, f16=True) for d in HEAD_DIMS if d <= 128)
+PRECISE: tuple[FwdConfig, ...] = tuple(_tc_fwd(d, d) for d in HEAD_DIMS)
+TENSOR_CORE: tuple[FwdConfig, ...] = FAST + PRECISE
+PRECISIONS = ("fast", "precise")
 # The fp32 CUDA-core forwards: the accuracy baseline (fp32 products throughout), reachable with
 # fwd(config=...), used by the tests and the benchmark's --simt comparison.
 SIMT: tuple[FwdConfig, ...] = tuple(_fwd(d, d) for d in HEAD_DIMS)
@@ -246,12 +254,9 @@ SIMT: tuple[FwdConfig, ...] = tuple(_fwd(d, d) for d in HEAD_DIMS)
 SHIPPED: tuple[FwdConfig, ...] = TENSOR_CORE + SIMT
 
 # Built and ABI-checked like the shipped ones, reachable through fwd(config=...), but not picked by
-# the ladder until their GPU tests have passed on the H200: chunk 32 (half the serial steps), and
-# fp16 single products in place of bf16 hi/lo triples (bench/NOTES.md: same accuracy class in the
-# slowly decaying regimes, state 3e-4 instead of 5e-6 with the bounded gate; fp16's range).
+# the ladder until their GPU tests have passed on the H200: chunk 32 (half the serial steps).
 EXPERIMENTAL: tuple[FwdConfig, ...] = (
-    tuple(_tc_fwd(d, d, chunk=32, stages=2) for d in HEAD_DIMS)
-    + tuple(_tc_fwd(d, d, f16=True) for d in HEAD_DIMS))
+    tuple(_tc_fwd(d, d, chunk=32, stages=2) for d in HEAD_DIMS) + (_tc_fwd(256, 256, f16=True),))
 
 
 # The segmented K2's state runs (from zero, and the identity rows): each tensor-core K2 without
@@ -298,11 +303,13 @@ def combine_config(head_dim: int) -> CombineConfig | None:
     return None
 
 
-def select_config(head_dim_k: int, head_dim_v: int, varlen: bool) -> FwdConfig | None:
-    """The head-dim / layout ladder: the first shipped config for (K, V), tensor-core first.
-    One config per head dim so far (chunk 16, 64 state rows per CTA); `varlen` is accepted for
+def select_config(head_dim_k: int, head_dim_v: int, varlen: bool,
+                  precision: str = "fast") -> FwdConfig | None:
+    """The head-dim / layout ladder: the shipped tensor-core config for (K, V) of `precision`
+    ("fast": fp16 products; "precise": bf16 hi/lo products). One config per head dim and
+    precision so far (chunk 16, 64 state rows per CTA); `varlen` is accepted for
     layout-specific entries and not used yet."""
-    for cfg in SHIPPED:
+    for cfg in (FAST if precision == "fast" else ()) + PRECISE:  # K = 256: precise only
         if cfg.prep.head_dim_k == head_dim_k and cfg.recur.head_dim_v == head_dim_v:
             return cfg
     return None

@@ -75,7 +75,7 @@ def make_inputs(*, B=1, T=64, H=2, K=128, V=None, seqlens=None, gate="bounded", 
 
 
 def run_kda(inp, *, final_dtype=torch.float32, in_place=False, cu_dtype=torch.int64,
-            config=None, out_pad=0, segments=None):
+            config=None, out_pad=0, segments=None, precision="fast"):
     """The forward on `inp` with NaN-poisoned outputs. out_pad > 0: `out` is row-strided (token
     stride H*V + out_pad) and the padding between its rows must stay untouched."""
     q, v = inp["q"], inp["v"]
@@ -98,7 +98,7 @@ def run_kda(inp, *, final_dtype=torch.float32, in_place=False, cu_dtype=torch.in
         cu = cu.to(cu_dtype)
     fwd(q, inp["k"], v, inp["g"], inp["beta"], inp["scale"], out, inp["A_log"], inp["dt_bias"],
         inp["lower_bound"], init, final, cu, gate=inp["gate"], qk_l2norm=inp["qk_l2norm"],
-        beta_sigmoid=inp["beta_sigmoid"], config=config, segments=segments)
+        beta_sigmoid=inp["beta_sigmoid"], config=config, segments=segments, precision=precision)
     torch.cuda.synchronize()
     if out_pad and not bool(torch.isnan(buf[..., H * V:]).all()):
         raise AssertionError("out: the padding between rows was written")

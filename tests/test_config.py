@@ -11,7 +11,10 @@ from kda_cute import runtime
 from kda_cute.config import (
     ALONGSIDE,
     EXPERIMENTAL,
+    FAST,
     HEAD_DIMS,
+    PRECISE,
+    SEGMENT_RUNS,
     SHIPPED,
     SIMT,
     TENSOR_CORE,
@@ -257,3 +260,20 @@ def test_load_manifest_missing(name, arch):
         runtime.load_manifest(name, arch)
     msg = str(info.value)
     assert "make kernels" in msg and name in msg and arch in msg, msg
+
+
+@pytest.mark.parametrize("d", HEAD_DIMS, ids=[f"d{d}" for d in HEAD_DIMS])
+def test_select_config_precision(d):
+    """"fast" (the default) picks the fp16-operand forward where one ships (K = 64, 128),
+    "precise" the bf16 hi/lo one; K = 256 is precise either way (its fp16 K1 spills)."""
+    fast, precise = select_config(d, d, False), select_config(d, d, False, "precise")
+    assert precise in PRECISE and not precise.prep.f16 and not precise.recur.f16
+    assert fast == select_config(d, d, False, "fast")
+    if d <= 128:
+        assert fast in FAST and fast.prep.f16 and fast.recur.f16
+    else:
+        assert fast == precise
+    # both have their alongside builds and segment runs
+    for cfg in {fast, precise}:
+        assert alongside_of(cfg) is not None
+        assert dataclasses.replace(cfg.recur, outputs=False) in SEGMENT_RUNS

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from kda_cute.config import PRECISIONS
 from kda_cute.testing import cuda_ready, errors, make_inputs, run_kda
 
 ok, why = cuda_ready()
@@ -36,11 +37,12 @@ FIXED = [
 ]
 
 
+@pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("B,T,H,K,gate", FIXED,
                          ids=[f"B{b}-T{t}-H{h}-K{k}-{g}" for b, t, h, k, g in FIXED])
-def test_fixed_length(B, T, H, K, gate):
+def test_fixed_length(B, T, H, K, gate, precision):
     inp = make_inputs(B=B, T=T, H=H, K=K, gate=gate, seed=B * 1000 + T)
-    _assert(errors(inp))
+    _assert(errors(inp, precision=precision))
 
 
 VARLEN = {
@@ -51,11 +53,12 @@ VARLEN = {
 }
 
 
+@pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("name", list(VARLEN))
 @pytest.mark.parametrize("cu_dtype", [torch.int64, torch.int32], ids=["i64", "i32"])
-def test_varlen(name, cu_dtype):
+def test_varlen(name, cu_dtype, precision):
     inp = make_inputs(seqlens=VARLEN[name], H=2, K=128, seed=len(name))
-    _assert(errors(inp, cu_dtype=cu_dtype))
+    _assert(errors(inp, cu_dtype=cu_dtype, precision=precision))
 
 
 def test_varlen_many_sequences():
@@ -141,22 +144,24 @@ def test_row_strided_out(T):
     _assert(errors(inp, out_pad=24))
 
 
+@pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("K", [64, 128])
 @pytest.mark.parametrize("segments", [2, 5])
-def test_segmented_recurrence(K, segments):
+def test_segmented_recurrence(K, segments, precision):
     """K2 over segments of each sequence (value rows from zero, identity rows, combined on the
     GPU, value rows again from the segments' starts): the accuracy bar, with an initial state,
     a final state, T not a multiple of the chunk and a last segment shorter than the others."""
     inp = make_inputs(B=2, T=1000, H=2, K=K, seed=16 + segments)
-    res = errors(inp, segments=segments)
+    res = errors(inp, segments=segments, precision=precision)
     _assert(res)
     # the third run computes the outputs as the sequential recurrence does, from start states
-    # that differ from its own by fp32 rounding: the same error, to a small fraction of it
-    seq = errors(inp, segments=1)
+    # that differ from its own by the operands' rounding (bf16 hi/lo: ~fp32's; fp16: 2^-11):
+    # the same error, to a small fraction of it
+    seq = errors(inp, segments=1, precision=precision)
     assert res["out_err"] < seq["out_err"] * 1.05, (res, seq)
-    _, s1 = run_kda(inp, segments=1)
-    _, s2 = run_kda(inp, segments=segments)
-    assert (s1 - s2).norm() / s1.norm() < 1e-4
+    _, s1 = run_kda(inp, segments=1, precision=precision)
+    _, s2 = run_kda(inp, segments=segments, precision=precision)
+    assert (s1 - s2).norm() / s1.norm() < (1e-4 if precision == "precise" else 1e-3)
 
 
 @pytest.mark.parametrize("K", [64, 128, 256])
@@ -253,14 +258,15 @@ def test_segmented_first_call_captured_with_tf32_on():
     _assert(errors(inp, segments=4))
 
 
+@pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("decay", [-0.02, -0.005])
-def test_slow_decay(decay):
+def test_slow_decay(decay, precision):
     """A state that remembers many chunks (a constant log-space decay per token): the bf16
     operands' rounding accumulates here as it cannot with the fast-decaying gates above (CPU
     emulation, bench/precision_products.py --decay: output ~2.7-2.9e-3, state ~4-9e-4)."""
     inp = make_inputs(B=1, T=4096, H=4, K=128, gate="none", seed=41)
     inp["g"] = torch.full_like(inp["g"], decay)
-    _assert(errors(inp))
+    _assert(errors(inp, precision=precision))
 
 
 @pytest.mark.parametrize("K", [64, 128, 256])
@@ -279,11 +285,12 @@ def test_strong_decay_in_some_columns(K):
     _assert(errors(inp))
 
 
+@pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("T", [512, 4096])
-def test_accuracy_bar(T):
+def test_accuracy_bar(T, precision):
     """The issue's bar on FlashKDA-benchmark-like inputs, K = V = 128."""
     inp = make_inputs(B=1, T=T, H=4, K=128, seed=T)
-    _assert(errors(inp))
+    _assert(errors(inp, precision=precision))
 
 
 def _capture_and_replay(step, inp, fresh, outputs):
@@ -402,18 +409,19 @@ ALONGSIDE = [
 ]
 
 
+@pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("case", ALONGSIDE, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()
                                                                  if k != "seqlens") or "varlen")
-def test_k2_alongside_k1_equals_k1_then_k2(case, monkeypatch):
+def test_k2_alongside_k1_equals_k1_then_k2(case, monkeypatch, precision):
     """The same kernels in either schedule: bit-identical outputs and final states, and both
     against the reference."""
     inp = make_inputs(**case, seed=sum(case.get("seqlens", [case.get("T", 0)])))
-    out_a, final_a = run_kda(inp)
+    out_a, final_a = run_kda(inp, precision=precision)
     monkeypatch.setenv("KDA_CUTE_ALONGSIDE", "0")
-    out_s, final_s = run_kda(inp)
+    out_s, final_s = run_kda(inp, precision=precision)
     assert torch.isfinite(out_a.float()).all() and torch.isfinite(final_a).all()
     assert torch.equal(out_a, out_s) and torch.equal(final_a, final_s)
-    _assert(errors(inp))
+    _assert(errors(inp, precision=precision))
 
 
 def test_k2_alongside_is_done_for_the_next_kernel_on_the_stream():

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kda_cute.config import EXPERIMENTAL, SIMT, TENSOR_CORE
+from kda_cute.config import EXPERIMENTAL, PRECISE, SIMT, TENSOR_CORE
 from kda_cute.testing import cuda_ready, make_inputs, prep_errors
 
 ok, why = cuda_ready()
@@ -48,7 +48,8 @@ def test_prep_f16_operands(name):
     the float64 twin's values rounded to fp16, up to a last-bit flip where K1's fp32
     arithmetic lands on the other side of a rounding boundary (~2^-11 relative)."""
     kw = CASES[name]
-    (cfg,) = [c for c in EXPERIMENTAL if c.prep.head_dim_k == kw["K"] and c.prep.f16]
+    (cfg,) = [c for c in TENSOR_CORE + EXPERIMENTAL if c.prep.head_dim_k == kw["K"]
+              and c.prep.f16]
     res = prep_errors(make_inputs(seed=len(name), **kw), config=cfg)
     assert res["pad_max"] == 0.0, res
     assert all(res[n] < 1e-3 for n in ("qg", "kg", "kd", "aw", "mq")), res
@@ -64,7 +65,7 @@ def test_prep_mid_chunk_decay_beyond_80(K):
     t = torch.arange(48, device=inp["g"].device) % 16
     g = torch.where(t < 8, -11.0, -0.1).view(1, 48, 1, 1).expand_as(inp["g"])
     inp["g"] = g.to(torch.bfloat16).contiguous()
-    (cfg,) = [c for c in TENSOR_CORE if c.prep.head_dim_k == K]
+    (cfg,) = [c for c in PRECISE if c.prep.head_dim_k == K]
     res = prep_errors(inp, config=cfg)
     assert res["pad_max"] == 0.0, res
     assert all(res[n] < 3e-3 for n in ("qg", "kg")), res

@@ -310,6 +310,23 @@ def test_segments_argument_validated(stub_driver, bad):
         fwd(**x, segments=bad)
 
 
+@pytest.mark.parametrize("bad", ["FAST", "bf16", None, 1])
+def test_precision_argument_validated(stub_driver, bad):
+    x = _problem()
+    with pytest.raises(ValueError, match="precision"):
+        fwd(**x, precision=bad)
+    assert stub_driver == []
+
+
+@pytest.mark.parametrize("precision,f16", [("fast", True), ("precise", False)])
+def test_precision_picks_the_kernels(stub_driver, precision, f16):
+    """The two ladders launch their own K1 and K2 (K = 64 here; the workspace is the same)."""
+    x = _problem()
+    _run(x, precision=precision)
+    k1, k2 = _kernels(stub_driver)
+    assert k1[0].endswith("_f16") == f16 and ("_f16" in k2[0]) == f16
+
+
 def test_k2_seqs_per_cta():
     """As few waves (sequences per resident K2 CTA) as one sequence per CTA, with the most
     sequences per CTA that keeps them: B32 T256 H32 K = 128 on an H200 (64 CTAs a sequence,
