@@ -289,7 +289,18 @@ def _resident_per_sm(device: int, kernel) -> int:
     _, per_sm, _ = _sm_budget(device)
     threads = kernel.block[0]
     regs = -(-int(kernel.manifest["registers"]) * 32 // 256) * 256 * -(-threads // 32)
-    return max(1, min(per_sm // (kernel.smem + 1024), 65536 // regs, 2048 // threads))
+    return max(1, min(per_sm // _smem_unit(kernel.smem + 1024), 65536 // regs,
+                      2048 // threads))
+
+
+# an SM hands out shared memory to a CTA in whole units of this many bytes (its launch request
+# plus the 1 KB the system reserves per CTA)
+SMEM_UNIT = 128
+
+
+def _smem_unit(nbytes: int) -> int:
+    """A CTA's shared memory as the SM allocates it: rounded up to whole SMEM_UNITs."""
+    return -(-nbytes // SMEM_UNIT) * SMEM_UNIT
 
 
 def _k2_resident(device: int, k2) -> int:
@@ -514,7 +525,7 @@ def _k1_alongside_ctas(p: Problem, k2_ctas: int, device: int, k1) -> int:
 def _k1_alongside_smem(device: int, ctas: int) -> int:
     """The shared memory reservation that holds K1 to `ctas` CTAs per SM (the launch takes
     the kernel's own where that is more)."""
-    return _sm_budget(device)[1] // ctas - 1024
+    return _sm_budget(device)[1] // ctas // SMEM_UNIT * SMEM_UNIT - 1024
 
 
 def _k2_alongside(cfg: FwdConfig, k2_grid: tuple, device: int) -> bool:

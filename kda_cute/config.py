@@ -278,8 +278,9 @@ ALONGSIDE: tuple[FwdConfig, ...] = tuple(
 # memory): at its full occupancy its memory traffic slows K2's steps, which set the pace. It
 # needs about this many CTAs per SM for each (sequence, head) pair per SM left to it (K2
 # consumes one chunk of every pair a step); fitted on the H200 (bench/NOTES.md: K = 64 H32 and
-# H64, K = 128 H32, K = 256 H16, each the best of a sweep over CTAs per SM).
-ALONGSIDE_K1_PER_PAIR = {64: 12.0, 128: 11.0, 256: 8.0}
+# H64, K = 128 H32, K = 256 H16, each the best of a sweep over CTAs per SM; K = 128 re-fitted
+# for its fp16 forward, whose faster K2 steps need K1 further ahead: 6 CTAs per SM at H32).
+ALONGSIDE_K1_PER_PAIR = {64: 12.0, 128: 13.0, 256: 8.0}
 
 
 def alongside_of(cfg: FwdConfig) -> FwdConfig | None:

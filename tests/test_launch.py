@@ -461,9 +461,9 @@ _K1_64, _K1_128, _K1_256 = (_K1Resources(64, 77, 19840), _K1Resources(128, 64, 2
 @pytest.mark.parametrize("K,N,H,k2_ctas,k1,expect", [
     (64, 1, 64, 64, _K1_64, 11),  # as many as fit: K1 must keep up with 64 heads
     (64, 1, 32, 32, _K1_64, 4),
-    (128, 1, 32, 64, _K1_128, 5),
+    (128, 1, 32, 64, _K1_128, 6),
     (256, 1, 16, 64, _K1_256, 2),
-    (128, 2, 16, 64, _K1_128, 5),  # pairs count, not heads
+    (128, 2, 16, 64, _K1_128, 6),  # pairs count, not heads
     (128, 1, 1, 2, _K1_128, 1),  # at least one
 ])
 def test_k1_alongside_ctas_the_sweeps_best(monkeypatch, K, N, H, k2_ctas, k1, expect):
@@ -475,7 +475,7 @@ def test_k1_alongside_ctas_the_sweeps_best(monkeypatch, K, N, H, k2_ctas, k1, ex
     ctas = api._k1_alongside_ctas(p, k2_ctas, 0, k1)
     assert ctas == expect
     smem = max(k1.smem, api._k1_alongside_smem(0, ctas))
-    assert min(233472 // (smem + 1024), api._resident_per_sm(0, k1)) == ctas
+    assert min(233472 // api._smem_unit(smem + 1024), api._resident_per_sm(0, k1)) == ctas
 
 
 def _varlen(seqlens, H, K=64, seed=1):
@@ -554,3 +554,13 @@ def test_no_stream_ordering_otherwise(stub_driver, monkeypatch, why):
     _run(x)
     assert stub_driver.events == []
     assert any(r[0] == "memset" for r in stub_driver) == (why == "capturing")
+
+
+@pytest.mark.parametrize("ctas", range(1, 12))
+def test_k1_alongside_smem_holds_exactly(monkeypatch, ctas):
+    """The padded reservation lets exactly `ctas` K1 CTAs share an SM once each is rounded up to
+    the SM's 128-byte allocation unit (an H200 sweep ran 5 and 7 CTAs per SM as 4 and 6 when the
+    padding was computed to the byte: 5 x 46,694 fits 233,472, 5 x 46,720 does not)."""
+    monkeypatch.setattr(api, "_sm_budget", lambda device: (132, 233472, 232448))
+    unit = api._smem_unit(api._k1_alongside_smem(0, ctas) + 1024)
+    assert unit % 128 == 0 and 233472 // unit == ctas
