@@ -208,12 +208,11 @@ def _workspace_layout(p: Problem, cfg: FwdConfig) -> list[tuple[str, tuple, torc
     # alongside it (_k2_alongside; zeroed before each such launch)
     flags = ("flags", (nch * H,), torch.int32)
     if cfg.prep.operands == "bf16":
-        # the f16 configs: fp16 throughout, the lo planes unwritten (their slots are kept, so
-        # both builds share one layout)
-        h = torch.float16 if cfg.prep.f16 else bf16
-        return [("qg", (R, H, K), h), ("kg", (R, H, K), h), ("kd", (2, R, H, K), h),
-                ("gl", (nch, H, K), f32), ("aw", (2, R, H, C), h),
-                ("mq", (2, R, H, C), h), flags]
+        # the f16 configs: fp16 throughout, kd, Aw and Mq one plane each (no lo planes)
+        h, planes = (torch.float16, 1) if cfg.prep.f16 else (bf16, 2)
+        return [("qg", (R, H, K), h), ("kg", (R, H, K), h), ("kd", (planes, R, H, K), h),
+                ("gl", (nch, H, K), f32), ("aw", (planes, R, H, C), h),
+                ("mq", (planes, R, H, C), h), flags]
     return [("qg", (R, H, K), f32), ("kg", (R, H, K), f32), ("kd", (R, H, K), f32),
             ("gl", (nch, H, K), f32), ("aw", (R, H, C), f32), ("mq", (R, H, C), f32), flags]
 
@@ -385,11 +384,13 @@ def launch_forward(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, in
     base = workspace.data_ptr()
     base += (-base) % 256
     # K1's outputs = K2's operands, by argument name: each tensor, and for bf16 operands the
-    # hi and lo planes of kd, Aw and Mq (two equal planes, lo after hi)
+    # hi and lo planes of kd, Aw and Mq (two equal planes, lo after hi; the f16 configs have
+    # one, which their kernels read and write as hi only: lo names the same plane)
     ws = {name: base + off for name, off, *_ in plan}
-    for name, off, n, *_ in plan:
+    for name, off, n, shape, _ in plan:
         if name in ("kd", "aw", "mq"):
-            ws[name + "h"], ws[name + "l"] = base + off, base + off + n // 2
+            ws[name + "h"] = base + off
+            ws[name + "l"] = base + off + n // shape[0] * (shape[0] - 1)
     cs, cc = _offsets(p, cfg, cu_seqlens, dev)
     if A_log is None:
         A_log = torch.zeros(H, dtype=torch.float32, device=dev)

@@ -150,6 +150,8 @@ class KdaRecurTcSm90(TileCopy):
 
         buf = cute.struct.MemRange
         align = cute.struct.Align
+        # the lo planes' tiles: none in the f16 builds (one element each, never read or loaded)
+        lo_kc, lo_cc = self._lo_sizes(cute.cosize(l_kc), cute.cosize(l_cc))
 
         @cute.struct
         class SharedStorage:
@@ -157,11 +159,11 @@ class KdaRecurTcSm90(TileCopy):
             sKg: align[buf[odt, cute.cosize(l_ck)], 1024]
             sQg: align[buf[odt, cute.cosize(l_ck)], 1024]
             sKdh: align[buf[odt, cute.cosize(l_kc)], 1024]
-            sKdl: align[buf[odt, cute.cosize(l_kc)], 1024]
+            sKdl: align[buf[odt, lo_kc], 1024]
             sAwh: align[buf[odt, cute.cosize(l_cc)], 1024]
-            sAwl: align[buf[odt, cute.cosize(l_cc)], 1024]
+            sAwl: align[buf[odt, lo_cc], 1024]
             sMqh: align[buf[odt, cute.cosize(l_cc)], 1024]
-            sMql: align[buf[odt, cute.cosize(l_cc)], 1024]
+            sMql: align[buf[odt, lo_cc], 1024]
             sGl: align[buf[cutlass.Float32, cute.cosize(l_gl)], 128]
             sV: align[buf[bf16, cute.cosize(l_v)], 128]
             sO: align[buf[bf16, cute.cosize(l_o)], 128]
@@ -178,6 +180,11 @@ class KdaRecurTcSm90(TileCopy):
             grid=(self.V // BV, num_heads, num_seqs), block=(self.threads, 1, 1),
             smem=self.smem_bytes, stream=stream,
         )
+
+    def _lo_sizes(self, kc: int, cc: int) -> tuple[int, int]:
+        """Elements of smem for the lo planes of kd and of Aw / Mq: their tiles', or one each in
+        the f16 builds (the lo tensors stay as views for the descriptors, never read)."""
+        return (1, 1) if self.f16 else (kc, cc)
 
     # ---------------------------------------------------------------- device
     @cute.kernel
@@ -222,11 +229,12 @@ class KdaRecurTcSm90(TileCopy):
         sKg = st.sKg.get_tensor(l_ck.outer, swizzle=l_ck.inner)  # (C, K, S)
         sQg = st.sQg.get_tensor(l_ck.outer, swizzle=l_ck.inner)
         sKdh = st.sKdh.get_tensor(l_kc.outer, swizzle=l_kc.inner)  # (K, C, S)
-        sKdl = st.sKdl.get_tensor(l_kc.outer, swizzle=l_kc.inner)
+        # (the f16 builds' lo tensors: views of the hi tiles, never read)
+        sKdl = (st.sKdh if self.f16 else st.sKdl).get_tensor(l_kc.outer, swizzle=l_kc.inner)
         sAwh = st.sAwh.get_tensor(l_cc.outer, swizzle=l_cc.inner)  # (C, C, S)
-        sAwl = st.sAwl.get_tensor(l_cc.outer, swizzle=l_cc.inner)
+        sAwl = (st.sAwh if self.f16 else st.sAwl).get_tensor(l_cc.outer, swizzle=l_cc.inner)
         sMqh = st.sMqh.get_tensor(l_cc.outer, swizzle=l_cc.inner)
-        sMql = st.sMql.get_tensor(l_cc.outer, swizzle=l_cc.inner)
+        sMql = (st.sMqh if self.f16 else st.sMql).get_tensor(l_cc.outer, swizzle=l_cc.inner)
         sGl = st.sGl.get_tensor(l_gl)  # (1, K, S)
         sV = st.sV.get_tensor(l_v)  # (C, BV, S)
         sO = st.sO.get_tensor(l_o)  # (C, BV, 2)

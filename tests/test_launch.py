@@ -95,7 +95,7 @@ def stub_driver(monkeypatch):
     return launches
 
 
-def _problem(T=40, H=2, K=64, seed=0):
+def _problem(T=40, H=2, K=64, seed=0, precision="fast"):
     g = torch.Generator().manual_seed(seed)
     q, k, gg, v = (torch.randn(1, T, H, K, generator=g).to(BF16) for _ in range(4))
     beta = torch.randn(1, T, H, generator=g).to(BF16)
@@ -104,7 +104,8 @@ def _problem(T=40, H=2, K=64, seed=0):
     s0 = torch.randn(1, H, K, K)
     s1 = torch.empty_like(s0)
     p = api.validate(q, k, v, gg, beta, K ** -0.5, out, A_log, dt, -5.0, s0, s1, None, "bounded")
-    ws = torch.empty(api.workspace_bytes(p, api.config_for(p)), dtype=torch.uint8)
+    ws = torch.empty(api.workspace_bytes(p, api.config_for(p, precision=precision)),
+                     dtype=torch.uint8)
     return dict(q=q, k=k, v=v, g=gg, beta=beta, scale=K ** -0.5, out=out, A_log=A_log,
                 dt_bias=dt, lower_bound=-5.0, initial_state=s0, final_state=s1,
                 cu_seqlens=None, workspace=ws)
@@ -320,11 +321,30 @@ def test_precision_argument_validated(stub_driver, bad):
 
 @pytest.mark.parametrize("precision,f16", [("fast", True), ("precise", False)])
 def test_precision_picks_the_kernels(stub_driver, precision, f16):
-    """The two ladders launch their own K1 and K2 (K = 64 here; the workspace is the same)."""
-    x = _problem()
+    """The two ladders launch their own K1 and K2 (K = 64 here), each in its own workspace."""
+    x = _problem(precision=precision)
     _run(x, precision=precision)
     k1, k2 = _kernels(stub_driver)
     assert k1[0].endswith("_f16") == f16 and ("_f16" in k2[0]) == f16
+
+
+@pytest.mark.parametrize("K", [64, 128])
+def test_fast_workspace_has_one_plane_of_kd_aw_mq(stub_driver, K):
+    """The fast (fp16) forward's workspace holds kd, Aw and Mq once (no lo planes): smaller than
+    the precise one's by exactly those planes; a fast-sized workspace given to a precise forward
+    is refused, naming the argument."""
+    x = _problem(K=K)
+    p = api.validate(x["q"], x["k"], x["v"], x["g"], x["beta"], x["scale"], x["out"], x["A_log"],
+                     x["dt_bias"], -5.0, x["initial_state"], x["final_state"], None, "bounded")
+    fast, precise = (api.config_for(p, precision=m) for m in ("fast", "precise"))
+    plan_f = {n: (b, shape) for n, _, b, shape, _ in api._workspace_plan(p, fast)[0]}
+    plan_p = {n: (b, shape) for n, _, b, shape, _ in api._workspace_plan(p, precise)[0]}
+    for name in ("kd", "aw", "mq"):
+        assert plan_f[name][1][0] == 1 and plan_p[name][1][0] == 2
+        assert 2 * plan_f[name][0] == plan_p[name][0]
+    assert api.workspace_bytes(p, fast) < api.workspace_bytes(p, precise)
+    with pytest.raises(ValueError, match="workspace"):
+        _run(x, precision="precise")
 
 
 def test_k2_seqs_per_cta():
