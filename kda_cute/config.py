@@ -256,8 +256,7 @@ SHIPPED: tuple[FwdConfig, ...] = TENSOR_CORE + SIMT
 # Built and ABI-checked like the shipped ones, reachable through fwd(config=...), but not picked by
 # the ladder until their GPU tests have passed on the H200: chunk 32 (half the serial steps).
 EXPERIMENTAL: tuple[FwdConfig, ...] = (
-    tuple(_tc_fwd(d, d, chunk=32, stages=2) for d in HEAD_DIMS) + (_tc_fwd(256, 256, f16=True),)
-    + tuple(_tc_fwd(d, d, stages=6, f16=True) for d in (64, 128)))
+    tuple(_tc_fwd(d, d, chunk=32, stages=2) for d in HEAD_DIMS) + (_tc_fwd(256, 256, f16=True),))
 
 
 # The segmented K2's state runs (from zero, and the identity rows): each tensor-core K2 without

@@ -139,25 +139,10 @@ def test_alongside_build_of_each_tensor_core_forward(fwd_cfg):
     assert a.prep in jobs_for(ALONGSIDE) and a.recur in jobs_for(ALONGSIDE)
 
 
-def _stage_variant(f):
-    """The shipped tensor-core forward an experimental one differs from in K2's stages only."""
-    return next((t for t in TENSOR_CORE if t.prep == f.prep
-                 and dataclasses.replace(t.recur, stages=f.recur.stages) == f.recur), None)
-
-
-@pytest.mark.parametrize("fwd_cfg", SIMT + ALONGSIDE + tuple(
-    e for e in EXPERIMENTAL if _stage_variant(e) is None),
-    ids=lambda f: f"{f.prep.name}-{f.recur.name}")
+@pytest.mark.parametrize("fwd_cfg", SIMT + EXPERIMENTAL + ALONGSIDE,
+                         ids=lambda f: f"{f.prep.name}-{f.recur.name}")
 def test_no_alongside_build_otherwise(fwd_cfg):
     assert alongside_of(fwd_cfg) is None
-
-
-@pytest.mark.parametrize("fwd_cfg", [e for e in EXPERIMENTAL if _stage_variant(e) is not None],
-                         ids=lambda f: f.recur.name)
-def test_stage_variants_share_the_shipped_alongside_build(fwd_cfg):
-    """An experimental forward that changes only K2's stages runs alongside as the shipped
-    forward does (the alongside builds set their own stages)."""
-    assert alongside_of(fwd_cfg) == alongside_of(_stage_variant(fwd_cfg)) is not None
 
 
 # ------------------------------------------------------------------------------ the ladder
