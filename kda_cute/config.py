@@ -239,10 +239,8 @@ def _tc_fwd(k: int, v: int, chunk: int = 16, stages: int = 4, f16: bool = False)
 # The tensor-core forwards: what the ladder picks. "fast" (the default): every K2 product one
 # fp16 warpgroup MMA, K1's operands fp16; "precise": the products on bf16 hi/lo splits (three
 # MMAs each), the fp32 state at ~5e-6 instead of ~3.5e-4 against float64 (bench/NOTES.md), and
-# bf16's range for the values (fp16's overflows past ~6.5e4: README, limits). K = 256 has no fast
-# forward on the ladder yet: its fp16 K1 spills a register in phase B at the 64 it is held to
-# (built among the experimental configs).
-FAST: tuple[FwdConfig, ...] = tuple(_tc_fwd(d, d, f16=True) for d in HEAD_DIMS if d <= 128)
+# bf16's range for the values (fp16's overflows past ~6.5e4: README, limits).
+FAST: tuple[FwdConfig, ...] = tuple(_tc_fwd(d, d, f16=True) for d in HEAD_DIMS)
 PRECISE: tuple[FwdConfig, ...] = tuple(_tc_fwd(d, d) for d in HEAD_DIMS)
 TENSOR_CORE: tuple[FwdConfig, ...] = FAST + PRECISE
 PRECISIONS = ("fast", "precise")
@@ -256,7 +254,7 @@ SHIPPED: tuple[FwdConfig, ...] = TENSOR_CORE + SIMT
 # Built and ABI-checked like the shipped ones, reachable through fwd(config=...), but not picked by
 # the ladder until their GPU tests have passed on the H200: chunk 32 (half the serial steps).
 EXPERIMENTAL: tuple[FwdConfig, ...] = (
-    tuple(_tc_fwd(d, d, chunk=32, stages=2) for d in HEAD_DIMS) + (_tc_fwd(256, 256, f16=True),))
+    tuple(_tc_fwd(d, d, chunk=32, stages=2) for d in HEAD_DIMS))
 
 
 # The segmented K2's state runs (from zero, and the identity rows): each tensor-core K2 without
@@ -310,7 +308,7 @@ def select_config(head_dim_k: int, head_dim_v: int, varlen: bool,
     ("fast": fp16 products; "precise": bf16 hi/lo products). One config per head dim and
     precision so far (chunk 16, 64 state rows per CTA); `varlen` is accepted for
     layout-specific entries and not used yet."""
-    for cfg in (FAST if precision == "fast" else ()) + PRECISE:  # K = 256: precise only
+    for cfg in FAST if precision == "fast" else PRECISE:
         if cfg.prep.head_dim_k == head_dim_k and cfg.recur.head_dim_v == head_dim_v:
             return cfg
     return None

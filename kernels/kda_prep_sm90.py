@@ -845,10 +845,16 @@ class KdaPrepSm90Split(KdaPrepSm90):
             first: cute.struct.MemRange[cutlass.Float32, W]  # G at row 0
             norm: cute.struct.MemRange[cutlass.Float32, 2 * C]
             beta: cute.struct.MemRange[cutlass.Float32, C]
-            flag: cute.struct.MemRange[cutlass.Int32, K // 64]  # unfactored 64-column groups
+            # unfactored 64-column groups; the f16 build then keeps the chunk's length there
+            flag: cute.struct.MemRange[cutlass.Int32, K // 64 + self._length_slot()]
 
         self.shared_storage = SharedStorage
         self.smem_bytes = SharedStorage.size_in_bytes()
+
+    def _length_slot(self) -> int:
+        """1 where the chunk's length waits in smem over phase B (the f16 build: held in a
+        register across the last pass, it was spilled at K = 256), else 0."""
+        return 1 if self.f16 else 0
 
     @cute.jit
     def __call__(
@@ -955,12 +961,15 @@ class KdaPrepSm90Split(KdaPrepSm90):
             first = st.first.get_tensor(cute.make_layout(W))
             norm = st.norm.get_tensor(cute.make_layout(2 * C))
             sBeta = st.beta.get_tensor(cute.make_layout(C))
-            flag = st.flag.get_tensor(cute.make_layout(K // 64))
+            flag = st.flag.get_tensor(cute.make_layout(K // 64 + self._length_slot()))
             sL = cute.make_tensor(cute.recast_ptr(sG.iterator, dtype=f32),
                                   cute.make_layout((C, C), stride=(C, 1)))
             row0 = bid * C
             self._load_tiles(loads, (sQ, sK, sG), mbar, mBeta, sBeta, t0, h, length,
                              beta_sigmoid, tidx, warp)
+            if cutlass.const_expr(self._length_slot() == 1):
+                if tidx == 0:
+                    flag[K // 64] = length  # read back after the passes (a barrier between)
             self._norms(sQK, norm, length, scale, qk_l2norm, tidx)
 
             pl = tidx % NPAIR
@@ -994,6 +1003,8 @@ class KdaPrepSm90Split(KdaPrepSm90):
                     else:
                         self._phase_b_block_elementwise(fA, fB, fG, c0, lane, accs)
             cute.arch.sync_threads()
+            if cutlass.const_expr(self._length_slot() == 1):
+                length = flag[K // 64]
             sRed = cute.make_tensor(f0, cute.make_layout(
                 (NW, 2, C, C), stride=(2 * C * C, C * C, C, 1)))
             self._phase_b_spill(sRed, warp, lane, accs)

@@ -264,15 +264,12 @@ def test_load_manifest_missing(name, arch):
 
 @pytest.mark.parametrize("d", HEAD_DIMS, ids=[f"d{d}" for d in HEAD_DIMS])
 def test_select_config_precision(d):
-    """"fast" (the default) picks the fp16-operand forward where one ships (K = 64, 128),
-    "precise" the bf16 hi/lo one; K = 256 is precise either way (its fp16 K1 spills)."""
+    """"fast" (the default) picks the fp16-operand forward, "precise" the bf16 hi/lo one, at
+    every head dim."""
     fast, precise = select_config(d, d, False), select_config(d, d, False, "precise")
     assert precise in PRECISE and not precise.prep.f16 and not precise.recur.f16
     assert fast == select_config(d, d, False, "fast")
-    if d <= 128:
-        assert fast in FAST and fast.prep.f16 and fast.recur.f16
-    else:
-        assert fast == precise
+    assert fast in FAST and fast.prep.f16 and fast.recur.f16
     # both have their alongside builds and segment runs
     for cfg in {fast, precise}:
         assert alongside_of(cfg) is not None

@@ -518,12 +518,13 @@ def test_k2_alongside_on_several_streams_at_once():
         assert torch.equal(out, ref) and torch.equal(final, ref_final)
 
 
+@pytest.mark.parametrize("K", [128, 256])
 @pytest.mark.parametrize("precision,scale", [("fast", 2.0 ** 12), ("precise", 2.0 ** 15)])
-def test_large_values(precision, scale):
+def test_large_values(precision, scale, K):
     """Values and initial state scaled by a power of two (exact in bf16; the recurrence is
     linear in them): fast precision's fp16 operands hold max |v| ~2e4 (README: below ~1e4 with
     a margin; bench/precision_range.py emulates overflow near 1e5), precise's bf16 ones 1.4e5."""
-    inp = make_inputs(B=1, T=1024, H=4, K=128, seed=51)
+    inp = make_inputs(B=1, T=1024, H=4, K=K, seed=51)
     inp["v"] = inp["v"] * scale
     inp["initial_state"] = inp["initial_state"] * scale
     _assert(errors(inp, precision=precision))
