@@ -282,16 +282,6 @@ def _sm_budget(device: int) -> tuple[int, int, int]:
             getattr(prop, "shared_memory_per_block_optin", 232448))
 
 
-def _resident_per_sm(device: int, kernel) -> int:
-    """A kernel's CTAs one SM holds at once: the fewest that its shared memory, its registers
-    (allocated per warp in units of 256) and its threads allow."""
-    _, per_sm, _ = _sm_budget(device)
-    threads = kernel.block[0]
-    regs = -(-int(kernel.manifest["registers"]) * 32 // 256) * 256 * -(-threads // 32)
-    return max(1, min(per_sm // _smem_unit(kernel.smem + 1024), 65536 // regs,
-                      2048 // threads))
-
-
 # an SM hands out shared memory to a CTA in whole units of this many bytes (its launch request
 # plus the 1 KB the system reserves per CTA)
 SMEM_UNIT = 128
@@ -300,6 +290,16 @@ SMEM_UNIT = 128
 def _smem_unit(nbytes: int) -> int:
     """A CTA's shared memory as the SM allocates it: rounded up to whole SMEM_UNITs."""
     return -(-nbytes // SMEM_UNIT) * SMEM_UNIT
+
+
+def _resident_per_sm(device: int, kernel) -> int:
+    """A kernel's CTAs one SM holds at once: the fewest that its shared memory, its registers
+    (allocated per warp in units of 256) and its threads allow."""
+    _, per_sm, _ = _sm_budget(device)
+    threads = kernel.block[0]
+    regs = -(-int(kernel.manifest["registers"]) * 32 // 256) * 256 * -(-threads // 32)
+    return max(1, min(per_sm // _smem_unit(kernel.smem + 1024), 65536 // regs,
+                      2048 // threads))
 
 
 def _k2_resident(device: int, k2) -> int:
