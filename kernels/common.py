@@ -2,10 +2,16 @@
 
 import re
 
+import cutlass
 import cutlass.cute as cute
 from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync
-from cutlass.cutlass_dsl import dsl_user_op
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+LOG2E = 1.4426950408889634  # log2(e): K1's column passes carry G in base 2
+# the factored phase B needs every |G_i - r| and |r| of a chunk's column within this (natural
+# units): e^80 ~ 5.5e34, so each factor and product stays a normal fp32
+FACTOR_LIMIT = 80.0
 
 _GBASIS = re.compile(r'tma_gbasis = <"\(([^)]*)\):\(([^)]*)\)">')
 _BITS = re.compile(r"copy_bits = (\d+)")
@@ -111,3 +117,39 @@ def trap(*, loc=None, ip=None):
     """Abort the kernel (the launch fails with an error instead of hanging)."""
     llvm.inline_asm(None, [], "trap;", "", has_side_effects=True, is_align_stack=False,
                     asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def f32_bits(x, *, loc=None, ip=None) -> cutlass.Int32:
+    """The bits of an fp32 value as an int32 (no conversion)."""
+    v = cutlass.Float32(x).ir_value(loc=loc, ip=ip)
+    return cutlass.Int32(llvm.bitcast(T.i32(), v, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def bits_f32(x, *, loc=None, ip=None) -> cutlass.Float32:
+    """An int32's bits as an fp32 value (no conversion)."""
+    v = cutlass.Int32(x).ir_value(loc=loc, ip=ip)
+    return cutlass.Float32(llvm.bitcast(T.f32(), v, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def pack_bf16x2(a, b, *, loc=None, ip=None) -> cutlass.Int32:
+    """bf16(a) in the low half and bf16(b) in the high half of one word (round to nearest
+    even): one cvt.rn.bf16x2.f32 for the two."""
+    va = cutlass.Float32(a).ir_value(loc=loc, ip=ip)
+    vb = cutlass.Float32(b).ir_value(loc=loc, ip=ip)
+    return cutlass.Int32(llvm.inline_asm(
+        T.i32(), [va, vb], "cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,f,f",
+        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc, ip=ip))
+
+
+def bf16x2_lo(w) -> cutlass.Float32:
+    """The low bf16 of a word, as fp32 (exact: a shift)."""
+    return bits_f32(w << 16)
+
+
+def bf16x2_hi(w) -> cutlass.Float32:
+    """The high bf16 of a word, as fp32 (exact: a mask)."""
+    return bits_f32(w & -65536)

@@ -40,7 +40,15 @@ from cutlass.cute.nvgpu import cpasync
 from cutlass.cute.nvgpu import warp as warp_mma
 
 from kda_cute.config import GATE_BOUNDED, GATE_UNBOUNDED, K1_GRID_Y, PrepConfig
-from kernels.common import TileCopy, tma_meta
+from kernels.common import (
+    FACTOR_LIMIT,
+    LOG2E,
+    TileCopy,
+    bf16x2_hi,
+    bf16x2_lo,
+    pack_bf16x2,
+    tma_meta,
+)
 
 # sm_90 per-SM budgets: shared memory (228 KB, 1 KB of it reserved per CTA) and registers
 SMEM_PER_SM = 233472
@@ -392,6 +400,13 @@ class KdaPrepSm90(TileCopy):
         return (st, st.mbar.data_ptr(), sQK, cute.make_tensor(sQK.iterator, s_tile),
                 cute.make_tensor(sQK.iterator + C * K, s_tile), st.sG.get_tensor(s_tile))
 
+    def _words(self, t):
+        """A row-major bf16 smem tile (rows, K) as int32 words (rows, K/2): bf16 pairs, column
+        2p in the low half of word p (bf16x2_lo / bf16x2_hi read them exactly)."""
+        rows = cute.size(t, mode=[0])
+        return cute.make_tensor(cute.recast_ptr(t.iterator, dtype=cutlass.Int32),
+                                cute.make_layout((rows, self.K // 2), stride=(self.K // 2, 1)))
+
     @cute.jit
     def _locate(self, mCuSeq: cute.Tensor, mCuChunk: cute.Tensor, num_seqs: cutlass.Int32, bid,
                 lane):
@@ -476,12 +491,15 @@ class KdaPrepSm90(TileCopy):
         nvec = K // 8 // TPR
         row = tidx // TPR
         sub_ = tidx - row * TPR
-        vecs = cute.logical_divide(sQK, (None, 8))  # (2C, (8, K/8))
+        vecs = cute.logical_divide(self._words(sQK), (None, 4))  # (2C, (4, K/8)) bf16 pairs
         acc2 = cutlass.Float32(0.0)
         for m in cutlass.range_constexpr(nvec):
-            xv = vecs[row, (None, sub_ + TPR * ((m + row) % nvec))].load().to(
-                cutlass.Float32)
-            acc2 = acc2 + (xv * xv).reduce(cute.ReductionOp.ADD, 0.0, 0)
+            wv = vecs[row, (None, sub_ + TPR * ((m + row) % nvec))].load()
+            part = cutlass.Float32(0.0)
+            for e in cutlass.range_constexpr(4):
+                x0, x1 = bf16x2_lo(wv[e]), bf16x2_hi(wv[e])
+                part = part + x0 * x0 + x1 * x1
+            acc2 = acc2 + part
         for off in cutlass.range_constexpr(TPR.bit_length() - 1):
             acc2 = acc2 + cute.arch.shuffle_sync_bfly(acc2, offset=1 << off)
         if sub_ == 0:
@@ -706,15 +724,18 @@ class KdaPrepSm90(TileCopy):
 
     @cute.jit
     def _hi_lo(self, view):
-        """(bf16(x), bf16(x - bf16(x))) of every element of an fp32 smem fragment view."""
-        bf16, f32 = cutlass.BFloat16, cutlass.Float32
+        """(bf16(x), bf16(x - bf16(x))) of every element of an fp32 smem fragment view, a
+        pair of elements (one register of the MMA fragment) at a time: one packed conversion
+        per plane, and the hi pair back to fp32 by a shift and a mask."""
+        bf16 = cutlass.BFloat16
         hi = cute.make_rmem_tensor(view.shape, bf16)
         lo = cute.make_rmem_tensor(view.shape, bf16)
-        for e in cutlass.range_constexpr(cute.size(view)):
-            x = view[e]
-            h = x.to(bf16)
-            hi[e] = h
-            lo[e] = (x - h.to(f32)).to(bf16)
+        hw, lw = (cute.recast_tensor(t, cutlass.Int32) for t in (hi, lo))
+        for m in cutlass.range_constexpr(cute.size(view) // 2):
+            x0, x1 = view[2 * m], view[2 * m + 1]
+            w = pack_bf16x2(x0, x1)
+            hw[m] = w
+            lw[m] = pack_bf16x2(x0 - bf16x2_lo(w), x1 - bf16x2_hi(w))
         return hi, lo
 
     @cute.jit
@@ -1030,35 +1051,41 @@ class KdaPrepSm90Split(KdaPrepSm90):
                     lower_bound: cutlass.Float32, gate_mode: cutlass.Int32, length):
         """Step 1 of a pass: the gate of columns 2 gp + c (c = 0, 1) at this thread's rows
         rg * RPG ..., their running sum (rows past the length add nothing) returned as (RPG, 2),
-        the group's sum to part[rg] and G at row 0 to first[]."""
+        the group's sum to part[rg] and G at row 0 to first[]. Gates and G are in base 2
+        (log2(e) times the natural ones; the constant folds into a_exp and the lower bound),
+        so every exponential of the pass is one ex2."""
         C, K, NT, W = self.C, self.K, self.threads, self.W
         f32 = cutlass.Float32
         RPG = C * W // (2 * NT)
-        vG = cute.logical_divide(sG, (None, 2))
+        gW = self._words(sG)
         bias = [mDtBias[h * K + 2 * gp + c] for c in range(2)]
+        na2 = a_exp * -LOG2E
         acts = cute.make_rmem_tensor((RPG, 2), f32)
         # one branch per mode (not per row), so the rows' exponentials overlap
         if gate_mode == GATE_BOUNDED:
             for r in cutlass.range_constexpr(RPG):
-                g2 = vG[rg * RPG + r, (None, gp)].load().to(f32)
+                gw = gW[rg * RPG + r, gp]
+                g2 = (bf16x2_lo(gw), bf16x2_hi(gw))
                 for c in cutlass.range_constexpr(2):
-                    x = a_exp * (g2[c] + bias[c])
-                    acts[r, c] = lower_bound * cute.arch.rcp_approx(
-                        1.0 + cute.math.exp(-x, fastmath=True))
+                    # lower_bound sigmoid(a_exp (g + bias)), base 2
+                    acts[r, c] = (lower_bound * LOG2E) * cute.arch.rcp_approx(
+                        1.0 + cute.math.exp2((g2[c] + bias[c]) * na2, fastmath=True))
         elif gate_mode == GATE_UNBOUNDED:
             for r in cutlass.range_constexpr(RPG):
-                g2 = vG[rg * RPG + r, (None, gp)].load().to(f32)
+                gw = gW[rg * RPG + r, gp]
+                g2 = (bf16x2_lo(gw), bf16x2_hi(gw))
                 for c in cutlass.range_constexpr(2):
                     x = g2[c] + bias[c]
                     # softplus without a branch: max(x, 0) + log1p(e^-|x|)
                     sp = cute.arch.fmax(x, 0.0) + cute.math.log1p(
                         cute.math.exp(-cute.arch.fmax(x, -x)))
-                    acts[r, c] = -a_exp * sp
+                    acts[r, c] = na2 * sp
         else:
             for r in cutlass.range_constexpr(RPG):
-                g2 = vG[rg * RPG + r, (None, gp)].load().to(f32)
+                gw = gW[rg * RPG + r, gp]
+                g2 = (bf16x2_lo(gw), bf16x2_hi(gw))
                 for c in cutlass.range_constexpr(2):
-                    acts[r, c] = g2[c]
+                    acts[r, c] = g2[c] * LOG2E
         loc = cute.make_rmem_tensor((RPG, 2), f32)
         for c in cutlass.range_constexpr(2):
             run = cutlass.Float32(0.0)
@@ -1074,18 +1101,18 @@ class KdaPrepSm90Split(KdaPrepSm90):
     @cute.jit
     def _pass_outputs(self, loc, part, first, flag, fops, sQ, sK, norm, kd_planes, mGl, row0,
                       h, bid, gp, pl, rg, lane):
-        """Step 2 of a pass, columns d = 2 gp + c of rows rg * RPG ...: G = (sum of the earlier
-        groups) + the running sum, r and Gl from the group sums; the factored test as a warp
-        vote (flag[] for phase B); gl = e^Gl; the outputs qg = scale qn e^G, kg = kn e^G and
-        kd = kn e^(Gl - G) (zeros past the length, whose rows have zero norms) and phase B's
-        operands, factored: (qn e^(G - r), kn e^(G - r), kn e^(r - G)), the outputs being
-        these times e^r, e^r and e^(Gl - r); otherwise (qn, kn, G)."""
+        """Step 2 of a pass, columns d = 2 gp + c of rows rg * RPG ... (G in base 2): G = (sum
+        of the earlier groups) + the running sum, r and Gl from the group sums; the factored
+        test as a warp vote (flag[] for phase B; the warp then takes one of two branches, not
+        per-element selects); gl = 2^Gl; the outputs qg = scale qn 2^G, kg = kn 2^G and kd = kn
+        2^(Gl - G) (zeros past the length, whose rows have zero norms) and phase B's operands,
+        factored: (qn 2^(G - r), kn 2^(G - r), kn 2^(r - G)), the outputs being these times
+        2^r, 2^r and 2^(Gl - r); otherwise (qn, kn, G)."""
         C, NT, W = self.C, self.threads, self.W
         f32 = cutlass.Float32
         RG = 2 * NT // W
-        RPG = C // RG
-        RGREF = (C // 2 - 1) // RPG  # the row group ending at row C/2 - 1
-        fA, fB, fG = fops
+        RGREF = (C // 2 - 1) // (C // RG)  # the row group ending at row C/2 - 1
+        lim = FACTOR_LIMIT * LOG2E
         offs = cute.make_rmem_tensor((2,), f32)
         ref = cute.make_rmem_tensor((2,), f32)
         gl = cute.make_rmem_tensor((2,), f32)
@@ -1104,78 +1131,91 @@ class KdaPrepSm90Split(KdaPrepSm90):
             offs[c] = o
             gl[c] = run
             g0 = first[col]
-            # the factored products take e^(G_i - r) e^(r - G_j), the outputs e^G = e^(G - r)
-            # e^r: every factor a normal float (G is monotone, so its ends bound it)
+            # the factored products take 2^(G_i - r) 2^(r - G_j), the outputs 2^G = 2^(G - r)
+            # 2^r: every factor a normal float (G is monotone, so its ends bound it)
             rf = ref[c]
-            if g0 - rf > 80.0:
+            if g0 - rf > lim:
                 big = cutlass.Int32(1)
-            if rf - g0 > 80.0:
+            if rf - g0 > lim:
                 big = cutlass.Int32(1)
-            if run - rf > 80.0:
+            if run - rf > lim:
                 big = cutlass.Int32(1)
-            if rf - run > 80.0:
+            if rf - run > lim:
                 big = cutlass.Int32(1)
-            if rf > 80.0:
+            if rf > lim:
                 big = cutlass.Int32(1)
-            if rf < -80.0:
+            if rf < -lim:
                 big = cutlass.Int32(1)
         unsafe = cute.arch.vote_any_sync(big != 0)
         if lane == 0:
             flag[(2 * gp) // 64] = cutlass.Int32(unsafe)
-        # per column: e1 = e^(G - sa), e2 = e^(sb - G), outputs' factors cq, cl
-        sa = cute.make_rmem_tensor((2,), f32)
-        sb = cute.make_rmem_tensor((2,), f32)
+        if rg == 0:
+            for c in cutlass.range_constexpr(2):
+                mGl[bid, h, 2 * gp + c] = cute.math.exp2(gl[c], fastmath=True)
+        for r in cutlass.range_constexpr(C * W // (2 * NT)):
+            for c in cutlass.range_constexpr(2):
+                loc[r, c] = offs[c] + loc[r, c]  # G
+        args = (loc, ref, gl, fops, sQ, sK, norm, kd_planes, row0, h, gp, pl, rg)
+        if unsafe:
+            self._pass_rows(False, *args)
+        else:
+            self._pass_rows(True, *args)
+
+    @cute.jit
+    def _pass_rows(self, factored: cutlass.Constexpr, G, ref, gl, fops, sQ, sK, norm,
+                   kd_planes, row0, h, gp, pl, rg):
+        """The rows of step 2 (_pass_outputs) in one form, which the whole warp takes; G holds
+        this thread's (RPG, 2) entries."""
+        C, NT, W = self.C, self.threads, self.W
+        f32 = cutlass.Float32
+        RPG = C * W // (2 * NT)
+        fA, fB, fG = fops
         cq = cute.make_rmem_tensor((2,), f32)
         cl = cute.make_rmem_tensor((2,), f32)
-        for c in cutlass.range_constexpr(2):
-            sa[c] = ref[c]
-            sb[c] = ref[c]
-            cq[c] = cute.math.exp(ref[c], fastmath=True)
-            cl[c] = cute.math.exp(gl[c] - ref[c], fastmath=True)
-            if unsafe:
-                sa[c] = cutlass.Float32(0.0)
-                sb[c] = gl[c]
-                cq[c] = cutlass.Float32(1.0)
-                cl[c] = cutlass.Float32(1.0)
+        if cutlass.const_expr(factored):
+            for c in cutlass.range_constexpr(2):
+                cq[c] = cute.math.exp2(ref[c], fastmath=True)
+                cl[c] = cute.math.exp2(gl[c] - ref[c], fastmath=True)
         vQ, vK = (cute.logical_divide(x, (None, 2)) for x in (sQ, sK))
+        qW, kW = self._words(sQ), self._words(sK)
         qs2 = cute.make_rmem_tensor((2,), f32)
         ke2 = cute.make_rmem_tensor((2,), f32)
         kd2 = cute.make_rmem_tensor((2,), f32)
         for r in cutlass.range_constexpr(RPG):
             i = rg * RPG + r
-            q2 = vQ[i, (None, gp)].load().to(f32)
-            k2 = vK[i, (None, gp)].load().to(f32)
+            qw, kw = qW[i, gp], kW[i, gp]
+            q2 = (bf16x2_lo(qw), bf16x2_hi(qw))
+            k2 = (bf16x2_lo(kw), bf16x2_hi(kw))
             nq = norm[i]
             nk = norm[C + i]
             for c in cutlass.range_constexpr(2):
                 col = 2 * pl + c
-                Gi = offs[c] + loc[r, c]
+                Gi = G[r, c]
                 qn = q2[c] * nq
                 kn = k2[c] * nk
-                e1 = cute.math.exp(Gi - sa[c], fastmath=True)
-                e2 = cute.math.exp(sb[c] - Gi, fastmath=True)
-                qe = qn * e1
-                ke = kn * e1
-                kx = kn * e2
-                fa = qe
-                fb = ke
-                fg = kx
-                if unsafe:
-                    fa = qn
-                    fb = kn
-                    fg = Gi
-                fA[i, col] = fa
-                fB[i, col] = fb
-                fG[i, col] = fg
-                qs2[c] = qe * cq[c]
-                ke2[c] = ke * cq[c]
-                kd2[c] = kx * cl[c]
+                if cutlass.const_expr(factored):
+                    # 2^(G - r) and its reciprocal are normal floats (the factored test)
+                    e1 = cute.math.exp2(Gi - ref[c], fastmath=True)
+                    qe = qn * e1
+                    ke = kn * e1
+                    kx = kn * cute.arch.rcp_approx(e1)
+                    fA[i, col] = qe
+                    fB[i, col] = ke
+                    fG[i, col] = kx
+                    qs2[c] = qe * cq[c]
+                    ke2[c] = ke * cq[c]
+                    kd2[c] = kx * cl[c]
+                else:
+                    e1 = cute.math.exp2(Gi, fastmath=True)
+                    qs2[c] = qn * e1
+                    ke2[c] = kn * e1
+                    kd2[c] = kn * cute.math.exp2(gl[c] - Gi, fastmath=True)
+                    fA[i, col] = qn
+                    fB[i, col] = kn
+                    fG[i, col] = Gi
             # qg and kg in place of the q and k tiles (only this thread reads these two columns
             # of this row); kd's planes straight to the workspace (128 bytes of a row per warp)
             self._store_row_pair(vQ, vK, kd_planes, row0, h, i, gp, qs2, ke2, kd2)
-        if rg == 0:
-            for c in cutlass.range_constexpr(2):
-                mGl[bid, h, 2 * gp + c] = cute.math.exp(gl[c], fastmath=True)
 
     @cute.jit
     def _phase_b_block_elementwise(self, fA, fB, fG, c0, lane, accs):
@@ -1195,7 +1235,7 @@ class KdaPrepSm90Split(KdaPrepSm90):
                     lacc = accs[nt][e]
                     macc = accs[2 + nt][e]
                     for d in cutlass.range(16, unroll=2):
-                        t = cute.math.exp(fG[i, c0 + d] - fG[j, c0 + d]) * fB[j, c0 + d]
+                        t = cute.math.exp2(fG[i, c0 + d] - fG[j, c0 + d]) * fB[j, c0 + d]
                         lacc = lacc + fB[i, c0 + d] * t
                         macc = macc + fA[i, c0 + d] * t
                     accs[nt][e] = lacc
