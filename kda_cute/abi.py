@@ -106,6 +106,7 @@ def prep_args(cfg: PrepConfig) -> list[Arg]:
         *outs,
         _ten("flags", "int32", ("FL",), (1,)),  # written only by an alongside build
         Arg("num_seqs", "i32"),
+        Arg("seq_len", "i32"),  # a fixed-length batch's T (K1 finds its chunks by arithmetic)
         Arg("num_chunks", "i32", grid_only=True),
         Arg("num_heads", "i32", grid_only=True),
         Arg("scale", "f32"),

@@ -408,7 +408,7 @@ def launch_forward(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, in
                  "beta": beta.data_ptr(), "A_log": A_log.data_ptr(),
                  "dt_bias": dt_bias.data_ptr(), "cu_seqlens": cs.data_ptr(),
                  "cu_chunks": cc.data_ptr(), **ws, "num_seqs": p.N,
-                 "num_chunks": nch, "num_heads": H,
+                 "seq_len": 0 if p.varlen else p.T, "num_chunks": nch, "num_heads": H,
                  "scale": float(scale), "lower_bound": float(lower_bound or 0.0),
                  "gate_mode": GATE_MODES[gate], "qk_l2norm": int(bool(qk_l2norm)),
                  "beta_sigmoid": int(bool(beta_sigmoid))}

@@ -95,6 +95,7 @@ class KdaPrepSm90(TileCopy):
         mMq: cute.Tensor,
         mFlags: cute.Tensor,  # (num_chunks * H,) int32: a (chunk, head)'s flag, set when written
         num_seqs: cutlass.Int32,
+        seq_len: cutlass.Int32,
         num_chunks: cutlass.Int32,
         num_heads: cutlass.Int32,
         scale: cutlass.Float32,
@@ -106,7 +107,7 @@ class KdaPrepSm90(TileCopy):
     ):
         loads, s_tile = self._make_loads(mQ, mK, mG)
         self._launch((*loads, mBeta, mALog, mDtBias, mCuSeq, mCuChunk,
-                      mQg, mKg, mKd, mGl, mAw, mMq, mFlags, num_seqs, scale, lower_bound,
+                      mQg, mKg, mKd, mGl, mAw, mMq, mFlags, num_seqs, seq_len, scale, lower_bound,
                       gate_mode, qk_l2norm, beta_sigmoid, s_tile), num_chunks,
                      num_heads, stream)
 
@@ -172,19 +173,21 @@ class KdaPrepSm90(TileCopy):
         mQg: cute.Tensor, mKg: cute.Tensor, mKd: cute.Tensor, mGl: cute.Tensor,
         mAw: cute.Tensor, mMq: cute.Tensor, mFlags: cute.Tensor,
         num_seqs: cutlass.Int32,
+        seq_len: cutlass.Int32,
         scale: cutlass.Float32, lower_bound: cutlass.Float32,
         gate_mode: cutlass.Int32, qk_l2norm: cutlass.Int32, beta_sigmoid: cutlass.Int32,
         s_tile: cute.Layout,
     ):
         self._body(((tma_q, tQ), (tma_k, tK), (tma_g, tG)), mBeta, mALog, mDtBias, mCuSeq,
-                   mCuChunk, (mQg, mKg, mKd, mGl, mAw, mMq), num_seqs, scale, lower_bound,
+                   mCuChunk, (mQg, mKg, mKd, mGl, mAw, mMq), (num_seqs, seq_len), scale,
+                   lower_bound,
                    gate_mode, qk_l2norm, beta_sigmoid, s_tile, mFlags)
 
 
     # ---------------------------------------------------------------- device
     @cute.jit
     def _body(self, loads, mBeta: cute.Tensor, mALog: cute.Tensor, mDtBias: cute.Tensor,
-              mCuSeq: cute.Tensor, mCuChunk: cute.Tensor, outs, num_seqs: cutlass.Int32,
+              mCuSeq: cute.Tensor, mCuChunk: cute.Tensor, outs, seqs,
               scale: cutlass.Float32, lower_bound: cutlass.Float32, gate_mode: cutlass.Int32,
               qk_l2norm: cutlass.Int32, beta_sigmoid: cutlass.Int32, s_tile: cute.Layout,
               mFlags: cute.Tensor):
@@ -197,7 +200,7 @@ class KdaPrepSm90(TileCopy):
         C, K, NT = self.C, self.K, self.threads
         tidx, warp, lane, h, bid = self._ids()
 
-        t0, length, bound = self._locate(mCuSeq, mCuChunk, num_seqs, bid, lane)
+        t0, length, bound = self._locate(mCuSeq, mCuChunk, seqs, bid, lane)
 
         if bid < bound:
             st, mbar, sQK, sQ, sK, sG = self._input_tiles(s_tile)
@@ -408,29 +411,45 @@ class KdaPrepSm90(TileCopy):
                                 cute.make_layout((rows, self.K // 2), stride=(self.K // 2, 1)))
 
     @cute.jit
-    def _locate(self, mCuSeq: cute.Tensor, mCuChunk: cute.Tensor, num_seqs: cutlass.Int32, bid,
-                lane):
-        """(first token, valid rows, chunk bound) of chunk slot `bid`. The sequence holding it
-        is found by a 32-way search, each warp by itself: a round's lanes read 32 evenly spaced
-        entries of cu_chunks (and the cu_seqlens pair beside each) at once and a ballot counts
-        those at or before `bid`, so N <= 32 sequences take one round of loads and N <= 1024
-        two (a binary search's dependent loads were log2(N) rounds, each an L2 round trip at
-        the CTA's start). The lane that sampled the sequence in the last round hands its
-        loads over by shuffles. The bound is the number of slots, or 0 for a slot that holds
-        no tokens (past the end, or between two varlen sequences: api.chunk_slots), so
-        `bid < bound` says whether this CTA has a chunk."""
-        bound = mCuChunk[num_seqs]
-        lo, hi, c0, s0, s1, k = self._locate_round(mCuSeq, mCuChunk, cutlass.Int32(0),
-                                                   num_seqs, bid, lane)
-        while hi - lo > 1:
-            lo, hi, c0, s0, s1, k = self._locate_round(mCuSeq, mCuChunk, lo, hi, bid, lane)
-        c0 = cute.arch.shuffle_sync(c0, k)
-        s0 = cute.arch.shuffle_sync(s0, k)
-        s1 = cute.arch.shuffle_sync(s1, k)
-        t0 = s0 + (bid - c0) * self.C
-        length = cutlass.min(self.C, s1 - t0)
-        if length < 1:
-            bound = cutlass.Int32(0)
+    def _locate(self, mCuSeq: cute.Tensor, mCuChunk: cute.Tensor, seqs, bid, lane):
+        """(first token, valid rows, chunk bound) of chunk slot `bid`; seqs = (num_seqs,
+        seq_len). A fixed-length batch (seq_len > 0: num_seqs sequences of seq_len tokens,
+        ceil(seq_len / C) slots each) is located by arithmetic, with no load before the TMA's.
+        Otherwise (varlen, seq_len 0) the sequence holding the slot is found by a 32-way search,
+        each warp by itself: a round's lanes read 32 evenly spaced entries of cu_chunks (and
+        the cu_seqlens pair beside each) at once and a ballot counts those at or before `bid`,
+        so N <= 32 sequences take one round of loads and N <= 1024 two (a binary search's
+        dependent loads were log2(N) rounds, each an L2 round trip at the CTA's start). The
+        lane that sampled the sequence in the last round hands its loads over by shuffles. The
+        bound is the number of slots, or 0 for a slot that holds no tokens (past the end, or
+        between two varlen sequences: api.chunk_slots), so `bid < bound` says whether this CTA
+        has a chunk."""
+        C = self.C
+        num_seqs, seq_len = seqs
+        t0 = cutlass.Int32(0)
+        length = cutlass.Int32(0)
+        bound = cutlass.Int32(0)
+        if seq_len > 0:
+            slots = (seq_len + (C - 1)) // C
+            n = bid // slots
+            j = bid - n * slots
+            t0 = n * seq_len + j * C
+            length = cutlass.min(C, seq_len - j * C)
+            bound = num_seqs * slots
+        else:
+            bound = mCuChunk[num_seqs]
+            lo, hi, c0, s0, s1, k = self._locate_round(mCuSeq, mCuChunk, cutlass.Int32(0),
+                                                       num_seqs, bid, lane)
+            while hi - lo > 1:
+                lo, hi, c0, s0, s1, k = self._locate_round(mCuSeq, mCuChunk, lo, hi, bid,
+                                                           lane)
+            c0 = cute.arch.shuffle_sync(c0, k)
+            s0 = cute.arch.shuffle_sync(s0, k)
+            s1 = cute.arch.shuffle_sync(s1, k)
+            t0 = s0 + (bid - c0) * C
+            length = cutlass.min(C, s1 - t0)
+            if length < 1:
+                bound = cutlass.Int32(0)
         return t0, length, bound
 
     @cute.jit
@@ -894,6 +913,7 @@ class KdaPrepSm90Split(KdaPrepSm90):
         mGl: cute.Tensor,  # (num_chunks, H, K) fp32
         mFlags: cute.Tensor,  # (num_chunks * H,) int32
         num_seqs: cutlass.Int32,
+        seq_len: cutlass.Int32,
         num_chunks: cutlass.Int32,
         num_heads: cutlass.Int32,
         scale: cutlass.Float32,
@@ -912,7 +932,7 @@ class KdaPrepSm90Split(KdaPrepSm90):
             stores += [atom, tX]
             self.tma_meta.append(tma_meta(name, atom, "float16" if self.f16 else "bfloat16"))
         self._launch((*loads, mBeta, mALog, mDtBias, mCuSeq, mCuChunk, *stores, mKdh, mKdl,
-                      mAwh, mAwl, mMqh, mMql, mGl, mFlags, num_seqs,
+                      mAwh, mAwl, mMqh, mMql, mGl, mFlags, num_seqs, seq_len,
                       scale, lower_bound, gate_mode, qk_l2norm, beta_sigmoid, s_tile),
                      num_chunks, num_heads, stream)
 
@@ -931,6 +951,7 @@ class KdaPrepSm90Split(KdaPrepSm90):
         mMqh: cute.Tensor, mMql: cute.Tensor,
         mGl: cute.Tensor, mFlags: cute.Tensor,
         num_seqs: cutlass.Int32,
+        seq_len: cutlass.Int32,
         scale: cutlass.Float32, lower_bound: cutlass.Float32,
         gate_mode: cutlass.Int32, qk_l2norm: cutlass.Int32, beta_sigmoid: cutlass.Int32,
         s_tile: cute.Layout,
@@ -938,13 +959,13 @@ class KdaPrepSm90Split(KdaPrepSm90):
         outs = ((tma_qg, tQg), (tma_kg, tKg), mKdh, mKdl, mGl, mAwh, mAwl, mMqh, mMql)
         body = self._body_passes if cutlass.const_expr(self.passes) else self._body
         body(((tma_q, tQ), (tma_k, tK), (tma_g, tG)), mBeta, mALog, mDtBias, mCuSeq,
-             mCuChunk, outs, num_seqs, scale, lower_bound, gate_mode, qk_l2norm,
+             mCuChunk, outs, (num_seqs, seq_len), scale, lower_bound, gate_mode, qk_l2norm,
              beta_sigmoid, s_tile, mFlags)
 
     @cute.jit
     def _body_passes(self, loads, mBeta: cute.Tensor, mALog: cute.Tensor,
                      mDtBias: cute.Tensor, mCuSeq: cute.Tensor, mCuChunk: cute.Tensor, outs,
-                     num_seqs: cutlass.Int32, scale: cutlass.Float32,
+                     seqs, scale: cutlass.Float32,
                      lower_bound: cutlass.Float32, gate_mode: cutlass.Int32,
                      qk_l2norm: cutlass.Int32, beta_sigmoid: cutlass.Int32, s_tile: cute.Layout,
                      mFlags: cute.Tensor):
@@ -969,7 +990,7 @@ class KdaPrepSm90Split(KdaPrepSm90):
         BPW = (W // 16) // NW  # phase B blocks per warp per pass
         NQ = C * C // NT  # (i, j) entries per thread in the final sum
         tidx, warp, lane, h, bid = self._ids()
-        t0, length, bound = self._locate(mCuSeq, mCuChunk, num_seqs, bid, lane)
+        t0, length, bound = self._locate(mCuSeq, mCuChunk, seqs, bid, lane)
 
         if bid < bound:
             st, mbar, sQK, sQ, sK, sG = self._input_tiles(s_tile)
