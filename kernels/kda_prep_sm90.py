@@ -478,16 +478,17 @@ class KdaPrepSm90(TileCopy):
     def _load_tiles(self, loads, tiles, mbar, mBeta: cute.Tensor, sBeta, t0, h, length,
                     beta_sigmoid: cutlass.Int32, tidx, warp):
         """TMA: the q, k and g tiles of this chunk and head into smem (one mbarrier, phase 0;
-        every thread waits on it); beta (through its sigmoid if asked) into sBeta meanwhile."""
+        every thread waits on it); beta (through its sigmoid if asked) into sBeta meanwhile.
+        Warp 0 initialises the barrier and issues the loads at once; the CTA barrier after
+        (every thread must see the initialised mbarrier before it waits on it) then runs while
+        they are in flight."""
         C, K = self.C, self.K
         if warp == 0:
             with cute.arch.elect_one():
                 cute.arch.mbarrier_init(mbar, 1)
-        cute.arch.mbarrier_init_fence()
-        cute.arch.sync_threads()
-        if warp == 0:
-            with cute.arch.elect_one():
+                cute.arch.mbarrier_init_fence()
                 cute.arch.mbarrier_arrive_and_expect_tx(mbar, 3 * C * K * 2)
+            cute.arch.sync_warp()
             for (tma, tX), sX_ in zip(loads, tiles, strict=True):
                 self._tile_copy(tma, tX, sX_, (t0, h * K), (C, K), mbar)
         if tidx < C:
@@ -497,6 +498,7 @@ class KdaPrepSm90(TileCopy):
             if beta_sigmoid != 0:
                 b = 1.0 / (1.0 + cute.math.exp(-b))
             sBeta[tidx] = b
+        cute.arch.sync_threads()
         cute.arch.mbarrier_wait(mbar, 0)
 
     @cute.jit
@@ -1007,6 +1009,11 @@ class KdaPrepSm90Split(KdaPrepSm90):
             sL = cute.make_tensor(cute.recast_ptr(sG.iterator, dtype=f32),
                                   cute.make_layout((C, C), stride=(C, 1)))
             row0 = bid * C
+            pl = tidx % NPAIR
+            rg = tidx // NPAIR
+            # the gate parameters of the first pass load while the TMA loads are in flight
+            a_log = mALog[h]
+            bias0 = [mDtBias[h * K + 2 * pl + c] for c in range(2)]
             self._load_tiles(loads, (sQ, sK, sG), mbar, mBeta, sBeta, t0, h, length,
                              beta_sigmoid, tidx, warp)
             if cutlass.const_expr(self._length_slot() == 1):
@@ -1014,9 +1021,7 @@ class KdaPrepSm90Split(KdaPrepSm90):
                     flag[K // 64] = length  # read back after the passes (a barrier between)
             self._norms(sQK, norm, length, scale, qk_l2norm, tidx)
 
-            pl = tidx % NPAIR
-            rg = tidx // NPAIR
-            a_exp = cute.math.exp(mALog[h])
+            a_exp = cute.math.exp(a_log)
             mma = cute.make_tiled_mma(warp_mma.MmaF16BF16Op(bf16, f32, (16, 8, 16)))
             c_shape = mma.get_slice(lane).partition_shape_C((16, 8))
             accs = [cute.make_rmem_tensor(c_shape, f32) for _ in range(4)]
@@ -1024,7 +1029,10 @@ class KdaPrepSm90Split(KdaPrepSm90):
                 acc.fill(0.0)
             for ps in cutlass.range_constexpr(K // W):
                 gp = ps * NPAIR + pl  # this thread's column pair in the head
-                loc = self._pass_gates(sG, mDtBias, part, first, h, gp, pl, rg, a_exp,
+                bias = bias0
+                if cutlass.const_expr(ps > 0):
+                    bias = [mDtBias[h * K + 2 * gp + c] for c in range(2)]
+                loc = self._pass_gates(sG, bias, part, first, gp, pl, rg, a_exp,
                                        lower_bound, gate_mode, length)
                 cute.arch.sync_threads()
                 self._pass_outputs(loc, part, first, flag, (fA, fB, fG), sQ, sK, norm,
@@ -1068,18 +1076,17 @@ class KdaPrepSm90Split(KdaPrepSm90):
             self._publish(mFlags, tidx, warp, h, bid, bound)
 
     @cute.jit
-    def _pass_gates(self, sG, mDtBias: cute.Tensor, part, first, h, gp, pl, rg, a_exp,
+    def _pass_gates(self, sG, bias, part, first, gp, pl, rg, a_exp,
                     lower_bound: cutlass.Float32, gate_mode: cutlass.Int32, length):
-        """Step 1 of a pass: the gate of columns 2 gp + c (c = 0, 1) at this thread's rows
-        rg * RPG ..., their running sum (rows past the length add nothing) returned as (RPG, 2),
-        the group's sum to part[rg] and G at row 0 to first[]. Gates and G are in base 2
-        (log2(e) times the natural ones; the constant folds into a_exp and the lower bound),
-        so every exponential of the pass is one ex2."""
-        C, K, NT, W = self.C, self.K, self.threads, self.W
+        """Step 1 of a pass: the gate of columns 2 gp + c (c = 0, 1; `bias` their dt_bias) at
+        this thread's rows rg * RPG ..., their running sum (rows past the length add nothing)
+        returned as (RPG, 2), the group's sum to part[rg] and G at row 0 to first[]. Gates and
+        G are in base 2 (log2(e) times the natural ones; the constant folds into a_exp and the
+        lower bound), so every exponential of the pass is one ex2."""
+        C, NT, W = self.C, self.threads, self.W
         f32 = cutlass.Float32
         RPG = C * W // (2 * NT)
         gW = self._words(sG)
-        bias = [mDtBias[h * K + 2 * gp + c] for c in range(2)]
         na2 = a_exp * -LOG2E
         acts = cute.make_rmem_tensor((RPG, 2), f32)
         # one branch per mode (not per row), so the rows' exponentials overlap

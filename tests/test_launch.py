@@ -584,3 +584,19 @@ def test_k1_alongside_smem_holds_exactly(monkeypatch, ctas):
     monkeypatch.setattr(api, "_sm_budget", lambda device: (132, 233472, 232448))
     unit = api._smem_unit(api._k1_alongside_smem(0, ctas) + 1024)
     assert unit % 128 == 0 and 233472 // unit == ctas
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_k1_seq_len_is_the_fixed_length_or_zero(stub_driver, varlen):
+    """K1 locates a fixed-length batch's chunks by arithmetic from seq_len = T; a varlen batch
+    passes 0 (K1 searches cu_seqlens instead)."""
+    if varlen:
+        x, p = _varlen([30, 7, 45], H=2)
+    else:
+        x = _problem(T=37)
+        p = api.validate(x["q"], x["k"], x["v"], x["g"], x["beta"], x["scale"], x["out"],
+                         x["A_log"], x["dt_bias"], -5.0, None, None, None, "bounded")
+    cfg = api.config_for(p)
+    _run(x)
+    (k1,) = [r for r in stub_driver if r[0] == cfg.prep.name]
+    assert struct.unpack("<i", _param(k1, cfg.prep, "seq_len"))[0] == (0 if varlen else 37)
