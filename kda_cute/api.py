@@ -572,6 +572,14 @@ def _constant(kind: str, shape: tuple, dtype, dev) -> torch.Tensor:
     return _cached(_constants, (kind, shape, dtype, dev), dev, make)
 
 
+@functools.lru_cache(maxsize=64)
+def _segment_run_configs(recur, K: int) -> tuple:
+    """K2's configs for the segment runs (made once, not per call): the output-free variant,
+    and the identity run's (V = K) with and without outputs."""
+    quiet = replace(recur, outputs=False)
+    return quiet, replace(quiet, head_dim_v=K), replace(recur, head_dim_v=K)
+
+
 def _segmented_recurrence(k2, cfg, vals2, syms, p, P, v, initial_state, final_state,
                           stream, di):
     """K2 over B * P segments (kda_cute.segments): the value rows from zero (end states B_j),
@@ -584,12 +592,12 @@ def _segmented_recurrence(k2, cfg, vals2, syms, p, P, v, initial_state, final_st
     C, bv, N = cfg.chunk, cfg.recur.block_v, p.B * P
     f32 = torch.float32
     cu, cc = _segment_offsets(B, T, C, P, dev)
-    ends = torch.empty(N, H, V, K, dtype=f32, device=dev)
-    maps = torch.empty(N, H, K, K, dtype=f32, device=dev)
+    # the end states, the state maps and the combine's start states: one allocation (V == K)
+    ends, maps, starts = torch.empty(3, N, H, K, K, dtype=f32, device=dev).unbind(0)
     zeros = _constant("zeros", (B * T, H, K), torch.bfloat16, dev)
     eye = _constant("eye", (N, H, K, K), f32, dev)
     arch = runtime.arch_of(di)
-    quiet = replace(cfg.recur, outputs=False)
+    quiet, ident_quiet, ident = _segment_run_configs(cfg.recur, K)
     k2z = runtime.get_kernel(quiet, arch) if quiet in SEGMENT_RUNS else k2
     # without the output-free variant the value run writes `out` (overwritten by the third
     # run) and the identity run a scratch tensor; with it they write nothing
@@ -600,7 +608,7 @@ def _segmented_recurrence(k2, cfg, vals2, syms, p, P, v, initial_state, final_st
     k2z.launch_with((V // bv, H, N), {**vals2, **seg, "state_in": 0, "state_out": 1,
                                       "s1f": ends.data_ptr(), "s1h": ends.data_ptr()},
                     syms_v, stream, di)
-    k2i = runtime.get_kernel(replace(quiet if k2z is not k2 else cfg.recur, head_dim_v=K), arch)
+    k2i = runtime.get_kernel(ident_quiet if k2z is not k2 else ident, arch)
     syms_i = {**syms_v, "HV": H * K, "sV": H * K, "sO": H * K, "sS": H * K * K}
     k2i.launch_with((K // bv, H, N), {**vals2, **seg, "v": zeros.data_ptr(),
                                       "out": scratch, "out_tma": scratch,
@@ -608,17 +616,18 @@ def _segmented_recurrence(k2, cfg, vals2, syms, p, P, v, initial_state, final_st
                                       "s0h": eye.data_ptr(), "state_out": 1,
                                       "s1f": maps.data_ptr(), "s1h": maps.data_ptr()},
                     syms_i, stream, di)
-    starts = _combine(maps, ends, initial_state, final_state, B, P, H, K, stream, di)
+    starts = _combine(maps, ends, starts, initial_state, final_state, B, P, H, K, stream, di)
     k2.launch_with((V // bv, H, N), {**vals2, **seg, "state_in": 1,
                                      "s0f": starts.data_ptr(), "s0h": starts.data_ptr(),
                                      "state_out": 0},
                    syms_v, stream, di)
 
 
-def _combine(maps, ends, initial_state, final_state, B, P, H, K, stream, di):
-    """The segments' start states [B * P, H, K, K] (fp32) from their maps and end states, and
-    the final state: one launch of the combine kernel (kernels/kda_combine_sm90.py), or
-    segments.combine's batched products for a head dim without one."""
+def _combine(maps, ends, starts, initial_state, final_state, B, P, H, K, stream, di):
+    """The segments' start states [B * P, H, K, K] (fp32, into `starts`) from their maps and
+    end states, and the final state: one launch of the combine kernel
+    (kernels/kda_combine_sm90.py), or segments.combine's batched products for a head dim
+    without one."""
     cfg = combine_config(K)
     if cfg is None:
         starts, final = segments.combine(maps.view(B, P, H, K, K), ends.view(B, P, H, K, K),
@@ -627,7 +636,6 @@ def _combine(maps, ends, initial_state, final_state, B, P, H, K, stream, di):
             final_state.copy_(final)
         return starts.view(B * P, H, K, K)
     kc = runtime.get_kernel(cfg, runtime.arch_of(di))
-    starts = torch.empty_like(ends)
     s0 = initial_state
     if s0 is not None and s0.dtype != torch.float32:
         s0 = s0.float()

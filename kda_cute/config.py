@@ -7,6 +7,7 @@ runtime must load without the CuTe DSL installed.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import asdict, dataclass
 
 # gate_mode values passed to K1 at run time (one cubin serves all three forms)
@@ -281,8 +282,10 @@ ALONGSIDE: tuple[FwdConfig, ...] = tuple(
 ALONGSIDE_K1_PER_PAIR = {64: 12.0, 128: 13.0, 256: 8.0}
 
 
+@functools.lru_cache(maxsize=64)
 def alongside_of(cfg: FwdConfig) -> FwdConfig | None:
-    """The alongside build of a shipped tensor-core forward, or None."""
+    """The alongside build of a shipped tensor-core forward, or None (cached: the launch path
+    asks on every call)."""
     for a in ALONGSIDE:
         if (dataclasses.replace(a.prep, alongside=False) == cfg.prep
                 and dataclasses.replace(a.recur, alongside=False, stages=cfg.recur.stages)

@@ -192,8 +192,10 @@ def test_combine_kernel(K, init, final):
     starts_ref = starts_ref.reshape(B * P, H, K, K)
     maps, ends = A.float().cuda(), Bs.float().cuda()
     dev = torch.cuda.current_device()
-    starts = api._combine(maps, ends, s0, s1, B, P, H, K,
-                          torch.cuda.current_stream().cuda_stream, dev)
+    starts = torch.full_like(ends, float("nan"))
+    got = api._combine(maps, ends, starts, s0, s1, B, P, H, K,
+                       torch.cuda.current_stream().cuda_stream, dev)
+    assert got is starts
     torch.cuda.synchronize()
     assert torch.isfinite(starts).all()
     assert rel_err(starts.double().cpu(), starts_ref) < 1e-5
