@@ -258,18 +258,18 @@ class KdaPrepSm90(TileCopy):
                 mGl[bid, h, d] = cute.math.exp(G, fastmath=True)
                 # the factored phase B multiplies e^(G_i - ref) by e^(ref - G_j): both must stay
                 # inside fp32 range for every row (G is monotone, so the ends bound it)
-                if fG[0, d] - ref > 80.0:
+                if fG[0, d] - ref > FACTOR_LIMIT:
                     big = cutlass.Int32(1)
-                if ref - G > 80.0:
+                if ref - G > FACTOR_LIMIT:
                     big = cutlass.Int32(1)
-                if G - ref > 80.0:
+                if G - ref > FACTOR_LIMIT:
                     big = cutlass.Int32(1)
-                if ref - fG[0, d] > 80.0:
+                if ref - fG[0, d] > FACTOR_LIMIT:
                     big = cutlass.Int32(1)
                 # and the factored outputs take e^G = e^(G - ref) e^ref: e^ref a normal float
-                if ref > 80.0:
+                if ref > FACTOR_LIMIT:
                     big = cutlass.Int32(1)
-                if ref < -80.0:
+                if ref < -FACTOR_LIMIT:
                     big = cutlass.Int32(1)
                 if big != 0:
                     unsafe[0] = big
