@@ -213,3 +213,23 @@ def test_input_sets_rotate_poisoned_sets_with_workspaces(monkeypatch):
     plain = bench.input_sets(spec, K, 3, workspace=False)
     assert seeds == [3 + i for i in range(len(plain))]
     assert all(x["workspace"] is None for x in plain)
+
+
+def test_host_probe_times_the_calls_per_round(monkeypatch):
+    """host_probe.host_ms: wall ms per call, the fastest and slowest of its rounds, cycling
+    through the input sets and synchronising between rounds."""
+    import time
+
+    host_probe = _load("host_probe")
+    syncs = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: syncs.append(1))
+    seen = []
+
+    def run(x):
+        seen.append(x)
+        time.sleep(0.002)
+
+    lo, hi = host_probe.host_ms(run, ["a", "b", "c"], calls=4, rounds=3)
+    assert 2.0 <= lo <= hi < 50.0
+    assert seen[:4] == ["a", "b", "c", "a"] and len(seen) == 12
+    assert len(syncs) == 3
