@@ -120,13 +120,6 @@ def trap(*, loc=None, ip=None):
 
 
 @dsl_user_op
-def f32_bits(x, *, loc=None, ip=None) -> cutlass.Int32:
-    """The bits of an fp32 value as an int32 (no conversion)."""
-    v = cutlass.Float32(x).ir_value(loc=loc, ip=ip)
-    return cutlass.Int32(llvm.bitcast(T.i32(), v, loc=loc, ip=ip))
-
-
-@dsl_user_op
 def bits_f32(x, *, loc=None, ip=None) -> cutlass.Float32:
     """An int32's bits as an fp32 value (no conversion)."""
     v = cutlass.Int32(x).ir_value(loc=loc, ip=ip)

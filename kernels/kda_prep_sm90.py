@@ -855,6 +855,7 @@ class KdaPrepSm90Split(KdaPrepSm90):
     def __init__(self, cfg: PrepConfig):
         super().__init__(cfg)
         self.W = max(64, cfg.threads // 2)
+        self.RPG = cfg.chunk * self.W // (2 * cfg.threads)  # a row group's rows in a pass
         self.passes = (cfg.chunk == 16 and cfg.threads in (64, 128, 256)
                        and self.K % self.W == 0)
 
@@ -1083,9 +1084,8 @@ class KdaPrepSm90Split(KdaPrepSm90):
         returned as (RPG, 2), the group's sum to part[rg] and G at row 0 to first[]. Gates and
         G are in base 2 (log2(e) times the natural ones; the constant folds into a_exp and the
         lower bound), so every exponential of the pass is one ex2."""
-        C, NT, W = self.C, self.threads, self.W
         f32 = cutlass.Float32
-        RPG = C * W // (2 * NT)
+        RPG = self.RPG
         gW = self._words(sG)
         na2 = a_exp * -LOG2E
         acts = cute.make_rmem_tensor((RPG, 2), f32)
@@ -1139,7 +1139,7 @@ class KdaPrepSm90Split(KdaPrepSm90):
         C, NT, W = self.C, self.threads, self.W
         f32 = cutlass.Float32
         RG = 2 * NT // W
-        RGREF = (C // 2 - 1) // (C // RG)  # the row group ending at row C/2 - 1
+        RGREF = (C // 2 - 1) // self.RPG  # the row group ending at row C/2 - 1
         lim = FACTOR_LIMIT * LOG2E
         offs = cute.make_rmem_tensor((2,), f32)
         ref = cute.make_rmem_tensor((2,), f32)
@@ -1180,7 +1180,7 @@ class KdaPrepSm90Split(KdaPrepSm90):
         if rg == 0:
             for c in cutlass.range_constexpr(2):
                 mGl[bid, h, 2 * gp + c] = cute.math.exp2(gl[c], fastmath=True)
-        for r in cutlass.range_constexpr(C * W // (2 * NT)):
+        for r in cutlass.range_constexpr(self.RPG):
             for c in cutlass.range_constexpr(2):
                 loc[r, c] = offs[c] + loc[r, c]  # G
         args = (loc, ref, gl, fops, sQ, sK, norm, kd_planes, row0, h, gp, pl, rg)
@@ -1194,9 +1194,9 @@ class KdaPrepSm90Split(KdaPrepSm90):
                    kd_planes, row0, h, gp, pl, rg):
         """The rows of step 2 (_pass_outputs) in one form, which the whole warp takes; G holds
         this thread's (RPG, 2) entries."""
-        C, NT, W = self.C, self.threads, self.W
+        C = self.C
         f32 = cutlass.Float32
-        RPG = C * W // (2 * NT)
+        RPG = self.RPG
         fA, fB, fG = fops
         cq = cute.make_rmem_tensor((2,), f32)
         cl = cute.make_rmem_tensor((2,), f32)
