@@ -19,7 +19,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass, field
 
-from .config import CombineConfig, PrepConfig, RecurConfig
+from .config import CombineConfig, PrepConfig, RecurConfig, operand_dtype
 
 # Dynamic dimensions: name -> bit width. One name is one run-time value within a kernel.
 SYM_WIDTH = {
@@ -87,7 +87,7 @@ def prep_args(cfg: PrepConfig) -> list[Arg]:
     if cfg.operands == "bf16":
         # TMA stores from smem: (C, K) tiles of qg and kg; kd's, Aw's and Mq's planes by the
         # threads (fp16 throughout for the f16 configs, which write no lo planes)
-        dt = "float16" if cfg.f16 else "bfloat16"
+        dt = operand_dtype(cfg.f16)
         outs = [_ws_tile("qg", dt, "HK", (K, C)), _ws_tile("kg", dt, "HK", (K, C)),
                 *(_ws_rows(n, dt, K, "sW") for n in ("kdh", "kdl")),
                 *(_ws_rows(n, dt, C, "sWc") for n in ("awh", "awl", "mqh", "mql")), gl]
@@ -120,7 +120,7 @@ def prep_args(cfg: PrepConfig) -> list[Arg]:
 def recur_args(cfg: RecurConfig) -> list[Arg]:
     K, C = cfg.head_dim_k, cfg.chunk
     if cfg.mma == "wgmma":
-        dt = "float16" if cfg.f16 else "bfloat16"
+        dt = operand_dtype(cfg.f16)
         return [
             _operand_tma("kg", "HK", C, K, dtype=dt),
             _operand_tma("qg", "HK", C, K, dtype=dt),

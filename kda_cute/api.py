@@ -630,11 +630,11 @@ def _combine(maps, ends, starts, initial_state, final_state, B, P, H, K, stream,
     without one."""
     cfg = combine_config(K)
     if cfg is None:
-        starts, final = segments.combine(maps.view(B, P, H, K, K), ends.view(B, P, H, K, K),
-                                         initial_state, final_state)
+        st, final = segments.combine(maps.view(B, P, H, K, K), ends.view(B, P, H, K, K),
+                                     initial_state, final_state)
         if final_state is not None and final is not final_state:
             final_state.copy_(final)
-        return starts.view(B * P, H, K, K)
+        return starts.copy_(st.view(B * P, H, K, K))
     kc = runtime.get_kernel(cfg, runtime.arch_of(di))
     s0 = initial_state
     if s0 is not None and s0.dtype != torch.float32:

@@ -10,6 +10,12 @@ import dataclasses
 import functools
 from dataclasses import asdict, dataclass
 
+
+def operand_dtype(f16: bool) -> str:
+    """The workspace operands' dtype name: fp16 for the f16 (fast) builds, else bf16."""
+    return "float16" if f16 else "bfloat16"
+
+
 # gate_mode values passed to K1 at run time (one cubin serves all three forms)
 GATE_NONE, GATE_BOUNDED, GATE_UNBOUNDED = 0, 1, 2
 GATE_MODES = {"none": GATE_NONE, "bounded": GATE_BOUNDED, "unbounded": GATE_UNBOUNDED}

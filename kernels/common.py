@@ -146,3 +146,8 @@ def bf16x2_lo(w) -> cutlass.Float32:
 def bf16x2_hi(w) -> cutlass.Float32:
     """The high bf16 of a word, as fp32 (exact: a mask)."""
     return bits_f32(w & -65536)
+
+
+def bf16x2(w) -> tuple:
+    """Both bf16 of a word, as fp32: (low, high), the element order in memory."""
+    return bf16x2_lo(w), bf16x2_hi(w)

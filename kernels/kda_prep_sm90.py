@@ -39,11 +39,18 @@ import cutlass.utils as utils
 from cutlass.cute.nvgpu import cpasync
 from cutlass.cute.nvgpu import warp as warp_mma
 
-from kda_cute.config import GATE_BOUNDED, GATE_UNBOUNDED, K1_GRID_Y, PrepConfig
+from kda_cute.config import (
+    GATE_BOUNDED,
+    GATE_UNBOUNDED,
+    K1_GRID_Y,
+    PrepConfig,
+    operand_dtype,
+)
 from kernels.common import (
     FACTOR_LIMIT,
     LOG2E,
     TileCopy,
+    bf16x2,
     bf16x2_hi,
     bf16x2_lo,
     pack_bf16x2,
@@ -54,6 +61,27 @@ from kernels.common import (
 SMEM_PER_SM = 233472
 SMEM_PER_CTA_RESERVED = 1024
 REGS_PER_SM = 65536
+
+
+@cute.jit
+def flag_unfactorable(big, first, ref, last, lim):
+    """big, or 1 where a column's factored forms leave fp32's normal range: the factored
+    products take e^(G_i - ref) e^(ref - G_j) and the outputs e^G = e^(G - ref) e^ref, so
+    |G - ref| over the chunk (G is monotone: its first and last values bound it) and |ref|
+    must stay within lim (FACTOR_LIMIT, in the base the G values are in)."""
+    if first - ref > lim:
+        big = cutlass.Int32(1)
+    if ref - last > lim:
+        big = cutlass.Int32(1)
+    if last - ref > lim:
+        big = cutlass.Int32(1)
+    if ref - first > lim:
+        big = cutlass.Int32(1)
+    if ref > lim:
+        big = cutlass.Int32(1)
+    if ref < -lim:
+        big = cutlass.Int32(1)
+    return big
 
 
 class KdaPrepSm90(TileCopy):
@@ -256,21 +284,7 @@ class KdaPrepSm90(TileCopy):
                     if cutlass.const_expr(i == C // 2 - 1):
                         ref = G
                 mGl[bid, h, d] = cute.math.exp(G, fastmath=True)
-                # the factored phase B multiplies e^(G_i - ref) by e^(ref - G_j): both must stay
-                # inside fp32 range for every row (G is monotone, so the ends bound it)
-                if fG[0, d] - ref > FACTOR_LIMIT:
-                    big = cutlass.Int32(1)
-                if ref - G > FACTOR_LIMIT:
-                    big = cutlass.Int32(1)
-                if G - ref > FACTOR_LIMIT:
-                    big = cutlass.Int32(1)
-                if ref - fG[0, d] > FACTOR_LIMIT:
-                    big = cutlass.Int32(1)
-                # and the factored outputs take e^G = e^(G - ref) e^ref: e^ref a normal float
-                if ref > FACTOR_LIMIT:
-                    big = cutlass.Int32(1)
-                if ref < -FACTOR_LIMIT:
-                    big = cutlass.Int32(1)
+                big = flag_unfactorable(big, fG[0, d], ref, G, FACTOR_LIMIT)
                 if big != 0:
                     unsafe[0] = big
             cute.arch.sync_threads()
@@ -518,7 +532,7 @@ class KdaPrepSm90(TileCopy):
             wv = vecs[row, (None, sub_ + TPR * ((m + row) % nvec))].load()
             part = cutlass.Float32(0.0)
             for e in cutlass.range_constexpr(4):
-                x0, x1 = bf16x2_lo(wv[e]), bf16x2_hi(wv[e])
+                x0, x1 = bf16x2(wv[e])
                 part = part + x0 * x0 + x1 * x1
             acc2 = acc2 + part
         for off in cutlass.range_constexpr(TPR.bit_length() - 1):
@@ -933,7 +947,7 @@ class KdaPrepSm90Split(KdaPrepSm90):
         for name, m in (("qg", mQg), ("kg", mKg)):
             atom, tX = cpasync.make_tiled_tma_atom(op, m, s_tile, (C, K))
             stores += [atom, tX]
-            self.tma_meta.append(tma_meta(name, atom, "float16" if self.f16 else "bfloat16"))
+            self.tma_meta.append(tma_meta(name, atom, operand_dtype(self.f16)))
         self._launch((*loads, mBeta, mALog, mDtBias, mCuSeq, mCuChunk, *stores, mKdh, mKdl,
                       mAwh, mAwl, mMqh, mMql, mGl, mFlags, num_seqs, seq_len,
                       scale, lower_bound, gate_mode, qk_l2norm, beta_sigmoid, s_tile),
@@ -1093,7 +1107,7 @@ class KdaPrepSm90Split(KdaPrepSm90):
         if gate_mode == GATE_BOUNDED:
             for r in cutlass.range_constexpr(RPG):
                 gw = gW[rg * RPG + r, gp]
-                g2 = (bf16x2_lo(gw), bf16x2_hi(gw))
+                g2 = bf16x2(gw)
                 for c in cutlass.range_constexpr(2):
                     # lower_bound sigmoid(a_exp (g + bias)), base 2
                     acts[r, c] = (lower_bound * LOG2E) * cute.arch.rcp_approx(
@@ -1101,7 +1115,7 @@ class KdaPrepSm90Split(KdaPrepSm90):
         elif gate_mode == GATE_UNBOUNDED:
             for r in cutlass.range_constexpr(RPG):
                 gw = gW[rg * RPG + r, gp]
-                g2 = (bf16x2_lo(gw), bf16x2_hi(gw))
+                g2 = bf16x2(gw)
                 for c in cutlass.range_constexpr(2):
                     x = g2[c] + bias[c]
                     # softplus without a branch: max(x, 0) + log1p(e^-|x|)
@@ -1111,7 +1125,7 @@ class KdaPrepSm90Split(KdaPrepSm90):
         else:
             for r in cutlass.range_constexpr(RPG):
                 gw = gW[rg * RPG + r, gp]
-                g2 = (bf16x2_lo(gw), bf16x2_hi(gw))
+                g2 = bf16x2(gw)
                 for c in cutlass.range_constexpr(2):
                     acts[r, c] = g2[c] * LOG2E
         loc = cute.make_rmem_tensor((RPG, 2), f32)
@@ -1159,21 +1173,7 @@ class KdaPrepSm90Split(KdaPrepSm90):
             offs[c] = o
             gl[c] = run
             g0 = first[col]
-            # the factored products take 2^(G_i - r) 2^(r - G_j), the outputs 2^G = 2^(G - r)
-            # 2^r: every factor a normal float (G is monotone, so its ends bound it)
-            rf = ref[c]
-            if g0 - rf > lim:
-                big = cutlass.Int32(1)
-            if rf - g0 > lim:
-                big = cutlass.Int32(1)
-            if run - rf > lim:
-                big = cutlass.Int32(1)
-            if rf - run > lim:
-                big = cutlass.Int32(1)
-            if rf > lim:
-                big = cutlass.Int32(1)
-            if rf < -lim:
-                big = cutlass.Int32(1)
+            big = flag_unfactorable(big, g0, ref[c], run, lim)  # base 2 here
         unsafe = cute.arch.vote_any_sync(big != 0)
         if lane == 0:
             flag[(2 * gp) // 64] = cutlass.Int32(unsafe)
@@ -1212,8 +1212,8 @@ class KdaPrepSm90Split(KdaPrepSm90):
         for r in cutlass.range_constexpr(RPG):
             i = rg * RPG + r
             qw, kw = qW[i, gp], kW[i, gp]
-            q2 = (bf16x2_lo(qw), bf16x2_hi(qw))
-            k2 = (bf16x2_lo(kw), bf16x2_hi(kw))
+            q2 = bf16x2(qw)
+            k2 = bf16x2(kw)
             nq = norm[i]
             nk = norm[C + i]
             for c in cutlass.range_constexpr(2):

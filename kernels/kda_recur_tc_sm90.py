@@ -40,7 +40,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.utils import LayoutEnum
 
-from kda_cute.config import RecurConfig
+from kda_cute.config import RecurConfig, operand_dtype
 from kernels.common import TileCopy, swizzle_bytes, tma_meta, trap
 
 STATE_NONE, STATE_F32, STATE_BF16 = 0, 1, 2
@@ -132,7 +132,7 @@ class KdaRecurTcSm90(TileCopy):
                 ("mqh", mMqh, l_cc, (C, C), None), ("mql", mMql, l_cc, (C, C), None)):
             atom, tX = cpasync.make_tiled_tma_atom(op, m, cute.slice_(layout, one), tile)
             atoms += [atom, tX]
-            self.tma_meta.append(tma_meta(name, atom, "float16" if self.f16 else "bfloat16",
+            self.tma_meta.append(tma_meta(name, atom, operand_dtype(self.f16),
                                           swizzle_bytes(layout),
                                           inner_mode=inner))
         for name, m, layout, tile, dtype in (("gl", mGl, l_gl, (1, K), "float32"),
