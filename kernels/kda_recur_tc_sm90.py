@@ -38,6 +38,7 @@ import cutlass.pipeline as pipeline
 import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cute.nvgpu import warp as warp_mma
 from cutlass.utils import LayoutEnum
 
 from kda_cute.config import RecurConfig, operand_dtype
@@ -47,6 +48,9 @@ STATE_NONE, STATE_F32, STATE_BF16 = 0, 1, 2
 # the longest K2 waits for one chunk's flag from a K1 running alongside it before failing
 WAIT_LIMIT_NS = 5_000_000_000
 FLAG_BATCH = 8  # flags a waiting K2 reads at once
+# fp16 WY form: the producer warp turns a chunk's kg into kgw this many chunks after issuing
+# its loads (< stages, so the consumer's releases never wait on it)
+WY_LAG = 2
 
 
 def acc_as_operand_a(acc: cute.Tensor) -> cute.Tensor:
@@ -156,6 +160,9 @@ class KdaRecurTcSm90(TileCopy):
         @cute.struct
         class SharedStorage:
             bars: buf[cutlass.Int64, 2 * S]
+            # fp16 WY form: stage s's kgw = -Aw kg written (by the producer warp, in place of
+            # kg) and visible to the async proxy
+            ready: buf[cutlass.Int64, S]
             sKg: align[buf[odt, cute.cosize(l_ck)], 1024]
             sQg: align[buf[odt, cute.cosize(l_ck)], 1024]
             sKdh: align[buf[odt, cute.cosize(l_kc)], 1024]
@@ -239,6 +246,11 @@ class KdaRecurTcSm90(TileCopy):
         sV = st.sV.get_tensor(l_v)  # (C, BV, S)
         sO = st.sO.get_tensor(l_o)  # (C, BV, 2)
 
+        ready = st.ready.data_ptr()
+        if cutlass.const_expr(self.f16):
+            if tidx == 0:
+                for i in cutlass.range_constexpr(S):
+                    cute.arch.mbarrier_init(ready + i, 1)
         pipe = pipeline.PipelineTmaAsync.create(
             barrier_storage=st.bars.data_ptr(), num_stages=S,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
@@ -255,6 +267,9 @@ class KdaRecurTcSm90(TileCopy):
             if cutlass.const_expr(self.f16):  # no lo planes
                 loads = loads[0:3] + loads[4:5] + loads[6:7]
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, S)
+            # fp16: the WY operand of the chunk issued WY_LAG chunks before, once it has landed
+            wstate = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, S)
+            issued = cutlass.Int32(0)
             # the next sequence's first chunks load while the consumer finishes this one's
             for seq in cutlass.range(z, num_seqs, nz):
                 bos = mCuSeq[seq]
@@ -280,11 +295,63 @@ class KdaRecurTcSm90(TileCopy):
                                     (C, BV), bar)
                     pipe.producer_commit(state)
                     state.advance()
+                    if cutlass.const_expr(self.f16):
+                        issued = issued + 1
+                        if issued > WY_LAG:
+                            self._wy_operand(pipe, wstate, sKg, sAwh, ready)
+                            wstate.advance()
+            if cutlass.const_expr(self.f16):
+                for _ in cutlass.range(cutlass.min(issued, WY_LAG)):
+                    self._wy_operand(pipe, wstate, sKg, sAwh, ready)
+                    wstate.advance()
         else:
             self._consume(pipe, sKg, sQg, sKdh, sKdl, sAwh, sAwl, sMqh, sMql, sGl, sV, sO,
                           l_slab, mOut, (tma_o, tO), mS0f, mS0h, mS1f, mS1h, state_in,
                           state_out, mma_p, mma_s, tidx, warp, h, vb, mCuSeq,
-                          (z, num_seqs, nz))
+                          (z, num_seqs, nz), ready)
+
+    @cute.jit
+    def _wy_operand(self, pipe, wstate, sKg, sAwh, ready):
+        """The producer warp, for the fp16 forward's WY form: once stage s has landed, its kg
+        tile becomes kgw = -Aw kg in place (m16n8k16 fp16 MMAs over 8-column tiles, fp32
+        accumulation; Aw as K1 wrote it, fp16), then a proxy fence and stage s's `ready`
+        arrive. The consumer's chunk then needs no P = S kg^T before U. Rows past the length
+        stay zero (Aw's are)."""
+        C, K = self.C, self.K
+        f16, f32 = cutlass.Float16, cutlass.Float32
+        lane = cute.arch.lane_idx()
+        s = wstate.index
+        pipe.consumer_wait(wstate)
+        mma = cute.make_tiled_mma(warp_mma.MmaF16BF16Op(f16, f32, (16, 8, 16)))
+        thr = mma.get_slice(lane)
+        cA = thr.partition_A(cute.make_identity_tensor((C, C)))  # (i, j)
+        cB = thr.partition_B(cute.make_identity_tensor((8, C)))  # (column - c0, j)
+        cC = thr.partition_C(cute.make_identity_tensor((C, 8)))  # (i, column - c0)
+        a = cute.make_rmem_tensor(cA.shape, f16)  # -Aw (exact in fp16)
+        for e in cutlass.range_constexpr(cute.size(cA)):
+            i, j = cA[e]
+            a[e] = -sAwh[i, j, s]
+        # column pairs of the tile (the accumulator's pairs), stored as one word each
+        vK = cute.logical_divide(sKg[None, None, s], (None, 2))
+        for t in cutlass.range_constexpr(K // 8):
+            b = cute.make_rmem_tensor(cB.shape, f16)
+            for e in cutlass.range_constexpr(cute.size(cB)):
+                n, j = cB[e]
+                b[e] = sKg[j, t * 8 + n, s]
+            acc = cute.make_rmem_tensor(cC.shape, f32)
+            acc.fill(0.0)
+            cute.gemm(mma, acc, a, b, acc)
+            # every lane has read tile t (the MMA is warp-synchronous) before any writes it
+            for e in cutlass.range_constexpr(0, cute.size(cC), 2):
+                i, n = cC[e]
+                pair = cute.make_rmem_tensor((2,), f32)
+                pair[0] = acc[e]
+                pair[1] = acc[e + 1]
+                vK[i, (None, (t * 8 + n) // 2)].store(pair.load().to(f16))
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.sync_warp()
+        if lane == 0:
+            cute.arch.mbarrier_arrive(ready + s)
 
     @cute.jit
     def _longest_first(self, mCuSeq: cute.Tensor, sOrd: cute.Tensor, num_seqs, z, tidx):
@@ -341,7 +408,7 @@ class KdaRecurTcSm90(TileCopy):
     def _consume(self, pipe, sKg, sQg, sKdh, sKdl, sAwh, sAwl, sMqh, sMql, sGl, sV, sO,
                  l_slab, mOut, store_o, mS0f, mS0h, mS1f, mS1h, state_in, state_out,
                  mma_p: cute.TiledMma, mma_s: cute.TiledMma, tidx, warp, h, vb,
-                 mCuSeq: cute.Tensor, seqs):
+                 mCuSeq: cute.Tensor, seqs, ready):
         C, K, BV = self.C, self.K, self.BV
         v0 = vb * BV
         bf16, f32 = cutlass.BFloat16, cutlass.Float32
@@ -367,7 +434,6 @@ class KdaRecurTcSm90(TileCopy):
         vS, vW, vU = acc_as_operand_a(acc_s), acc_as_operand_a(acc_p), acc_as_operand_a(acc_u)
         # bf16(S) in `nsplit` slabs of K (two at K = 256, which keeps it inside 255 registers)
         nsplit = max(1, K // 128)
-        kb_slab = K // 16 // nsplit
         aS = thr_p.make_fragment_A(thr_p.partition_shape_A((BV, K // nsplit)))
         gl_r = cute.make_rmem_tensor_like(acc_s, f32)  # per element; equal d's share registers
         aWh = cute.make_rmem_tensor_like(vW, self.op)
@@ -392,62 +458,27 @@ class KdaRecurTcSm90(TileCopy):
             for c in cutlass.range(num_chunks):
                 pipe.consumer_wait(state)
                 s = state.index
+                if cutlass.const_expr(self.f16):
+                    cute.arch.mbarrier_wait(ready + s, state.phase)
                 t0 = bos + c * C
                 length = cutlass.min(C, eos - t0)
 
-                # ---- P = S kg^T, Pq = S qg^T (A: a bf16 copy of S, so S stays writable) -------
-                if cutlass.const_expr(nsplit == 1):
-                    # the decay factors now, so their smem latency hides behind the products
-                    for e in cutlass.range_constexpr(cute.size(acc_s)):
-                        _, d = cS[e]
-                        gl_r[e] = sGl[0, d, s]
-                for part in cutlass.range_constexpr(nsplit):
-                    if part > 0:
-                        warpgroup.wait_group(0)  # the previous slab's products still read aS
-                    for kb in cutlass.range_constexpr(kb_slab):
-                        aS[None, None, kb].store(
-                            vS[None, None, part * kb_slab + kb].load().to(self.op))
-                    self._gemm(mma_p, acc_p, aS, bKg[None, None, None, s], part == 0,
-                               part * kb_slab)
-                    warpgroup.commit_group()
-                    if cutlass.const_expr(self.outputs):
-                        self._gemm(mma_p, acc_o, aS, bQg[None, None, None, s], part == 0,
-                                   part * kb_slab)
-                        warpgroup.commit_group()
-                # while they run: this thread's v^T entries (widened after the wait, so the
-                # loads' latency hides behind the products)
-                vT = cute.make_rmem_tensor_like(acc_p, bf16)
-                for e in cutlass.range_constexpr(cute.size(acc_p)):
-                    r, i = cP[e]
-                    vT[e] = sV[i, r, s]
-                warpgroup.wait_group(1 if self.outputs else 0)
-
-                # ---- W^T = v^T - P; tokens past the chunk's length are zero -------------------
-                for e in cutlass.range_constexpr(cute.size(acc_p)):
-                    _, i = cP[e]
-                    w = f32(0.0)
-                    if i < length:
-                        w = vT[e].to(f32) - acc_p[e]
-                    acc_p[e] = w
-                self._operand(vW, aWh, aWl)
-
-                # ---- U^T = W^T Aw^T ------------------------------------------------------------
-                self._product(mma_p, acc_u, aWh, aWl, bAwh[None, None, None, s],
-                              bAwl[None, None, None, s], True)
-                warpgroup.commit_group()
-                for e in cutlass.range_constexpr(cute.size(acc_s)):  # S diag(gl) meanwhile
-                    _, d = cS[e]
-                    if cutlass.const_expr(nsplit == 1):
-                        acc_s[e] = acc_s[e] * gl_r[e]
-                    else:
-                        acc_s[e] = acc_s[e] * sGl[0, d, s]
-                warpgroup.wait_group(0)
-                self._operand(vU, aUh, aUl)  # rows past the length: zero (Aw's are, W's are)
+                if cutlass.const_expr(self.f16):
+                    # the fp16 forward's WY form: K1 wrote kgw = -Aw kg where kg was
+                    self._chunk_wy(mma_p, acc_s, acc_p, acc_o, acc_u, vS, vW, vU, aS, gl_r,
+                                   (aWh, aWl, aUh, aUl), (bKg, bQg, bAwh), sGl, sV, cS, cP, s,
+                                   length)
+                else:
+                    self._chunk_hilo(mma_p, acc_s, acc_p, acc_o, acc_u, vS, vW, vU, aS, gl_r,
+                                     (aWh, aWl, aUh, aUl), (bKg, bQg, bAwh, bAwl), sGl, sV, cS,
+                                     cP, s, length)
 
                 # ---- O^T = Pq + U^T Mq^T ---------------------------------------------------------
+                # (fp16: U^T Mq^T into acc_p, added to Pq at the store: Pq may still be in
+                # flight, and a product accumulating onto it would make ptxas wait for it here)
                 if cutlass.const_expr(self.outputs):
-                    self._product(mma_p, acc_o, aUh, aUl, bMqh[None, None, None, s],
-                                  bMql[None, None, None, s], False)
+                    self._product(mma_p, acc_p if self.f16 else acc_o, aUh, aUl,
+                                  bMqh[None, None, None, s], bMql[None, None, None, s], self.f16)
                     warpgroup.commit_group()
 
                 # ---- S = S diag(gl) + U^T kd -----------------------------------------------------
@@ -467,7 +498,7 @@ class KdaRecurTcSm90(TileCopy):
                         cute.arch.sync_warp()
                         for e in cutlass.range_constexpr(cute.size(acc_o)):
                             r, i = cP[e]
-                            sO[i, r, b] = acc_o[e].to(bf16)
+                            sO[i, r, b] = self._out(acc_o, acc_p, e).to(bf16)
                         cute.arch.fence_proxy("async.shared", space="cta")
                         cute.arch.sync_warp()
                         slab = cute.make_tensor(sO.iterator + b * C * BV + warp * C * 16, l_slab)
@@ -478,7 +509,7 @@ class KdaRecurTcSm90(TileCopy):
                         for e in cutlass.range_constexpr(cute.size(acc_o)):
                             r, i = cP[e]
                             if i < length:
-                                mOut[t0 + i, h, v0 + r] = acc_o[e].to(bf16)
+                                mOut[t0 + i, h, v0 + r] = self._out(acc_o, acc_p, e).to(bf16)
                 warpgroup.wait_group(0)
                 pipe.consumer_release(state)
                 state.advance()
@@ -490,6 +521,129 @@ class KdaRecurTcSm90(TileCopy):
                 thr_s.partition_C(self._state_rows(mS1f, seq, h, vb)).store(acc_s.load())
             elif state_out == STATE_BF16:
                 thr_s.partition_C(self._state_rows(mS1h, seq, h, vb)).store(acc_s.load().to(bf16))
+
+    def _out(self, acc_o, acc_p, e):
+        """Output element e: Pq + U^T Mq^T, summed in acc_o or (fp16) across acc_o and acc_p."""
+        if self.f16:
+            return acc_o[e] + acc_p[e]
+        return acc_o[e]
+
+    @cute.jit
+    def _chunk_hilo(self, mma_p: cute.TiledMma, acc_s, acc_p, acc_o, acc_u, vS, vW, vU, aS,
+                    gl_r, regs, smem_b, sGl, sV, cS, cP, s, length):
+        """A chunk of the precise forward up to U: P = S kg^T, W^T = v^T - P, U^T = W^T Aw^T
+        (hi/lo products). Leaves what _chunk_wy leaves."""
+        K = self.K
+        bf16, f32 = cutlass.BFloat16, cutlass.Float32
+        aWh, aWl, aUh, aUl = regs
+        bKg, bQg, bAwh, bAwl = smem_b
+        nsplit = max(1, K // 128)
+        kb_slab = K // 16 // nsplit
+        # ---- P = S kg^T, Pq = S qg^T (A: a bf16 copy of S, so S stays writable) ---
+        if cutlass.const_expr(nsplit == 1):
+            # the decay factors now, so their smem latency hides behind the products
+            for e in cutlass.range_constexpr(cute.size(acc_s)):
+                _, d = cS[e]
+                gl_r[e] = sGl[0, d, s]
+        for part in cutlass.range_constexpr(nsplit):
+            if part > 0:
+                warpgroup.wait_group(0)  # the previous slab's products still read aS
+            for kb in cutlass.range_constexpr(kb_slab):
+                aS[None, None, kb].store(
+                    vS[None, None, part * kb_slab + kb].load().to(self.op))
+            self._gemm(mma_p, acc_p, aS, bKg[None, None, None, s], part == 0,
+                       part * kb_slab)
+            warpgroup.commit_group()
+            if cutlass.const_expr(self.outputs):
+                self._gemm(mma_p, acc_o, aS, bQg[None, None, None, s], part == 0,
+                           part * kb_slab)
+                warpgroup.commit_group()
+        # while they run: this thread's v^T entries (widened after the wait, so the
+        # loads' latency hides behind the products)
+        vT = cute.make_rmem_tensor_like(acc_p, bf16)
+        for e in cutlass.range_constexpr(cute.size(acc_p)):
+            r, i = cP[e]
+            vT[e] = sV[i, r, s]
+        warpgroup.wait_group(1 if self.outputs else 0)
+
+        # ---- W^T = v^T - P; tokens past the chunk's length are zero ---------------
+        for e in cutlass.range_constexpr(cute.size(acc_p)):
+            _, i = cP[e]
+            w = f32(0.0)
+            if i < length:
+                w = vT[e].to(f32) - acc_p[e]
+            acc_p[e] = w
+        self._operand(vW, aWh, aWl)
+
+        # ---- U^T = W^T Aw^T --------------------------------------------------------
+        self._product(mma_p, acc_u, aWh, aWl, bAwh[None, None, None, s],
+                      bAwl[None, None, None, s], True)
+        warpgroup.commit_group()
+        for e in cutlass.range_constexpr(cute.size(acc_s)):  # S diag(gl) meanwhile
+            _, d = cS[e]
+            if cutlass.const_expr(nsplit == 1):
+                acc_s[e] = acc_s[e] * gl_r[e]
+            else:
+                acc_s[e] = acc_s[e] * sGl[0, d, s]
+        warpgroup.wait_group(0)
+        self._operand(vU, aUh, aUl)  # rows past the length: zero (Aw's are, W's are)
+
+    @cute.jit
+    def _chunk_wy(self, mma_p: cute.TiledMma, acc_s, acc_p, acc_o, acc_u, vS, vW, vU, aS,
+                  gl_r, regs, smem_b, sGl, sV, cS, cP, s, length):
+        """A chunk of the fp16 forward up to U, in the WY form: U^T = v^T Aw^T + S kgw^T,
+        K1 having written kgw = -Aw kg in kg's place. The same U as W^T = v^T - S kg^T,
+        U^T = W^T Aw^T, one product round trip shorter: U waits for no P. Leaves acc_u = U^T,
+        aUh = fp16(U) (rows past the length zero: Aw's are), S scaled by diag(gl), and Pq =
+        S qg^T issued (its group still open) when built with outputs."""
+        K = self.K
+        f32 = cutlass.Float32
+        aWh, aWl, aUh, aUl = regs
+        bKg, bQg, bAwh = smem_b
+        nsplit = max(1, K // 128)
+        kb_slab = K // 16 // nsplit
+        # v^T (tokens past the length zero) as the first product's A operand, and every other
+        # register operand, before any product is issued: a register written between two
+        # wgmmas in flight makes ptxas wait for them all
+        for e in cutlass.range_constexpr(cute.size(acc_p)):
+            r, i = cP[e]
+            w = f32(0.0)
+            if i < length:
+                w = sV[i, r, s].to(f32)
+            acc_p[e] = w
+        self._operand(vW, aWh, aWl)
+        if cutlass.const_expr(nsplit == 1):
+            for e in cutlass.range_constexpr(cute.size(acc_s)):
+                _, d = cS[e]
+                gl_r[e] = sGl[0, d, s]
+        for part in cutlass.range_constexpr(nsplit):
+            if part > 0:
+                warpgroup.wait_group(0)  # the previous slab's products still read aS
+            for kb in cutlass.range_constexpr(kb_slab):
+                aS[None, None, kb].store(
+                    vS[None, None, part * kb_slab + kb].load().to(self.op))
+            # U^T (+)= [v^T Aw^T] + S_slab kgw_slab^T: one batch behind one register fence
+            mma_p.set(warpgroup.Field.ACCUMULATE, part > 0)
+            warpgroup.fence()
+            if cutlass.const_expr(part == 0):
+                cute.gemm(mma_p, acc_u, aWh[None, None, 0], bAwh[None, None, 0, s], acc_u)
+                mma_p.set(warpgroup.Field.ACCUMULATE, True)
+            for kb in cutlass.range_constexpr(kb_slab):
+                cute.gemm(mma_p, acc_u, aS[None, None, kb],
+                          bKg[None, None, part * kb_slab + kb, s], acc_u)
+            warpgroup.commit_group()
+            if cutlass.const_expr(self.outputs):
+                self._gemm(mma_p, acc_o, aS, bQg[None, None, None, s], part == 0,
+                           part * kb_slab)
+                warpgroup.commit_group()
+        for e in cutlass.range_constexpr(cute.size(acc_s)):  # S diag(gl) meanwhile
+            _, d = cS[e]
+            if cutlass.const_expr(nsplit == 1):
+                acc_s[e] = acc_s[e] * gl_r[e]
+            else:
+                acc_s[e] = acc_s[e] * sGl[0, d, s]
+        warpgroup.wait_group(1 if self.outputs else 0)
+        self._operand(vU, aUh, aUl)
 
     @cute.jit
     def _state_rows(self, m: cute.Tensor, seq, h, vb) -> cute.Tensor:
