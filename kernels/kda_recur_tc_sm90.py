@@ -313,41 +313,37 @@ class KdaRecurTcSm90(TileCopy):
     @cute.jit
     def _wy_operand(self, pipe, wstate, sKg, sAwh, ready):
         """The producer warp, for the fp16 forward's WY form: once stage s has landed, its kg
-        tile becomes kgw = -Aw kg in place (m16n8k16 fp16 MMAs over 8-column tiles, fp32
-        accumulation; Aw as K1 wrote it, fp16), then a proxy fence and stage s's `ready`
-        arrive. The consumer's chunk then needs no P = S kg^T before U. Rows past the length
-        stay zero (Aw's are)."""
+        tile becomes kgw = -Aw kg in place (m16n8k16 fp16 MMAs, fp32 accumulation; Aw as K1
+        wrote it, fp16): operands by ldmatrix (kg transposed), the result by stmatrix, then a
+        proxy fence and stage s's `ready` arrive. The consumer's chunk then needs no
+        P = S kg^T before U. Rows past the length stay zero (Aw's are)."""
         C, K = self.C, self.K
         f16, f32 = cutlass.Float16, cutlass.Float32
         lane = cute.arch.lane_idx()
         s = wstate.index
         pipe.consumer_wait(wstate)
-        mma = cute.make_tiled_mma(warp_mma.MmaF16BF16Op(f16, f32, (16, 8, 16)))
+        mma = cute.make_tiled_mma(warp_mma.MmaF16BF16Op(f16, f32, (16, 8, 16)), (1, 1, 1),
+                                  permutation_mnk=(16, 16, 16))
         thr = mma.get_slice(lane)
-        cA = thr.partition_A(cute.make_identity_tensor((C, C)))  # (i, j)
-        cB = thr.partition_B(cute.make_identity_tensor((8, C)))  # (column - c0, j)
-        cC = thr.partition_C(cute.make_identity_tensor((C, 8)))  # (i, column - c0)
-        a = cute.make_rmem_tensor(cA.shape, f16)  # -Aw (exact in fp16)
-        for e in cutlass.range_constexpr(cute.size(cA)):
-            i, j = cA[e]
-            a[e] = -sAwh[i, j, s]
-        # column pairs of the tile (the accumulator's pairs), stored as one word each
-        vK = cute.logical_divide(sKg[None, None, s], (None, 2))
-        for t in cutlass.range_constexpr(K // 8):
-            b = cute.make_rmem_tensor(cB.shape, f16)
-            for e in cutlass.range_constexpr(cute.size(cB)):
-                n, j = cB[e]
-                b[e] = sKg[j, t * 8 + n, s]
-            acc = cute.make_rmem_tensor(cC.shape, f32)
-            acc.fill(0.0)
-            cute.gemm(mma, acc, a, b, acc)
-            # every lane has read tile t (the MMA is warp-synchronous) before any writes it
-            for e in cutlass.range_constexpr(0, cute.size(cC), 2):
-                i, n = cC[e]
-                pair = cute.make_rmem_tensor((2,), f32)
-                pair[0] = acc[e]
-                pair[1] = acc[e + 1]
-                vK[i, (None, (t * 8 + n) // 2)].store(pair.load().to(f16))
+        sA = sAwh[None, None, s]  # (i, j): Aw
+        sC = sKg[None, None, s]  # (i, column): kg, then kgw
+        sB = cute.composition(sC, cute.make_ordered_layout((K, C), order=(1, 0)))  # (col, j)
+        rA = thr.make_fragment_A(thr.partition_A(sA))
+        rB = thr.make_fragment_B(thr.partition_B(sB))
+        acc = thr.make_fragment_C(thr.partition_C(sC))
+        ld = warp_mma.LdMatrix8x8x16bOp
+        cpA = cute.make_tiled_copy_A(cute.make_copy_atom(ld(False, 4), f16), mma).get_slice(lane)
+        cpB = cute.make_tiled_copy_B(cute.make_copy_atom(ld(True, 4), f16), mma).get_slice(lane)
+        cute.copy(cpA, cpA.partition_S(sA), cpA.retile(rA))
+        cute.copy(cpB, cpB.partition_S(sB), cpB.retile(rB))
+        rA.store(-rA.load())
+        acc.fill(0.0)
+        cute.gemm(mma, acc, rA, rB, acc)
+        r16 = cute.make_rmem_tensor_like(acc, f16)
+        r16.store(acc.load().to(f16))
+        st = warp_mma.StMatrix8x8x16bOp
+        cpC = cute.make_tiled_copy_C(cute.make_copy_atom(st(False, 4), f16), mma).get_slice(lane)
+        cute.copy(cpC, cpC.retile(r16), cpC.partition_D(sC))
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.sync_warp()
         if lane == 0:
