@@ -29,6 +29,7 @@ from .config import (
     combine_config,
     select_config,
     supports,
+    wy_of,
 )
 
 _STATE_CODE = {None: 0, torch.float32: 1, torch.bfloat16: 2}
@@ -445,8 +446,21 @@ def launch_forward(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, in
         _segmented_recurrence(k2, cfg, vals2, syms, p, P, v, initial_state, final_state,
                               stream, di)
     elif k2_grid is not None:
-        k2.launch_with(k2_grid, vals2, syms, stream, di)
+        _k2_serial(cfg, k2, k2_grid, di, arch).launch_with(k2_grid, vals2, syms, stream, di)
     return None
+
+
+def _k2_serial(cfg: FwdConfig, k2, k2_grid: tuple, device: int, arch: str):
+    """The K2 of a serial forward: its WY-form build (config.WY_RUNS) where every CTA has an
+    SM to itself (the grid within one CTA per SM, or a kernel that holds one per SM), the
+    plain one otherwise. Measured on the H200 (bench/NOTES.md): K2 -6% at K = 128 B1 T8192
+    H64 and -5% at K = 256; slower where two CTAs share an SM. KDA_CUTE_WY=0 turns it off."""
+    w = wy_of(cfg.recur)
+    if w is None or os.environ.get("KDA_CUTE_WY", "1") == "0":
+        return k2
+    if math.prod(k2_grid) <= _sm_budget(device)[0] or _resident_per_sm(device, k2) == 1:
+        return runtime.get_kernel(w, arch)
+    return k2
 
 
 def _longest_first(p: Problem, k2, k2_grid, device: int) -> bool:

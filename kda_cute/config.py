@@ -80,6 +80,10 @@ class RecurConfig:
     # kd, Aw and Mq fp16 in their hi planes: PrepConfig.f16) instead of three bf16 products of
     # hi/lo splits; P and Pq stay bf16 (S keeps bf16's range)
     f16: bool = False
+    # True (f16): the WY form, U^T = v^T Aw^T + S kgw^T with kgw = -Aw kg formed by the
+    # producer warp from each landed stage (no P = S kg^T before U on the serial chain); the
+    # launcher takes it where each K2 CTA has its SM to itself (config.WY_RUNS)
+    wy: bool = False
 
     @property
     def name(self) -> str:
@@ -87,8 +91,9 @@ class RecurConfig:
         no = "" if self.outputs else "_noout"
         al = "_al" if self.alongside else ""
         f16 = "_f16" if self.f16 else ""
+        wy = "_wy" if self.wy else ""
         return (f"kda_recur{tag}_k{self.head_dim_k}_v{self.head_dim_v}_c{self.chunk}"
-                f"_bv{self.block_v}_t{self.threads}_s{self.stages}{f16}{no}{al}")
+                f"_bv{self.block_v}_t{self.threads}_s{self.stages}{f16}{wy}{no}{al}")
 
     @property
     def block_threads(self) -> int:
@@ -183,6 +188,9 @@ def supports_recur(cfg: RecurConfig) -> tuple[bool, str]:
         return False, f"outputs=False needs mma 'wgmma', got {cfg.mma!r}"
     if cfg.f16 and cfg.mma != "wgmma":
         return False, f"f16 needs mma 'wgmma', got {cfg.mma!r}"
+    if cfg.wy and not (cfg.f16 and cfg.outputs and not cfg.alongside and cfg.chunk == 16):
+        return False, (f"wy needs f16, outputs, chunk 16 and no alongside, got f16={cfg.f16}, "
+                       f"outputs={cfg.outputs}, chunk={cfg.chunk}, alongside={cfg.alongside}")
     if cfg.alongside and (cfg.mma != "wgmma" or not cfg.outputs):
         return False, (f"alongside needs mma 'wgmma' with outputs, got {cfg.mma!r}, "
                        f"outputs={cfg.outputs}")
@@ -269,6 +277,21 @@ EXPERIMENTAL: tuple[FwdConfig, ...] = (
 SEGMENT_RUNS: tuple[RecurConfig, ...] = tuple(
     RecurConfig(**{**f.recur.as_dict(), "outputs": False}) for f in TENSOR_CORE
     if f.recur.head_dim_k == f.recur.head_dim_v)
+
+# K2 in the WY form (RecurConfig.wy), for the fp16 forwards at K >= 128: measured faster only
+# where each K2 CTA has an SM to itself (bench/NOTES.md, "The WY form"; api._k2_wy picks it):
+# K2 -5 to -6% there, slower with two K2 CTAs on an SM and alongside K1.
+WY_RUNS: tuple[RecurConfig, ...] = tuple(
+    RecurConfig(**{**f.recur.as_dict(), "wy": True}) for f in TENSOR_CORE
+    if f.recur.f16 and f.recur.head_dim_k >= 128)
+
+
+@functools.lru_cache(maxsize=64)
+def wy_of(recur: RecurConfig) -> RecurConfig | None:
+    """The WY-form build of a shipped K2 (config.WY_RUNS), or None."""
+    w = dataclasses.replace(recur, wy=True)
+    return w if w in WY_RUNS else None
+
 
 # K2 alongside K1 (api._k2_alongside): each tensor-core forward built to run its two kernels at
 # once, K1 flagging each (chunk, head) and K2 waiting on the flags (serial forwards carry none

@@ -177,7 +177,7 @@ def main(argv=None) -> int:
     out_dir = Path(a.out) / a.arch
     todo, skipped = [], []
     for cfg in jobs_for(config.SHIPPED + config.EXPERIMENTAL + config.ALONGSIDE,
-                        config.SEGMENT_RUNS + config.COMBINE):
+                        config.SEGMENT_RUNS + config.WY_RUNS + config.COMBINE):
         (skipped if not a.force and up_to_date(cfg, a.arch, out_dir) else todo).append(cfg)
     t0 = time.time()
     results, failed = [], []

@@ -48,7 +48,7 @@ STATE_NONE, STATE_F32, STATE_BF16 = 0, 1, 2
 # the longest K2 waits for one chunk's flag from a K1 running alongside it before failing
 WAIT_LIMIT_NS = 5_000_000_000
 FLAG_BATCH = 8  # flags a waiting K2 reads at once
-# fp16 WY form: the producer warp turns a chunk's kg into kgw this many chunks after issuing
+# the WY form: the producer warp turns a chunk's kg into kgw this many chunks after issuing
 # its loads (< stages, so the consumer's releases never wait on it)
 WY_LAG = 2
 
@@ -81,6 +81,7 @@ class KdaRecurTcSm90(TileCopy):
         # cfg.f16: every product on fp16 operands, one each (K1's kd, Aw and Mq fp16 in their
         # hi planes; the lo planes are neither written nor loaded)
         self.f16 = cfg.f16
+        self.wy = cfg.wy  # the WY form (producer-formed kgw; config.WY_RUNS)
         self.op = cutlass.Float16 if cfg.f16 else cutlass.BFloat16
         planes = 1 if cfg.f16 else 2
         self.tx_bytes = ((2 + planes) * C * K + 2 * planes * C * C + C * BV) * 2 + K * 4
@@ -160,9 +161,9 @@ class KdaRecurTcSm90(TileCopy):
         @cute.struct
         class SharedStorage:
             bars: buf[cutlass.Int64, 2 * S]
-            # fp16 WY form: stage s's kgw = -Aw kg written (by the producer warp, in place of
+            # the WY form: stage s's kgw = -Aw kg written (by the producer warp, in place of
             # kg) and visible to the async proxy
-            ready: buf[cutlass.Int64, S]
+            ready: buf[cutlass.Int64, S if self.wy else 1]
             sKg: align[buf[odt, cute.cosize(l_ck)], 1024]
             sQg: align[buf[odt, cute.cosize(l_ck)], 1024]
             sKdh: align[buf[odt, cute.cosize(l_kc)], 1024]
@@ -247,7 +248,7 @@ class KdaRecurTcSm90(TileCopy):
         sO = st.sO.get_tensor(l_o)  # (C, BV, 2)
 
         ready = st.ready.data_ptr()
-        if cutlass.const_expr(self.f16):
+        if cutlass.const_expr(self.wy):
             if tidx == 0:
                 for i in cutlass.range_constexpr(S):
                     cute.arch.mbarrier_init(ready + i, 1)
@@ -267,7 +268,7 @@ class KdaRecurTcSm90(TileCopy):
             if cutlass.const_expr(self.f16):  # no lo planes
                 loads = loads[0:3] + loads[4:5] + loads[6:7]
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, S)
-            # fp16: the WY operand of the chunk issued WY_LAG chunks before, once it has landed
+            # WY form: the operand of the chunk issued WY_LAG chunks before, once it has landed
             wstate = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, S)
             issued = cutlass.Int32(0)
             # the next sequence's first chunks load while the consumer finishes this one's
@@ -295,12 +296,12 @@ class KdaRecurTcSm90(TileCopy):
                                     (C, BV), bar)
                     pipe.producer_commit(state)
                     state.advance()
-                    if cutlass.const_expr(self.f16):
+                    if cutlass.const_expr(self.wy):
                         issued = issued + 1
                         if issued > WY_LAG:
                             self._wy_operand(pipe, wstate, sKg, sAwh, ready)
                             wstate.advance()
-            if cutlass.const_expr(self.f16):
+            if cutlass.const_expr(self.wy):
                 for _ in cutlass.range(cutlass.min(issued, WY_LAG)):
                     self._wy_operand(pipe, wstate, sKg, sAwh, ready)
                     wstate.advance()
@@ -454,27 +455,27 @@ class KdaRecurTcSm90(TileCopy):
             for c in cutlass.range(num_chunks):
                 pipe.consumer_wait(state)
                 s = state.index
-                if cutlass.const_expr(self.f16):
+                if cutlass.const_expr(self.wy):
                     cute.arch.mbarrier_wait(ready + s, state.phase)
                 t0 = bos + c * C
                 length = cutlass.min(C, eos - t0)
 
-                if cutlass.const_expr(self.f16):
-                    # the fp16 forward's WY form: K1 wrote kgw = -Aw kg where kg was
+                if cutlass.const_expr(self.wy):
+                    # the WY form: the producer turned kg's tile into kgw = -Aw kg
                     self._chunk_wy(mma_p, acc_s, acc_p, acc_o, acc_u, vS, vW, vU, aS, gl_r,
                                    (aWh, aWl, aUh, aUl), (bKg, bQg, bAwh), sGl, sV, cS, cP, s,
                                    length)
                 else:
-                    self._chunk_hilo(mma_p, acc_s, acc_p, acc_o, acc_u, vS, vW, vU, aS, gl_r,
+                    self._chunk_pw(mma_p, acc_s, acc_p, acc_o, acc_u, vS, vW, vU, aS, gl_r,
                                      (aWh, aWl, aUh, aUl), (bKg, bQg, bAwh, bAwl), sGl, sV, cS,
                                      cP, s, length)
 
                 # ---- O^T = Pq + U^T Mq^T ---------------------------------------------------------
-                # (fp16: U^T Mq^T into acc_p, added to Pq at the store: Pq may still be in
+                # (WY form: U^T Mq^T into acc_p, added to Pq at the store: Pq may still be in
                 # flight, and a product accumulating onto it would make ptxas wait for it here)
                 if cutlass.const_expr(self.outputs):
-                    self._product(mma_p, acc_p if self.f16 else acc_o, aUh, aUl,
-                                  bMqh[None, None, None, s], bMql[None, None, None, s], self.f16)
+                    self._product(mma_p, acc_p if self.wy else acc_o, aUh, aUl,
+                                  bMqh[None, None, None, s], bMql[None, None, None, s], self.wy)
                     warpgroup.commit_group()
 
                 # ---- S = S diag(gl) + U^T kd -----------------------------------------------------
@@ -519,16 +520,16 @@ class KdaRecurTcSm90(TileCopy):
                 thr_s.partition_C(self._state_rows(mS1h, seq, h, vb)).store(acc_s.load().to(bf16))
 
     def _out(self, acc_o, acc_p, e):
-        """Output element e: Pq + U^T Mq^T, summed in acc_o or (fp16) across acc_o and acc_p."""
-        if self.f16:
+        """Output element e: Pq + U^T Mq^T, summed in acc_o or (WY form) across acc_o and acc_p."""
+        if self.wy:
             return acc_o[e] + acc_p[e]
         return acc_o[e]
 
     @cute.jit
-    def _chunk_hilo(self, mma_p: cute.TiledMma, acc_s, acc_p, acc_o, acc_u, vS, vW, vU, aS,
+    def _chunk_pw(self, mma_p: cute.TiledMma, acc_s, acc_p, acc_o, acc_u, vS, vW, vU, aS,
                     gl_r, regs, smem_b, sGl, sV, cS, cP, s, length):
-        """A chunk of the precise forward up to U: P = S kg^T, W^T = v^T - P, U^T = W^T Aw^T
-        (hi/lo products). Leaves what _chunk_wy leaves."""
+        """A chunk up to U: P = S kg^T, W^T = v^T - P, U^T = W^T Aw^T (hi/lo products, or
+        fp16 ones for cfg.f16). Leaves what _chunk_wy leaves."""
         K = self.K
         bf16, f32 = cutlass.BFloat16, cutlass.Float32
         aWh, aWl, aUh, aUl = regs
@@ -588,7 +589,7 @@ class KdaRecurTcSm90(TileCopy):
     def _chunk_wy(self, mma_p: cute.TiledMma, acc_s, acc_p, acc_o, acc_u, vS, vW, vU, aS,
                   gl_r, regs, smem_b, sGl, sV, cS, cP, s, length):
         """A chunk of the fp16 forward up to U, in the WY form: U^T = v^T Aw^T + S kgw^T,
-        K1 having written kgw = -Aw kg in kg's place. The same U as W^T = v^T - S kg^T,
+        the producer having turned kg's tile into kgw = -Aw kg. The same U as W^T = v^T - S kg^T,
         U^T = W^T Aw^T, one product round trip shorter: U waits for no P. Leaves acc_u = U^T,
         aUh = fp16(U) (rows past the length zero: Aw's are), S scaled by diag(gl), and Pq =
         S qg^T issued (its group still open) when built with outputs."""

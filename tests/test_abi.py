@@ -22,6 +22,7 @@ from kda_cute.config import (
     SEGMENT_RUNS,
     SHIPPED,
     SIMT,
+    WY_RUNS,
     CombineConfig,
     PrepConfig,
     select_config,
@@ -40,7 +41,7 @@ KERNELS = {}
 for _f in SHIPPED + EXPERIMENTAL + ALONGSIDE:
     KERNELS.setdefault(_f.prep.name, (_f.prep, abi.prep_args))
     KERNELS.setdefault(_f.recur.name, (_f.recur, abi.recur_args))
-for _r in SEGMENT_RUNS:
+for _r in SEGMENT_RUNS + WY_RUNS:
     KERNELS[_r.name] = (_r, abi.recur_args)
 for _c in COMBINE:
     KERNELS[_c.name] = (_c, abi.combine_args)

@@ -530,3 +530,16 @@ def test_large_values(precision, scale, K):
     inp["v"] = inp["v"] * scale
     inp["initial_state"] = inp["initial_state"] * scale
     _assert(errors(inp, precision=precision))
+
+
+@pytest.mark.parametrize("wy", ["1", "0"])
+@pytest.mark.parametrize("case", [
+    dict(B=1, T=333, H=3, K=128), dict(seqlens=[40, 1, 77, 16], H=2, K=256),
+    dict(B=3, T=70, H=2, K=128, gate="unbounded")])
+def test_serial_k2_with_and_without_the_wy_form(monkeypatch, case, wy):
+    """The fast forward's serial K2 in the WY form (each CTA alone on its SM: these small
+    grids take it) and in the plain one (KDA_CUTE_WY=0): both meet the bar."""
+    monkeypatch.setenv("KDA_CUTE_ALONGSIDE", "0")
+    monkeypatch.setenv("KDA_CUTE_WY", wy)
+    inp = make_inputs(seed=len(case) + int(wy), **case)
+    _assert(errors(inp))

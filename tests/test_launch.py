@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from kda_cute import abi, api, fwd, runtime
-from kda_cute.config import alongside_of, select_config
+from kda_cute.config import WY_RUNS, alongside_of, select_config, wy_of
 
 BF16 = torch.bfloat16
 
@@ -600,3 +600,26 @@ def test_k1_seq_len_is_the_fixed_length_or_zero(stub_driver, varlen):
     _run(x)
     (k1,) = [r for r in stub_driver if r[0] == cfg.prep.name]
     assert struct.unpack("<i", _param(k1, cfg.prep, "seq_len"))[0] == (0 if varlen else 37)
+
+
+@pytest.mark.parametrize("K,H,expect_wy", [
+    (128, 64, True),    # 128 K2 CTAs on 132 SMs: each alone on its SM
+    (128, 96, False),   # 192: two share an SM on 60 of them
+    (256, 96, True),    # K = 256's K2 holds one CTA per SM whatever the grid
+    (64, 128, False)])  # no WY build at K = 64
+def test_serial_k2_takes_the_wy_build_where_each_cta_has_its_sm(stub_driver, monkeypatch, K,
+                                                                 H, expect_wy):
+    monkeypatch.setenv("KDA_CUTE_ALONGSIDE", "0")
+    x, p = _with_heads(H, T=64, K=K)
+    cfg = api.config_for(p)
+    _run(x)
+    names = [r[0] for r in stub_driver]
+    assert names[0] == cfg.prep.name
+    w = wy_of(cfg.recur)
+    assert names[1:] == [w.name if expect_wy else cfg.recur.name]
+    if expect_wy:
+        assert w in WY_RUNS and w.f16 and cfg.recur.f16
+    monkeypatch.setenv("KDA_CUTE_WY", "0")
+    stub_driver.clear()
+    _run(x)
+    assert [r[0] for r in stub_driver][1:] == [cfg.recur.name]
