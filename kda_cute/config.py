@@ -76,9 +76,9 @@ class RecurConfig:
     # True (wgmma): K1 runs alongside and flags each (chunk, head); wait for a chunk's flag
     # before loading it
     alongside: bool = False
-    # True (wgmma): U = W Aw^T, O's U Mq^T and the update U^T kd as one fp16 product each (K1's
-    # kd, Aw and Mq fp16 in their hi planes: PrepConfig.f16) instead of three bf16 products of
-    # hi/lo splits; P and Pq stay bf16 (S keeps bf16's range)
+    # True (wgmma): every product on fp16 operands, one each (K1's qg, kg, kd, Aw and Mq in
+    # fp16, no lo planes: PrepConfig.f16; the state converted to fp16 for P and Pq) instead of
+    # U, O and the update as three bf16 products of hi/lo splits
     f16: bool = False
     # True (f16): the WY form, U^T = v^T Aw^T + S kgw^T with kgw = -Aw kg formed by the
     # producer warp from each landed stage (no P = S kg^T before U on the serial chain); the
