@@ -526,6 +526,33 @@ class KdaRecurTcSm90(TileCopy):
         return acc_o[e]
 
     @cute.jit
+    def _decay_factors(self, acc_s, gl_r, sGl, cS, s):
+        """At K <= 128: the decay factor of each state element into registers before the
+        chunk's products, so their smem latency hides behind them (equal columns share)."""
+        if cutlass.const_expr(self.K <= 128):
+            for e in cutlass.range_constexpr(cute.size(acc_s)):
+                _, d = cS[e]
+                gl_r[e] = sGl[0, d, s]
+
+    @cute.jit
+    def _state_slab(self, aS, vS, part):
+        """Slab `part` of S (all of it at K <= 128, half at K = 256) as the products' A
+        operand: the op dtype's copy, so S stays writable."""
+        kb_slab = cute.size(aS, mode=[2])
+        for kb in cutlass.range_constexpr(kb_slab):
+            aS[None, None, kb].store(vS[None, None, part * kb_slab + kb].load().to(self.op))
+
+    @cute.jit
+    def _decay_state(self, acc_s, gl_r, sGl, cS, s):
+        """S diag(gl): factors from registers (K <= 128, _decay_factors) or from smem."""
+        for e in cutlass.range_constexpr(cute.size(acc_s)):
+            _, d = cS[e]
+            if cutlass.const_expr(self.K <= 128):
+                acc_s[e] = acc_s[e] * gl_r[e]
+            else:
+                acc_s[e] = acc_s[e] * sGl[0, d, s]
+
+    @cute.jit
     def _chunk_pw(self, mma_p: cute.TiledMma, acc_s, acc_p, acc_o, acc_u, vS, vW, vU, aS,
                     gl_r, regs, smem_b, sGl, sV, cS, cP, s, length):
         """A chunk up to U: P = S kg^T, W^T = v^T - P, U^T = W^T Aw^T (hi/lo products, or
@@ -537,17 +564,11 @@ class KdaRecurTcSm90(TileCopy):
         nsplit = max(1, K // 128)
         kb_slab = K // 16 // nsplit
         # ---- P = S kg^T, Pq = S qg^T (A: a bf16 copy of S, so S stays writable) ---
-        if cutlass.const_expr(nsplit == 1):
-            # the decay factors now, so their smem latency hides behind the products
-            for e in cutlass.range_constexpr(cute.size(acc_s)):
-                _, d = cS[e]
-                gl_r[e] = sGl[0, d, s]
+        self._decay_factors(acc_s, gl_r, sGl, cS, s)
         for part in cutlass.range_constexpr(nsplit):
             if part > 0:
                 warpgroup.wait_group(0)  # the previous slab's products still read aS
-            for kb in cutlass.range_constexpr(kb_slab):
-                aS[None, None, kb].store(
-                    vS[None, None, part * kb_slab + kb].load().to(self.op))
+            self._state_slab(aS, vS, part)
             self._gemm(mma_p, acc_p, aS, bKg[None, None, None, s], part == 0,
                        part * kb_slab)
             warpgroup.commit_group()
@@ -576,12 +597,7 @@ class KdaRecurTcSm90(TileCopy):
         self._product(mma_p, acc_u, aWh, aWl, bAwh[None, None, None, s],
                       bAwl[None, None, None, s], True)
         warpgroup.commit_group()
-        for e in cutlass.range_constexpr(cute.size(acc_s)):  # S diag(gl) meanwhile
-            _, d = cS[e]
-            if cutlass.const_expr(nsplit == 1):
-                acc_s[e] = acc_s[e] * gl_r[e]
-            else:
-                acc_s[e] = acc_s[e] * sGl[0, d, s]
+        self._decay_state(acc_s, gl_r, sGl, cS, s)  # S diag(gl), while the products run
         warpgroup.wait_group(0)
         self._operand(vU, aUh, aUl)  # rows past the length: zero (Aw's are, W's are)
 
@@ -609,16 +625,11 @@ class KdaRecurTcSm90(TileCopy):
                 w = sV[i, r, s].to(f32)
             acc_p[e] = w
         self._operand(vW, aWh, aWl)
-        if cutlass.const_expr(nsplit == 1):
-            for e in cutlass.range_constexpr(cute.size(acc_s)):
-                _, d = cS[e]
-                gl_r[e] = sGl[0, d, s]
+        self._decay_factors(acc_s, gl_r, sGl, cS, s)
         for part in cutlass.range_constexpr(nsplit):
             if part > 0:
                 warpgroup.wait_group(0)  # the previous slab's products still read aS
-            for kb in cutlass.range_constexpr(kb_slab):
-                aS[None, None, kb].store(
-                    vS[None, None, part * kb_slab + kb].load().to(self.op))
+            self._state_slab(aS, vS, part)
             # U^T (+)= [v^T Aw^T] + S_slab kgw_slab^T: one batch behind one register fence
             mma_p.set(warpgroup.Field.ACCUMULATE, part > 0)
             warpgroup.fence()
@@ -633,12 +644,7 @@ class KdaRecurTcSm90(TileCopy):
                 self._gemm(mma_p, acc_o, aS, bQg[None, None, None, s], part == 0,
                            part * kb_slab)
                 warpgroup.commit_group()
-        for e in cutlass.range_constexpr(cute.size(acc_s)):  # S diag(gl) meanwhile
-            _, d = cS[e]
-            if cutlass.const_expr(nsplit == 1):
-                acc_s[e] = acc_s[e] * gl_r[e]
-            else:
-                acc_s[e] = acc_s[e] * sGl[0, d, s]
+        self._decay_state(acc_s, gl_r, sGl, cS, s)  # S diag(gl), while the products run
         warpgroup.wait_group(1 if self.outputs else 0)
         self._operand(vU, aUh, aUl)
 
