@@ -454,11 +454,14 @@ def _k2_serial(cfg: FwdConfig, k2, k2_grid: tuple, device: int, arch: str):
     """The K2 of a serial forward: its WY-form build (config.WY_RUNS) where every CTA has an
     SM to itself (the grid within one CTA per SM, or a kernel that holds one per SM), the
     plain one otherwise. Measured on the H200 (bench/NOTES.md): K2 -6% at K = 128 B1 T8192
-    H64 and -5% at K = 256; slower where two CTAs share an SM. KDA_CUTE_WY=0 turns it off."""
+    H64 and -5% at K = 256; slower where two CTAs share an SM. KDA_CUTE_WY=0 turns it off,
+    KDA_CUTE_WY=force takes it wherever one is built (for measuring)."""
     w = wy_of(cfg.recur)
-    if w is None or os.environ.get("KDA_CUTE_WY", "1") == "0":
+    mode = os.environ.get("KDA_CUTE_WY", "1")
+    if w is None or mode == "0":
         return k2
-    if math.prod(k2_grid) <= _sm_budget(device)[0] or _resident_per_sm(device, k2) == 1:
+    if (mode == "force" or math.prod(k2_grid) <= _sm_budget(device)[0]
+            or _resident_per_sm(device, k2) == 1):
         return runtime.get_kernel(w, arch)
     return k2
 

@@ -623,3 +623,14 @@ def test_serial_k2_takes_the_wy_build_where_each_cta_has_its_sm(stub_driver, mon
     stub_driver.clear()
     _run(x)
     assert [r[0] for r in stub_driver][1:] == [cfg.recur.name]
+
+
+def test_wy_force_takes_the_wy_build_on_any_grid(stub_driver, monkeypatch):
+    # 192 K2 CTAs (K = 128, H = 96): two share an SM, so the launcher keeps the plain K2, unless
+    # KDA_CUTE_WY=force (for measuring the WY form there)
+    monkeypatch.setenv("KDA_CUTE_ALONGSIDE", "0")
+    monkeypatch.setenv("KDA_CUTE_WY", "force")
+    x, p = _with_heads(96, T=64, K=128)
+    cfg = api.config_for(p)
+    _run(x)
+    assert [r[0] for r in stub_driver][1:] == [wy_of(cfg.recur).name]
