@@ -548,3 +548,31 @@ def test_segmented_recurrence_rejects_bad_arguments():
     two = {key: torch.cat([x, x]) for key, x in inter.items()}
     with pytest.raises(ValueError, match="B == 1"):
         segmented_recurrence(two, torch.cat([v, v]), chunk=16, segments=1)
+
+
+def test_wy_form_equals_the_delta_rule_step():
+    """The identity K2's WY build relies on: U = Aw (v - kg S^T) = Aw v + kgw S^T with
+    kgw = -Aw kg (per chunk; Aw's rows and columns past the chunk's length are zero). A chunk
+    loop in that form gives chunk_recurrence's outputs and final state to float64 rounding."""
+    case = Case(B=1, T=45, H=2, K=8, V=8, gate="unbounded", state=F64)
+    kw = make_inputs(case, "wy-form")
+    qn, kn, a, b = preprocess(kw["q"], kw["k"], kw["g"], kw["beta"], A_log=kw["A_log"],
+                              dt_bias=kw["dt_bias"], gate="unbounded")
+    C = 16
+    inter = chunk_intermediates(qn, kn, a, b, chunk=C, scale=0.5)
+    out_ref, s_ref = chunk_recurrence(inter, kw["v"], chunk=C, initial_state=kw["initial_state"])
+    S = kw["initial_state"][0].clone()  # [H, V, K]
+    out = torch.zeros_like(out_ref)
+    for c0 in range(0, case.T, C):
+        tok = slice(c0, min(c0 + C, case.T))
+        n = tok.stop - c0
+        qg, kg, kd, v = (x[0, tok].transpose(0, 1) for x in (inter["qg"], inter["kg"],
+                                                             inter["kd"], kw["v"].to(F64)))
+        Aw = inter["Aw"][0, tok, :, :n].transpose(0, 1)  # [H, n, n]
+        Mq = inter["Mq"][0, tok, :, :n].transpose(0, 1)
+        kgw = -Aw @ kg  # what the producer warp forms
+        U = Aw @ v + kgw @ S.transpose(-1, -2)
+        out[0, tok] = (qg @ S.transpose(-1, -2) + Mq @ U).transpose(0, 1)
+        S = S * inter["gl"][0, c0].unsqueeze(-2) + U.transpose(-1, -2) @ kd
+    assert rel_err(out, out_ref) < 1e-12
+    assert rel_err(S.unsqueeze(0), s_ref) < 1e-12
