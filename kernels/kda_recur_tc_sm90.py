@@ -29,6 +29,10 @@ by the threads (a whole tile would overwrite the next sequence's rows).
 Built `alongside` (config.ALONGSIDE: K1 runs at the same time on the other SMs), the CTA lets its
 programmatic dependent K1 launch once resident, and the producer waits for K1's flag of each
 (chunk, head) before loading it; the serial builds carry none of that.
+Built `wy` (config.WY_RUNS, fp16 only), U skips P: U^T = v^T Aw^T + S kgw^T with kgw = -Aw kg,
+which the producer warp forms in place of each landed kg tile (ldmatrix, warp MMA, stmatrix) two
+chunks behind its loads and hands over on a per-stage `ready` mbarrier; one product round trip
+less on the serial chain (the launcher takes it where each CTA has an SM to itself).
 Constraints: block_v == 64, threads == 128 (+ 32 producer), chunk == 16, head_dim_k % 64 == 0.
 """
 
