@@ -39,8 +39,8 @@ class PrepConfig:
     # True (bf16 operands): flag each (chunk, head) in the workspace once written, for a K2
     # running alongside (api: K2 first, this K1 its programmatic dependent)
     alongside: bool = False
-    # True (bf16 operands): kd, Aw and Mq as fp16 in their hi planes (no lo planes written),
-    # for a K2 that takes them in one f16 product each (RecurConfig.f16)
+    # True (bf16 operands): qg, kg, kd, Aw and Mq in fp16, kd, Aw and Mq in their hi planes
+    # only (no lo planes written), for a K2 taking one f16 product each (RecurConfig.f16)
     f16: bool = False
 
     @property
@@ -279,7 +279,7 @@ SEGMENT_RUNS: tuple[RecurConfig, ...] = tuple(
     if f.recur.head_dim_k == f.recur.head_dim_v)
 
 # K2 in the WY form (RecurConfig.wy), for the fp16 forwards at K >= 128: measured faster only
-# where each K2 CTA has an SM to itself (bench/NOTES.md, "The WY form"; api._k2_wy picks it):
+# where each K2 CTA has an SM to itself (bench/NOTES.md, "The WY form"; api._k2_serial picks it):
 # K2 -5 to -6% there, slower with two K2 CTAs on an SM and alongside K1.
 WY_RUNS: tuple[RecurConfig, ...] = tuple(
     RecurConfig(**{**f.recur.as_dict(), "wy": True}) for f in TENSOR_CORE

@@ -87,6 +87,9 @@ class KdaRecurTcSm90(TileCopy):
         self.f16 = cfg.f16
         self.wy = cfg.wy  # the WY form (producer-formed kgw; config.WY_RUNS)
         self.op = cutlass.Float16 if cfg.f16 else cutlass.BFloat16
+        # the state's operand copy in `nsplit` slabs of K (two at K = 256, which keeps it inside
+        # 255 registers)
+        self.nsplit = max(1, cfg.head_dim_k // 128)
         planes = 1 if cfg.f16 else 2
         self.tx_bytes = ((2 + planes) * C * K + 2 * planes * C * C + C * BV) * 2 + K * 4
         self.smem_bytes = 0
@@ -433,9 +436,7 @@ class KdaRecurTcSm90(TileCopy):
         cP = thr_p.partition_C(cute.make_identity_tensor((BV, C)))
         # A operands in registers: views of the accumulators, converted to bf16
         vS, vW, vU = acc_as_operand_a(acc_s), acc_as_operand_a(acc_p), acc_as_operand_a(acc_u)
-        # bf16(S) in `nsplit` slabs of K (two at K = 256, which keeps it inside 255 registers)
-        nsplit = max(1, K // 128)
-        aS = thr_p.make_fragment_A(thr_p.partition_shape_A((BV, K // nsplit)))
+        aS = thr_p.make_fragment_A(thr_p.partition_shape_A((BV, K // self.nsplit)))
         gl_r = cute.make_rmem_tensor_like(acc_s, f32)  # per element; equal d's share registers
         aWh = cute.make_rmem_tensor_like(vW, self.op)
         aWl = cute.make_rmem_tensor_like(vW, bf16)
@@ -531,27 +532,27 @@ class KdaRecurTcSm90(TileCopy):
 
     @cute.jit
     def _decay_factors(self, acc_s, gl_r, sGl, cS, s):
-        """At K <= 128: the decay factor of each state element into registers before the
-        chunk's products, so their smem latency hides behind them (equal columns share)."""
-        if cutlass.const_expr(self.K <= 128):
+        """With S in one slab: the decay factor of each state element into registers before
+        the chunk's products, so their smem latency hides behind them (equal columns share)."""
+        if cutlass.const_expr(self.nsplit == 1):
             for e in cutlass.range_constexpr(cute.size(acc_s)):
                 _, d = cS[e]
                 gl_r[e] = sGl[0, d, s]
 
     @cute.jit
     def _state_slab(self, aS, vS, part):
-        """Slab `part` of S (all of it at K <= 128, half at K = 256) as the products' A
-        operand: the op dtype's copy, so S stays writable."""
+        """Slab `part` of S (self.nsplit slabs) as the products' A operand: the op dtype's
+        copy, so S stays writable."""
         kb_slab = cute.size(aS, mode=[2])
         for kb in cutlass.range_constexpr(kb_slab):
             aS[None, None, kb].store(vS[None, None, part * kb_slab + kb].load().to(self.op))
 
     @cute.jit
     def _decay_state(self, acc_s, gl_r, sGl, cS, s):
-        """S diag(gl): factors from registers (K <= 128, _decay_factors) or from smem."""
+        """S diag(gl): factors from registers (one slab: _decay_factors) or from smem."""
         for e in cutlass.range_constexpr(cute.size(acc_s)):
             _, d = cS[e]
-            if cutlass.const_expr(self.K <= 128):
+            if cutlass.const_expr(self.nsplit == 1):
                 acc_s[e] = acc_s[e] * gl_r[e]
             else:
                 acc_s[e] = acc_s[e] * sGl[0, d, s]
@@ -565,9 +566,9 @@ class KdaRecurTcSm90(TileCopy):
         bf16, f32 = cutlass.BFloat16, cutlass.Float32
         aWh, aWl, aUh, aUl = regs
         bKg, bQg, bAwh, bAwl = smem_b
-        nsplit = max(1, K // 128)
+        nsplit = self.nsplit
         kb_slab = K // 16 // nsplit
-        # ---- P = S kg^T, Pq = S qg^T (A: a bf16 copy of S, so S stays writable) ---
+        # ---- P = S kg^T, Pq = S qg^T (A: the op dtype's copy of S, so S stays writable) ---
         self._decay_factors(acc_s, gl_r, sGl, cS, s)
         for part in cutlass.range_constexpr(nsplit):
             if part > 0:
@@ -617,7 +618,7 @@ class KdaRecurTcSm90(TileCopy):
         f32 = cutlass.Float32
         aWh, aWl, aUh, aUl = regs
         bKg, bQg, bAwh = smem_b
-        nsplit = max(1, K // 128)
+        nsplit = self.nsplit
         kb_slab = K // 16 // nsplit
         # v^T (tokens past the length zero) as the first product's A operand, and every other
         # register operand, before any product is issued: a register written between two
