@@ -18,6 +18,7 @@ from kda_cute.config import (
     SHIPPED,
     SIMT,
     TENSOR_CORE,
+    WY_RUNS,
     FwdConfig,
     PrepConfig,
     RecurConfig,
@@ -26,6 +27,7 @@ from kda_cute.config import (
     supports,
     supports_prep,
     supports_recur,
+    wy_of,
 )
 from kernels.build import build_key, jobs_for, up_to_date
 
@@ -109,6 +111,15 @@ REJECTED = {
     "recur-alongside-noout": (supports_recur, RecurConfig(64, 64, block_v=64, mma="wgmma",
                                                           outputs=False, alongside=True),
                               "alongside", "outputs=False"),
+    # the WY form: fp16 products only, with outputs, serial (no alongside build)
+    "recur-wy-bf16": (supports_recur, RecurConfig(128, 128, block_v=64, mma="wgmma", wy=True),
+                      "wy", "f16=False"),
+    "recur-wy-noout": (supports_recur, RecurConfig(128, 128, block_v=64, mma="wgmma", f16=True,
+                                                   outputs=False, wy=True),
+                       "wy", "outputs=False"),
+    "recur-wy-alongside": (supports_recur, RecurConfig(128, 128, block_v=64, mma="wgmma",
+                                                       f16=True, alongside=True, wy=True),
+                           "wy", "alongside=True"),
     # a K1 that never flags beside a K2 that waits for its flags would hang
     "fwd-alongside-mismatch": (supports, FwdConfig(
         PrepConfig(64, threads=64, operands="bf16"),
@@ -274,3 +285,17 @@ def test_select_config_precision(d):
     for cfg in {fast, precise}:
         assert alongside_of(cfg) is not None
         assert dataclasses.replace(cfg.recur, outputs=False) in SEGMENT_RUNS
+
+
+def test_wy_builds_are_the_fast_k2s_at_k128_and_256():
+    """config.WY_RUNS: one WY build per fast K2 at K >= 128, each legal; wy_of finds it, and
+    finds none for the precise K2s or at K = 64."""
+    assert sorted(r.head_dim_k for r in WY_RUNS) == [128, 256]
+    for f in FAST:
+        w = wy_of(f.recur)
+        if f.recur.head_dim_k >= 128:
+            assert w in WY_RUNS and w.wy and supports_recur(w) == (True, "")
+            assert w.name == f.recur.name.replace("_f16", "_f16_wy")
+        else:
+            assert w is None
+    assert all(wy_of(f.recur) is None for f in PRECISE)
