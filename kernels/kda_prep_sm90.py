@@ -51,8 +51,6 @@ from kernels.common import (
     LOG2E,
     TileCopy,
     bf16x2,
-    bf16x2_hi,
-    bf16x2_lo,
     pack_bf16x2,
     tma_meta,
 )
@@ -770,7 +768,8 @@ class KdaPrepSm90(TileCopy):
             x0, x1 = view[2 * m], view[2 * m + 1]
             w = pack_bf16x2(x0, x1)
             hw[m] = w
-            lw[m] = pack_bf16x2(x0 - bf16x2_lo(w), x1 - bf16x2_hi(w))
+            r0, r1 = bf16x2(w)
+            lw[m] = pack_bf16x2(x0 - r0, x1 - r1)
         return hi, lo
 
     @cute.jit
