@@ -361,11 +361,13 @@ def _segment_offsets(B: int, T: int, C: int, P: int, dev) -> tuple[torch.Tensor,
 
 def launch_forward(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state,
                    final_state, cu_seqlens, workspace, gate, qk_l2norm, beta_sigmoid, p, cfg,
-                   run_recurrence=True, segments_per_seq=None):
+                   run_recurrence=True, segments_per_seq=None, plan=None):
     """Launch K1 then K2 on the current stream. Returns the workspace views K1 wrote when
     `run_recurrence` is False (K1 alone, for tests), else None. When few (sequence, head) pairs
     would leave SMs idle, K2 runs over segments of each sequence (kda_cute.segments); an int
-    `segments_per_seq` forces the count (1: never)."""
+    `segments_per_seq` forces the count (1: never). `plan` (a _Plan, with runtime.recording
+    around the call) collects the tensors the launches use that the caller did not pass, and
+    is marked not replayable where the forward does more than its kernel launches."""
     dev = q.device
     di = dev.index if dev.index is not None else torch.cuda.current_device()
     arch = runtime.arch_of(di)
@@ -377,26 +379,30 @@ def launch_forward(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, in
     need = workspace_bytes(p, cfg)
     if workspace is None:
         workspace = torch.empty(need, dtype=torch.uint8, device=dev)
+        _Plan.refuse(plan)  # a fresh allocation each call
     elif (workspace.dtype != torch.uint8 or workspace.device != dev or workspace.numel() < need
           or not workspace.is_contiguous()):
         raise _err("workspace", f"a contiguous uint8 CUDA tensor of >= {need} bytes on {dev}",
                    f"{workspace.dtype} [{workspace.numel()}] on {workspace.device}")
-    plan = _workspace_plan(p, cfg)[0]
+    layout = _workspace_plan(p, cfg)[0]
     base = workspace.data_ptr()
     base += (-base) % 256
     # K1's outputs = K2's operands, by argument name: each tensor, and for bf16 operands the
     # hi and lo planes of kd, Aw and Mq (two equal planes, lo after hi; the f16 configs have
     # one, which their kernels read and write as hi only: lo names the same plane)
-    ws = {name: base + off for name, off, *_ in plan}
-    for name, off, n, shape, _ in plan:
+    ws = {name: base + off for name, off, *_ in layout}
+    for name, off, n, shape, _ in layout:
         if name in ("kd", "aw", "mq"):
             ws[name + "h"] = base + off
             ws[name + "l"] = base + off + n // shape[0] * (shape[0] - 1)
     cs, cc = _offsets(p, cfg, cu_seqlens, dev)
+    if p.varlen:
+        _Plan.refuse(plan)  # cu_chunks is computed from cu_seqlens' values each call
     if A_log is None:
-        A_log = torch.zeros(H, dtype=torch.float32, device=dev)
+        A_log = _constant("zeros", (H,), torch.float32, dev)
     if dt_bias is None:
-        dt_bias = torch.zeros(H * K, dtype=torch.float32, device=dev)
+        dt_bias = _constant("zeros", (H * K,), torch.float32, dev)
+    _Plan.hold(plan, cs, cc, A_log, dt_bias)
     stream = torch.cuda.current_stream(dev).cuda_stream
     syms = {"T": Tt, "R": R, "H": H, "HK": H * K, "HV": H * V, "HC": H * C, "NCH": nch,
             "N1": p.N + 1, "NS": p.N, "sQ": q.stride(1), "sK": k.stride(1), "sG": g.stride(1),
@@ -430,6 +436,8 @@ def launch_forward(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, in
              "num_heads": H, "state_in": s_in, "state_out": s_out,
              "ordered": int(_longest_first(p, k2, k2_grid, di))}
     if alongside:
+        if plan is not None:
+            plan.alongside = True  # its replay runs in _alongside_order too
         # the alongside builds: K2 first, alone on its SMs (its shared memory padded to a whole
         # SM's), waiting on K1's per-chunk flags; K1 as its programmatic dependent on the SMs
         # left, held to _k1_alongside_ctas CTAs per SM (padded shared memory)
@@ -438,13 +446,14 @@ def launch_forward(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, in
         k1a.load(di)  # a first load would wait for K2, which waits for K1
         ctas = _k1_alongside_ctas(p, math.prod(k2_grid), di, k1a)
         with _alongside_order(di, stream, not _capturing(dev)):
+            runtime.record(runtime.memset_d32, ws["flags"], 0, nch * H, stream)
             runtime.memset_d32(ws["flags"], 0, nch * H, stream)
             k2a.launch_with(k2_grid, vals2, syms, stream, di, smem=_sm_budget(di)[2])
             k1a.launch_with(k1_grid, vals1, syms, stream, di, programmatic=True,
                             smem=_k1_alongside_smem(di, ctas))
     elif P > 1:
         _segmented_recurrence(k2, cfg, vals2, syms, p, P, v, initial_state, final_state,
-                              stream, di)
+                              stream, di, plan)
     elif k2_grid is not None:
         _k2_serial(cfg, k2, k2_grid, di, arch).launch_with(k2_grid, vals2, syms, stream, di)
     return None
@@ -589,6 +598,90 @@ def _constant(kind: str, shape: tuple, dtype, dev) -> torch.Tensor:
     return _cached(_constants, (kind, shape, dtype, dev), dev, make)
 
 
+_scratches: dict[tuple, torch.Tensor] = {}
+
+
+def _scratch(shape: tuple, dtype, dev, stream: int) -> torch.Tensor:
+    """A tensor K2's segment runs write and read within one forward, made once per shape,
+    device and stream: forwards on one stream run in order, so each finishes with it before
+    the next starts."""
+    return _cached(_scratches, (shape, dtype, dev, stream), dev,
+                   lambda: torch.empty(shape, dtype=dtype, device=dev))
+
+
+class _Plan:
+    """A forward's launches as recorded (runtime.recording), to be replayed by a later call
+    with the same arguments (`fwd`), and the tensors they use beyond the caller's (held here,
+    so a replay never reads freed memory). `ok` is False where the forward does more than its
+    launches and the memset beside them (a varlen batch's offsets, torch work around the
+    combine, an allocated workspace): such a forward is never replayed. `alongside`: replayed
+    within _alongside_order, as launched."""
+
+    __slots__ = ("steps", "held", "ok", "alongside", "stream", "device")
+
+    def __init__(self):
+        self.steps, self.held, self.ok, self.alongside = [], [], True, False
+
+    def replay(self) -> None:
+        if self.alongside:
+            with _alongside_order(self.device, self.stream, True):
+                runtime.replay(self.steps)
+        else:
+            runtime.replay(self.steps)
+
+    @staticmethod
+    def hold(plan, *tensors) -> None:
+        if plan is not None:
+            plan.held.extend(t for t in tensors if t is not None)
+
+    @staticmethod
+    def refuse(plan) -> None:
+        if plan is not None:
+            plan.ok = False
+
+
+# fwd's recorded forwards, by everything that decides their launches (_plan_key)
+_plans: dict[tuple, _Plan] = {}
+_PLANS_MAX = 64
+
+
+def _tensor_key(t):
+    """What of a tensor argument its launches depend on (None for None)."""
+    if t is None:
+        return None
+    return t.data_ptr(), t.shape, t.stride(), t.dtype, t.device
+
+
+def _plan_key(tensors: tuple, options: tuple):
+    """The key of a fwd call's plan: each tensor's address, shape, strides, dtype and device,
+    the scalar options with their types, the stream, and the switches read from the
+    environment. None where no plan is kept: varlen batches (cu_seqlens' values decide the
+    launches), no caller-owned workspace, stream capture, arguments that are not tensors
+    (the full path then raises the error), or KDA_CUTE_REPLAY=0."""
+    q, cu_seqlens, workspace = tensors[0], tensors[-2], tensors[-1]
+    if (cu_seqlens is not None or workspace is None or not isinstance(q, torch.Tensor)
+            or os.environ.get("KDA_CUTE_REPLAY") == "0"):
+        return None
+    try:
+        dev = q.device
+        if _capturing(dev):
+            return None
+        key = (tuple(_tensor_key(t) for t in tensors),
+               tuple((type(o), o) for o in options),
+               torch.cuda.current_stream(dev).cuda_stream,
+               os.environ.get("KDA_CUTE_WY"), os.environ.get("KDA_CUTE_ALONGSIDE"))
+    except (AttributeError, TypeError, ValueError, RuntimeError):
+        return None
+    return key
+
+
+def clear_caches() -> None:
+    """Forget the recorded forwards and drop the device tensors the launcher keeps (offsets,
+    zeros and identities, the segments' scratch states): the next calls make them again."""
+    for cache in (_plans, _scratches, _constants, _seg_offsets, _ramps):
+        cache.clear()
+
+
 @functools.lru_cache(maxsize=64)
 def _segment_run_configs(recur, K: int) -> tuple:
     """K2's configs for the segment runs (made once, not per call): the output-free variant,
@@ -598,19 +691,21 @@ def _segment_run_configs(recur, K: int) -> tuple:
 
 
 def _segmented_recurrence(k2, cfg, vals2, syms, p, P, v, initial_state, final_state,
-                          stream, di):
+                          stream, di, plan=None):
     """K2 over B * P segments (kda_cute.segments): the value rows from zero (end states B_j),
     the identity rows with v = 0 (state maps A_j), the combine (start states and the final
     state), then the value rows again from each segment's start state, writing `out`. The
     first two runs' outputs are not needed: they run K2's output-free variant
-    (config.SEGMENT_RUNS) where one is built for this config."""
+    (config.SEGMENT_RUNS) where one is built for this config. Their scratch tensors are
+    kept per shape, device and stream (a stream runs its forwards in order)."""
     dev = v.device
     B, T, H, K, V = p.B, p.T, p.H, p.K, p.V
     C, bv, N = cfg.chunk, cfg.recur.block_v, p.B * P
     f32 = torch.float32
     cu, cc = _segment_offsets(B, T, C, P, dev)
     # the end states, the state maps and the combine's start states: one allocation (V == K)
-    ends, maps, starts = torch.empty(3, N, H, K, K, dtype=f32, device=dev).unbind(0)
+    states = _scratch((3, N, H, K, K), f32, dev, stream)
+    ends, maps, starts = states.unbind(0)
     zeros = _constant("zeros", (B * T, H, K), torch.bfloat16, dev)
     eye = _constant("eye", (N, H, K, K), f32, dev)
     arch = runtime.arch_of(di)
@@ -618,8 +713,9 @@ def _segmented_recurrence(k2, cfg, vals2, syms, p, P, v, initial_state, final_st
     k2z = runtime.get_kernel(quiet, arch) if quiet in SEGMENT_RUNS else k2
     # without the output-free variant the value run writes `out` (overwritten by the third
     # run) and the identity run a scratch tensor; with it they write nothing
-    scratch = (vals2["out"] if k2z is not k2
-               else torch.empty(B * T, H, K, dtype=torch.bfloat16, device=dev).data_ptr())
+    ident_out = None if k2z is not k2 else _scratch((B * T, H, K), torch.bfloat16, dev, stream)
+    scratch = vals2["out"] if ident_out is None else ident_out.data_ptr()
+    _Plan.hold(plan, cu, cc, states, zeros, eye, ident_out)
     seg = {"cu_seqlens": cu.data_ptr(), "cu_chunks": cc.data_ptr(), "num_seqs": N}
     syms_v = {**syms, "N1": N + 1, "NS": N}
     k2z.launch_with((V // bv, H, N), {**vals2, **seg, "state_in": 0, "state_out": 1,
@@ -633,19 +729,24 @@ def _segmented_recurrence(k2, cfg, vals2, syms, p, P, v, initial_state, final_st
                                       "s0h": eye.data_ptr(), "state_out": 1,
                                       "s1f": maps.data_ptr(), "s1h": maps.data_ptr()},
                     syms_i, stream, di)
-    starts = _combine(maps, ends, starts, initial_state, final_state, B, P, H, K, stream, di)
+    starts = _combine(maps, ends, starts, initial_state, final_state, B, P, H, K, stream, di,
+                      plan)
     k2.launch_with((V // bv, H, N), {**vals2, **seg, "state_in": 1,
                                      "s0f": starts.data_ptr(), "s0h": starts.data_ptr(),
                                      "state_out": 0},
                    syms_v, stream, di)
 
 
-def _combine(maps, ends, starts, initial_state, final_state, B, P, H, K, stream, di):
+def _combine(maps, ends, starts, initial_state, final_state, B, P, H, K, stream, di,
+             plan=None):
     """The segments' start states [B * P, H, K, K] (fp32, into `starts`) from their maps and
     end states, and the final state: one launch of the combine kernel
     (kernels/kda_combine_sm90.py), or segments.combine's batched products for a head dim
     without one."""
     cfg = combine_config(K)
+    if (cfg is None or (initial_state is not None and initial_state.dtype != torch.float32)
+            or (final_state is not None and final_state.dtype != torch.float32)):
+        _Plan.refuse(plan)  # torch work beside the launches
     if cfg is None:
         st, final = segments.combine(maps.view(B, P, H, K, K), ends.view(B, P, H, K, K),
                                      initial_state, final_state)
@@ -695,14 +796,43 @@ def fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state
     if segments is not None and (isinstance(segments, bool) or not isinstance(segments, int)
                                  or segments < 1):
         raise _err("segments", "None or an int >= 1", repr(segments))
+    # a repeated call (same tensors, options and stream: a serving loop's fixed buffers)
+    # replays the launches recorded the first time: every check and choice made then holds
+    key = _plan_key((q, k, v, g, beta, out, A_log, dt_bias, initial_state, final_state,
+                     cu_seqlens, workspace),
+                    (scale, lower_bound, gate, qk_l2norm, beta_sigmoid, config, segments,
+                     precision))
+    plan = None
+    if key is not None:
+        try:
+            plan = _plans.get(key)
+        except TypeError:  # an unhashable option: the full path names it
+            key = None
+    if plan is not None:
+        if plan.ok:
+            with torch.cuda.device(q.device):
+                plan.replay()
+            return
+        key = None  # not replayable (found on the first call): the full path, not recorded
     p = validate(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state,
                  final_state, cu_seqlens, gate, check_seqlens)
     cfg = config_for(p, config, precision)
+    plan = _Plan() if key is not None else None
     # the kernel handles and the stream belong to q's device, whatever device is current
-    with torch.cuda.device(q.device):
+    with torch.cuda.device(q.device), runtime.recording() as steps:
         launch_forward(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state,
                        final_state, cu_seqlens, workspace, gate, qk_l2norm, beta_sigmoid, p, cfg,
-                       segments_per_seq=segments)
+                       segments_per_seq=segments, plan=plan)
+    if plan is not None:
+        if plan.ok:
+            plan.steps, plan.stream = steps, key[2]
+            plan.device = (q.device.index if q.device.index is not None
+                           else torch.cuda.current_device())
+        else:
+            plan.held = []  # kept only as the mark: the full path each call
+        if len(_plans) >= _PLANS_MAX:
+            _plans.clear()
+        _plans[key] = plan
 
 
 def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,

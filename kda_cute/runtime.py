@@ -7,6 +7,7 @@ argument list in kda_cute.abi says how to build each parameter.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import json
@@ -115,7 +116,9 @@ class Kernel:
                 if len(self._packed) >= _PACKED_MAX:
                     self._packed.clear()
                 self._packed[key] = arr
-        self._launch(grid, arr, stream, device, max(self.smem, smem or 0), programmatic)
+        smem = max(self.smem, smem or 0)
+        record(self._launch, grid, arr, stream, device, smem, programmatic)
+        self._launch(grid, arr, stream, device, smem, programmatic)
 
     def _param_array(self, params: list[bytes]):
         if [len(p) for p in params] != self.sizes:
@@ -144,6 +147,36 @@ class Kernel:
         conf.attrs = [attr]
         conf.numAttrs = 1
         check(cu.cuLaunchKernelEx(conf, f, ctypes.addressof(arr[1]), 0))
+
+
+_recorded = threading.local()
+
+
+@contextlib.contextmanager
+def recording():
+    """Within the block, every Kernel.launch_with made by this thread, and every `record`ed
+    call, is also appended to the list yielded as (function, arguments): what `replay` does
+    again, skipping everything that led to it."""
+    outer = getattr(_recorded, "steps", None)
+    _recorded.steps = steps = []
+    try:
+        yield steps
+    finally:
+        _recorded.steps = outer
+
+
+def record(fn, *args) -> None:
+    """Note the call fn(*args) in this thread's recording, if one is open (the caller makes
+    the call itself)."""
+    steps = getattr(_recorded, "steps", None)
+    if steps is not None:
+        steps.append((fn, args))
+
+
+def replay(steps: list) -> None:
+    """Make recorded calls again, in order (their streams and devices as recorded)."""
+    for fn, args in steps:
+        fn(*args)
 
 
 def memset_d32(ptr: int, value: int, count: int, stream: int) -> None:

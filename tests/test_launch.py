@@ -74,6 +74,7 @@ def stub_driver(monkeypatch):
     monkeypatch.setattr(runtime, "wait_event", lambda stream, ev:
                         launches.events.append(("wait", stream, ev)))
     monkeypatch.setattr(api, "_alongside_last", {})
+    monkeypatch.setattr(api, "_plans", {})  # recorded under another test's stub: not replayed
     monkeypatch.setattr(api, "_sm_budget", lambda device: (132, 233472, 232448))  # an H200's
     monkeypatch.setattr(api, "_check_device", lambda *a: None)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
@@ -138,6 +139,7 @@ def test_cached_block_equals_a_fresh_packing(stub_driver):
     for k in {runtime.get_kernel(c, "sm_90a")
               for f in [select_config(64, 64, False)] for c in (f.prep, f.recur)}:
         k._packed.clear()
+    api._plans.clear()  # not replayed either
     _run(x)
     fresh = [r[2] for r in _kernels(stub_driver)[2:]]
     assert cached == fresh
@@ -634,3 +636,136 @@ def test_wy_force_takes_the_wy_build_on_any_grid(stub_driver, monkeypatch):
     cfg = api.config_for(p)
     _run(x)
     assert [r[0] for r in stub_driver][1:] == [wy_of(cfg.recur).name]
+
+
+def _count_validations(monkeypatch) -> list:
+    """api.validate wrapped to count its calls (the full path validates; a replay does not)."""
+    calls = []
+    real = api.validate
+
+    def counted(*a, **kw):
+        calls.append(1)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(api, "validate", counted)
+    return calls
+
+
+@pytest.mark.parametrize("schedule", ["serial", "segments", "alongside", "no-gate-params"])
+def test_repeated_call_replays_the_recorded_launches(stub_driver, monkeypatch, schedule):
+    """A second call with the same tensors and options replays the first call's launches:
+    the same kernels, grids, parameter blocks, shared memory and memsets, in order, without
+    validating or choosing again."""
+    x, _ = _with_heads(2, T=32 * 16 if schedule == "alongside" else 40)
+    if schedule == "no-gate-params":
+        x.update(A_log=None, dt_bias=None)  # zeros the launcher supplies (kept by the plan)
+    calls = _count_validations(monkeypatch)
+    kw = {"segments": 3} if schedule == "segments" else {}
+    _run(x, **kw)
+    first = list(stub_driver)
+    assert len(calls) == 1 and first
+    for _ in range(2):
+        _run(x, **kw)
+    assert len(calls) == 1 and len(api._plans) == 1
+    n = len(first)
+    assert stub_driver[n:2 * n] == first and stub_driver[2 * n:] == first
+    assert any(r[0] == "memset" for r in first) == (schedule == "alongside")
+    if schedule == "segments":
+        assert len(_kernels(first)) == 5
+
+
+def test_a_replay_keeps_what_it_reads(stub_driver, monkeypatch):
+    """The tensors a recorded forward uses beyond the caller's (offsets, the segments' states
+    and constants, zeros for A_log and dt_bias) are held by its plan, so emptying the
+    launcher's caches frees none of them."""
+    for cache in ("_scratches", "_constants", "_seg_offsets"):
+        monkeypatch.setattr(api, cache, {})
+    x, _ = _with_heads(2)
+    x.update(A_log=None, dt_bias=None)
+    _run(x, segments=3)
+    (plan,) = api._plans.values()
+    held = {t.data_ptr() for t in plan.held}
+    made = [*api._scratches.values(), *api._constants.values(),
+            *(t for pair in api._seg_offsets.values() for t in pair)]
+    # the states; zeros for v, A_log and dt_bias, the identities; K1's and the segments'
+    # offsets (two tensors each)
+    assert len(made) == 9 and all(t.data_ptr() in held for t in made)
+
+
+CALL_CHANGES = {
+    **CHANGES,
+    "q-pointer": lambda x: x.update(q=x["q"].clone()),
+    "precision": lambda x: x.update(precision="precise",
+                                    workspace=torch.empty(1 << 20, dtype=torch.uint8)),
+    "segments": lambda x: x.update(segments=2),
+    "gate": lambda x: x.update(gate="unbounded"),
+    "qk_l2norm": lambda x: x.update(qk_l2norm=False),
+    "scale-type": lambda x: x.update(scale=1),  # 1 == 1.0, another type
+}
+
+
+@pytest.mark.parametrize("change", list(CALL_CHANGES))
+def test_a_changed_call_is_not_replayed(stub_driver, monkeypatch, change):
+    x = _problem()
+    x["scale"] = 1.0
+    calls = _count_validations(monkeypatch)
+    _run(x)
+    CALL_CHANGES[change](x)
+    _run(x)
+    assert len(calls) == 2, change
+
+
+@pytest.mark.parametrize("switch", ["KDA_CUTE_WY", "KDA_CUTE_ALONGSIDE"])
+def test_a_changed_switch_is_not_replayed(stub_driver, monkeypatch, switch):
+    x = _problem()
+    calls = _count_validations(monkeypatch)
+    _run(x)
+    monkeypatch.setenv(switch, "0")
+    _run(x)
+    assert len(calls) == 2
+
+
+@pytest.mark.parametrize("why", ["varlen", "no-workspace", "capturing", "switched-off"])
+def test_never_replayed(stub_driver, monkeypatch, why):
+    """A varlen batch (its chunk offsets are computed from cu_seqlens' values each call), a
+    call without a workspace (allocated each call), a captured call and KDA_CUTE_REPLAY=0
+    take the full path every time."""
+    x = _problem(T=40)
+    if why == "switched-off":
+        monkeypatch.setenv("KDA_CUTE_REPLAY", "0")
+    elif why == "varlen":
+        x["cu_seqlens"] = torch.tensor([0, 17, 40])
+        x["initial_state"] = x["initial_state"].repeat(2, 1, 1, 1)
+        x["final_state"] = torch.empty_like(x["initial_state"])
+        x["workspace"] = torch.empty(1 << 20, dtype=torch.uint8)
+    elif why == "no-workspace":
+        x["workspace"] = None
+    else:
+        monkeypatch.setattr(api, "_capturing", lambda dev: True)
+    calls = _count_validations(monkeypatch)
+    for _ in range(3):
+        _run(x)
+    assert len(calls) == 3 and not any(p.ok for p in api._plans.values())
+
+
+def test_a_bad_argument_after_a_replayed_call_still_raises(stub_driver):
+    x = _problem()
+    _run(x)
+    _run(x)
+    with pytest.raises((TypeError, ValueError), match="scale"):
+        _run({**x, "scale": True})
+    with pytest.raises(ValueError, match="lower_bound"):
+        _run({**x, "lower_bound": -6.0})
+    with pytest.raises(TypeError, match="q"):
+        _run({**x, "q": x["q"].float()})
+
+
+def test_clear_caches_forgets_the_recorded_forwards(stub_driver, monkeypatch):
+    x = _problem()
+    calls = _count_validations(monkeypatch)
+    _run(x)
+    _run(x)
+    api.clear_caches()
+    assert not api._plans and not api._constants and not api._seg_offsets
+    _run(x)
+    assert len(calls) == 2
