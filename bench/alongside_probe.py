@@ -19,6 +19,11 @@ what is timed is the same computation. Cases as kernel_times.py takes them.
                   slower K1, lighter on the memory system)
   --clocks        each schedule also runs ~1.5 s in a loop while nvidia-smi samples the SM clock
                   and the board power (median of the samples)
+  --shared        K1 on the same SMs as K2, for any grid: the alongside schedule forced, K2's
+                  shared memory not padded (one K2 CTA per SM), every kernel preferring the
+                  largest shared-memory carveout (else an SM's split, set when K2 arrives,
+                  leaves K1 no room), and --k1-ctas N counted in what K2 leaves. Run with
+                  KDA_CUTE_WY=0 (the serial reference is then the alongside builds' arithmetic)
 """
 
 from __future__ import annotations
@@ -94,6 +99,58 @@ class _K1Ctas:
         return False
 
 
+CARVEOUT = 100  # percent of the SM's unified L1 / shared memory given to shared memory
+
+
+class _Shared:
+    """--shared: the alongside schedule on any grid with K1 beside K2 on the same SMs (see the
+    module's doc)."""
+
+    def __init__(self, on: bool):
+        self.on = on
+        self.saved = (api._k2_alongside, api._k1_alongside_smem, runtime.Kernel.launch_with,
+                      runtime.Kernel._function)
+
+    def __enter__(self):
+        if not self.on:
+            return self
+        k2_along, _, launch, function = self.saved
+        budget = api._sm_budget(torch.cuda.current_device())
+        k2_smem = {}
+
+        def k1_smem(device, ctas):
+            left = budget[1] - api._smem_unit(k2_smem.get("k2", 0) + 1024)
+            return left // ctas // api.SMEM_UNIT * api.SMEM_UNIT - 1024
+
+        def launch_with(kernel, grid, values, syms, stream, device, smem=None,
+                        programmatic=False):
+            if smem == budget[2]:  # K2's padding to a whole SM: dropped
+                smem = None
+                k2_smem["k2"] = kernel.smem
+            launch(kernel, grid, values, syms, stream, device, smem=smem,
+                   programmatic=programmatic)
+
+        def _function(kernel, device, smem=0):
+            f = function(kernel, device, smem)
+            cu = runtime._cu()
+            attr = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
+            runtime.check(cu.cuFuncSetAttribute(f, attr, CARVEOUT))
+            return f
+
+        api._k2_alongside = lambda cfg, grid, device: (
+            api.alongside_of(cfg) is not None
+            and os.environ.get("KDA_CUTE_ALONGSIDE", "1") != "0")
+        api._k1_alongside_smem = k1_smem
+        runtime.Kernel.launch_with = launch_with
+        runtime.Kernel._function = _function
+        return self
+
+    def __exit__(self, *exc):
+        (api._k2_alongside, api._k1_alongside_smem, runtime.Kernel.launch_with,
+         runtime.Kernel._function) = self.saved
+        return False
+
+
 def clocks(fn, sets, seconds: float = 1.5) -> tuple[float, float]:
     """(median SM clock MHz, median board power W) sampled by nvidia-smi while fn runs over
     the input sets in a loop; nan where nvidia-smi is missing."""
@@ -164,15 +221,17 @@ def main(argv=None):
                     help="one probe per value")
     ap.add_argument("--modes", default=",".join(MODES), help="comma-separated subset")
     ap.add_argument("--clocks", action="store_true")
+    ap.add_argument("--shared", action="store_true", help="K1 on the same SMs as K2")
     a = ap.parse_args(argv)
+    os.environ["KDA_CUTE_REPLAY"] = "0"  # the probes patch choices a replayed call would skip
     modes = tuple(m for m in a.modes.split(",") if m)
     if any(m not in MODES for m in modes):
         ap.error(f"--modes: expected a subset of {','.join(MODES)}, got {a.modes!r}")
     for name in a.cases:
         label, spec = parse_case(name)
         for ctas in a.k1_ctas:
-            tag = f" k1 {ctas}/SM" if ctas else ""
-            with _K1Ctas(ctas):
+            tag = (f" k1 {ctas}/SM" if ctas else "") + (" shared" if a.shared else "")
+            with _K1Ctas(ctas), _Shared(a.shared):
                 res = probe(spec, a.head_dim, a.iters, a.clocks, modes)
             _report(label, a, tag, res)
 
