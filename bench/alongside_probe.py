@@ -222,7 +222,9 @@ def main(argv=None):
     ap.add_argument("--modes", default=",".join(MODES), help="comma-separated subset")
     ap.add_argument("--clocks", action="store_true")
     ap.add_argument("--shared", action="store_true", help="K1 on the same SMs as K2")
+    ap.add_argument("--precision", choices=("fast", "precise"), default="fast")
     a = ap.parse_args(argv)
+    bench.PRECISION = a.precision
     os.environ["KDA_CUTE_REPLAY"] = "0"  # the probes patch choices a replayed call would skip
     modes = tuple(m for m in a.modes.split(",") if m)
     if any(m not in MODES for m in modes):

@@ -124,7 +124,7 @@ def input_sets(spec, K, seed: int = 1, *, later_seed: int | None = None, configs
         x["workspace"] = None
         if workspace:
             p = problem_of(x)
-            x["workspace"] = torch.empty(max(api.workspace_bytes(p, api.config_for(p, c))
+            x["workspace"] = torch.empty(max(api.workspace_bytes(p, api.config_for(p, c, PRECISION))
                                              for c in configs),
                                          dtype=torch.uint8, device=x["v"].device)
         sets.append(x)

@@ -32,7 +32,9 @@ def main(argv=None) -> None:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--ctas", type=int, nargs="+", default=[0, 1, 2, 3, 4, 6, 8])
     ap.add_argument("--iters", type=int, default=100)
+    ap.add_argument("--precision", choices=("fast", "precise"), default="fast")
     args = ap.parse_args(argv)
+    bench.PRECISION = args.precision
     sms = api._sm_budget(0)[0]
     launch = runtime.Kernel.launch_with
     for name in args.cases:
