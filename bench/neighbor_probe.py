@@ -111,6 +111,8 @@ def main(argv=None) -> None:
     ap.add_argument("--ctas", type=int, nargs="+", default=[2, 3, 4])
     ap.add_argument("--neighbor", default=",".join(NEIGHBORS))
     ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--no-carveout", action="store_true",
+                    help="leave the Triton neighbours' carveout to the driver")
     args = ap.parse_args(argv)
     os.environ["KDA_CUTE_REPLAY"] = "0"  # the launches are patched below
     sms, per_sm, _ = api._sm_budget(0)
@@ -118,7 +120,8 @@ def main(argv=None) -> None:
     waits = {}
     for sleep in (0, 1):
         waits[sleep] = _wait[(1,)](buf, 1000, SLEEP=sleep)
-        _carveout(waits[sleep])
+        if not args.no_carveout:
+            _carveout(waits[sleep])
     torch.cuda._sleep(1000)
     torch.cuda.synchronize()
     for name in args.cases:
@@ -154,7 +157,8 @@ def main(argv=None) -> None:
                         finally:
                             runtime.Kernel.launch_with = shared
                 else:
-                    smem = (per_sm - 2048) // n // api.SMEM_UNIT * api.SMEM_UNIT - 1024
+                    smem = ((per_sm - 2048) // n // api.SMEM_UNIT * api.SMEM_UNIT - 1024 if n
+                            else None)  # 0: K1 unpadded
                     runtime.Kernel.launch_with = _padded(launch, lambda _s=smem: _s)
                     sleep = int(neighbor == "sleeper")
                     try:
