@@ -111,6 +111,8 @@ def main(argv=None) -> None:
     ap.add_argument("--ctas", type=int, nargs="+", default=[2, 3, 4])
     ap.add_argument("--neighbor", default=",".join(NEIGHBORS))
     ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--neighbor-ms", type=float, default=50.0,
+                    help="how long the Triton neighbours stay (K1 must end well within it)")
     ap.add_argument("--no-carveout", action="store_true",
                     help="leave the Triton neighbours' carveout to the driver")
     args = ap.parse_args(argv)
@@ -163,8 +165,8 @@ def main(argv=None) -> None:
                     sleep = int(neighbor == "sleeper")
                     try:
                         beside = k1_beside(
-                            k1_only, sets, lambda x, _s=sleep: _wait[(sms,)](buf, 3_000_000,
-                                                                            SLEEP=_s),
+                            k1_only, sets, lambda x, _s=sleep: _wait[(sms,)](
+                                buf, int(args.neighbor_ms * 1e6), SLEEP=_s),
                             lambda x: None, args.rounds)
                         alone = bench.time_fn(k1_only, sets, 50)
                     finally:
