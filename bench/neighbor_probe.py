@@ -15,6 +15,10 @@ resident before K1 starts and released after it ends:
            deadline; K1 padded to N CTAs per SM of the whole SM
   spinner  the same without the nanosleep: four warps issuing global-timer reads
 
+Measured on the H200 (bench/results/shared-sm-probes-h200-2026-11-30.txt): K1 never ran beside
+the Triton neighbours, with or without their carveout preference: it waited for them to exit
+(a neighbour staying 50 ms delayed K1 by ~48 ms). Only the k2 neighbour shares SMs with K1.
+
 K1's serial build runs on another stream, queued behind a short sleep kernel so that its
 launch path is not in the timing, between CUDA events on its own stream. "alone" is K1 at the
 same padding with no neighbour (bench.time_fn). Run with KDA_CUTE_WY=0.
