@@ -96,6 +96,14 @@ def _check_rows(name, t, div: int | None):
                    f"stride {t.stride(1)}, address {t.data_ptr()}")
 
 
+def _check_seqlens(cu_seqlens: torch.Tensor, T: int) -> None:
+    """cu_seqlens' values: non-decreasing from 0 to at most T (a host sync)."""
+    cs = cu_seqlens.cpu()
+    if int(cs[0]) != 0 or bool((cs[1:] < cs[:-1]).any()) or int(cs[-1]) > T:
+        raise _err("cu_seqlens", f"non-decreasing offsets from 0 to at most T={T}",
+                   cs.tolist() if cs.numel() < 17 else f"{cs[:8].tolist()}...")
+
+
 def validate(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state,
              final_state, cu_seqlens, gate, check_seqlens=True) -> Problem:
     _check_tensor("q", q, (torch.bfloat16,), 4)
@@ -152,10 +160,7 @@ def validate(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_
         if not cu_seqlens.is_contiguous():
             raise _err("cu_seqlens", "a contiguous tensor", f"strides {tuple(cu_seqlens.stride())}")
         if check_seqlens and not _capturing(dev):
-            cs = cu_seqlens.cpu()
-            if int(cs[0]) != 0 or bool((cs[1:] < cs[:-1]).any()) or int(cs[-1]) > T:
-                raise _err("cu_seqlens", f"non-decreasing offsets from 0 to at most T={T}",
-                           cs.tolist() if N < 16 else f"{cs[:8].tolist()}...")
+            _check_seqlens(cu_seqlens, T)
     else:
         N = B
     for name, st in (("initial_state", initial_state), ("final_state", final_state)):
@@ -245,24 +250,48 @@ def workspace_views(workspace: torch.Tensor, p: Problem, cfg: FwdConfig) -> dict
             for name, off, n, shape, dtype in _workspace_plan(p, cfg)[0]}
 
 
-def chunk_slots(cu_seqlens: torch.Tensor, chunk: int, ramp: torch.Tensor) -> torch.Tensor:
+def chunk_slots(cu_seqlens: torch.Tensor, chunk: int, ramp: torch.Tensor,
+                out: torch.Tensor | None = None) -> torch.Tensor:
     """Each varlen sequence's first workspace chunk slot (cu_chunks), cu_seqlens[s] // chunk +
     s (`ramp` = 0, 1, ..., N): no prefix sum over the lengths, so two small kernels, and every
     sequence's slots begin past the previous one's last chunk (floor((a + n) / C) - floor(a / C)
     + 1 >= ceil(n / C) slots for n tokens). The slots between (at most one a sequence) hold no
     tokens: K1 skips them, K2 never reads them. A fixed-length batch packs its chunks instead
-    (_segment_offsets)."""
-    return torch.div(cu_seqlens, chunk, rounding_mode="floor").add_(ramp)
+    (_segment_offsets). `out`: an int32 tensor [N + 1] to write them into."""
+    return torch.div(cu_seqlens, chunk, rounding_mode="floor", out=out).add_(ramp)
 
 
-def _offsets(p: Problem, cfg: FwdConfig, cu_seqlens, dev):
+def _offsets(p: Problem, cfg: FwdConfig, cu_seqlens, dev, plan=None):
     """int32 cu_seqlens and cu_chunks on the device, without a host sync (a fixed-length
-    batch: its sequences as one segment each, made once per shape)."""
+    batch: its sequences as one segment each, made once per shape). A varlen forward being
+    recorded (`plan`) writes them into tensors of its own, which each replay refills from that
+    call's cu_seqlens (_VarlenOffsets)."""
     C = cfg.chunk
     if cu_seqlens is None:
         return _segment_offsets(p.B, p.T, C, 1, dev)
-    cs = cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
-    return cs, chunk_slots(cs, C, _ramp(p.N + 1, dev))
+    ramp = _ramp(p.N + 1, dev)
+    if plan is None:
+        cs = cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
+        return cs, chunk_slots(cs, C, ramp)
+    offsets = _VarlenOffsets(cu_seqlens, C, ramp)
+    plan.offsets = offsets
+    return offsets(cu_seqlens)
+
+
+class _VarlenOffsets:
+    """A recorded varlen forward's int32 cu_seqlens (int64 ones copied into its own tensor)
+    and cu_chunks, which its launches read: refilled from each call's cu_seqlens, on the
+    stream, before the launches (a stream runs its forwards in order)."""
+
+    def __init__(self, cu_seqlens: torch.Tensor, chunk: int, ramp: torch.Tensor):
+        self.chunk, self.ramp = chunk, ramp
+        self.cs = (None if cu_seqlens.dtype == torch.int32
+                   else torch.empty(cu_seqlens.shape, dtype=torch.int32, device=ramp.device))
+        self.cc = torch.empty(cu_seqlens.shape, dtype=torch.int32, device=ramp.device)
+
+    def __call__(self, cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cs = cu_seqlens if self.cs is None else self.cs.copy_(cu_seqlens)
+        return cs, chunk_slots(cs, self.chunk, self.ramp, out=self.cc)
 
 
 _ramps: dict[tuple, torch.Tensor] = {}
@@ -395,9 +424,7 @@ def launch_forward(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, in
         if name in ("kd", "aw", "mq"):
             ws[name + "h"] = base + off
             ws[name + "l"] = base + off + n // shape[0] * (shape[0] - 1)
-    cs, cc = _offsets(p, cfg, cu_seqlens, dev)
-    if p.varlen:
-        _Plan.refuse(plan)  # cu_chunks is computed from cu_seqlens' values each call
+    cs, cc = _offsets(p, cfg, cu_seqlens, dev, plan)
     if A_log is None:
         A_log = _constant("zeros", (H,), torch.float32, dev)
     if dt_bias is None:
@@ -613,16 +640,19 @@ class _Plan:
     """A forward's launches as recorded (runtime.recording), to be replayed by a later call
     with the same arguments (`fwd`), and the tensors they use beyond the caller's (held here,
     so a replay never reads freed memory). `ok` is False where the forward does more than its
-    launches and the memset beside them (a varlen batch's offsets, torch work around the
-    combine, an allocated workspace): such a forward is never replayed. `alongside`: replayed
-    within _alongside_order, as launched."""
+    launches and the memset beside them (torch work around the combine, an allocated
+    workspace): such a forward is never replayed. `offsets`: a varlen forward's
+    (_VarlenOffsets), refilled from the call's cu_seqlens first. `alongside`: replayed within
+    _alongside_order, as launched."""
 
-    __slots__ = ("steps", "held", "ok", "alongside", "stream", "device")
+    __slots__ = ("steps", "held", "ok", "offsets", "alongside", "stream", "device")
 
     def __init__(self):
-        self.steps, self.held, self.ok, self.alongside = [], [], True, False
+        self.steps, self.held, self.ok, self.offsets, self.alongside = [], [], True, None, False
 
-    def replay(self) -> None:
+    def replay(self, cu_seqlens=None) -> None:
+        if self.offsets is not None:
+            self.offsets(cu_seqlens)
         if self.alongside:
             with _alongside_order(self.device, self.stream, True):
                 runtime.replay(self.steps)
@@ -655,11 +685,12 @@ def _tensor_key(t):
 def _plan_key(tensors: tuple, options: tuple):
     """The key of a fwd call's plan: each tensor's address, shape, strides, dtype and device,
     the scalar options with their types, the stream, and the switches read from the
-    environment. None where no plan is kept: varlen batches (cu_seqlens' values decide the
-    launches), no caller-owned workspace, stream capture, arguments that are not tensors
-    (the full path then raises the error), or KDA_CUTE_REPLAY=0."""
-    q, cu_seqlens, workspace = tensors[0], tensors[-2], tensors[-1]
-    if (cu_seqlens is not None or workspace is None or not isinstance(q, torch.Tensor)
+    environment. None where no plan is kept: no caller-owned workspace, stream capture,
+    arguments that are not tensors (the full path then raises the error), or
+    KDA_CUTE_REPLAY=0. cu_seqlens' values are not in the key: a replay recomputes what
+    depends on them (_VarlenOffsets) and checks them as the full path does."""
+    q, workspace = tensors[0], tensors[-1]
+    if (workspace is None or not isinstance(q, torch.Tensor)
             or os.environ.get("KDA_CUTE_REPLAY") == "0"):
         return None
     try:
@@ -810,8 +841,10 @@ def fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state
             key = None
     if plan is not None:
         if plan.ok:
+            if cu_seqlens is not None and check_seqlens:
+                _check_seqlens(cu_seqlens, q.shape[1])
             with torch.cuda.device(q.device):
-                plan.replay()
+                plan.replay(cu_seqlens)
             return
         key = None  # not replayable (found on the first call): the full path, not recorded
     p = validate(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state,

@@ -553,11 +553,14 @@ def test_serial_k2_with_and_without_the_wy_form(monkeypatch, case, wy):
     dict(B=2, T=100, H=3, K=64, segments=3),  # K2 over segments, then the combine
     dict(B=1, T=3000, H=8, K=128),  # K2 alongside K1
     dict(B=3, T=70, H=2, K=256, no_gate_params=True),  # A_log and dt_bias from the launcher
-], ids=["serial", "segments", "alongside", "no-gate-params"])
+    # varlen: new lengths each call (same count and total), cu_seqlens refilled in place
+    dict(H=2, K=128, seqlens=[[300, 0, 47, 513], [1, 520, 300, 39], [17, 17, 17, 809]]),
+], ids=["serial", "segments", "alongside", "no-gate-params", "varlen"])
 def test_repeated_call_with_a_workspace_replays_on_new_values(monkeypatch, case):
-    """A serving loop: the same buffers each call, refilled with new values. The second and
-    third calls replay the first one's launches (api validates once); each meets the bar
-    against the reference on its own values, with its outputs NaN-poisoned before."""
+    """A serving loop: the same buffers each call, refilled with new values (a varlen batch's
+    lengths too). The second and third calls replay the first one's launches (api validates
+    once); each meets the bar against the reference on its own values, with its outputs
+    NaN-poisoned before."""
     from kda_cute import api, fwd
     from kda_cute.reference import rel_err
     from kda_cute.testing import reference
@@ -565,7 +568,12 @@ def test_repeated_call_with_a_workspace_replays_on_new_values(monkeypatch, case)
     case = dict(case)
     segments = case.pop("segments", None)
     no_gate_params = case.pop("no_gate_params", False)
-    inp = make_inputs(**case, seed=61)
+    rounds = case.pop("seqlens", [None] * 3)
+
+    def inputs(i, seed):
+        return make_inputs(**case, seed=seed, **({"seqlens": rounds[i]} if rounds[i] else {}))
+
+    inp = inputs(0, 61)
     A_log = inp["A_log"]
     if no_gate_params:  # the reference takes A_log = 0 as the launcher does
         A_log, inp["dt_bias"] = None, None
@@ -574,21 +582,22 @@ def test_repeated_call_with_a_workspace_replays_on_new_values(monkeypatch, case)
     final = torch.empty_like(inp["initial_state"])
     p = api.validate(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], inp["scale"], out,
                      A_log, inp["dt_bias"], inp["lower_bound"], inp["initial_state"],
-                     final, None, inp["gate"])
+                     final, inp["cu_seqlens"], inp["gate"])
     ws = torch.empty(api.workspace_bytes(p, api.config_for(p)), dtype=torch.uint8,
                      device=out.device)
     calls = []
     real = api.validate
     monkeypatch.setattr(api, "validate", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     for i in range(3):
-        new = make_inputs(**case, seed=62 + i)
-        for name in ("q", "k", "v", "g", "beta", "initial_state"):
-            inp[name].copy_(new[name])
+        new = inputs(i, 62 + i)
+        for name in ("q", "k", "v", "g", "beta", "initial_state", "cu_seqlens"):
+            if inp[name] is not None:
+                inp[name].copy_(new[name])
         out.fill_(float("nan"))
         final.fill_(float("nan"))
         fwd(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], inp["scale"], out,
             A_log, inp["dt_bias"], inp["lower_bound"], inp["initial_state"], final,
-            None, ws, segments=segments)
+            inp["cu_seqlens"], ws, segments=segments)
         torch.cuda.synchronize()
         ref_o, ref_s = reference(inp)
         _assert({"out_err": rel_err(out, ref_o),

@@ -725,19 +725,42 @@ def test_a_changed_switch_is_not_replayed(stub_driver, monkeypatch, switch):
     assert len(calls) == 2
 
 
-@pytest.mark.parametrize("why", ["varlen", "no-workspace", "capturing", "switched-off"])
+def _with_cu_seqlens(x, cu, dtype=torch.int64):
+    x["cu_seqlens"] = torch.tensor(cu, dtype=dtype)
+    x["initial_state"] = x["initial_state"].repeat(len(cu) - 1, 1, 1, 1)
+    x["final_state"] = torch.empty_like(x["initial_state"])
+    x["workspace"] = torch.empty(1 << 20, dtype=torch.uint8)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32], ids=["i64", "i32"])
+def test_varlen_replay_refills_the_offsets(stub_driver, monkeypatch, dtype):
+    """A varlen call with the same tensors replays, its chunk offsets recomputed from the
+    call's cu_seqlens values (changed in place here) into the tensors its launches read, and
+    those values checked as the full path checks them."""
+    x = _problem(T=40)
+    _with_cu_seqlens(x, [0, 17, 40], dtype)
+    calls = _count_validations(monkeypatch)
+    fwd(**x, check_seqlens=True)
+    (plan,) = api._plans.values()
+    first = list(stub_driver)
+    x["cu_seqlens"].copy_(torch.tensor([0, 3, 40]))
+    fwd(**x, check_seqlens=True)
+    assert len(calls) == 1 and stub_driver[len(first):] == first
+    cs, cc = plan.offsets(x["cu_seqlens"])
+    assert cs.tolist() == [0, 3, 40] and cc.tolist() == [0, 1, 4]  # s // 16 + s
+    assert cc.data_ptr() == plan.offsets.cc.data_ptr()
+    x["cu_seqlens"].copy_(torch.tensor([0, 30, 20]))
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        fwd(**x, check_seqlens=True)
+
+
+@pytest.mark.parametrize("why", ["no-workspace", "capturing", "switched-off"])
 def test_never_replayed(stub_driver, monkeypatch, why):
-    """A varlen batch (its chunk offsets are computed from cu_seqlens' values each call), a
-    call without a workspace (allocated each call), a captured call and KDA_CUTE_REPLAY=0
+    """A call without a workspace (allocated each call), a captured call and KDA_CUTE_REPLAY=0
     take the full path every time."""
     x = _problem(T=40)
     if why == "switched-off":
         monkeypatch.setenv("KDA_CUTE_REPLAY", "0")
-    elif why == "varlen":
-        x["cu_seqlens"] = torch.tensor([0, 17, 40])
-        x["initial_state"] = x["initial_state"].repeat(2, 1, 1, 1)
-        x["final_state"] = torch.empty_like(x["initial_state"])
-        x["workspace"] = torch.empty(1 << 20, dtype=torch.uint8)
     elif why == "no-workspace":
         x["workspace"] = None
     else:
