@@ -821,6 +821,9 @@ def fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state
     segments: K2's segments per sequence (kda_cute.segments; fixed-length batches, K == V);
     None chooses from the grid's size, 1 turns them off. Where K2's grid is small and not
     split, K2 runs alongside K1 (`schedule`; KDA_CUTE_ALONGSIDE=0 turns that off).
+    With a workspace, a call with the same tensors, options and stream as an earlier one
+    replays that call's launches (_Plan; a varlen call's offsets are recomputed from its
+    cu_seqlens); KDA_CUTE_REPLAY=0 turns that off, `clear_caches` forgets them.
     """
     if out is None:
         raise _err("out", "a bf16 tensor [B, T, H, V] to write", None)
