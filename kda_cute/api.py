@@ -264,24 +264,20 @@ def chunk_slots(cu_seqlens: torch.Tensor, chunk: int, ramp: torch.Tensor,
 def _offsets(p: Problem, cfg: FwdConfig, cu_seqlens, dev, plan=None):
     """int32 cu_seqlens and cu_chunks on the device, without a host sync (a fixed-length
     batch: its sequences as one segment each, made once per shape). A varlen forward being
-    recorded (`plan`) writes them into tensors of its own, which each replay refills from that
-    call's cu_seqlens (_VarlenOffsets)."""
-    C = cfg.chunk
+    recorded (`plan`) keeps the tensors they are written into, and each replay refills them
+    from that call's cu_seqlens (_VarlenOffsets)."""
     if cu_seqlens is None:
-        return _segment_offsets(p.B, p.T, C, 1, dev)
-    ramp = _ramp(p.N + 1, dev)
-    if plan is None:
-        cs = cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
-        return cs, chunk_slots(cs, C, ramp)
-    offsets = _VarlenOffsets(cu_seqlens, C, ramp)
-    plan.offsets = offsets
+        return _segment_offsets(p.B, p.T, cfg.chunk, 1, dev)
+    offsets = _VarlenOffsets(cu_seqlens, cfg.chunk, _ramp(p.N + 1, dev))
+    if plan is not None:
+        plan.offsets = offsets
     return offsets(cu_seqlens)
 
 
 class _VarlenOffsets:
-    """A recorded varlen forward's int32 cu_seqlens (int64 ones copied into its own tensor)
-    and cu_chunks, which its launches read: refilled from each call's cu_seqlens, on the
-    stream, before the launches (a stream runs its forwards in order)."""
+    """A varlen forward's int32 cu_seqlens (int64 ones copied into a tensor of its own) and
+    cu_chunks, which its launches read; a recorded forward's are refilled from each call's
+    cu_seqlens, on the stream, before the launches (a stream runs its forwards in order)."""
 
     def __init__(self, cu_seqlens: torch.Tensor, chunk: int, ramp: torch.Tensor):
         self.chunk, self.ramp = chunk, ramp
@@ -473,8 +469,7 @@ def launch_forward(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, in
         k1a.load(di)  # a first load would wait for K2, which waits for K1
         ctas = _k1_alongside_ctas(p, math.prod(k2_grid), di, k1a)
         with _alongside_order(di, stream, not _capturing(dev)):
-            runtime.record(runtime.memset_d32, ws["flags"], 0, nch * H, stream)
-            runtime.memset_d32(ws["flags"], 0, nch * H, stream)
+            runtime.recorded(runtime.memset_d32, ws["flags"], 0, nch * H, stream)
             k2a.launch_with(k2_grid, vals2, syms, stream, di, smem=_sm_budget(di)[2])
             k1a.launch_with(k1_grid, vals1, syms, stream, di, programmatic=True,
                             smem=_k1_alongside_smem(di, ctas))

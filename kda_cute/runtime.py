@@ -116,9 +116,8 @@ class Kernel:
                 if len(self._packed) >= _PACKED_MAX:
                     self._packed.clear()
                 self._packed[key] = arr
-        smem = max(self.smem, smem or 0)
-        record(self._launch, grid, arr, stream, device, smem, programmatic)
-        self._launch(grid, arr, stream, device, smem, programmatic)
+        recorded(self._launch, grid, arr, stream, device, max(self.smem, smem or 0),
+                 programmatic)
 
     def _param_array(self, params: list[bytes]):
         if [len(p) for p in params] != self.sizes:
@@ -154,9 +153,9 @@ _recorded = threading.local()
 
 @contextlib.contextmanager
 def recording():
-    """Within the block, every Kernel.launch_with made by this thread, and every `record`ed
-    call, is also appended to the list yielded as (function, arguments): what `replay` does
-    again, skipping everything that led to it."""
+    """Within the block, every Kernel.launch_with made by this thread, and every call made
+    through `recorded`, is also appended to the list yielded as (function, arguments): what
+    `replay` does again, skipping everything that led to it."""
     outer = getattr(_recorded, "steps", None)
     _recorded.steps = steps = []
     try:
@@ -165,12 +164,12 @@ def recording():
         _recorded.steps = outer
 
 
-def record(fn, *args) -> None:
-    """Note the call fn(*args) in this thread's recording, if one is open (the caller makes
-    the call itself)."""
+def recorded(fn, *args) -> None:
+    """fn(*args), noted in this thread's recording if one is open."""
     steps = getattr(_recorded, "steps", None)
     if steps is not None:
         steps.append((fn, args))
+    fn(*args)
 
 
 def replay(steps: list) -> None:

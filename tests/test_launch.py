@@ -74,7 +74,6 @@ def stub_driver(monkeypatch):
     monkeypatch.setattr(runtime, "wait_event", lambda stream, ev:
                         launches.events.append(("wait", stream, ev)))
     monkeypatch.setattr(api, "_alongside_last", {})
-    monkeypatch.setattr(api, "_plans", {})  # recorded under another test's stub: not replayed
     monkeypatch.setattr(api, "_sm_budget", lambda device: (132, 233472, 232448))  # an H200's
     monkeypatch.setattr(api, "_check_device", lambda *a: None)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
