@@ -26,6 +26,18 @@ import bench  # noqa: E402
 from kda_cute import api, runtime  # noqa: E402
 
 
+def padded_k1(launch, smem_of):
+    """Kernel.launch_with with K1's dynamic shared memory from smem_of() (None: its own) and
+    programmatic launches (K1 alongside K2) dropped."""
+    def launch_with(kernel, grid, values, syms, stream, device, smem=None, programmatic=False):
+        if programmatic:
+            return
+        if kernel.manifest["name"].startswith("kda_prep"):
+            smem = smem_of()
+        launch(kernel, grid, values, syms, stream, device, smem=smem)
+    return launch_with
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("cases", nargs="+")
@@ -44,13 +56,7 @@ def main(argv=None) -> None:
         items = api._workspace_rows(p, api.config_for(p).chunk)[0] * p.H
         for n in args.ctas:
             smem = api._k1_alongside_smem(0, n) if n else None
-
-            def padded(self, grid, values, syms, stream, device, smem_=None, programmatic=False,
-                       _smem=smem):
-                launch(self, grid, values, syms, stream, device, smem=_smem or smem_,
-                       programmatic=programmatic)
-
-            runtime.Kernel.launch_with = padded
+            runtime.Kernel.launch_with = padded_k1(launch, lambda _s=smem: _s)
             try:
                 ms = bench.time_fn(bench.k1_runner(), sets, args.iters)
             finally:
