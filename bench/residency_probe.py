@@ -48,6 +48,8 @@ SHAPES = [
     ("host 160 thr x 168 regs, 70 KB smem (K2 s4)", "host_r168", 160, 71680),
     ("host 128 thr x 168 regs, 70 KB smem", "host_r168", 128, 71680),
     ("host 128 thr x 168 regs, 135 KB smem (K2 s8_al)", "host_r168", 128, 138240),
+    ("host 160 thr x 168 regs, warp 4 setmaxnreg.dec to 24", "host_r168_dec", 160, 8192),
+    ("host 256 thr x 168 regs, warps 4-7 setmaxnreg.dec to 24", "host_r168_dec", 256, 8192),
 ]
 
 
@@ -79,7 +81,7 @@ def main(argv=None) -> None:
     torch.cuda.synchronize()
     mod = check(cu.cuModuleLoad(str(build(Path(args.cubin))).encode()))
     fns = {n: check(cu.cuModuleGetFunction(mod, n.encode()))
-           for n in ("host_r168", "host_r160", "host_r128", "guest_r64")}
+           for n in ("host_r168", "host_r160", "host_r128", "host_r168_dec", "guest_r64")}
     A = cu.CUfunction_attribute
     for n, f in fns.items():
         regs = check(cu.cuFuncGetAttribute(A.CU_FUNC_ATTRIBUTE_NUM_REGS, f))

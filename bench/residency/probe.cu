@@ -45,6 +45,19 @@ HOST(168)
 HOST(160)
 HOST(128)
 
+// as host_r168, but warps from `first_small` on give registers back (setmaxnreg.dec to 24) and
+// wait with few live values: a producer warp's shape after a dealloc
+extern "C" __global__ void __maxnreg__(168) host_r168_dec(const float* src, float* sink,
+                                                          const volatile int* release,
+                                                          unsigned long long* log) {
+  if (threadIdx.x / 32 >= 4) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n" ::: "memory");
+    while (*release == 0) __nanosleep(1000);
+    return;
+  }
+  hold_live<208>(src, sink, release, 0, log);
+}
+
 extern "C" __global__ void __maxnreg__(64) guest_r64(const float* src, float* sink,
                                                      unsigned long long spin_ns,
                                                      unsigned long long* log) {
