@@ -3,21 +3,25 @@
 // contiguous (head-major: one 4 KB block). Built and timed by bench/layout_probe.py.
 #include <cstdint>
 
+// element `threadIdx.x` (16 rows x 16 lanes of 16 bytes) of tile t (head t % heads, chunk
+// t / heads), in uint4 units: rows row_stride16 apart, or (row_stride16 == 0) one 4 KB block
+__device__ __forceinline__ long long tile_offset(long long t, long long tiles,
+                                                 long long row_stride16, int heads) {
+  long long h = t % heads, c = t / heads;
+  int row = threadIdx.x / 16, col = threadIdx.x % 16;
+  return row_stride16 ? (c * 16 + row) * row_stride16 + h * 16 + col
+                      : (h * (tiles / heads) + c) * 256 + row * 16 + col;
+}
+
 extern "C" __global__ void __launch_bounds__(256) tiles_read(const uint4* __restrict__ src,
                                                              uint4* __restrict__ sink,
                                                              long long tiles, long long row_stride16,
                                                              int heads, int tiles_per_cta) {
-  // tile id t -> (head h = t % heads, chunk c = t / heads); rows c*16 .. c*16+15 of head h
   uint4 acc = make_uint4(0, 0, 0, 0);
   for (int i = 0; i < tiles_per_cta; i++) {
     long long t = (long long)blockIdx.x * tiles_per_cta + i;
     if (t >= tiles) break;
-    long long h = t % heads, c = t / heads;
-    // 256 threads: 16 rows x 16 lanes of 16 bytes
-    int row = threadIdx.x / 16, col = threadIdx.x % 16;
-    long long off = row_stride16 ? (c * 16 + row) * row_stride16 + h * 16 + col
-                                 : (h * (tiles / heads) + c) * 256 + row * 16 + col;
-    uint4 v = __ldcs(src + off);
+    uint4 v = __ldcs(src + tile_offset(t, tiles, row_stride16, heads));
     acc.x ^= v.x; acc.y ^= v.y; acc.z ^= v.z; acc.w ^= v.w;
   }
   if ((acc.x ^ acc.y ^ acc.z ^ acc.w) == 0x12345678u) sink[threadIdx.x] = acc;
@@ -29,10 +33,7 @@ extern "C" __global__ void __launch_bounds__(256) tiles_write(uint4* __restrict_
   for (int i = 0; i < tiles_per_cta; i++) {
     long long t = (long long)blockIdx.x * tiles_per_cta + i;
     if (t >= tiles) break;
-    long long h = t % heads, c = t / heads;
-    int row = threadIdx.x / 16, col = threadIdx.x % 16;
-    long long off = row_stride16 ? (c * 16 + row) * row_stride16 + h * 16 + col
-                                 : (h * (tiles / heads) + c) * 256 + row * 16 + col;
-    __stcs(dst + off, make_uint4(t, i, row, col));
+    __stcs(dst + tile_offset(t, tiles, row_stride16, heads),
+           make_uint4(t, i, threadIdx.x / 16, threadIdx.x % 16));
   }
 }
