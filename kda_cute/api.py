@@ -395,6 +395,9 @@ def launch_forward(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, in
     is marked not replayable where the forward does more than its kernel launches."""
     dev = q.device
     di = dev.index if dev.index is not None else torch.cuda.current_device()
+    stream = torch.cuda.current_stream(dev).cuda_stream
+    if plan is not None:
+        plan.stream, plan.device = stream, di  # where a replay's alongside order runs
     arch = runtime.arch_of(di)
     k1 = runtime.get_kernel(cfg.prep, arch)
     k2 = runtime.get_kernel(cfg.recur, arch)
@@ -426,7 +429,6 @@ def launch_forward(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, in
     if dt_bias is None:
         dt_bias = _constant("zeros", (H * K,), torch.float32, dev)
     _Plan.hold(plan, cs, cc, A_log, dt_bias)
-    stream = torch.cuda.current_stream(dev).cuda_stream
     syms = {"T": Tt, "R": R, "H": H, "HK": H * K, "HV": H * V, "HC": H * C, "NCH": nch,
             "N1": p.N + 1, "NS": p.N, "sQ": q.stride(1), "sK": k.stride(1), "sG": g.stride(1),
             "sB": beta.stride(1), "sV": v.stride(1), "sO": out.stride(1), "sS": H * V * K,
@@ -648,10 +650,7 @@ class _Plan:
     def replay(self, cu_seqlens=None) -> None:
         if self.offsets is not None:
             self.offsets(cu_seqlens)
-        if self.alongside:
-            with _alongside_order(self.device, self.stream, True):
-                runtime.replay(self.steps)
-        else:
+        with _alongside_order(self.device, self.stream, self.alongside):
             runtime.replay(self.steps)
 
     @staticmethod
@@ -856,9 +855,7 @@ def fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state
                        segments_per_seq=segments, plan=plan)
     if plan is not None:
         if plan.ok:
-            plan.steps, plan.stream = steps, key[2]
-            plan.device = (q.device.index if q.device.index is not None
-                           else torch.cuda.current_device())
+            plan.steps = steps
         else:
             plan.held = []  # kept only as the mark: the full path each call
         if len(_plans) >= _PLANS_MAX:
