@@ -1,11 +1,40 @@
-"""Read a cubin's kernel parameter table (ELF `.nv.info.<kernel>` attributes). No DSL, no CUDA.
+"""The shipped cubins and their manifests: where they live, and what a cubin's ELF says of its
+kernel (parameter table, registers, stack frame). No DSL, no CUDA.
 
-Used by the AOT build to write each manifest and by the ABI test to check the launcher.
+Used by the AOT build to write each manifest, by the planner (a kernel's resources), the
+launcher (loading) and the ABI tests.
 """
 
 from __future__ import annotations
 
+import functools
+import json
+import os
 import struct
+from pathlib import Path
+
+CUBIN_ROOT = Path(os.environ.get("KDA_CUTE_CUBIN_DIR", Path(__file__).parent / "_cubins"))
+BUILD_HINT = "build them with `make kernels` (or `python -m kernels.build --arch {arch}`)"
+
+
+class CubinsMissing(RuntimeError):
+    pass
+
+
+def load_manifest(name: str, arch: str) -> tuple[dict, Path]:
+    """A kernel's manifest and the path of its cubin (CubinsMissing where not built)."""
+    folder = CUBIN_ROOT / arch
+    man, cub = folder / f"{name}.json", folder / f"{name}.cubin"
+    if not (man.exists() and cub.exists()):
+        raise CubinsMissing(f"no cubin '{name}' for {arch} in {folder}: "
+                            + BUILD_HINT.format(arch=arch))
+    return json.loads(man.read_text()), cub
+
+
+@functools.lru_cache(maxsize=256)
+def manifest(name: str, arch: str) -> dict:
+    """A kernel's manifest, read once per process."""
+    return load_manifest(name, arch)[0]
 
 _EIATTR_REGCOUNT = 0x2F
 _EIATTR_FRAME_SIZE = 0x11

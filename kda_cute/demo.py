@@ -10,21 +10,21 @@ import sys
 
 import torch
 
-from . import runtime
-from .config import SHIPPED
+from .cubin import BUILD_HINT, CUBIN_ROOT
+from .ladder import all_kernels
 
 
 def main() -> int:
     if not torch.cuda.is_available():
-        folder = runtime.CUBIN_ROOT / "sm_90a"
+        folder = CUBIN_ROOT / "sm_90a"
         names = sorted(p.name for p in folder.glob("*.cubin")) if folder.exists() else []
         print(f"no CUDA device: {len(names)} cubins exported to {folder}")
         for n in names:
             print(f"  {n}")
-        expected = {f"{c.name}.cubin" for fwd in SHIPPED for c in (fwd.prep, fwd.recur)}
+        expected = {f"{c.name}.cubin" for c in all_kernels()}
         missing = sorted(expected - set(names))
         if missing:
-            print(f"missing: {missing}; " + runtime.BUILD_HINT.format(arch="sm_90a"))
+            print(f"missing: {missing}; " + BUILD_HINT.format(arch="sm_90a"))
         return 1 if missing else 0
     from .testing import errors, make_inputs
 

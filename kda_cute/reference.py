@@ -1,6 +1,6 @@
 """Kimi Delta Attention in plain torch: the ground truth and the chunked algorithm's debugging twin.
 
-The math is in design/KDA.md. `kda_reference` is the float64 loop over tokens that every kernel is
+The math is in docs/kda.md. `kda_reference` is the float64 loop over tokens that every kernel is
 tested against. `chunk_intermediates` (K1) and `chunk_recurrence` (K2) are the kernels' two phases,
 written with the kernels' workspace definitions so a kernel's workspace can be checked phase by
 phase;

@@ -15,13 +15,12 @@ def cuda_ready() -> tuple[bool, str]:
     major, _ = torch.cuda.get_device_capability()
     if major != 9:
         return False, f"kernels target sm_90a, device is sm_{major}x"
+    from kda_cute.cubin import CubinsMissing, load_manifest
+    from kda_cute.ladder import all_kernels
     try:
-        from kda_cute import runtime
-        from kda_cute.config import SHIPPED
-        for cfg in SHIPPED:
-            runtime.load_manifest(cfg.prep.name, "sm_90a")
-            runtime.load_manifest(cfg.recur.name, "sm_90a")
-    except runtime.CubinsMissing as e:
+        for cfg in all_kernels():
+            load_manifest(cfg.name, "sm_90a")
+    except CubinsMissing as e:
         return False, str(e)
     return True, ""
 
@@ -135,21 +134,22 @@ def prep_errors(inp, config=None) -> dict:
     """K1 alone: its workspace against the float64 chunked twin's intermediates. With bf16
     operands (config.prep.operands), kd, Aw and Mq are compared as hi + lo; for config.prep.f16
     the fp16 hi plane against the reference rounded to fp16."""
-    from kda_cute import api
+    from kda_cute import Call, checks, launch, plans
+    from kda_cute.plans.workspace import views
     from kda_cute.reference import chunk_intermediates, preprocess
 
     q, v = inp["q"], inp["v"]
     out = torch.empty(v.shape, dtype=torch.bfloat16, device=q.device)
-    p = api.validate(q, inp["k"], v, inp["g"], inp["beta"], inp["scale"], out, inp["A_log"],
-                     inp["dt_bias"], inp["lower_bound"], None, None, inp["cu_seqlens"],
-                     inp["gate"])
-    cfg = api.config_for(p, config)
-    chunk = cfg.chunk
-    ws = torch.full((api.workspace_bytes(p, cfg),), 0xFF, dtype=torch.uint8, device=q.device)
-    w = api.launch_forward(q, inp["k"], v, inp["g"], inp["beta"], inp["scale"], out,
-                           inp["A_log"], inp["dt_bias"], inp["lower_bound"], None, None,
-                           inp["cu_seqlens"], ws, inp["gate"], inp["qk_l2norm"],
-                           inp["beta_sigmoid"], p, cfg, run_recurrence=False)
+    call = Call(q, inp["k"], v, inp["g"], inp["beta"], out, inp["A_log"], inp["dt_bias"], None,
+                None, inp["cu_seqlens"], inp["scale"], inp["lower_bound"])
+    opts = checks.options(inp["gate"], inp["qk_l2norm"], inp["beta_sigmoid"], config=config,
+                          alongside=False)
+    p = checks.forward(call, opts)
+    plan = plans.plan(p, opts, plans.device_info(q.device))
+    cfg, chunk = plan.config, plan.config.chunk
+    ws = torch.full((plan.workspace_bytes,), 0xFF, dtype=torch.uint8, device=q.device)
+    launch.run(plan.only("K1"), call, ws)
+    w = views(ws, p, cfg)
     torch.cuda.synchronize()
     d = _as_double(inp)
     qn, kn, a, b = preprocess(d["q"], d["k"], d["g"], d["beta"], A_log=d["A_log"],
@@ -187,16 +187,16 @@ def prep_errors(inp, config=None) -> dict:
 def token_rows(B, T, cu_seqlens, chunk) -> tuple[torch.Tensor, torch.Tensor]:
     """The workspace row of every token, and every row of the sequences' whole chunks (what K1
     writes: each sequence's tokens, then zeros to the end of its last chunk). A fixed-length
-    batch packs its chunks; a varlen batch's sequence s starts at slot api.chunk_slots gives."""
+    batch packs its chunks; a varlen batch's sequence s starts at the slot chunk_slots gives."""
     if cu_seqlens is None:
         lens = [T] * B
         starts = [b * -(-T // chunk) for b in range(B)]
     else:
-        from kda_cute import api
+        from kda_cute.plans.workspace import chunk_slots
 
         cs = cu_seqlens.cpu().to(torch.int32)
         lens = torch.diff(cs).tolist()
-        starts = api.chunk_slots(cs, chunk, torch.arange(len(cs), dtype=torch.int32)).tolist()
+        starts = chunk_slots(cs, chunk, torch.arange(len(cs), dtype=torch.int32)).tolist()
     rows, chunk_rows = [], []
     for n, slot in zip(lens, starts, strict=False):
         rows.append(slot * chunk + torch.arange(n))

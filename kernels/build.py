@@ -1,4 +1,5 @@
-"""Ahead-of-time build: every shipped kernel config -> one cubin + one JSON manifest.
+"""Ahead-of-time build: every shipped kernel config (ladder.all_kernels) -> one cubin + one JSON
+manifest, each compiled from the DSL class and argument list its spec names (kda_cute.specs).
 
     python -m kernels.build [--arch sm_90a] [--jobs N] [--force] [--out DIR]
 
@@ -23,33 +24,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from kda_cute import abi, config  # noqa: E402
-from kda_cute.config import CombineConfig, PrepConfig  # noqa: E402
+from kda_cute import abi, ladder  # noqa: E402
 from kda_cute.cubin import kernel_params, kernel_resources  # noqa: E402
+from kda_cute.specs import spec_of  # noqa: E402
 
 DEFAULT_OUT = ROOT / "kda_cute" / "_cubins"
 TESTED_ARCHS = ("sm_90a",)
+# what a cubin is built from: a change to any of these rebuilds every config
 SOURCES = ("kernels/kda_prep_sm90.py", "kernels/kda_recur_sm90.py", "kernels/build.py",
            "kernels/common.py", "kernels/kda_recur_tc_sm90.py", "kernels/kda_combine_sm90.py",
-           "kda_cute/abi.py", "kda_cute/config.py")
-
-
-def jobs_for(configs, extra=()) -> list:
-    """Distinct kernel configs (K1 configs are shared by forwards with the same K and chunk) of
-    the forwards `configs`, then the single kernels `extra`."""
-    seen, jobs = set(), []
-    for cfg in [c for fwd in configs for c in (fwd.prep, fwd.recur)] + list(extra):
-        if cfg not in seen:
-            seen.add(cfg)
-            jobs.append(cfg)
-    return jobs
-
-
-def kernel_kind(cfg) -> str:
-    if isinstance(cfg, PrepConfig):
-        return "prep"
-    return "combine" if isinstance(cfg, CombineConfig) else "recur"
-
+           "kda_cute/abi.py", "kda_cute/specs/__init__.py", "kda_cute/specs/prep.py",
+           "kda_cute/specs/recur.py", "kda_cute/specs/combine.py")
 
 
 def dsl_version() -> str:
@@ -61,7 +46,7 @@ def build_key(cfg, arch: str) -> str:
     h = hashlib.sha256()
     for rel in SOURCES:
         h.update((ROOT / rel).read_bytes())
-    h.update(json.dumps([kernel_kind(cfg), cfg.as_dict(), arch, dsl_version()]).encode())
+    h.update(json.dumps([spec_of(cfg).family, cfg.as_dict(), arch, dsl_version()]).encode())
     return h.hexdigest()[:16]
 
 
@@ -96,6 +81,13 @@ def _fake_args(args, cutlass, cute):
     return out
 
 
+def dsl_kernel(cfg):
+    """The DSL class a spec names for `cfg` (spec_of(cfg).dsl_class), imported."""
+    import importlib
+    module, cls = spec_of(cfg).dsl_class(cfg).split(":")
+    return getattr(importlib.import_module(module), cls)
+
+
 def compile_one(cfg, arch: str, out_dir: str) -> dict:
     """Compile one config in this process; returns its manifest (also written to disk)."""
     t0 = time.time()
@@ -106,16 +98,9 @@ def compile_one(cfg, arch: str, out_dir: str) -> dict:
     import cutlass
     import cutlass.cute as cute
 
-    if isinstance(cfg, PrepConfig):
-        from kernels.kda_prep_sm90 import prep_kernel as Kernel
-    elif isinstance(cfg, CombineConfig):
-        from kernels.kda_combine_sm90 import KdaCombineSm90 as Kernel
-    elif cfg.mma == "wgmma":
-        from kernels.kda_recur_tc_sm90 import KdaRecurTcSm90 as Kernel
-    else:
-        from kernels.kda_recur_sm90 import KdaRecurSm90 as Kernel
-    kern = Kernel(cfg)
-    args = abi.args_for(cfg)
+    spec = spec_of(cfg)
+    kern = dsl_kernel(cfg)(cfg)
+    args = spec.args(cfg)
     compiled = cute.compile(kern, *_fake_args(args, cutlass, cute))
     cubin = compiled.__cubin__
     if not isinstance(cubin, bytes):
@@ -128,7 +113,7 @@ def compile_one(cfg, arch: str, out_dir: str) -> dict:
     (out / f"{cfg.name}.cubin").write_bytes(cubin)
     manifest = {
         "name": cfg.name,
-        "kind": kernel_kind(cfg),
+        "kind": spec.family,
         "config": cfg.as_dict(),
         "arch": arch,
         "entry": entry,
@@ -176,8 +161,7 @@ def main(argv=None) -> int:
         print(f"warning: {a.arch} compiles but is untested", file=sys.stderr)
     out_dir = Path(a.out) / a.arch
     todo, skipped = [], []
-    for cfg in jobs_for(config.SHIPPED + config.EXPERIMENTAL + config.ALONGSIDE,
-                        config.SEGMENT_RUNS + config.WY_RUNS + config.COMBINE):
+    for cfg in ladder.all_kernels():
         (skipped if not a.force and up_to_date(cfg, a.arch, out_dir) else todo).append(cfg)
     t0 = time.time()
     results, failed = [], []

@@ -12,14 +12,14 @@ per row, in k order), A_j's row k read by the CTA's threads as one coalesced row
 not depend on the rows, so each thread streams its column of them through registers, up to 128
 values ahead of the FMAs that use them, across segments (a few loads in flight at a time made
 the kernel wait on L2 once per few rows: 56 us of B1 T8192 H16's 0.34 ms at K = 128).
-Constraints: head_dim_k a multiple of 32 up to 256, rows dividing it (config.supports_combine).
+Constraints: head_dim_k a multiple of 32 up to 256, rows dividing it (specs.combine.supports).
 """
 
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils as utils
 
-from kda_cute.config import CombineConfig
+from kda_cute.specs.combine import CombineConfig
 
 
 class KdaCombineSm90:

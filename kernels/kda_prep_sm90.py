@@ -3,7 +3,7 @@
 One CTA per (chunk, head), heads fastest (grid x). A chunk is `chunk` consecutive tokens of
 one sequence, starting at the sequence's first token, so the last chunk of a sequence may be
 short; CTAs whose chunk slot holds no tokens (past the last chunk, or between two varlen
-sequences: api.chunk_slots) exit.
+sequences: plans.workspace.chunk_slots) exit.
 
 Warp roles: none; all `threads` threads run every phase, separated by CTA barriers.
 Pipeline: one mbarrier; one elected thread issues three TMA loads (q, k and g tiles of
@@ -19,7 +19,7 @@ Phases:
   C  thread per column j: forward substitution for Aw = (I + L)^-1 diag(beta).
 Outputs (config `operands`): "f32" writes fp32 tensors for the SIMT K2; "bf16" writes the
 tensor-core K2's operands: bf16 qg and kg; kd, Aw and Mq as bf16 hi + lo planes (x = hi + lo to
-~16 bits); fp32 gl. Constraints: K % 32 == 0, K <= 256, chunk 16 or 32 (config.supports_prep).
+~16 bits); fp32 gl. Constraints: K % 32 == 0, K <= 256, chunk 16 or 32 (specs.prep.supports).
 The workspace holds whole chunks: chunk b's rows are b*C .. b*C + C - 1, and rows past the
 sequence's length are written as zeros (so K2 needs no tail masking of its operands).
 bf16 outputs: qg and kg overwrite the q and k tiles in place (each thread rewrites only the
@@ -30,7 +30,7 @@ one-pass bf16 K1 at K = 128 needs 37.5 KB of smem: six CTAs per SM.
 The bf16 K1 of every shipped config (chunk 16) runs phases A and B in column passes instead
 (KdaPrepSm90Split._body_passes): phase B's fp32 operand rows exist for one pass's columns only,
 so at K = 128 it needs 26.5 KB and, capped at 64 registers without spilling, runs eight CTAs per
-SM (K1 -10% at B1 T8192 H64, bench/NOTES.md).
+SM (K1 -10% at B1 T8192 H64, docs/notes/k1.md).
 """
 
 import cutlass
@@ -39,12 +39,12 @@ import cutlass.utils as utils
 from cutlass.cute.nvgpu import cpasync
 from cutlass.cute.nvgpu import warp as warp_mma
 
-from kda_cute.config import (
+from kda_cute.abi import operand_dtype
+from kda_cute.specs.prep import (
     GATE_BOUNDED,
     GATE_UNBOUNDED,
     K1_GRID_Y,
     PrepConfig,
-    operand_dtype,
 )
 from kernels.common import (
     FACTOR_LIMIT,
@@ -434,7 +434,7 @@ class KdaPrepSm90(TileCopy):
         dependent loads were log2(N) rounds, each an L2 round trip at the CTA's start). The
         lane that sampled the sequence in the last round hands its loads over by shuffles. The
         bound is the number of slots, or 0 for a slot that holds no tokens (past the end, or
-        between two varlen sequences: api.chunk_slots), so `bid < bound` says whether this CTA
+        between two varlen sequences: workspace.chunk_slots), so `bid < bound` says whether this CTA
         has a chunk."""
         C = self.C
         num_seqs, seq_len = seqs
@@ -1267,7 +1267,3 @@ class KdaPrepSm90Split(KdaPrepSm90):
                         macc = macc + fA[i, c0 + d] * t
                     accs[nt][e] = lacc
                     accs[2 + nt][e] = macc
-
-
-def prep_kernel(cfg: PrepConfig) -> KdaPrepSm90:
-    return KdaPrepSm90Split(cfg) if cfg.operands == "bf16" else KdaPrepSm90(cfg)

@@ -10,14 +10,14 @@ workspace and the v tile) on its own mbarrier; one elected thread issues chunk c
 once every thread has left chunk c - 1 (a CTA barrier frees the buffer).
 Per chunk (tokens i < length only; rows past it belong to another sequence or are out of bounds):
   W = v - kg S^T ; U = Aw W ; O = qg S^T + Mq U ; S = S * gl + U^T kd
-Constraints: see kda_cute.config.supports_recur.
+Constraints: see kda_cute.specs.recur.supports.
 """
 
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils as utils
 
-from kda_cute.config import RecurConfig
+from kda_cute.specs.recur import RecurConfig
 from kernels.common import ChunkTileLoader
 
 STATE_NONE, STATE_F32, STATE_BF16 = 0, 1, 2

@@ -1,7 +1,7 @@
 """K2 on tensor cores: the chunk recurrence with every product on bf16 warpgroup MMA (sm_90a).
 
 One CTA per (block of 64 state rows, head, sequence z), running sequences z, z + grid z, ... in
-turn (the launcher gives a fixed-length batch's CTAs several: api.k2_seqs_per_cta; one pipeline
+turn (the launcher gives a fixed-length batch's CTAs several: schedule.k2_seqs_per_cta; one pipeline
 state runs across them, so the next sequence's first chunks load while the current one
 finishes). One consumer warpgroup (warps 0-3) owns the state S [64 rows of V, K] in the fp32
 accumulator registers of the update MMA; one producer warp (warp 4) streams each chunk's operands
@@ -18,7 +18,7 @@ TMA fills straight from K1's bf16 workspace (no conversion pass, no S round trip
   S   = S diag(gl) + U^T kd   M 64, N K, reduction chunk  A = U hi/lo, B = kd hi/lo (3 products)
 
 x hi/lo is the pair (bf16(x), bf16(x - bf16(x))): hi*hi + hi*lo + lo*hi carries ~16 mantissa
-bits, which keeps the fp32 final state at fp32-level accuracy (bench/NOTES.md: plain bf16 for U
+bits, which keeps the fp32 final state at fp32-level accuracy (docs/notes/precision.md: bf16 U
 and kd puts the state error at the 2.5e-3 bar; the output tolerates bf16 operands).
 kd is read as an MN-major B operand (a transposed TMA view), so nothing is transposed on chip.
 K1's workspace holds whole chunks with zero rows past each sequence's end, so the operands need
@@ -26,10 +26,10 @@ no masking; only v's rows past the length (another sequence's, or zero-filled) a
 Whole output chunks leave by TMA stores from a double-buffered smem tile, each warp storing its
 own 16 state rows (no barrier across the warpgroup); a sequence's last, partial chunk is stored
 by the threads (a whole tile would overwrite the next sequence's rows).
-Built `alongside` (config.ALONGSIDE: K1 runs at the same time on the other SMs), the CTA lets its
+Built `alongside` (ladder.ALONGSIDE: K1 runs at the same time on the other SMs), the CTA lets its
 programmatic dependent K1 launch once resident, and the producer waits for K1's flag of each
 (chunk, head) before loading it; the serial builds carry none of that.
-Built `wy` (config.WY_RUNS, fp16 only), U skips P: U^T = v^T Aw^T + S kgw^T with kgw = -Aw kg,
+Built `wy` (ladder.WY_RUNS, fp16 only), U skips P: U^T = v^T Aw^T + S kgw^T with kgw = -Aw kg,
 which the producer warp forms in place of each landed kg tile (ldmatrix, warp MMA, stmatrix) two
 chunks behind its loads and hands over on a per-stage `ready` mbarrier; one product round trip
 less on the serial chain (the launcher takes it where each CTA has an SM to itself).
@@ -45,7 +45,8 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cute.nvgpu import warp as warp_mma
 from cutlass.utils import LayoutEnum
 
-from kda_cute.config import RecurConfig, operand_dtype
+from kda_cute.abi import operand_dtype
+from kda_cute.specs.recur import RecurConfig
 from kernels.common import TileCopy, swizzle_bytes, tma_meta, trap
 
 STATE_NONE, STATE_F32, STATE_BF16 = 0, 1, 2

@@ -95,7 +95,7 @@ def _kw(spec: dict) -> dict:
 
 
 # name -> spec: every schedule (serial, WY, alongside, segments, varlen longest first, several
-# sequences per K2 CTA), each head dim and precision, gate forms, states, strides, switches
+# sequences per K2 CTA), each head dim and precision, gate forms, states, strides, options
 PROBLEMS = {
     "k64-serial-short": dict(B=1, T=40, H=2, K=64),
     "k64-precise": dict(B=2, T=100, H=4, K=64, precision="precise"),
@@ -132,9 +132,9 @@ PROBLEMS = {
     "k64-no-final-state": dict(B=1, T=64, H=4, K=64, state_out=None),
     "k128-simt": dict(B=1, T=64, H=4, K=128, config=("SIMT", 128)),
     "k128-chunk32": dict(B=1, T=100, H=4, K=128, config=("EXPERIMENTAL", 128)),
-    "k128-alongside-off": dict(B=1, T=8192, H=32, K=128, env={"KDA_CUTE_ALONGSIDE": "0"}),
-    "k128-wy-off": dict(B=1, T=200, H=64, K=128, env={"KDA_CUTE_WY": "0"}),
-    "k128-wy-force": dict(B=1, T=200, H=96, K=128, env={"KDA_CUTE_WY": "force"}),
+    "k128-alongside-off": dict(B=1, T=8192, H=32, K=128, alongside=False),
+    "k128-wy-off": dict(B=1, T=200, H=64, K=128, wy="off"),
+    "k128-wy-force": dict(B=1, T=200, H=96, K=128, wy="force"),
     "k64-empty-batch": dict(B=1, T=0, H=2, K=64),
     "k64-k1-grid-z": dict(B=1, T=16 * 70000, H=1, K=64),
 }
@@ -143,7 +143,7 @@ PROBLEMS = {
 def config_of(spec: dict):
     if "config" not in spec:
         return None
-    from kda_cute import config as ladder
+    from kda_cute import ladder
     group, d = spec["config"]
     return next(c for c in getattr(ladder, group) if c.prep.head_dim_k == d)
 
@@ -433,52 +433,52 @@ def fake_device(monkeypatch):
     yield
 
 
-def _launch(spec: dict, call: dict, ws: torch.Tensor, drv: FakeDriver, monkeypatch) -> str:
+def _options(spec: dict):
+    from kda_cute import checks
+    return checks.options(
+        gate=spec.get("gate", "bounded"), qk_l2norm=spec.get("qk_l2norm", True),
+        beta_sigmoid=spec.get("beta_sigmoid", True), segments=spec.get("segments"),
+        config=config_of(spec), precision=spec.get("precision", "fast"),
+        alongside=spec.get("alongside", True), wy=spec.get("wy", "auto"))
+
+
+def _plan(spec: dict, call: dict):
+    """The checks and the plan of a problem, on an H200 (the tensors live on the CPU)."""
+    from kda_cute import Call, checks, plans
+    c = Call(**{n: call[n] for n in Call._fields})
+    opts = _options(spec)
+    p = checks.forward(c, opts, check_seqlens=False, cuda=False)
+    return c, plans.plan(p, opts, plans.H200)
+
+
+def _launch(spec: dict, call: dict, ws: torch.Tensor, drv: FakeDriver) -> str:
     """Run one forward through the launcher with the fake driver; returns its schedule."""
-    from kda_cute import api, runtime
-    monkeypatch.setattr(runtime, "_cu", lambda: drv)
+    from kda_cute import api, launch
+    from kda_cute.launch import driver as kd
     api.clear_caches()
-    cfg = config_of(spec)
-    p = api.validate(call["q"], call["k"], call["v"], call["g"], call["beta"], call["scale"],
-                     call["out"], call["A_log"], call["dt_bias"], call["lower_bound"],
-                     call["initial_state"], call["final_state"], call["cu_seqlens"],
-                     spec.get("gate", "bounded"), check_seqlens=False)
-    c = api.config_for(p, cfg, spec.get("precision", "fast"))
-    sched = api.schedule(p, c, 0, spec.get("segments"))
-    api.fwd(**call, workspace=ws, check_seqlens=False, config=cfg, **_kw(spec))
-    return sched
+    c, pl = _plan(spec, call)
+    with kd.substitute(drv):
+        launch.run(pl, c, ws)
+    return str(pl.schedule)
 
 
 def _workspace_for(spec: dict, call: dict) -> torch.Tensor:
-    from kda_cute import api
-    p = api.validate(call["q"], call["k"], call["v"], call["g"], call["beta"], call["scale"],
-                     call["out"], call["A_log"], call["dt_bias"], call["lower_bound"],
-                     call["initial_state"], call["final_state"], call["cu_seqlens"],
-                     spec.get("gate", "bounded"), check_seqlens=False)
-    return _aligned_workspace(api.workspace_bytes(
-        p, api.config_for(p, config_of(spec), spec.get("precision", "fast"))))
+    return _aligned_workspace(_plan(spec, call)[1].workspace_bytes)
 
 
 def record(name: str, monkeypatch) -> dict:
     """One problem's golden record: its schedule, its driver operations, the launcher's own
     tensors they use."""
     spec = PROBLEMS[name]
-    for var in ("KDA_CUTE_ALONGSIDE", "KDA_CUTE_WY", "KDA_CUTE_REPLAY"):
-        monkeypatch.delenv(var, raising=False)
-    for var, value in spec.get("env", {}).items():
-        monkeypatch.setenv(var, value)
     drv = driver()
     drv.ops = []
-    from kda_cute import api
-    monkeypatch.setattr(api, "_check_device", lambda *a: None)
     with fake_device(monkeypatch):
         call = make_call(spec)
         ws = _workspace_for(spec, call)
         call["workspace"] = ws
         made = _Made()
         with made:
-            sched = _launch(spec, {k: v for k, v in call.items() if k != "workspace"}, ws, drv,
-                            monkeypatch)
+            sched = _launch(spec, call, ws, drv)
         names = _Names(call, made)
         ops = normalise(drv.ops, drv.maps, names)
     return {"schedule": sched, "ops": ops, "anon": names.anon_table()}
@@ -494,26 +494,9 @@ class _Patch:
         self.undo.append((obj, name, getattr(obj, name)))
         setattr(obj, name, value)
 
-    def setenv(self, name, value):
-        import os
-        self.undo.append((os.environ, name, os.environ.get(name)))
-        os.environ[name] = value
-
-    def delenv(self, name, raising=True):
-        import os
-        if name in os.environ:
-            self.undo.append((os.environ, name, os.environ.pop(name)))
-
     def restore(self):
-        import os
         for obj, name, value in reversed(self.undo):
-            if obj is os.environ:
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value
-            else:
-                setattr(obj, name, value)
+            setattr(obj, name, value)
         self.undo = []
 
 

@@ -14,20 +14,13 @@ import struct
 import pytest
 import torch
 
-from kda_cute import abi, runtime
-from kda_cute.config import (
-    ALONGSIDE,
-    COMBINE,
-    EXPERIMENTAL,
-    SEGMENT_RUNS,
-    SHIPPED,
-    SIMT,
-    WY_RUNS,
-    CombineConfig,
-    PrepConfig,
-    select_config,
-)
-from kda_cute.cubin import kernel_params, kernel_resources
+from kda_cute import abi
+from kda_cute.cubin import CubinsMissing, kernel_params, kernel_resources, load_manifest
+from kda_cute.ladder import SHIPPED, SIMT, all_kernels, select_config
+from kda_cute.launch import driver
+from kda_cute.specs import SPECS, spec_of
+from kda_cute.specs import prep as prep_spec
+from kda_cute.specs import recur as recur_spec
 
 ARCH = "sm_90a"
 # Kernel parameters live in constant bank 0 from 0x210 on sm_90 (SASS reads the last scalar of
@@ -37,14 +30,8 @@ ARCH = "sm_90a"
 PARAM_BASE = 0x210
 MAX_SMEM = 227 * 1024  # opt-in dynamic shared memory per block on H100 / H200
 
-KERNELS = {}
-for _f in SHIPPED + EXPERIMENTAL + ALONGSIDE:
-    KERNELS.setdefault(_f.prep.name, (_f.prep, abi.prep_args))
-    KERNELS.setdefault(_f.recur.name, (_f.recur, abi.recur_args))
-for _r in SEGMENT_RUNS + WY_RUNS:
-    KERNELS[_r.name] = (_r, abi.recur_args)
-for _c in COMBINE:
-    KERNELS[_c.name] = (_c, abi.combine_args)
+# every kernel the build ships (the registry), by cubin name -> (config, its spec's arguments)
+KERNELS = {cfg.name: (cfg, spec_of(cfg).args) for cfg in all_kernels()}
 KERNEL_IDS = list(KERNELS)
 
 
@@ -52,8 +39,8 @@ def load(name: str) -> tuple[dict, bytes, list]:
     """(manifest, cubin bytes, the spec's argument list) of one shipped kernel."""
     cfg, args_of = KERNELS[name]
     try:
-        manifest, path = runtime.load_manifest(name, ARCH)
-    except runtime.CubinsMissing as e:
+        manifest, path = load_manifest(name, ARCH)
+    except CubinsMissing as e:
         pytest.skip(f"cubins not built: {e}")
     return manifest, path.read_bytes(), args_of(cfg)
 
@@ -158,8 +145,42 @@ def test_manifest_config(name):
     manifest, _, _ = load(name)
     cfg, _ = KERNELS[name]
     assert manifest["config"] == cfg.as_dict()
-    assert manifest["kind"] == ("prep" if isinstance(cfg, PrepConfig) else
-                                "combine" if isinstance(cfg, CombineConfig) else "recur")
+    assert manifest["kind"] == spec_of(cfg).family
+
+
+# -------------------------------------------------- spec vs the DSL class's __call__, per kernel
+def _dsl_call_params(cfg) -> list[str]:
+    """The parameter names of the DSL class's __call__ (self and stream aside); needs the DSL."""
+    pytest.importorskip("cutlass")
+    import importlib
+    import inspect
+    module, cls = spec_of(cfg).dsl_class(cfg).split(":")
+    sig = inspect.signature(getattr(importlib.import_module(module), cls).__call__)
+    return [n for n in sig.parameters if n not in ("self", "stream")]
+
+
+@pytest.mark.parametrize("name", KERNEL_IDS)
+def test_args_name_the_dsl_call_in_order(name):
+    """Each ABI argument names the __call__ parameter it is passed as (Arg.dsl), and those are
+    the __call__'s parameters in order: two swapped arguments of the same size fail here."""
+    cfg, args_of = KERNELS[name]
+    dsl = [a.dsl for a in args_of(cfg) if not a.kernel_only]
+    params = _dsl_call_params(cfg)
+    assert [params.index(n) if n in params else None for n in dsl] == list(range(len(params)))
+
+
+def test_swapped_args_fail_the_dsl_order():
+    cfg = select_config(128, 128, False).recur
+    params = _dsl_call_params(cfg)
+    args = [a for a in spec_of(cfg).args(cfg) if not a.kernel_only]
+    i = next(i for i, a in enumerate(args) if a.name == "s0f")
+    args[i], args[i + 1] = args[i + 1], args[i]  # s0f and s0h: both 24-byte structs
+    assert [params.index(a.dsl) for a in args] != list(range(len(params)))
+
+
+def test_registry_covers_every_family():
+    assert {spec_of(c).family for c in all_kernels()} == {s.family for s in SPECS}
+    assert len({c.name for c in all_kernels()}) == len(all_kernels())
 
 
 # ----------------------------------------------------------------------------------- packing
@@ -190,37 +211,37 @@ def layout(size: int, *fields) -> bytes:
 # id -> (argument list, argument, expected bytes); offsets written out by hand from the C rules
 PACK_TENSOR = {
     # the tensor-core K1's fp32 decay row per chunk (its other outputs leave by TMA)
-    "prep-gl-tc": (abi.prep_args, "gl", layout(
+    "prep-gl-tc": (prep_spec.args, "gl", layout(
         24, (0, "Q", PTR), (8, "i", SYMS["NCH"]), (12, "i", SYMS["H"]),
         (16, "i", SYMS["sW"])), "tc"),
-    "prep-beta": (abi.prep_args, "beta", layout(
+    "prep-beta": (prep_spec.args, "beta", layout(
         24, (0, "Q", PTR), (8, "i", SYMS["T"]), (12, "i", SYMS["H"]), (16, "q", SYMS["sB"]))),
     # the workspace has R rows (whole chunks), not T
-    "prep-qg": (abi.prep_args, "qg", layout(
+    "prep-qg": (prep_spec.args, "qg", layout(
         24, (0, "Q", PTR), (8, "i", SYMS["R"]), (12, "i", SYMS["H"]), (16, "i", SYMS["sW"]))),
-    "prep-gl": (abi.prep_args, "gl", layout(
+    "prep-gl": (prep_spec.args, "gl", layout(
         24, (0, "Q", PTR), (8, "i", SYMS["NCH"]), (12, "i", SYMS["H"]),
         (16, "i", SYMS["sW"]))),
-    "prep-aw": (abi.prep_args, "aw", layout(
+    "prep-aw": (prep_spec.args, "aw", layout(
         24, (0, "Q", PTR), (8, "i", SYMS["R"]), (12, "i", SYMS["H"]),
         (16, "i", SYMS["sWc"]))),
-    "prep-A_log": (abi.prep_args, "A_log", layout(16, (0, "Q", PTR), (8, "i", SYMS["H"]))),
-    "prep-dt_bias": (abi.prep_args, "dt_bias", layout(16, (0, "Q", PTR),
+    "prep-A_log": (prep_spec.args, "A_log", layout(16, (0, "Q", PTR), (8, "i", SYMS["H"]))),
+    "prep-dt_bias": (prep_spec.args, "dt_bias", layout(16, (0, "Q", PTR),
                                                       (8, "i", SYMS["HK"]))),
-    "prep-cu_seqlens": (abi.prep_args, "cu_seqlens", layout(16, (0, "Q", PTR),
+    "prep-cu_seqlens": (prep_spec.args, "cu_seqlens", layout(16, (0, "Q", PTR),
                                                             (8, "i", SYMS["N1"]))),
-    "recur-out": (abi.recur_args, "out", layout(
+    "recur-out": (recur_spec.args, "out", layout(
         24, (0, "Q", PTR), (8, "i", SYMS["T"]), (12, "i", SYMS["H"]), (16, "q", SYMS["sO"]))),
-    "recur-s0h": (abi.recur_args, "s0h", layout(
+    "recur-s0h": (recur_spec.args, "s0h", layout(
         24, (0, "Q", PTR), (8, "i", SYMS["NS"]), (12, "i", SYMS["H"]),
         (16, "q", SYMS["sS"]))),
-    "recur-cu_chunks": (abi.recur_args, "cu_chunks", layout(16, (0, "Q", PTR),
+    "recur-cu_chunks": (recur_spec.args, "cu_chunks", layout(16, (0, "Q", PTR),
                                                             (8, "i", SYMS["N1"]))),
     # K1's planes written by the threads (bf16 operands): (R, H, K | C) with a 32-bit stride
-    "prep-kdl-tc": (abi.prep_args, "kdl", layout(
+    "prep-kdl-tc": (prep_spec.args, "kdl", layout(
         24, (0, "Q", PTR), (8, "i", SYMS["R"]), (12, "i", SYMS["H"]), (16, "i", SYMS["sW"])),
         "tc"),
-    "prep-mql-tc": (abi.prep_args, "mql", layout(
+    "prep-mql-tc": (prep_spec.args, "mql", layout(
         24, (0, "Q", PTR), (8, "i", SYMS["R"]), (12, "i", SYMS["H"]), (16, "i", SYMS["sWc"])),
         "tc"),
 }
@@ -229,7 +250,7 @@ PACK_TENSOR = {
 def case_arg(args_of, name, which) -> abi.Arg:
     """A table case's argument, from the tensor-core config's list when the case says "tc"."""
     fwd = TC_CFG if which == ["tc"] else SIMT_CFG
-    return arg_named(args_of(fwd.prep if args_of is abi.prep_args else fwd.recur), name)
+    return arg_named(args_of(fwd.prep if args_of is prep_spec.args else fwd.recur), name)
 
 
 @pytest.mark.parametrize("case_id", list(PACK_TENSOR))
@@ -240,20 +261,20 @@ def test_pack_tensor_layout(case_id):
 
 # id -> (argument list, TMA argument, expected coordinate-tensor bytes)
 PACK_DYNAMIC = {
-    "prep-q": (abi.prep_args, "q", layout(8, (0, "i", SYMS["T"]), (4, "i", SYMS["HK"]))),
-    "recur-aw": (abi.recur_args, "aw", layout(8, (0, "i", SYMS["R"]), (4, "i", SYMS["HC"]))),
-    "recur-gl": (abi.recur_args, "gl", layout(8, (0, "i", SYMS["NCH"]),
+    "prep-q": (prep_spec.args, "q", layout(8, (0, "i", SYMS["T"]), (4, "i", SYMS["HK"]))),
+    "recur-aw": (recur_spec.args, "aw", layout(8, (0, "i", SYMS["R"]), (4, "i", SYMS["HC"]))),
+    "recur-gl": (recur_spec.args, "gl", layout(8, (0, "i", SYMS["NCH"]),
                                               (4, "i", SYMS["HK"]))),
-    "recur-v": (abi.recur_args, "v", layout(8, (0, "i", SYMS["T"]), (4, "i", SYMS["HV"]))),
+    "recur-v": (recur_spec.args, "v", layout(8, (0, "i", SYMS["T"]), (4, "i", SYMS["HV"]))),
     # kd is declared as its transposed view (H*K, T): the coordinate tensor follows that order
-    "recur-kdh-transposed": (abi.recur_args, "kdh", layout(8, (0, "i", SYMS["HK"]),
+    "recur-kdh-transposed": (recur_spec.args, "kdh", layout(8, (0, "i", SYMS["HK"]),
                                                           (4, "i", SYMS["R"])), "tc"),
-    "recur-mqh": (abi.recur_args, "mqh", layout(8, (0, "i", SYMS["R"]), (4, "i", SYMS["HC"])),
+    "recur-mqh": (recur_spec.args, "mqh", layout(8, (0, "i", SYMS["R"]), (4, "i", SYMS["HC"])),
                   "tc"),
     # the output's TMA view (T, H*V) for whole chunks; K1's TMA-store views (R, H*K)
-    "recur-out_tma": (abi.recur_args, "out_tma", layout(8, (0, "i", SYMS["T"]),
+    "recur-out_tma": (recur_spec.args, "out_tma", layout(8, (0, "i", SYMS["T"]),
                                                         (4, "i", SYMS["HV"])), "tc"),
-    "prep-kg-store": (abi.prep_args, "kg", layout(8, (0, "i", SYMS["R"]),
+    "prep-kg-store": (prep_spec.args, "kg", layout(8, (0, "i", SYMS["R"]),
                                                   (4, "i", SYMS["HK"])), "tc"),
 }
 
@@ -304,11 +325,11 @@ def test_pack_params_match_cubin(name, monkeypatch):
         encoded.append((a.name, ptr))
         return bytes(128)
 
-    monkeypatch.setattr(runtime, "tma_descriptor", fake_descriptor)
+    monkeypatch.setattr(driver, "tma_descriptor", fake_descriptor)
     ptrs = {a.name: PTR + 256 * i for i, a in enumerate(args) if a.kind in ("tma", "tensor")}
     scalars = {a.name: 3 + i for i, a in enumerate(args) if a.kind == "i32"}
     scalars.update({a.name: 0.5 + i for i, a in enumerate(args) if a.kind == "f32"})
-    params = runtime.pack_params(args, {**ptrs, **scalars}, SYMS)
+    params = driver.pack_params(args, {**ptrs, **scalars}, SYMS)
     sizes = [p[2] for p in cubin_table(manifest, data)["params"]]
     assert [len(p) for p in params] == sizes
     assert encoded == [(a.name, ptrs[a.name]) for a in args if a.kind == "tma"]
@@ -393,14 +414,14 @@ def test_kernel_refuses_mismatched_args(name, monkeypatch):
     comparison ever moved after cuLibraryLoadData this would fail here on a CPU machine."""
     _, _, args = load(name)
     with pytest.raises(RuntimeError, match="disagree with the cubin"):
-        runtime.Kernel(name, ARCH, _drop_last(list(args), monkeypatch))
+        driver.Kernel(name, ARCH, _drop_last(list(args), monkeypatch))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="loading a cubin needs a CUDA device")
 @pytest.mark.parametrize("name", KERNEL_IDS)
 def test_kernel_loads(name):
     manifest, _, args = load(name)
-    k = runtime.Kernel(name, ARCH, args)
+    k = driver.Kernel(name, ARCH, args)
     assert k.sizes == [p[2] for p in manifest["params"]]
     assert k.block == tuple(manifest["block"])
 
@@ -416,7 +437,7 @@ def test_shipped_kernels_do_not_spill(name):
     assert res["registers"] <= 255, res
 
 
-# K1's speed rests on how many of its CTAs one SM holds (bench/NOTES.md, "K1 in column passes"):
+# K1's speed rests on how many of its CTAs one SM holds (docs/notes/k1.md, "K1 in column passes"):
 # the ladder's K1 per head dim and the residency its registers and smem allow on an sm_90 SM
 K1_RESIDENCY = {64: 11, 128: 8, 256: 4}
 

@@ -1,64 +1,63 @@
-"""DSL-free launcher: cubins + manifests -> cuLaunchKernel on torch's current stream.
+"""The CUDA driver side: cubins loaded once, TMA descriptors encoded and cached, parameters
+packed and cached, kernels launched with cuLaunchKernel(Ex). Only torch and cuda.bindings are
+needed at run time (no DSL).
 
-Only torch and cuda.bindings are needed at run time. A manifest (written by kernels/build.py) names
-the entry point, block, dynamic shared memory and the parameter table read from the cubin; the
-argument list in kda_cute.abi says how to build each parameter.
+`substitute(fake)` routes every driver call to `fake` (an object with the cuda.bindings.driver
+functions this module calls) within its block: the tests' way to see, on a machine without a
+GPU, exactly what would be handed to the driver.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
-import functools
-import json
-import os
 import threading
-from pathlib import Path
 
-from . import abi
+from .. import abi
+from ..cubin import load_manifest
+from ..specs import args_for
 
-CUBIN_ROOT = Path(os.environ.get("KDA_CUTE_CUBIN_DIR", Path(__file__).parent / "_cubins"))
-BUILD_HINT = "build them with `make kernels` (or `python -m kernels.build --arch {arch}`)"
-
-
-class CubinsMissing(RuntimeError):
-    pass
+_substitute: list = []
 
 
-def _cu():
+def bindings():
+    """The driver module in use: cuda.bindings.driver, or the substitute."""
+    if _substitute:
+        return _substitute[-1]
     from cuda.bindings import driver
     return driver
 
 
+@contextlib.contextmanager
+def substitute(fake):
+    """Within the block, every driver call goes to `fake`; kernels loaded and descriptors
+    encoded are forgotten on entry and exit (they belong to one driver)."""
+    clear()
+    _substitute.append(fake)
+    try:
+        yield fake
+    finally:
+        _substitute.pop()
+        clear()
+
+
 def check(res):
     """cuda.bindings returns (err, *values): raise on error, return the values."""
-    cu = _cu()
+    cu = bindings()
     if not isinstance(res, tuple):
         res = (res,)
     err, vals = res[0], res[1:]
     if err != cu.CUresult.CUDA_SUCCESS:
         _, msg = cu.cuGetErrorString(err)
-        raise RuntimeError(f"CUDA driver error {err.name}: {msg.decode() if msg else ''}")
+        raise RuntimeError(f"CUDA driver error {getattr(err, 'name', err)}: "
+                           f"{msg.decode() if msg else ''}")
     if not vals:
         return None
     return vals[0] if len(vals) == 1 else vals
 
 
-@functools.lru_cache(maxsize=64)
-def arch_of(device) -> str:
-    """The cubin folder for a device (index or torch.device): sm_XY, with 'a' from sm_90 on."""
-    import torch
-    major, minor = torch.cuda.get_device_capability(device)
-    return f"sm_{major}{minor}" + ("a" if major >= 9 else "")
-
-
-def load_manifest(name: str, arch: str) -> tuple[dict, Path]:
-    folder = CUBIN_ROOT / arch
-    man, cub = folder / f"{name}.json", folder / f"{name}.cubin"
-    if not (man.exists() and cub.exists()):
-        raise CubinsMissing(f"no cubin '{name}' for {arch} in {folder}: "
-                            + BUILD_HINT.format(arch=arch))
-    return json.loads(man.read_text()), cub
+_lock = threading.Lock()
+_PACKED_MAX = 1024
 
 
 class Kernel:
@@ -76,23 +75,20 @@ class Kernel:
         self.smem = int(self.manifest["dynamic_smem_bytes"])
         image = path.read_bytes()
         self._image = ctypes.create_string_buffer(image, len(image))
-        cu = _cu()
+        cu = bindings()
         self._lib = check(cu.cuLibraryLoadData(ctypes.addressof(self._image), None, None, 0,
                                                None, None, 0))
         self._kernel = check(cu.cuLibraryGetKernel(self._lib, self.manifest["entry"].encode()))
         self._funcs: dict[int, object] = {}
         self._packed: dict[tuple, tuple] = {}
 
-    def load(self, device: int) -> None:
-        """Load the kernel on `device` now. A first load waits for the device to go idle, so a
-        kernel launched while another waits on it (K1 alongside K2) must be loaded before."""
-        self._function(device, self.smem)
-
-    def _function(self, device: int, smem: int):
-        """The kernel's CUfunction on `device`, allowed `smem` bytes of dynamic shared memory."""
+    def function(self, device: int, smem: int):
+        """The kernel's CUfunction on `device`, allowed `smem` bytes of dynamic shared memory.
+        A first load waits for the device to go idle: a run loads every kernel of its plan
+        before launching any (K1 alongside K2 waits on nothing, K2 waits on K1)."""
         f, allowed = self._funcs.get(device, (None, 0))
         if f is None or smem > allowed:
-            cu = _cu()
+            cu = bindings()
             if f is None:
                 f = check(cu.cuKernelGetFunction(self._kernel))
             attr = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
@@ -100,24 +96,20 @@ class Kernel:
             self._funcs[device] = (f, smem)
         return f
 
-    def launch_with(self, grid, values: dict, syms: dict, stream: int, device: int,
-                    smem: int | None = None, programmatic: bool = False) -> None:
-        """Pack `values` (see pack_params) and launch. The packed parameter block is cached by
-        everything it is made of, so a repeated call (same tensors, shapes and scalars: a
-        serving loop, a benchmark) skips the packing. `smem`: dynamic shared memory to reserve
-        per CTA, at least the kernel's (more keeps other kernels' CTAs off its SMs).
-        `programmatic`: launch as the programmatic dependent of the stream's previous kernel
-        (it may start once every CTA of that kernel has run griddepcontrol.launch_dependents)."""
-        key = (tuple(values.values()), tuple(syms.values()))
+    def packed(self, names: tuple, values: tuple, syms: tuple):
+        """The parameter block of `values` (by argument `names`: data pointers for tensors and
+        TMA arguments, numbers for scalars) and dynamic dimensions `syms`, packed once per
+        distinct block (a repeated call, a serving loop or a benchmark, skips the packing)."""
+        key = (values, syms)
         arr = self._packed.get(key)
         if arr is None:
-            arr = self._param_array(pack_params(self.args, values, syms))
+            params = pack_params(self.args, dict(zip(names, values, strict=True)), dict(syms))
+            arr = self._param_array(params)
             with _lock:
                 if len(self._packed) >= _PACKED_MAX:
                     self._packed.clear()
                 self._packed[key] = arr
-        recorded(self._launch, grid, arr, stream, device, max(self.smem, smem or 0),
-                 programmatic)
+        return arr
 
     def _param_array(self, params: list[bytes]):
         if [len(p) for p in params] != self.sizes:
@@ -127,10 +119,11 @@ class Kernel:
         ptrs = (ctypes.c_void_p * len(bufs))(*[ctypes.addressof(b) for b in bufs])
         return bufs, ptrs  # the buffers must outlive every launch that uses the pointers
 
-    def _launch(self, grid, arr, stream: int, device: int, smem: int,
-                programmatic: bool = False) -> None:
-        cu = _cu()
-        f = self._function(device, smem)
+    def launch(self, f, grid, arr, stream: int, smem: int, programmatic: bool = False) -> None:
+        """Launch CUfunction `f` (from `function`) with a packed block `arr` on `stream`.
+        `programmatic`: as the programmatic dependent of the stream's previous kernel (it may
+        start once every CTA of that kernel has run griddepcontrol.launch_dependents)."""
+        cu = bindings()
         if not programmatic:
             check(cu.cuLaunchKernel(f, *grid, *self.block, smem, cu.CUstream(stream),
                                     ctypes.addressof(arr[1]), 0))
@@ -148,66 +141,33 @@ class Kernel:
         check(cu.cuLaunchKernelEx(conf, f, ctypes.addressof(arr[1]), 0))
 
 
-_recorded = threading.local()
-
-
-@contextlib.contextmanager
-def recording():
-    """Within the block, every Kernel.launch_with made by this thread, and every call made
-    through `recorded`, is also appended to the list yielded as (function, arguments): what
-    `replay` does again, skipping everything that led to it."""
-    outer = getattr(_recorded, "steps", None)
-    _recorded.steps = steps = []
-    try:
-        yield steps
-    finally:
-        _recorded.steps = outer
-
-
-def recorded(fn, *args) -> None:
-    """fn(*args), noted in this thread's recording if one is open."""
-    steps = getattr(_recorded, "steps", None)
-    if steps is not None:
-        steps.append((fn, args))
-    fn(*args)
-
-
-def replay(steps: list) -> None:
-    """Make recorded calls again, in order (their streams and devices as recorded)."""
-    for fn, args in steps:
-        fn(*args)
-
-
 def memset_d32(ptr: int, value: int, count: int, stream: int) -> None:
     """`count` 32-bit words at `ptr` set to `value`, on `stream` (graph-capturable)."""
-    cu = _cu()
+    cu = bindings()
     check(cu.cuMemsetD32Async(ptr, value, count, cu.CUstream(stream)))
 
 
 def new_event() -> int:
     """A CUDA event without timing (for ordering streams), on the current context."""
-    cu = _cu()
-    ev = check(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING))
-    return int(ev)
+    cu = bindings()
+    return int(check(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING)))
 
 
 def record_event(event: int, stream: int) -> None:
     """`event` marks the work enqueued on `stream` so far."""
-    cu = _cu()
+    cu = bindings()
     check(cu.cuEventRecord(cu.CUevent(event), cu.CUstream(stream)))
 
 
 def wait_event(stream: int, event: int) -> None:
     """Work enqueued on `stream` from now on waits for `event`'s last record (no host wait)."""
-    cu = _cu()
+    cu = bindings()
     check(cu.cuStreamWaitEvent(cu.CUstream(stream), cu.CUevent(event), 0))
 
 
 # ------------------------------------------------------------------------- TMA descriptors
 _desc_cache: dict[tuple, bytes] = {}
 _DESC_CACHE_MAX = 4096
-_PACKED_MAX = 1024
-_lock = threading.Lock()
 
 
 def tma_descriptor(arg: abi.Arg, ptr: int, syms: dict) -> bytes:
@@ -232,7 +192,7 @@ def tma_descriptor(arg: abi.Arg, ptr: int, syms: dict) -> bytes:
 
 def encode_tiled(dtype: str, ptr: int, dims_inner_first, row_stride_bytes: int,
                  box_inner_first, swizzle: int = 0) -> bytes:
-    cu = _cu()
+    cu = bindings()
     sw = cu.CUtensorMapSwizzle
     swz = {0: sw.CU_TENSOR_MAP_SWIZZLE_NONE, 32: sw.CU_TENSOR_MAP_SWIZZLE_32B,
            64: sw.CU_TENSOR_MAP_SWIZZLE_64B, 128: sw.CU_TENSOR_MAP_SWIZZLE_128B}[swizzle]
@@ -283,8 +243,13 @@ def get_kernel(cfg, arch: str) -> Kernel:
     key = (cfg, arch)
     k = _kernels.get(key)
     if k is None:
-        args = abi.args_for(cfg)
         with _lock:
-            k = _kernels.get(key) or Kernel(cfg.name, arch, args)
+            k = _kernels.get(key) or Kernel(cfg.name, arch, args_for(cfg))
             _kernels[key] = k
     return k
+
+
+def clear() -> None:
+    """Forget loaded kernels, packed blocks and encoded descriptors."""
+    _kernels.clear()
+    _desc_cache.clear()

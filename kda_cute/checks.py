@@ -1,0 +1,295 @@
+"""Every check of a forward's inputs, in three kinds, each raising ValueError / TypeError that
+names the argument, what was expected and what was got:
+
+- metadata (`metadata`, `problem`, `scalars`, `options`, `config_for`): shapes, dtypes, strides,
+  devices, option values. They read no tensor memory and no device, so they run on FakeTensors
+  (a torch.library fake, the fla verifier) and on CPU tensors;
+- addresses (`addresses`, `workspace`): alignment and size of the memory the kernels touch;
+- values (`seqlens`): cu_seqlens' contents, a host sync, skipped during CUDA-graph capture.
+
+`forward` runs them all in that order, then the CUDA requirement (so every input error is found
+on a CPU too); `validate` is its form with fwd's argument list.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from .abi import SYM_DIV
+from .ladder import PRECISIONS, FwdConfig, select_config, supports
+from .problem import STATE_DTYPES, WY_MODES, Call, Options, Problem
+from .specs.prep import GATE_MODES
+
+
+def err(name: str, expected: str, got) -> ValueError:
+    return ValueError(f"{name}: expected {expected}, got {got}")
+
+
+def _dtype_name(d) -> str:
+    return str(d).replace("torch.", "")
+
+
+def tensor(name, t, dtypes, ndim=None, device=None):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        exp = " or ".join(_dtype_name(d) for d in dtypes)
+        raise TypeError(f"{name}: expected dtype {exp}, got {_dtype_name(t.dtype)}")
+    if ndim is not None and t.dim() != ndim:
+        raise err(name, f"a {ndim}-d tensor", f"shape {tuple(t.shape)}")
+    if device is not None and t.device != device:
+        raise err(name, f"a tensor on {device}", f"one on {t.device}")
+
+
+def _shape(name, t, shape):
+    if tuple(t.shape) != tuple(shape):
+        raise err(name, f"shape {tuple(shape)}", f"{tuple(t.shape)}")
+
+
+def _rows(name, t, div: int):
+    """[B, T, H, D] with D contiguous and heads packed; the token stride is free (a multiple of
+    `div` elements: TMA rows) but rows must not overlap (a kernel reads and writes whole token
+    rows)."""
+    B, T, H, D = t.shape
+    if t.stride(3) != 1 or (H > 1 and t.stride(2) != D):
+        raise err(name, f"the last two dims contiguous (strides (..., {D}, 1))",
+                  f"strides {tuple(t.stride())}")
+    if T > 1 and t.stride(1) < H * D:
+        raise err(name, f"a token stride >= H*D = {H * D} (rows must not overlap)",
+                  f"strides {tuple(t.stride())}")
+    if B > 1 and T > 0 and t.stride(0) != T * t.stride(1):
+        raise err(name, "batch stride == T * token stride", f"strides {tuple(t.stride())}")
+    if t.stride(1) % div:
+        raise err(name, f"token stride a multiple of {div} elements and a 16-byte aligned base",
+                  f"stride {t.stride(1)}")
+
+
+def options(gate="bounded", qk_l2norm=True, beta_sigmoid=True, segments=None, config=None,
+            precision="fast", alongside=None, wy=None) -> Options:
+    """Checked Options (alongside / wy None: the environment's defaults), made once per
+    distinct set of values (and their types: segments=True is not segments=1)."""
+    args = (gate, qk_l2norm, beta_sigmoid, segments, config, precision, alongside, wy)
+    try:
+        return _options(*args)
+    except TypeError as e:
+        if "unhashable" not in str(e):
+            raise
+        return _options.__wrapped__(*args)
+
+
+@functools.lru_cache(maxsize=256, typed=True)
+def _options(gate="bounded", qk_l2norm=True, beta_sigmoid=True, segments=None, config=None,
+            precision="fast", alongside=None, wy=None) -> Options:
+    if not isinstance(gate, str) or gate not in GATE_MODES:
+        raise err("gate", f"one of {sorted(GATE_MODES)}", repr(gate))
+    if segments is not None and (isinstance(segments, bool) or not isinstance(segments, int)
+                                 or segments < 1):
+        raise err("segments", "None or an int >= 1", repr(segments))
+    if precision not in PRECISIONS:
+        raise err("precision", f"one of {PRECISIONS}", repr(precision))
+    if config is not None:
+        if not isinstance(config, FwdConfig):
+            raise TypeError(f"config: expected a FwdConfig, got {type(config).__name__}")
+        ok, why = supports(config)
+        if not ok:
+            raise err("config", "a supported config", why)
+    if wy is not None and wy not in WY_MODES:
+        raise err("wy", f"one of {WY_MODES}", repr(wy))
+    extra = {k: v for k, v in (("alongside", alongside), ("wy", wy)) if v is not None}
+    return Options(precision=precision, gate=gate, qk_l2norm=bool(qk_l2norm),
+                   beta_sigmoid=bool(beta_sigmoid), segments=segments, config=config,
+                   **{k: (bool(v) if k == "alongside" else v) for k, v in extra.items()})
+
+
+def config_for(p: Problem, opts: Options | None = None) -> FwdConfig:
+    """The forward config for problem `p`: Options.config as given (its head dims checked),
+    or the ladder's for Options.precision (ladder.select_config)."""
+    opts = opts or Options()
+    config = opts.config
+    if config is not None:
+        if (config.prep.head_dim_k, config.recur.head_dim_v) != (p.K, p.V):
+            raise err("config", f"head dims ({p.K}, {p.V})",
+                      f"({config.prep.head_dim_k}, {config.recur.head_dim_v})")
+        return config
+    cfg = select_config(p.K, p.V, p.varlen, opts.precision)
+    if cfg is None:
+        raise err("q/v", "head dims (K, V) with a shipped config: (64, 64), (128, 128), "
+                  "(256, 256)", f"K={p.K}, V={p.V}")
+    return cfg
+
+
+def problem(c: Call, opts: Options) -> Problem:
+    """The tensors' metadata checks; returns the Problem they describe."""
+    q, k, v, g, beta, out = c.q, c.k, c.v, c.g, c.beta, c.out
+    tensor("q", q, (torch.bfloat16,), 4)
+    dev = q.device
+    B, T, H, K = q.shape
+    for name, t in (("k", k), ("g", g)):
+        tensor(name, t, (torch.bfloat16,), 4, dev)
+        _shape(name, t, (B, T, H, K))
+    tensor("v", v, (torch.bfloat16,), 4, dev)
+    if tuple(v.shape[:3]) != (B, T, H):
+        raise err("v", f"shape ({B}, {T}, {H}, V)", f"{tuple(v.shape)}")
+    V = v.shape[3]
+    tensor("beta", beta, (torch.bfloat16,), 3, dev)
+    _shape("beta", beta, (B, T, H))
+    if (H > 1 and beta.stride(2) != 1) or (T > 1 and beta.stride(1) < H) or (
+            B > 1 and T > 0 and beta.stride(0) != T * beta.stride(1)):
+        raise err("beta", "heads contiguous, token stride >= H, batch stride == T * token "
+                  "stride", f"strides {tuple(beta.stride())}")
+    if out is None:
+        raise err("out", "a bf16 tensor [B, T, H, V] to write", None)
+    tensor("out", out, (torch.bfloat16,), 4, dev)
+    _shape("out", out, (B, T, H, V))
+    _rows("out", out, SYM_DIV["sO"])
+    for name, t in (("q", q), ("k", k), ("g", g), ("v", v)):
+        _rows(name, t, SYM_DIV["s" + name.upper()])
+    if opts.gate != "none":
+        if c.A_log is None and opts.gate == "unbounded":
+            raise err("A_log", "a float32 tensor [H] for the unbounded gate", None)
+        if c.A_log is not None:
+            tensor("A_log", c.A_log, (torch.float32,), None, dev)
+            if c.A_log.numel() != H or not c.A_log.is_contiguous():
+                raise err("A_log", f"a contiguous float32 tensor of {H} elements",
+                          f"shape {tuple(c.A_log.shape)}")
+        if c.dt_bias is not None:
+            tensor("dt_bias", c.dt_bias, (torch.float32,), None, dev)
+            if c.dt_bias.numel() != H * K or not c.dt_bias.is_contiguous():
+                raise err("dt_bias", f"a contiguous float32 tensor [{H}, {K}] or [{H * K}]",
+                          f"shape {tuple(c.dt_bias.shape)}")
+    cu = c.cu_seqlens
+    if cu is not None:
+        tensor("cu_seqlens", cu, (torch.int64, torch.int32), 1, dev)
+        if B != 1:
+            raise err("q", "batch size 1 when cu_seqlens is given", f"batch size {B}")
+        if cu.numel() < 2:
+            raise err("cu_seqlens", "at least 2 entries [N+1]", f"{cu.numel()}")
+        if not cu.is_contiguous():
+            raise err("cu_seqlens", "a contiguous tensor", f"strides {tuple(cu.stride())}")
+        N = cu.numel() - 1
+    else:
+        N = B
+    for name, st in (("initial_state", c.initial_state), ("final_state", c.final_state)):
+        if st is None:
+            continue
+        tensor(name, st, STATE_DTYPES, 4, dev)
+        _shape(name, st, (N, H, V, K))
+        if not st.is_contiguous():
+            raise err(name, "a contiguous tensor", f"strides {tuple(st.stride())}")
+    # the gate parameters a bounded / unbounded gate reads (zeros where not given)
+    gated = opts.gate != "none"
+    return Problem(
+        B, T, H, K, V, N, cu is not None,
+        strides=(q.stride(1), k.stride(1), g.stride(1), v.stride(1), out.stride(1),
+                 beta.stride(1)),
+        state_in=None if c.initial_state is None else c.initial_state.dtype,
+        state_out=None if c.final_state is None else c.final_state.dtype,
+        A_log=gated and c.A_log is not None, dt_bias=gated and c.dt_bias is not None,
+        cu_int64=cu is not None and cu.dtype == torch.int64)
+
+
+def scalars(c: Call, opts: Options) -> None:
+    """scale, and lower_bound for the bounded gate (host values, no sync)."""
+    scale = c.scale
+    if (isinstance(scale, bool) or not isinstance(scale, (int, float))
+            or not math.isfinite(scale) or scale <= 0):
+        raise err("scale", "a finite positive float", repr(scale))
+    if opts.gate == "bounded":
+        lb = c.lower_bound
+        if not isinstance(lb, (int, float)) or not -5.0 <= lb < 0.0:
+            raise err("lower_bound", "a float in [-5, 0) for the bounded gate", repr(lb))
+
+
+def metadata(c: Call, opts: Options) -> Problem:
+    """Every check that reads no memory (FakeTensor-safe): the tensors', then the scalars'."""
+    p = problem(c, opts)
+    scalars(c, opts)
+    return p
+
+
+def addresses(c: Call) -> None:
+    """The TMA-read and -written tensors' bases are 16-byte aligned."""
+    for name in ("out", "q", "k", "g", "v"):
+        t = getattr(c, name)
+        if t.data_ptr() % 16:
+            raise err(name, f"token stride a multiple of {SYM_DIV['s' + name[0].upper()]} "
+                      "elements and a 16-byte aligned base", f"address {t.data_ptr()}")
+
+
+def require_cuda(c: Call) -> None:
+    if c.q.device.type != "cuda":
+        raise err("q", "a CUDA tensor", f"one on {c.q.device}")
+
+
+def capturing(dev) -> bool:
+    """Whether `dev`'s current stream is being captured into a CUDA graph."""
+    if dev.type != "cuda":
+        return False
+    with torch.cuda.device(dev):
+        return torch.cuda.is_current_stream_capturing()
+
+
+def seqlens(cu_seqlens: torch.Tensor, T: int) -> None:
+    """cu_seqlens' values: non-decreasing from 0 to at most T (a host sync)."""
+    cs = cu_seqlens.cpu()
+    if int(cs[0]) != 0 or bool((cs[1:] < cs[:-1]).any()) or int(cs[-1]) > T:
+        raise err("cu_seqlens", f"non-decreasing offsets from 0 to at most T={T}",
+                  cs.tolist() if cs.numel() < 17 else f"{cs[:8].tolist()}...")
+
+
+def workspace(ws: torch.Tensor, need: int, dev) -> None:
+    if (not isinstance(ws, torch.Tensor) or ws.dtype != torch.uint8 or ws.device != dev
+            or ws.numel() < need or not ws.is_contiguous()):
+        got = (f"{ws.dtype} [{ws.numel()}] on {ws.device}" if isinstance(ws, torch.Tensor)
+               else type(ws).__name__)
+        raise err("workspace", f"a contiguous uint8 CUDA tensor of >= {need} bytes on {dev}",
+                  got)
+
+
+def _meta(t):
+    """What the metadata checks read of an argument (hashable)."""
+    if isinstance(t, torch.Tensor):
+        return t.dtype, t.shape, t.stride(), t.device
+    return None if t is None else ("not a tensor", type(t))
+
+
+# metadata the checks passed, by _meta of each tensor and the options: a repeated call (a
+# serving loop's buffers, refilled each step) skips re-checking what cannot have changed
+_passed: dict[tuple, Problem] = {}
+_PASSED_MAX = 256
+
+
+def forward(c: Call, opts: Options, check_seqlens: bool = True, cuda: bool = True) -> Problem:
+    """Every check of a forward call, in order: metadata (a shipped or given config for its
+    head dims included), addresses, cu_seqlens' values (`check_seqlens`; not during capture),
+    the CUDA requirement (`cuda`). Returns its Problem."""
+    key = (opts, tuple(_meta(t) for t in c[:11]))
+    p = _passed.get(key)
+    if p is None:
+        p = problem(c, opts)
+        config_for(p, opts)
+        if len(_passed) >= _PASSED_MAX:
+            _passed.clear()
+        _passed[key] = p
+    scalars(c, opts)
+    addresses(c)
+    if check_seqlens and c.cu_seqlens is not None and not capturing(c.q.device):
+        seqlens(c.cu_seqlens, p.T)
+    if cuda:
+        require_cuda(c)
+    return p
+
+
+def clear() -> None:
+    _passed.clear()
+
+
+def validate(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state,
+             final_state, cu_seqlens, gate, check_seqlens=True, cuda=True) -> Problem:
+    """`forward`'s checks with fwd's arguments (gate as fwd's keyword): the Problem they
+    describe. cuda=False: tensors on any device (the checks on a CPU)."""
+    return forward(Call(q, k, v, g, beta, out, A_log, dt_bias, initial_state, final_state,
+                        cu_seqlens, scale, lower_bound), options(gate), check_seqlens, cuda)

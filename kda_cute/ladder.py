@@ -1,0 +1,183 @@
+"""The head-dim / layout ladder: which forwards and kernels ship, and which one a problem runs.
+
+A forward (`FwdConfig`) is one K1 and one K2 that agree on the chunk; the kernels' own configs
+and constraints are their specs' (kda_cute.specs). Everything here is pure data: no DSL import,
+no driver call. `all_kernels()` is the one list of every kernel built and shipped, read by the
+AOT build, the ABI tests, `cuda_ready` and the demo.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+
+from .specs import prep, recur
+from .specs.combine import CombineConfig
+from .specs.prep import PrepConfig
+from .specs.recur import RecurConfig
+
+HEAD_DIMS = (64, 128, 256)
+
+
+@dataclass(frozen=True)
+class FwdConfig:
+    """A forward: one K1 and one K2 that agree on the chunk size."""
+
+    prep: PrepConfig
+    recur: RecurConfig
+
+    @property
+    def chunk(self) -> int:
+        return self.prep.chunk
+
+
+def supports(cfg: FwdConfig) -> tuple[bool, str]:
+    if cfg.prep.chunk != cfg.recur.chunk:
+        return False, f"K1 chunk {cfg.prep.chunk} != K2 chunk {cfg.recur.chunk}"
+    if cfg.prep.alongside != cfg.recur.alongside:
+        return False, (f"K1 alongside {cfg.prep.alongside} != K2 alongside "
+                       f"{cfg.recur.alongside}")
+    if cfg.prep.f16 != cfg.recur.f16:
+        return False, f"K1 f16 {cfg.prep.f16} != K2 f16 {cfg.recur.f16}"
+    if cfg.prep.head_dim_k != cfg.recur.head_dim_k:
+        return False, (f"K1 head_dim_k {cfg.prep.head_dim_k} != K2 head_dim_k "
+                       f"{cfg.recur.head_dim_k}")
+    want = "bf16" if cfg.recur.mma == "wgmma" else "f32"
+    if cfg.prep.operands != want:
+        return False, (f"K2 mma {cfg.recur.mma!r} reads K1 operands {want!r}, got "
+                       f"{cfg.prep.operands!r}")
+    for ok, why in (prep.supports(cfg.prep), recur.supports(cfg.recur)):
+        if not ok:
+            return ok, why
+    return True, ""
+
+
+def _prep_threads(k: int) -> int:
+    """K1 threads: one per key column (K1's phase A maps threads to columns)."""
+    return max(128, k)
+
+
+def _fwd(k: int, v: int, chunk: int = 16, block_v: int = 16) -> FwdConfig:
+    """The first (fp32 SIMT) forward."""
+    return FwdConfig(PrepConfig(k, chunk, _prep_threads(k)), RecurConfig(k, v, chunk, block_v))
+
+
+def _tc_fwd(k: int, v: int, chunk: int = 16, stages: int = 4, f16: bool = False) -> FwdConfig:
+    """The tensor-core forward: K1 writes bf16 operands, K2 runs every product on wgmma. At
+    K = 64, chunk 16, K1 runs one thread per column (two warps): eleven CTAs per SM instead of
+    five, K1 0.293 -> 0.227 ms at B1 T8192 H64 (docs/notes/k1.md)."""
+    threads = 64 if (k, chunk) == (64, 16) else _prep_threads(k)
+    return FwdConfig(PrepConfig(k, chunk, threads, operands="bf16", f16=f16),
+                     RecurConfig(k, v, chunk, 64, stages=stages, mma="wgmma", f16=f16))
+
+
+# The tensor-core forwards: what the ladder picks. "fast" (the default): every K2 product one
+# fp16 warpgroup MMA, K1's operands fp16; "precise": the products on bf16 hi/lo splits (three
+# MMAs each), the fp32 state at ~5e-6 instead of ~3.5e-4 against float64
+# (docs/notes/precision.md), and bf16's range for the values (fp16's overflows past ~6.5e4:
+# README, limits).
+FAST: tuple[FwdConfig, ...] = tuple(_tc_fwd(d, d, f16=True) for d in HEAD_DIMS)
+PRECISE: tuple[FwdConfig, ...] = tuple(_tc_fwd(d, d) for d in HEAD_DIMS)
+TENSOR_CORE: tuple[FwdConfig, ...] = FAST + PRECISE
+PRECISIONS = ("fast", "precise")
+# The fp32 CUDA-core forwards: the accuracy baseline (fp32 products throughout), reachable with
+# fwd(config=...), used by the tests and the benchmark's --simt comparison.
+SIMT: tuple[FwdConfig, ...] = tuple(_fwd(d, d) for d in HEAD_DIMS)
+
+# Every config the build ships. The ladder (select_config) only picks from these.
+SHIPPED: tuple[FwdConfig, ...] = TENSOR_CORE + SIMT
+
+# Built and ABI-checked like the shipped ones, reachable through fwd(config=...), but not picked by
+# the ladder until their GPU tests have passed on the H200: chunk 32 (half the serial steps).
+EXPERIMENTAL: tuple[FwdConfig, ...] = (
+    tuple(_tc_fwd(d, d, chunk=32, stages=2) for d in HEAD_DIMS))
+
+
+# The segmented K2's state runs (from zero, and the identity rows): each tensor-core K2 without
+# its outputs (the segments schedule, kda_cute.plans.prefill; segments need K == V).
+SEGMENT_RUNS: tuple[RecurConfig, ...] = tuple(
+    RecurConfig(**{**f.recur.as_dict(), "outputs": False}) for f in TENSOR_CORE
+    if f.recur.head_dim_k == f.recur.head_dim_v)
+
+# K2 in the WY form (RecurConfig.wy), for the fp16 forwards at K >= 128: measured faster only
+# where each K2 CTA has an SM to itself (docs/notes/k2.md, "The fp16 forward in the WY form";
+# plans.schedule.k2_serial picks it): K2 -5 to -6% there, slower with two K2 CTAs on an SM and
+# alongside K1.
+WY_RUNS: tuple[RecurConfig, ...] = tuple(
+    RecurConfig(**{**f.recur.as_dict(), "wy": True}) for f in TENSOR_CORE
+    if f.recur.f16 and f.recur.head_dim_k >= 128)
+
+
+@functools.lru_cache(maxsize=64)
+def wy_of(recur: RecurConfig) -> RecurConfig | None:
+    """The WY-form build of a shipped K2 (WY_RUNS), or None."""
+    w = dataclasses.replace(recur, wy=True)
+    return w if w in WY_RUNS else None
+
+
+# K2 alongside K1 (plans.schedule.alongside): each tensor-core forward built to run its two
+# kernels at once, K1 flagging each (chunk, head) and K2 waiting on the flags (serial forwards
+# carry none of that code). K2's shared memory is padded to a whole SM's there, so at K = 64 and
+# 128 it streams its chunks through eight stages instead of four (K = 256's take 37 KB a stage).
+ALONGSIDE: tuple[FwdConfig, ...] = tuple(
+    FwdConfig(PrepConfig(**{**f.prep.as_dict(), "alongside": True}),
+              RecurConfig(**{**f.recur.as_dict(), "alongside": True,
+                             "stages": 8 if f.recur.head_dim_k <= 128 else f.recur.stages}))
+    for f in TENSOR_CORE)
+# K1 alongside K2 is held to fewer CTAs per SM than it fits (the launcher pads its shared
+# memory): at its full occupancy its memory traffic slows K2's steps, which set the pace. It
+# needs about this many CTAs per SM for each (sequence, head) pair per SM left to it (K2
+# consumes one chunk of every pair a step); fitted on the H200 (docs/notes/schedules.md: K = 64
+# H32 and H64, K = 128 H32, K = 256 H16, each the best of a sweep over CTAs per SM; K = 128
+# re-fitted for its fp16 forward, whose faster K2 steps need K1 further ahead: 6 CTAs per SM at
+# H32).
+ALONGSIDE_K1_PER_PAIR = {64: 12.0, 128: 13.0, 256: 8.0}
+
+
+@functools.lru_cache(maxsize=64)
+def alongside_of(cfg: FwdConfig) -> FwdConfig | None:
+    """The alongside build of a shipped tensor-core forward, or None (cached: the launch path
+    asks on every call)."""
+    for a in ALONGSIDE:
+        if (dataclasses.replace(a.prep, alongside=False) == cfg.prep
+                and dataclasses.replace(a.recur, alongside=False, stages=cfg.recur.stages)
+                == cfg.recur):
+            return a
+    return None
+
+
+# The segments' combine, one per head dim (the segmented K2 runs with K == V).
+COMBINE: tuple[CombineConfig, ...] = tuple(CombineConfig(d) for d in HEAD_DIMS)
+
+
+def combine_config(head_dim: int) -> CombineConfig | None:
+    for cfg in COMBINE:
+        if cfg.head_dim_k == head_dim:
+            return cfg
+    return None
+
+
+def select_config(head_dim_k: int, head_dim_v: int, varlen: bool,
+                  precision: str = "fast") -> FwdConfig | None:
+    """The head-dim / layout ladder: the shipped tensor-core config for (K, V) of `precision`
+    ("fast": fp16 products; "precise": bf16 hi/lo products). One config per head dim and
+    precision so far (chunk 16, 64 state rows per CTA); `varlen` is accepted for
+    layout-specific entries and not used yet."""
+    for cfg in FAST if precision == "fast" else PRECISE:
+        if cfg.prep.head_dim_k == head_dim_k and cfg.recur.head_dim_v == head_dim_v:
+            return cfg
+    return None
+
+
+def all_kernels() -> tuple:
+    """Every kernel config that is built and shipped, once each: the forwards' K1 and K2
+    (shipped, experimental and alongside builds), then K2's segment runs and WY builds and the
+    combines."""
+    seen, out = set(), []
+    for cfg in [c for f in SHIPPED + EXPERIMENTAL + ALONGSIDE for c in (f.prep, f.recur)] + [
+            *SEGMENT_RUNS, *WY_RUNS, *COMBINE]:
+        if cfg not in seen:
+            seen.add(cfg)
+            out.append(cfg)
+    return tuple(out)

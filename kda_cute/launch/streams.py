@@ -1,0 +1,40 @@
+"""Alongside forwards on different streams, one after another.
+
+Each K2 grid of an alongside forward holds up to half of the SMs while it waits for its K1, so
+two at once can leave K1 none: a hang, ended by K2's trap. One launched on another stream than
+the last waits (on the device, not the host) for that one's end; then an event marks its own
+end (one event per device, reused: a wait takes its last record at the time of the wait). The
+lock keeps host threads launching at once in order. Off during capture: a captured stream
+cannot wait on an event recorded outside it (graphs replayed at once on several streams are not
+covered)."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+from . import driver
+
+# per device: (the stream of the last alongside forward launched, an event recorded after it)
+_last: dict[int, tuple[int, int]] = {}
+_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def alongside_order(device: int, stream: int, enabled: bool):
+    if not enabled:
+        yield
+        return
+    with _lock:
+        last = _last.get(device)
+        if last is not None and last[0] != stream:
+            driver.wait_event(stream, last[1])
+        yield
+        event = last[1] if last is not None else driver.new_event()
+        driver.record_event(event, stream)
+        _last[device] = (stream, event)
+
+
+def forget() -> None:
+    """Forget the last alongside forwards (their events belong to a driver being replaced)."""
+    _last.clear()

@@ -1,0 +1,94 @@
+"""The workspace between K1 and K2: K1's outputs, K2's operands, one row per token slot of whole
+chunks, each plane 256-byte aligned from a 256-byte aligned base. Pure metadata."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from ..ladder import FwdConfig
+from ..problem import Problem
+
+_ELEM = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2, torch.int32: 4}
+ALIGN = 256
+
+
+def rows(p: Problem, chunk: int) -> tuple[int, int]:
+    """(chunks, rows) the workspace holds: every sequence's chunks, whole (a sequence's last
+    chunk padded to `chunk` rows, which K1 writes as zeros), B*T // chunk + N slots: a varlen
+    batch's sequence s starts at slot cu_seqlens[s] // chunk + s (`chunk_slots`)."""
+    nch = p.B * p.T // chunk + p.N
+    return nch, nch * chunk
+
+
+def layout(p: Problem, cfg: FwdConfig) -> list[tuple[str, tuple, torch.dtype]]:
+    """K1's outputs, in workspace order: fp32 for the SIMT K2; for the tensor-core K2 its 16-bit
+    operands, kd, Aw and Mq as (hi, lo) planes (one plane each in the f16 configs)."""
+    C, H, K = cfg.chunk, p.H, p.K
+    nch, R = rows(p, C)
+    f32, bf16 = torch.float32, torch.bfloat16
+    # one int32 per (chunk slot, head): K1 flags the pair once written, for a K2 running
+    # alongside it (zeroed before each such launch)
+    flags = ("flags", (nch * H,), torch.int32)
+    if cfg.prep.operands == "bf16":
+        h, planes = (torch.float16, 1) if cfg.prep.f16 else (bf16, 2)
+        return [("qg", (R, H, K), h), ("kg", (R, H, K), h), ("kd", (planes, R, H, K), h),
+                ("gl", (nch, H, K), f32), ("aw", (planes, R, H, C), h),
+                ("mq", (planes, R, H, C), h), flags]
+    return [("qg", (R, H, K), f32), ("kg", (R, H, K), f32), ("kd", (R, H, K), f32),
+            ("gl", (nch, H, K), f32), ("aw", (R, H, C), f32), ("mq", (R, H, C), f32), flags]
+
+
+@functools.lru_cache(maxsize=1024)
+def planes(p: Problem, cfg: FwdConfig) -> tuple[tuple, int]:
+    """((name, offset, bytes, shape, dtype), ...) from an aligned base, and the bytes a
+    workspace needs (one alignment's slack included)."""
+    out, start = [], 0
+    for name, shape, dtype in layout(_sized(p), cfg):
+        n = math.prod(shape) * _ELEM[dtype]
+        out.append((name, start, n, shape, dtype))
+        start += (n + ALIGN - 1) // ALIGN * ALIGN
+    return tuple(out), start + ALIGN
+
+
+def _sized(p: Problem) -> Problem:
+    """The fields the workspace depends on (so problems differing elsewhere share an entry)."""
+    return Problem(p.B, p.T, p.H, p.K, p.V, p.N, p.varlen)
+
+
+def workspace_bytes(p: Problem, cfg: FwdConfig) -> int:
+    """Bytes of the caller-ownable workspace: K1's outputs, each 256-byte aligned."""
+    return planes(_sized(p), cfg)[1]
+
+
+def views(workspace: torch.Tensor, p: Problem, cfg: FwdConfig) -> dict:
+    """K1's outputs as typed views into the workspace (each 256-byte aligned)."""
+    base = (-workspace.data_ptr()) % ALIGN
+    return {name: workspace[base + off:base + off + n].view(dtype).view(shape)
+            for name, off, n, shape, dtype in planes(_sized(p), cfg)[0]}
+
+
+def operand_offsets(p: Problem, cfg: FwdConfig) -> dict[str, int]:
+    """Each workspace argument of K1 and K2, by name, as a byte offset from the aligned base:
+    every plane, and for kd, Aw and Mq their hi and lo planes (lo after hi; the f16 configs have
+    one plane, which their kernels read and write as hi only: lo names the same plane)."""
+    out = {}
+    for name, off, n, shape, _ in planes(_sized(p), cfg)[0]:
+        out[name] = off
+        if name in ("kd", "aw", "mq"):
+            out[name + "h"] = off
+            out[name + "l"] = off + n // shape[0] * (shape[0] - 1)
+    return out
+
+
+def chunk_slots(cu_seqlens: torch.Tensor, chunk: int, ramp: torch.Tensor,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """Each varlen sequence's first workspace chunk slot (cu_chunks), cu_seqlens[s] // chunk +
+    s (`ramp` = 0, 1, ..., N): no prefix sum over the lengths, so two small kernels, and every
+    sequence's slots begin past the previous one's last chunk (floor((a + n) / C) - floor(a / C)
+    + 1 >= ceil(n / C) slots for n tokens). The slots between (at most one a sequence) hold no
+    tokens: K1 skips them, K2 never reads them. A fixed-length batch packs its chunks instead
+    (the segment offsets). `out`: an int32 tensor [N + 1] to write them into."""
+    return torch.div(cu_seqlens, chunk, rounding_mode="floor", out=out).add_(ramp)

@@ -1,0 +1,60 @@
+"""The segments' combine (kernels/kda_combine_sm90.py): its config, constraints and argument
+list. No DSL import here."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from ..abi import Arg, scalar, tensor
+
+
+@dataclass(frozen=True)
+class CombineConfig:
+    """The segments' combine (kda_cute.segments) of the few-heads K2: the start states
+    S_start(j + 1) = S_start(j) A_j + B_j in fp32. One CTA per (block of `rows` state rows, head,
+    sequence), one thread per key column (V = K: segments need K == V)."""
+
+    head_dim_k: int
+    rows: int = 8
+
+    @property
+    def name(self) -> str:
+        return f"kda_combine_k{self.head_dim_k}_r{self.rows}"
+
+    @property
+    def block_threads(self) -> int:
+        return self.head_dim_k
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def supports(cfg: CombineConfig) -> tuple[bool, str]:
+    if cfg.head_dim_k % 32 or not 32 <= cfg.head_dim_k <= 256:
+        return False, f"head_dim_k must be a multiple of 32 in [32, 256], got {cfg.head_dim_k}"
+    if cfg.rows not in (1, 2, 4, 8, 16) or cfg.head_dim_k % cfg.rows:
+        return False, f"rows must be 1, 2, 4, 8 or 16 and divide head_dim_k, got {cfg.rows}"
+    return True, ""
+
+
+def args(cfg: CombineConfig) -> list[Arg]:
+    """The combine's `__call__` arguments: NSP = sequences x segments, NS = sequences,
+    sS = H * K * K."""
+    K = cfg.head_dim_k
+
+    def states(name, rows, dsl):
+        return tensor(name, "float32", (rows, "H", K, K), ("sS", K * K, K, 1), dsl=dsl)
+
+    return [
+        states("maps", "NSP", "mA"), states("ends", "NSP", "mB"), states("s0", "NS", "mS0"),
+        states("starts", "NSP", "mStart"), states("final", "NS", "mFinal"),
+        scalar("segments"),
+        scalar("has_init"),
+        scalar("has_final"),
+        scalar("num_seqs", grid_only=True),
+        scalar("num_heads", grid_only=True),
+    ]
+
+
+def dsl_class(cfg: CombineConfig) -> str:
+    return "kernels.kda_combine_sm90:KdaCombineSm90"

@@ -1,0 +1,154 @@
+"""K2, the chunk recurrence (kernels/kda_recur_tc_sm90.py on tensor cores, kernels/kda_recur_sm90.py
+the fp32 CUDA-core baseline): its config, constraints and argument list. No DSL import here."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from ..abi import Arg, operand_dtype, operand_tma, scalar, tensor, tma, ws_tile
+
+
+@dataclass(frozen=True)
+class RecurConfig:
+    """K2 (chunk recurrence). One CTA per (sequence, head, block of `block_v` state rows)."""
+
+    head_dim_k: int
+    head_dim_v: int
+    chunk: int = 16
+    block_v: int = 16
+    threads: int = 128
+    stages: int = 2
+    mma: str = "simt"  # "simt": fp32 CUDA cores; "wgmma": bf16 warpgroup MMA (hi/lo update)
+    # False (wgmma): the state runs only, no output (no Pq and O products, no stores): the
+    # segments' runs from zero and from the identity (kda_cute.segments), whose outputs are
+    # not used
+    outputs: bool = True
+    # True (wgmma): K1 runs alongside and flags each (chunk, head); wait for a chunk's flag
+    # before loading it
+    alongside: bool = False
+    # True (wgmma): every product on fp16 operands, one each (K1's qg, kg, kd, Aw and Mq in
+    # fp16, no lo planes: PrepConfig.f16; the state converted to fp16 for P and Pq) instead of
+    # U, O and the update as three bf16 products of hi/lo splits
+    f16: bool = False
+    # True (f16): the WY form, U^T = v^T Aw^T + S kgw^T with kgw = -Aw kg formed by the
+    # producer warp from each landed stage (no P = S kg^T before U on the serial chain); the
+    # launcher takes it where each K2 CTA has its SM to itself (ladder.WY_RUNS)
+    wy: bool = False
+
+    @property
+    def name(self) -> str:
+        tag = "" if self.mma == "simt" else f"_{self.mma}"
+        no = "" if self.outputs else "_noout"
+        al = "_al" if self.alongside else ""
+        f16 = "_f16" if self.f16 else ""
+        wy = "_wy" if self.wy else ""
+        return (f"kda_recur{tag}_k{self.head_dim_k}_v{self.head_dim_v}_c{self.chunk}"
+                f"_bv{self.block_v}_t{self.threads}_s{self.stages}{f16}{wy}{no}{al}")
+
+    @property
+    def block_threads(self) -> int:
+        """Threads per CTA: `threads` compute threads, plus one TMA producer warp for wgmma."""
+        return self.threads + (32 if self.mma == "wgmma" else 0)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def supports(cfg: RecurConfig) -> tuple[bool, str]:
+    if cfg.head_dim_k % 8 or not 8 <= cfg.head_dim_k <= 256:
+        return False, f"head_dim_k must be a multiple of 8 in [8, 256], got {cfg.head_dim_k}"
+    if cfg.head_dim_v % 8 or not 8 <= cfg.head_dim_v <= 256:
+        return False, f"head_dim_v must be a multiple of 8 in [8, 256], got {cfg.head_dim_v}"
+    if not 1 <= cfg.chunk <= 32:
+        return False, f"chunk must be in [1, 32], got {cfg.chunk}"
+    if cfg.block_v < 1 or cfg.head_dim_v % cfg.block_v:
+        return False, f"block_v {cfg.block_v} must divide head_dim_v {cfg.head_dim_v}"
+    if cfg.threads % cfg.block_v or cfg.head_dim_k % (cfg.threads // cfg.block_v):
+        return False, (f"threads/block_v ({cfg.threads}/{cfg.block_v}) must divide "
+                       f"head_dim_k {cfg.head_dim_k}")
+    tpr = cfg.threads // cfg.block_v
+    if tpr > 32 or 32 % tpr:
+        return False, f"threads per state row (threads/block_v) must be a power of two <= 32, " \
+            f"got {tpr}"
+    most = 8 if cfg.mma == "wgmma" else 4
+    if not 1 <= cfg.stages <= most:
+        return False, f"stages must be in [1, {most}] for mma {cfg.mma!r}, got {cfg.stages}"
+    if cfg.mma not in ("simt", "wgmma"):
+        return False, f"mma must be 'simt' or 'wgmma', got {cfg.mma!r}"
+    if not cfg.outputs and cfg.mma != "wgmma":
+        return False, f"outputs=False needs mma 'wgmma', got {cfg.mma!r}"
+    if cfg.f16 and cfg.mma != "wgmma":
+        return False, f"f16 needs mma 'wgmma', got {cfg.mma!r}"
+    if cfg.wy and not (cfg.f16 and cfg.outputs and not cfg.alongside and cfg.chunk == 16):
+        return False, (f"wy needs f16, outputs, chunk 16 and no alongside, got f16={cfg.f16}, "
+                       f"outputs={cfg.outputs}, chunk={cfg.chunk}, alongside={cfg.alongside}")
+    if cfg.alongside and (cfg.mma != "wgmma" or not cfg.outputs):
+        return False, (f"alongside needs mma 'wgmma' with outputs, got {cfg.mma!r}, "
+                       f"outputs={cfg.outputs}")
+    if cfg.mma == "wgmma" and (cfg.block_v != 64 or cfg.threads != 128
+                               or cfg.head_dim_k % 64 or cfg.chunk not in (16, 32)
+                               or cfg.stages < 2):
+        return False, (f"mma 'wgmma' needs block_v 64, threads 128, head_dim_k % 64 == 0, "
+                       f"chunk 16 or 32 and stages >= 2, got {cfg.block_v}, {cfg.threads}, "
+                       f"{cfg.head_dim_k}, {cfg.chunk}, {cfg.stages}")
+    return True, ""
+
+
+def args(cfg: RecurConfig) -> list[Arg]:
+    """K2's `__call__` arguments, in order."""
+    K, C = cfg.head_dim_k, cfg.chunk
+    if cfg.mma == "wgmma":
+        dt = operand_dtype(cfg.f16)
+        return [
+            operand_tma("kg", "HK", C, K, dtype=dt),
+            operand_tma("qg", "HK", C, K, dtype=dt),
+            operand_tma("kdh", "HK", C, K, mn_major=True, dtype=dt),
+            operand_tma("kdl", "HK", C, K, mn_major=True, dtype=dt),
+            operand_tma("awh", "HC", C, C, dtype=dt),
+            operand_tma("awl", "HC", C, C, dtype=dt),
+            operand_tma("mqh", "HC", C, C, dtype=dt),
+            operand_tma("mql", "HC", C, C, dtype=dt),
+            *_common(cfg),
+            Arg("mma_p", "mma", kernel_only=True),
+            Arg("mma_s", "mma", kernel_only=True),
+        ]
+    return [
+        ws_tile("kg", "float32", "HK", (K, C)),
+        ws_tile("qg", "float32", "HK", (K, C)),
+        ws_tile("kd", "float32", "HK", (K, C)),
+        ws_tile("aw", "float32", "HC", (C, C)),
+        ws_tile("mq", "float32", "HC", (C, C)),
+        *_common(cfg),
+    ]
+
+
+def _common(cfg: RecurConfig) -> list[Arg]:
+    K, V, C, BV = cfg.head_dim_k, cfg.head_dim_v, cfg.chunk, cfg.block_v
+    tc = cfg.mma == "wgmma"
+    return [
+        tma("gl", "float32", ("NCH", "HK"), ("HK", 1), (K, 1)),
+        tma("v", "bfloat16", ("T", "HV"), ("sV", 1), (BV, C)),
+        tensor("out", "bfloat16", ("T", "H", V), ("sO", V, 1)),
+        *([tma("out_tma", "bfloat16", ("T", "HV"), ("sO", 1), (16, C), dsl="mOutT")]
+          if tc else []),
+        tensor("s0f", "float32", ("NS", "H", V, K), ("sS", V * K, K, 1)),
+        tensor("s0h", "bfloat16", ("NS", "H", V, K), ("sS", V * K, K, 1)),
+        tensor("s1f", "float32", ("NS", "H", V, K), ("sS", V * K, K, 1)),
+        tensor("s1h", "bfloat16", ("NS", "H", V, K), ("sS", V * K, K, 1)),
+        tensor("cu_seqlens", "int32", ("N1",), (1,), dsl="mCuSeq"),
+        tensor("cu_chunks", "int32", ("N1",), (1,), dsl="mCuChunk"),
+        # read only by an alongside build
+        *([tensor("flags", "int32", ("FL",), (1,))] if tc else []),
+        scalar("num_seqs", grid_only=True),
+        scalar("num_heads", grid_only=True),
+        scalar("state_in"),
+        scalar("state_out"),
+        # 1: grid z runs the z-th longest sequence (varlen, fewer than the CTA's threads)
+        *([scalar("ordered")] if tc else []),
+    ]
+
+
+def dsl_class(cfg: RecurConfig) -> str:
+    if cfg.mma == "wgmma":
+        return "kernels.kda_recur_tc_sm90:KdaRecurTcSm90"
+    return "kernels.kda_recur_sm90:KdaRecurSm90"
