@@ -20,7 +20,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from kda_cute.config import select_config  # noqa: E402
+from kda_cute import select_config  # noqa: E402
 from kda_cute.reference import rel_err  # noqa: E402
 from kda_cute.testing import errors, make_inputs, reference  # noqa: E402
 

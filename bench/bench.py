@@ -96,13 +96,26 @@ def compulsory_bytes(inp) -> int:
 
 def problem_of(x, check_seqlens=True):
     """kda_cute's validated problem for a dict of inputs (make_inputs' keys plus out and
-    final_state), the bounded gate."""
+    final_state), the bounded gate. CPU inputs (the CPU tests) get every check but the CUDA
+    requirement; CUDA ones the checks as fwd makes them (the call an older revision's
+    kda_cute takes too: bench/probes/host_probe.py --tree)."""
     from kda_cute import api
 
+    cpu = {} if x["q"].is_cuda else {"cuda": False}
     return api.validate(x["q"], x["k"], x["v"], x["g"], x["beta"], x["scale"], x["out"],
                         x["A_log"], x["dt_bias"], x["lower_bound"], x["initial_state"],
                         x["final_state"], x["cu_seqlens"], "bounded",
-                        check_seqlens=check_seqlens)
+                        check_seqlens=check_seqlens, **cpu)
+
+
+def call_of(x):
+    """kda_cute's Call of a dict of inputs (make_inputs' keys plus out and final_state): what
+    kda_cute.launch.run and kda_cute.bind take with a plan."""
+    from kda_cute import Call
+
+    return Call(x["q"], x["k"], x["v"], x["g"], x["beta"], x["out"], x["A_log"], x["dt_bias"],
+                x["initial_state"], x["final_state"], x["cu_seqlens"], x["scale"],
+                x["lower_bound"])
 
 
 def input_sets(spec, K, seed: int = 1, *, later_seed: int | None = None, configs=(None,),
@@ -204,16 +217,40 @@ def kda_runner(config=None):
     return run
 
 
+def plan_runner(pl):
+    """A runner of plan `pl` (kda_cute.launch.run on each input set, with the set's workspace):
+    for probes that run a plan they edited (every set has the plan's problem)."""
+    from kda_cute import launch
+
+    def run(x):
+        launch.run(pl, call_of(x), x["workspace"])
+    return run
+
+
+def k1_plan(p, device, config=None):
+    """The plan of K1 alone: a serial forward's plan (K1 as it runs there: its own build, grid
+    and shared memory, not programmatic; a varlen batch's offsets before it) restricted to K1
+    (Plan.only), on `device` (a torch device or index)."""
+    from kda_cute import Options, plan
+    from kda_cute.plans import device_info
+
+    opts = Options(precision=PRECISION, config=config, segments=1, alongside=False)
+    return plan(p, opts, device_info(device)).only("K1")
+
+
 def k1_runner(config=None):
-    """K1 alone (the same launch path, stopping before K2)."""
-    from kda_cute import api
+    """K1 alone (k1_plan, run with kda_cute.launch.run on each set's workspace)."""
+    from kda_cute import launch
+
+    made = {}
 
     def run(x):
         p = problem_of(x, check_seqlens=False)
-        api.launch_forward(x["q"], x["k"], x["v"], x["g"], x["beta"], x["scale"], x["out"],
-                           x["A_log"], x["dt_bias"], x["lower_bound"], x["initial_state"],
-                           x["final_state"], x["cu_seqlens"], x["workspace"], "bounded", True,
-                           True, p, api.config_for(p, config, PRECISION), run_recurrence=False)
+        key = (p, x["q"].device)
+        pl = made.get(key)
+        if pl is None:
+            pl = made[key] = k1_plan(p, x["q"].device, config)
+        launch.run(pl, call_of(x), x["workspace"])
     return run
 
 
@@ -247,7 +284,7 @@ def fla_runner():
 
 def bench_case(name, spec, K, iters, fla, ceiling, simt=False, sweep=False):
     from kda_cute import api
-    from kda_cute.config import EXPERIMENTAL, SHIPPED, SIMT
+    from kda_cute.ladder import EXPERIMENTAL, SHIPPED, SIMT
     simt_cfg = next((c for c in SIMT if c.prep.head_dim_k == K), None) if simt else None
     # --sweep: every tensor-core config for this head dim, shipped and experimental
     sweep_cfgs = [c for c in SHIPPED + EXPERIMENTAL if c.prep.head_dim_k == K
@@ -423,7 +460,7 @@ def main(argv=None):
     ap.add_argument("--sweep", action="store_true",
                     help="also time every tensor-core tile config (shipped and experimental)")
     ap.add_argument("--simt", action="store_true",
-                    help="also time the fp32 CUDA-core baseline forward (config.SIMT)")
+                    help="also time the fp32 CUDA-core baseline forward (ladder.SIMT)")
     ap.add_argument("--segments", type=int, default=0,
                     help="K2's segments per sequence (0: the launcher's choice; 1: none)")
     ap.add_argument("--precision", choices=("fast", "precise"), default="fast",

@@ -262,15 +262,15 @@ _passed: dict[tuple, Problem] = {}
 _PASSED_MAX = 256
 
 
-def forward(c: Call, opts: Options, check_seqlens: bool = True, cuda: bool = True) -> Problem:
-    """Every check of a forward call, in order: metadata (a shipped or given config for its
-    head dims included), addresses, cu_seqlens' values (`check_seqlens`; not during capture),
-    the CUDA requirement (`cuda`). Returns its Problem."""
-    key = (opts, tuple(_meta(t) for t in c[:11]))
+def forward(c: Call, opts: Options, check_seqlens: bool = True, cuda: bool = True,
+            config: bool = True) -> Problem:
+    """Every check of a forward call, in order: the tensors' metadata, the scalars, addresses,
+    cu_seqlens' values (`check_seqlens`; not during capture), a shipped or given config for the
+    head dims (`config`), the CUDA requirement (`cuda`). Returns its Problem."""
+    key = (opts, tuple(map(_meta, c[:11])))
     p = _passed.get(key)
     if p is None:
         p = problem(c, opts)
-        config_for(p, opts)
         if len(_passed) >= _PASSED_MAX:
             _passed.clear()
         _passed[key] = p
@@ -278,6 +278,8 @@ def forward(c: Call, opts: Options, check_seqlens: bool = True, cuda: bool = Tru
     addresses(c)
     if check_seqlens and c.cu_seqlens is not None and not capturing(c.q.device):
         seqlens(c.cu_seqlens, p.T)
+    if config:
+        config_for(p, opts)
     if cuda:
         require_cuda(c)
     return p
@@ -289,7 +291,9 @@ def clear() -> None:
 
 def validate(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state,
              final_state, cu_seqlens, gate, check_seqlens=True, cuda=True) -> Problem:
-    """`forward`'s checks with fwd's arguments (gate as fwd's keyword): the Problem they
-    describe. cuda=False: tensors on any device (the checks on a CPU)."""
+    """`forward`'s checks with fwd's arguments (gate as fwd's keyword), head dims without a
+    config aside: the Problem they describe. cuda=False: tensors on any device (the checks on a
+    CPU)."""
     return forward(Call(q, k, v, g, beta, out, A_log, dt_bias, initial_state, final_state,
-                        cu_seqlens, scale, lower_bound), options(gate), check_seqlens, cuda)
+                        cu_seqlens, scale, lower_bound), options(gate), check_seqlens, cuda,
+                   config=False)

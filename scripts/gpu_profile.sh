@@ -12,7 +12,7 @@ ncu --clock-control none -k regex:kda --launch-skip 4 --launch-count 2 \
   --section SpeedOfLight --section Occupancy --section WarpStateStats --section SchedulerStats \
   --section MemoryWorkloadAnalysis --section LaunchStats --section SourceCounters \
   --print-details all -o "$OUT/profile" -f \
-  python3 bench/profile_case.py "$CASE" --head-dim "$HD" > "$OUT/ncu_run.log" 2>&1
+  python3 bench/probes/profile_case.py "$CASE" --head-dim "$HD" > "$OUT/ncu_run.log" 2>&1
 ncu -i "$OUT/profile.ncu-rep" --print-details all > "$OUT/ncu_summary.txt" 2>&1
 ncu -i "$OUT/profile.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_sass.csv" 2>&1
 python3 scripts/sass_hot.py "$OUT/ncu_sass.csv" | tee "$OUT/ncu_hot.txt"

@@ -413,7 +413,8 @@ class _Props:
 
 @contextmanager
 def fake_device(monkeypatch):
-    """torch.cuda as an H200 on device 0 would answer, stream 0, never capturing."""
+    """torch.cuda as an H200 on device 0 would answer, stream 0, never capturing (torch's
+    device and stream contexts do nothing)."""
     class _Dev:
         def __init__(self, *a):
             pass
@@ -430,6 +431,7 @@ def fake_device(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: _Ns(cuda_stream=0))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "device", _Dev)
+    monkeypatch.setattr(torch.cuda, "stream", _Dev)
     yield
 
 
@@ -456,6 +458,7 @@ def _launch(spec: dict, call: dict, ws: torch.Tensor, drv: FakeDriver) -> str:
     from kda_cute import api, launch
     from kda_cute.launch import driver as kd
     api.clear_caches()
+    launch.streams.forget()  # no event wait for an earlier test's alongside forward
     c, pl = _plan(spec, call)
     with kd.substitute(drv):
         launch.run(pl, c, ws)

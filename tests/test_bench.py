@@ -15,7 +15,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _load(name):
-    spec = importlib.util.spec_from_file_location(f"_bench_{name}", ROOT / "bench" / f"{name}.py")
+    """bench/<name>.py as a module (name may have a folder: "probes/host_probe")."""
+    spec = importlib.util.spec_from_file_location(f"_bench_{name.replace('/', '_')}",
+                                                  ROOT / "bench" / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -185,7 +187,7 @@ def test_input_sets_rotate_poisoned_sets_with_workspaces(monkeypatch):
     """input_sets (CPU inputs): enough sets for 3x the L2, the seeds it documents, NaN outputs,
     and a workspace large enough for every config asked for."""
     from kda_cute import api
-    from kda_cute.config import EXPERIMENTAL
+    from kda_cute.ladder import EXPERIMENTAL
     from kda_cute.testing import make_inputs
 
     seeds = []
@@ -197,7 +199,6 @@ def test_input_sets_rotate_poisoned_sets_with_workspaces(monkeypatch):
 
     monkeypatch.setattr(bench, "case_inputs", cpu_inputs)
     monkeypatch.setattr(bench, "L2_BYTES", 3 * 2**20)
-    monkeypatch.setattr(api, "_check_device", lambda *a: None)  # CPU tensors
     spec, K = (1, 256, 4), 64
     wide = next(c for c in EXPERIMENTAL if c.prep.head_dim_k == K)
     sets = bench.input_sets(spec, K, 7, later_seed=0, configs=[None, wide])
@@ -220,7 +221,7 @@ def test_host_probe_times_the_calls_per_round(monkeypatch):
     through the input sets and synchronising between rounds."""
     import time
 
-    host_probe = _load("host_probe")
+    host_probe = _load("probes/host_probe")
     syncs = []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: syncs.append(1))
     seen = []
@@ -233,3 +234,231 @@ def test_host_probe_times_the_calls_per_round(monkeypatch):
     assert 2.0 <= lo <= hi < 50.0
     assert seen[:4] == ["a", "b", "c", "a"] and len(seen) == 12
     assert len(syncs) == 3
+
+
+# ------------------------------------------------ the probes' plans (bench/probes), on a CPU
+def _cpu_inputs(**kw):
+    """make_inputs on the CPU with bench.py's out, final state and workspace: (inputs, problem)."""
+    from kda_cute import api
+    from kda_cute.testing import make_inputs
+
+    x = make_inputs(device="cpu", **kw)
+    x["out"] = torch.empty_like(x["v"])
+    x["final_state"] = torch.empty_like(x["initial_state"])
+    p = bench.problem_of(x)
+    x["workspace"] = torch.empty(api.workspace_bytes(p, api.config_for(p)), dtype=torch.uint8)
+    return x, p
+
+
+def _driver_ops(monkeypatch, fn, *args):
+    """What fn(*args) hands the CUDA driver (faked, torch.cuda as an H200's): each launch as
+    (kernel, shared memory, programmatic), each memset as ("memset", value)."""
+    from kda_cute.launch import driver
+    from tests import launch_record
+
+    drv = launch_record.driver()
+    drv.ops = []
+    with launch_record.fake_device(monkeypatch), driver.substitute(drv):
+        fn(*args)
+    return [(o["kernel"], o["smem"], o["programmatic"]) if o["op"] == "launch"
+            else ("memset", o["value"]) for o in drv.ops if o["op"] in ("launch", "memset_d32")]
+
+
+@pytest.fixture
+def probes(monkeypatch):
+    """bench/probes/<name>.py loaded as a probe runs (its siblings and bench.py importable), the
+    modules it imported forgotten afterwards."""
+    import sys
+
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    before = set(sys.modules)
+    yield lambda name: _load(f"probes/{name}")
+    for name in set(sys.modules) - before:
+        if (getattr(sys.modules[name], "__file__", None) or "").startswith(str(ROOT / "bench")):
+            del sys.modules[name]
+
+
+@pytest.mark.parametrize("mode,expect", [
+    ("serial", [("K1", "prep"), ("K2", "recur")]),
+    ("alongside", [("zero flags", 0), ("K2", "recur"), ("K1", "prep")]),
+    ("preset", [("zero flags", 1), ("K2", "recur"), ("K1", "prep")]),
+    ("k2-only", [("zero flags", 1), ("K2", "recur")])])
+def test_alongside_probe_schedules(probes, monkeypatch, mode, expect):
+    """bench/probes/alongside_probe.py's four schedules are the plans its docstring says (the
+    steps, their kinds and kernels, the flags memset's value), the driver is handed just that,
+    and the launcher's own plan is left as it was."""
+    from kda_cute import Options, plan, plans
+    from kda_cute.ladder import alongside_of
+    from kda_cute.plans.steps import Launch, Memset
+
+    probe = probes("alongside_probe")
+    # 2 K2 CTAs on an H200's 132 SMs, 32 chunks: the launcher runs K2 alongside K1
+    x, p = _cpu_inputs(B=1, T=32 * 16, H=2, K=64)
+    own = plan(p, Options(alongside=True), plans.H200)
+    assert str(own.schedule) == "alongside"
+    pl = probe.schedules(p, plans.H200)[mode]
+    cfg = own.config if mode == "serial" else alongside_of(own.config)
+    kernels = {"prep": cfg.prep, "recur": cfg.recur}
+    want = [(name, Memset, e) if isinstance(e, int) else (name, Launch, kernels[e])
+            for name, e in expect]
+    assert [(s.name, type(s), s.value if isinstance(s, Memset) else s.kernel)
+            for s in pl.steps] == want
+    if mode == "serial":
+        assert pl == plan(p, Options(alongside=False), plans.H200)
+        assert not any(s.programmatic for s in pl.launches())
+    else:
+        # the launcher's steps but for the memset's value: the flags of every (chunk, head)
+        # pair, K2 on a whole SM's shared memory, K1 its programmatic dependent
+        flags = own.step("zero flags")
+        nch = plans.workspace.rows(p, own.config.chunk)[0]
+        assert (pl.step("zero flags").target, pl.step("zero flags").count) == (
+            flags.target, nch * p.H)
+        assert all(s == own.step(s.name) for s in pl.launches())
+        assert pl.step("K2").smem == plans.H200.smem_per_block
+    ops = _driver_ops(monkeypatch, probe.bench.plan_runner(pl), x)
+    assert [o[1] if o[0] == "memset" else o[0] for o in ops] == [
+        e if isinstance(e, int) else kernels[e].name for _, e in expect]
+    assert [o[2] for o in ops if o[0] != "memset"] == [
+        mode != "serial" and e == "prep" for _, e in expect if not isinstance(e, int)]
+    assert own == plan(p, Options(alongside=True), plans.H200)
+    assert own.step("zero flags").value == 0
+
+
+def test_alongside_probe_holds_k1(probes):
+    """--k1-ctas N: K1 beside K2 reserves the shared memory that holds it to N CTAs per SM of
+    an H200 (a third of 233472 bytes in whole 128-byte units, less the 1 KB a CTA's system
+    share takes); the other steps, and the serial and k2-only plans, as without it."""
+    from kda_cute import plans
+
+    probe = probes("alongside_probe")
+    _, p = _cpu_inputs(B=1, T=32 * 16, H=2, K=64)
+    plain = probe.schedules(p, plans.H200)
+    held = probe.schedules(p, plans.H200, ctas=3)
+    # the launcher holds K1 to one CTA per SM here (2 pairs on 130 SMs)
+    assert plain["alongside"].step("K1").smem == 233472 - 1024
+    for mode in ("alongside", "preset"):
+        k1 = held[mode].step("K1")
+        assert k1.smem == 233472 // 3 // 128 * 128 - 1024 and k1.programmatic
+        assert ([s for s in held[mode].steps if s.name != "K1"]
+                == [s for s in plain[mode].steps if s.name != "K1"])
+    assert held["serial"] == plain["serial"] and held["k2-only"] == plain["k2-only"]
+
+
+def test_alongside_probe_shared_forces_alongside(probes, monkeypatch):
+    """--shared: the alongside schedule where the launcher runs K1 then K2 (67 K2 CTAs, more
+    than half of 132 SMs), K2 at its own shared memory and the device's own grid, K1 held to
+    the launcher's CTAs per SM (or --k1-ctas') in what one K2 CTA leaves of an SM; a shape the
+    launcher splits into segments keeps its plan (nothing to probe)."""
+    from kda_cute import Options, Problem, plan, plans
+    from kda_cute.ladder import alongside_of
+    from kda_cute.plans.device import resources
+    from kda_cute.plans.schedule import k1_alongside_ctas
+    from kda_cute.plans.steps import Memset, Scalar
+
+    probe = probes("alongside_probe")
+    x, p = _cpu_inputs(B=1, T=32 * 16, H=67, K=64)
+    own = plan(p, Options(alongside=True), plans.H200)
+    assert str(own.schedule) == "serial"
+    acfg = alongside_of(own.config)
+    k1_own, k2_own = (resources(c, "sm_90a").smem for c in (acfg.prep, acfg.recur))
+    left = 233472 - -(-(k2_own + 1024) // 128) * 128  # an SM less one K2 CTA's allocation
+    for ctas in (None, 2):
+        modes = probe.schedules(p, plans.H200, ctas=ctas, shared=True)
+        pl = modes["alongside"]
+        assert str(pl.schedule) == "alongside" and pl.device == plans.H200
+        assert [(s.name, type(s).__name__) for s in pl.steps] == [
+            ("zero flags", "Memset"), ("K2", "Launch"), ("K1", "Launch")]
+        k2, k1 = pl.step("K2"), pl.step("K1")
+        assert (k2.kernel, k1.kernel) == (acfg.recur, acfg.prep)
+        assert k2.grid == own.step("K2").grid == (1, 67, 1) and k2.smem == k2_own
+        assert k2.source("ordered") == own.step("K2").source("ordered")
+        n = ctas or k1_alongside_ctas(p, 67, plans.H200, resources(acfg.prep, "sm_90a"))
+        assert k1.programmatic and k1.smem == max(k1_own, left // n // 128 * 128 - 1024)
+        flags = pl.step("zero flags")
+        assert flags.value == 0 and modes["k2-only"].steps == (
+            Memset("zero flags", flags.target, 1, flags.count), k2)
+    ops = _driver_ops(monkeypatch, probe.bench.plan_runner(pl), x)  # --k1-ctas 2's
+    assert ops == [("memset", 0), (acfg.recur.name, k2_own, False),
+                   (acfg.prep.name, k1.smem, True)]
+    # a varlen batch whose K2 grid takes more than one wave of an H200: K2 takes its sequences
+    # longest first, as the launcher's plan has it (one planned for more SMs would not)
+    pv = Problem(1, 16 * 512, 64, 64, 64, 16, True, state_in=torch.float32,
+                 state_out=torch.float32, cu_int64=True)
+    own_v = plan(pv, Options(alongside=True), plans.H200)
+    assert str(own_v.schedule) == "serial" and own_v.step("K2").source("ordered") == Scalar(1)
+    forced = probe.schedules(pv, plans.H200, shared=True)["alongside"]
+    assert str(forced.schedule) == "alongside" and forced.step("K2").source("ordered") == Scalar(1)
+    _, p16 = _cpu_inputs(B=1, T=8192, H=16, K=128)
+    segmented = plan(p16, Options(alongside=True), plans.H200)
+    assert str(segmented.schedule) == "segments 8"
+    assert probe.schedules(p16, plans.H200, shared=True) == {
+        "serial": plan(p16, Options(alongside=False), plans.H200), "alongside": segmented}
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_k1_runner_runs_k1_alone(monkeypatch, varlen):
+    """bench.k1_runner (K1's own time): K1 alone as a serial forward launches it (its own
+    build, shared memory and grid, not programmatic), even where the forward runs K2 alongside
+    K1; a varlen batch's offsets before it."""
+    from kda_cute import Options, plan, plans
+    from kda_cute.plans.device import resources
+    from kda_cute.plans.steps import Launch, VarlenOffsets
+    from tests import launch_record
+
+    # 32 chunks per sequence, 2 heads: the forward runs K2 alongside K1
+    x, p = _cpu_inputs(H=2, K=64, **(dict(seqlens=[700, 324]) if varlen else dict(T=32 * 16)))
+    assert str(plan(p, Options(alongside=True), plans.H200).schedule) == "alongside"
+    serial = plan(p, Options(alongside=False, segments=1), plans.H200)
+    cfg = serial.config
+    ops = _driver_ops(monkeypatch, bench.k1_runner(), x)
+    assert ops == [(cfg.prep.name, resources(cfg.prep, "sm_90a").smem, False)]
+    with launch_record.fake_device(monkeypatch):
+        pl = bench.k1_plan(p, x["q"].device)
+    assert [type(s) for s in pl.steps] == ([VarlenOffsets, Launch] if varlen else [Launch])
+    assert pl.launches() == [serial.step("K1")]
+    assert pl.step("K1").grid == (2, plans.workspace.rows(p, cfg.chunk)[0], 1)
+
+
+def test_alongside_probe_prefers_the_largest_carveout(probes):
+    """--shared: every kernel of a plan gets the preferred shared-memory carveout (100%) on its
+    CUfunction, the one the launcher then launches (with the driver faked)."""
+    from kda_cute import plans
+    from kda_cute.launch import driver
+    from tests import launch_record
+
+    class Attributes(launch_record.FakeDriver):
+        def __init__(self):
+            super().__init__()
+            self.attrs = []
+
+        def cuFuncSetAttribute(self, f, attr, value):  # noqa: N802 (the driver's name)
+            self.attrs.append((self._libs[f][0], attr, value))
+            return (0,)
+
+    probe = probes("alongside_probe")
+    _, p = _cpu_inputs(B=1, T=32 * 16, H=67, K=64)
+    pl = probe.schedules(p, plans.H200, shared=True)["alongside"]
+    drv = Attributes()
+    with driver.substitute(drv):
+        probe.prefer_shared(pl, 0)
+    carveout = [(k, v) for k, a, v in drv.attrs
+                if a == "CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT"]
+    assert carveout == [(s.kernel.name, 100) for s in pl.launches()]
+    assert [(k, v) for k, a, v in drv.attrs
+            if a == "CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES"] == [
+        (s.kernel.name, s.smem) for s in pl.launches()]
+
+
+@pytest.mark.parametrize("name", sorted(
+    f"{d}/{f.stem}" for d in ("probes", "studies") for f in (ROOT / "bench" / d).glob("*.py")))
+def test_probes_and_studies_import_and_take_help(probes, capsys, name):
+    """Every probe and study imports on a CPU (its siblings and bench.py found from its own
+    folder) and, where it takes arguments, parses --help."""
+    import inspect
+
+    mod = probes(name.split("/", 1)[1]) if name.startswith("probes/") else _load(name)
+    if not inspect.signature(mod.main).parameters:
+        return  # no arguments (precision_range)
+    with pytest.raises(SystemExit) as e:
+        mod.main(["--help"])
+    assert e.value.code == 0 and "usage:" in capsys.readouterr().out

@@ -7,9 +7,10 @@ import json
 
 import pytest
 
-from kda_cute import runtime
-from kda_cute.config import (
+from kda_cute.cubin import CubinsMissing, load_manifest
+from kda_cute.ladder import (
     ALONGSIDE,
+    COMBINE,
     EXPERIMENTAL,
     FAST,
     HEAD_DIMS,
@@ -20,16 +21,16 @@ from kda_cute.config import (
     TENSOR_CORE,
     WY_RUNS,
     FwdConfig,
-    PrepConfig,
-    RecurConfig,
+    all_kernels,
     alongside_of,
     select_config,
     supports,
-    supports_prep,
-    supports_recur,
     wy_of,
 )
-from kernels.build import build_key, jobs_for, up_to_date
+from kda_cute.specs import PrepConfig, RecurConfig
+from kda_cute.specs.prep import supports as supports_prep
+from kda_cute.specs.recur import supports as supports_recur
+from kernels.build import build_key, up_to_date
 
 ARCH = "sm_90a"
 FWD_IDS = [f"k{f.prep.head_dim_k}_v{f.recur.head_dim_v}" for f in SHIPPED]
@@ -147,7 +148,7 @@ def test_alongside_build_of_each_tensor_core_forward(fwd_cfg):
     assert a.recur == dataclasses.replace(fwd_cfg.recur, alongside=True, stages=a.recur.stages)
     assert a.recur.stages == (8 if fwd_cfg.recur.head_dim_k <= 128 else 4)
     assert a.prep.name == fwd_cfg.prep.name + "_al" and a.recur.name.endswith("_al")
-    assert a.prep in jobs_for(ALONGSIDE) and a.recur in jobs_for(ALONGSIDE)
+    assert a.prep in all_kernels() and a.recur in all_kernels()
 
 
 @pytest.mark.parametrize("fwd_cfg", SIMT + EXPERIMENTAL + ALONGSIDE,
@@ -179,10 +180,10 @@ def test_select_config_none(case_id, varlen):
 
 # ------------------------------------------------------------------------------- names, jobs
 def test_kernel_names_unique():
-    jobs = jobs_for(SHIPPED)
-    names = [c.name for c in jobs]
+    names = [c.name for c in all_kernels()]
     assert len(set(names)) == len(names), names
-    assert len({f.prep.name for f in SHIPPED} | {f.recur.name for f in SHIPPED}) == len(jobs)
+    shipped = {f.prep for f in SHIPPED} | {f.recur for f in SHIPPED}
+    assert len({c.name for c in shipped}) == len(shipped)
 
 
 NAME_FIELDS = [(PrepConfig(128), f.name) for f in dataclasses.fields(PrepConfig)]
@@ -198,23 +199,20 @@ def test_name_encodes_every_field(cfg, field):
     assert other.name != cfg.name
 
 
-def test_jobs_for_dedupes():
-    jobs = jobs_for(SHIPPED)
-    assert jobs == jobs_for(SHIPPED + SHIPPED)
-    assert set(jobs) == {f.prep for f in SHIPPED} | {f.recur for f in SHIPPED}
-    assert len(jobs) == 2 * len(SHIPPED)
-
-
-def test_jobs_for_shares_prep():
-    # two forwards with one K and chunk share K1's cubin
-    a = FwdConfig(PrepConfig(128), RecurConfig(128, 128))
-    b = FwdConfig(PrepConfig(128), RecurConfig(128, 64))
-    assert jobs_for([a, b]) == [a.prep, a.recur, b.recur]
+def test_all_kernels_once_each():
+    """ladder.all_kernels: every built kernel once, the forwards' K1 and K2 first."""
+    kernels = all_kernels()
+    assert len(set(kernels)) == len(kernels)
+    forwards = SHIPPED + EXPERIMENTAL + ALONGSIDE
+    assert set(kernels) == ({f.prep for f in forwards} | {f.recur for f in forwards}
+                            | set(SEGMENT_RUNS) | set(WY_RUNS) | set(COMBINE))
+    assert set(kernels[:2 * len(SHIPPED)]) == ({f.prep for f in SHIPPED}
+                                                | {f.recur for f in SHIPPED})
 
 
 # -------------------------------------------------------------------------------- build key
 def test_build_key_stable():
-    for cfg in jobs_for(SHIPPED):
+    for cfg in all_kernels():
         assert build_key(cfg, ARCH) == build_key(cfg, ARCH)
 
 
@@ -239,7 +237,7 @@ def test_build_key_changes_with_arch():
 
 
 def test_build_keys_of_shipped_jobs_distinct():
-    keys = [build_key(c, ARCH) for c in jobs_for(SHIPPED)]
+    keys = [build_key(c, ARCH) for c in all_kernels()]
     assert len(set(keys)) == len(keys)
 
 
@@ -267,8 +265,8 @@ def test_up_to_date(tmp_path, case_id):
 @pytest.mark.parametrize("name,arch", [("nope", ARCH), (SHIPPED[0].prep.name, "sm_00a")],
                          ids=["unknown-kernel", "unknown-arch"])
 def test_load_manifest_missing(name, arch):
-    with pytest.raises(runtime.CubinsMissing) as info:
-        runtime.load_manifest(name, arch)
+    with pytest.raises(CubinsMissing) as info:
+        load_manifest(name, arch)
     msg = str(info.value)
     assert "make kernels" in msg and name in msg and arch in msg, msg
 
@@ -288,7 +286,7 @@ def test_select_config_precision(d):
 
 
 def test_wy_builds_are_the_fast_k2s_at_k128_and_256():
-    """config.WY_RUNS: one WY build per fast K2 at K >= 128, each legal; wy_of finds it, and
+    """ladder.WY_RUNS: one WY build per fast K2 at K >= 128, each legal; wy_of finds it, and
     finds none for the precise K2s or at K = 64."""
     assert sorted(r.head_dim_k for r in WY_RUNS) == [128, 256]
     for f in FAST:

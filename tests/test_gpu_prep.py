@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kda_cute.config import EXPERIMENTAL, PRECISE, SIMT, TENSOR_CORE
+from kda_cute.ladder import EXPERIMENTAL, PRECISE, SIMT, TENSOR_CORE
 from kda_cute.testing import cuda_ready, make_inputs, prep_errors
 
 ok, why = cuda_ready()

@@ -1,4 +1,4 @@
-"""The fp32 CUDA-core forward (config.SIMT) on the H200 against the float64 reference.
+"""The fp32 CUDA-core forward (ladder.SIMT) on the H200 against the float64 reference.
 
 It is the accuracy baseline (fp32 products throughout) the tensor-core ladder is compared with,
 reachable through fwd(config=...). The ladder's own configs run in test_gpu_forward.py.
@@ -26,7 +26,7 @@ SIMT_CASES = {
 
 
 def _simt(K):
-    from kda_cute.config import SIMT
+    from kda_cute.ladder import SIMT
     (cfg,) = [c for c in SIMT if c.prep.head_dim_k == K]
     return cfg
 

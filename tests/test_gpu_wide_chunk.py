@@ -1,10 +1,10 @@
-"""The experimental configs (config.EXPERIMENTAL: chunk 32) on the H200 against the float64
+"""The experimental configs (ladder.EXPERIMENTAL: chunk 32) on the H200 against the float64
 reference. Kept in a file pytest runs after the shipped configs' tests."""
 
 import pytest
 import torch
 
-from kda_cute.config import EXPERIMENTAL
+from kda_cute.ladder import EXPERIMENTAL
 from kda_cute.testing import cuda_ready, errors, make_inputs
 from tests.test_gpu_forward import _assert, check_tokens_past_the_last_sequence
 

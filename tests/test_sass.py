@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from kda_cute import runtime
-from kda_cute.config import ALONGSIDE, EXPERIMENTAL, SEGMENT_RUNS, SHIPPED
+from kda_cute.cubin import CUBIN_ROOT
+from kda_cute.ladder import ALONGSIDE, EXPERIMENTAL, SEGMENT_RUNS, SHIPPED
 
 
 def _nvdisasm() -> Path | None:
@@ -37,7 +37,7 @@ WGMMA = sorted({c.recur for c in SHIPPED + EXPERIMENTAL + ALONGSIDE if c.recur.m
 @pytest.mark.skipif(NVDISASM is None, reason="no nvdisasm (triton's wheel ships one)")
 @pytest.mark.parametrize("cfg", WGMMA, ids=lambda r: r.name)
 def test_wgmma_not_serialized(cfg):
-    cubin = runtime.CUBIN_ROOT / "sm_90a" / f"{cfg.name}.cubin"
+    cubin = CUBIN_ROOT / "sm_90a" / f"{cfg.name}.cubin"
     if not cubin.exists():
         pytest.skip(f"{cubin.name} not built (make kernels)")
     sass = subprocess.run([str(NVDISASM), "-c", str(cubin)], capture_output=True, text=True,
@@ -53,7 +53,7 @@ def test_state_run_wgmma_groups_not_split(cfg):
     """K2 without outputs keeps one product group in flight at a time (P in its slabs of K, U,
     the update: each waited for with DEPBAR 0x0 by design), so the serialization shows
     differently: a WARPGROUP.ARRIVE before every HGMMA instead of one per group."""
-    cubin = runtime.CUBIN_ROOT / "sm_90a" / f"{cfg.name}.cubin"
+    cubin = CUBIN_ROOT / "sm_90a" / f"{cfg.name}.cubin"
     if not cubin.exists():
         pytest.skip(f"{cubin.name} not built (make kernels)")
     sass = subprocess.run([str(NVDISASM), "-c", str(cubin)], capture_output=True, text=True,

@@ -111,10 +111,42 @@ def test_device_offsets_are_the_plan(B, T, chunk, P):
     """The launcher's offsets, built with tensor ops on the device, are segments.plan's; with
     one segment per sequence they are a fixed-length batch's own (sequence b at token b*T,
     chunk b*ceil(T/chunk))."""
-    from kda_cute import api
-
-    cu, cc = api._segment_offsets(B, T, chunk, P, torch.device("cpu"))
+    cu, cc = _device_offsets(B, T, chunk, P)
     assert (cu.tolist(), cc.tolist()) == segments.plan(B, T, chunk, P)
     if P == 1:
         b = torch.arange(B + 1)
         assert cu.tolist() == (b * T).tolist() and cc.tolist() == (b * -(-T // chunk)).tolist()
+
+
+def _offsets_buffers(B, T, chunk, P):
+    """The launcher's buffers of a fixed-length batch's offsets as B * P segments: token
+    offsets, then chunk offsets (plans.steps.Buffer, kind "segments")."""
+    from kda_cute.plans.steps import Buffer
+
+    return tuple(Buffer("segments", (B * P + 1,), torch.int32, (B, T, chunk, P, which))
+                 for which in ("cu_seqlens", "cu_chunks"))
+
+
+def _device_offsets(B, T, chunk, P):
+    """Those buffers' tensors as the launcher makes them (here on the CPU)."""
+    from kda_cute.launch import buffers
+
+    return tuple(buffers.get(b, torch.device("cpu"), 0) for b in _offsets_buffers(B, T, chunk, P))
+
+
+@pytest.mark.parametrize("B, T, P", [(1, 8192, 8), (2, 100, 3), (4, 0, 1), (64, 33, 1)])
+def test_plans_read_the_device_offsets(B, T, P):
+    """A fixed-length plan's kernels read those buffers: K1 the batch's own offsets, K2's runs
+    the segments' (P > 1) or the batch's (P = 1)."""
+    from kda_cute import Options, Problem, plan
+    from kda_cute.plans.steps import At
+
+    pl = plan(Problem(B, T, 2, 128, 128, B, False), Options(segments=P))
+    assert str(pl.schedule) == (f"segments {P}" if P > 1 else "serial")
+    runs = [s for s in pl.launches() if "cu_seqlens" in s.args]
+    assert [s.name for s in runs] == (
+        ["K1", "K2 from zero", "K2 identity", "K2 from starts"] if P > 1
+        else ["K2"] if T == 0 else ["K1", "K2"])
+    for s in runs:
+        cu, cc = _offsets_buffers(B, T, pl.config.chunk, 1 if s.name == "K1" else P)
+        assert (s.source("cu_seqlens"), s.source("cu_chunks")) == (At(cu), At(cc)), s.name

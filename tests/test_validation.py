@@ -1,8 +1,9 @@
 """Host-side validation of `validate`, `fwd` and `chunk_kda`: every bad input raises ValueError or
 TypeError naming the argument (CPU only).
 
-Apart from the CUDA-device tests, the inputs live on the CPU and the device check is switched off
-(`no_cuda_check`), so every other check runs here exactly as it would on the GPU.
+The inputs live on the CPU. The CUDA requirement is the last check (kda_cute.checks.forward), so
+every other check runs here exactly as it would on the GPU: `validate(..., cuda=False)` skips it,
+and `fwd` reaches it only once every other check has passed.
 """
 
 from __future__ import annotations
@@ -10,7 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kda_cute import api, chunk_kda, fwd, validate
+from kda_cute import Problem, api, chunk_kda, fwd
+from kda_cute import validate as _validate_on_cuda
 
 BF16, F32 = torch.bfloat16, torch.float32
 # K != V everywhere, so a state or output given in the [.., K, V] layout instead of [.., V, K]
@@ -67,12 +69,14 @@ def meta(*shape, dtype=BF16):
     return torch.empty(*shape, dtype=dtype, device="meta")
 
 
-@pytest.fixture
-def no_cuda_check(monkeypatch):
-    monkeypatch.setattr(api, "_check_device", lambda *a: None, raising=True)
-    # Without a driver this call raises; validate only reaches it with CUDA tensors in real use,
-    # and a CPU-only process cannot be capturing a graph.
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+def validate(**kw):
+    """kda_cute.validate on CPU tensors: every check but the CUDA requirement."""
+    return _validate_on_cuda(**kw, cuda=False)
+
+
+def sizes(p: Problem) -> tuple:
+    """The Problem's sizes (the fields a Problem made from sizes alone compares on)."""
+    return p.B, p.T, p.H, p.K, p.V, p.N, p.varlen
 
 
 # -------------------------------------------------------------------- bad inputs, one per check
@@ -250,7 +254,7 @@ ERRORS = {
 
 @pytest.mark.parametrize("entry", ["validate", "fwd"])
 @pytest.mark.parametrize("case_id", list(ERRORS))
-def test_bad_input_raises_naming_argument(no_cuda_check, case_id, entry):
+def test_bad_input_raises_naming_argument(case_id, entry):
     make, breaks, exc, arg, got = ERRORS[case_id]
     kw = make()
     breaks(kw)
@@ -262,20 +266,22 @@ def test_bad_input_raises_naming_argument(no_cuda_check, case_id, entry):
     assert got in msg, msg
 
 
-def test_error_table_inputs_are_valid_before_the_change(no_cuda_check):
+def test_error_table_inputs_are_valid_before_the_change():
     """Each case's starting point must pass, or a case could raise for a reason other than its
     own change."""
     for make in {make for make, *_ in ERRORS.values()}:
-        assert isinstance(validate(**make()), api.Problem)
+        assert isinstance(validate(**make()), Problem)
 
 
 # ------------------------------------------------------------------------- the CUDA requirement
 @pytest.mark.parametrize("device", ["cpu", "meta"])
 @pytest.mark.parametrize("entry", ["validate", "fwd"])
 def test_non_cuda_q_rejected(entry, device):
-    kw = inputs()
+    """A problem fwd could run (head dims with a shipped config) but for its device: the CUDA
+    requirement, checked last, names q."""
+    kw = inputs(V=K)
     kw = {n: (t.to(device) if isinstance(t, torch.Tensor) else t) for n, t in kw.items()}
-    call = validate if entry == "validate" else fwd
+    call = _validate_on_cuda if entry == "validate" else fwd
     with pytest.raises(ValueError) as info:
         call(**kw)
     msg = str(info.value)
@@ -283,7 +289,7 @@ def test_non_cuda_q_rejected(entry, device):
 
 
 def test_chunk_kda_cpu_rejected():
-    kw = inputs()
+    kw = inputs(V=K)
     with pytest.raises(ValueError) as info:
         chunk_kda(kw["q"], kw["k"], kw["v"], kw["g"], kw["beta"])
     msg = str(info.value)
@@ -292,40 +298,40 @@ def test_chunk_kda_cpu_rejected():
 
 # --------------------------------------------------------------------------- valid problems
 VALID = {
-    "fixed": (lambda: inputs(), api.Problem(B, T, H, K, V, B, False)),
+    "fixed": (lambda: inputs(), Problem(B, T, H, K, V, B, False)),
     "fixed-K128-V128-state": (lambda: inputs(K=128, V=128, initial_state=BF16,
                                              final_state=F32),
-                              api.Problem(B, T, H, 128, 128, B, False)),
-    "fixed-T1-H1": (lambda: inputs(B=3, T=1, H=1), api.Problem(3, 1, 1, K, V, 3, False)),
+                              Problem(B, T, H, 128, 128, B, False)),
+    "fixed-T1-H1": (lambda: inputs(B=3, T=1, H=1), Problem(3, 1, 1, K, V, 3, False)),
     "fixed-unbounded-no-dt_bias": (lambda: {**inputs(gate="unbounded"), "dt_bias": None},
-                                   api.Problem(B, T, H, K, V, B, False)),
+                                   Problem(B, T, H, K, V, B, False)),
     "fixed-none-gate-ignores-gate-params": (
         lambda: {**inputs(gate="none"), "A_log": None, "lower_bound": None},
-        api.Problem(B, T, H, K, V, B, False)),
+        Problem(B, T, H, K, V, B, False)),
     "fixed-token-stride-padded": (lambda: {**inputs(), "q": rows(B, T, H, K, pad=8),
                                            "v": rows(B, T, H, V, pad=16)},
-                                  api.Problem(B, T, H, K, V, B, False)),
+                                  Problem(B, T, H, K, V, B, False)),
     "fixed-lower_bound-just-below-0": (lambda: {**inputs(), "lower_bound": -1e-3},
-                                       api.Problem(B, T, H, K, V, B, False)),
+                                       Problem(B, T, H, K, V, B, False)),
     "varlen-int64": (lambda: varlen(initial_state=F32, final_state=F32),
-                     api.Problem(1, T, H, K, V, N_VARLEN, True)),
+                     Problem(1, T, H, K, V, N_VARLEN, True)),
     "varlen-int32": (lambda: varlen(cu_dtype=torch.int32),
-                     api.Problem(1, T, H, K, V, N_VARLEN, True)),
+                     Problem(1, T, H, K, V, N_VARLEN, True)),
     "varlen-shorter-than-T": (lambda: {**varlen(), "cu_seqlens": cu(0, 7, T - 3)},
-                              api.Problem(1, T, H, K, V, 2, True)),
+                              Problem(1, T, H, K, V, 2, True)),
     "varlen-one-sequence": (lambda: {**varlen(), "cu_seqlens": cu(0, T),
                                      "final_state": rand(1, H, V, K)},
-                            api.Problem(1, T, H, K, V, 1, True)),
+                            Problem(1, T, H, K, V, 1, True)),
 }
 
 
 @pytest.mark.parametrize("case_id", list(VALID))
-def test_valid_problem(no_cuda_check, case_id):
+def test_valid_problem(case_id):
     make, expected = VALID[case_id]
-    assert validate(**make()) == expected
+    assert sizes(validate(**make())) == sizes(expected)
 
 
-def test_unchecked_seqlens_skip_the_host_sync(no_cuda_check, monkeypatch):
+def test_unchecked_seqlens_skip_the_host_sync(monkeypatch):
     """check_seqlens=False is the no-sync path: cu_seqlens' values are not read on the host."""
     kw = {**varlen(), "cu_seqlens": cu(0, 10, 5, T)}
 
@@ -333,7 +339,7 @@ def test_unchecked_seqlens_skip_the_host_sync(no_cuda_check, monkeypatch):
         raise AssertionError("cu_seqlens was copied to the host")
 
     monkeypatch.setattr(torch.Tensor, "cpu", no_sync)
-    assert validate(**kw, check_seqlens=False) == api.Problem(1, T, H, K, V, 3, True)
+    assert sizes(validate(**kw, check_seqlens=False)) == sizes(Problem(1, T, H, K, V, 3, True))
 
 
 # ------------------------------------------------------------------- head dims without a config
@@ -342,7 +348,7 @@ NO_CONFIG = {"K96-V96": (96, 96), "K128-V64": (128, 64), "K64-V128": (64, 128),
 
 
 @pytest.mark.parametrize("case_id", list(NO_CONFIG))
-def test_head_dims_without_shipped_config(no_cuda_check, case_id):
+def test_head_dims_without_shipped_config(case_id):
     Kx, Vx = NO_CONFIG[case_id]
     kw = inputs(K=Kx, V=Vx)
     p = validate(**kw)
@@ -355,7 +361,7 @@ def test_head_dims_without_shipped_config(no_cuda_check, case_id):
         fwd(**kw)
 
 
-def test_fwd_requires_out(no_cuda_check):
+def test_fwd_requires_out():
     with pytest.raises(ValueError) as info:
         fwd(**{**inputs(), "out": None})
     msg = str(info.value)
@@ -363,7 +369,7 @@ def test_fwd_requires_out(no_cuda_check):
 
 
 def _config_cases():
-    from kda_cute.config import FwdConfig, PrepConfig, RecurConfig
+    from kda_cute import FwdConfig, PrepConfig, RecurConfig
     return {
         "not-a-config": ("fast", TypeError, "str"),
         "other-head-dim": (FwdConfig(PrepConfig(128), RecurConfig(128, 128)), ValueError,
@@ -374,7 +380,7 @@ def _config_cases():
 
 
 @pytest.mark.parametrize("case_id", list(_config_cases()))
-def test_fwd_config_override_rejected(no_cuda_check, case_id):
+def test_fwd_config_override_rejected(case_id):
     config, exc, got = _config_cases()[case_id]
     with pytest.raises(exc) as info:
         fwd(**inputs(), config=config)
@@ -419,7 +425,7 @@ CHUNK_KDA_ERRORS = {
 
 
 @pytest.mark.parametrize("case_id", list(CHUNK_KDA_ERRORS))
-def test_chunk_kda_bad_input(no_cuda_check, case_id):
+def test_chunk_kda_bad_input(case_id):
     over, exc, arg, got = CHUNK_KDA_ERRORS[case_id]
     with pytest.raises(exc) as info:
         chunk_kda(**chunk_kw(**over))
@@ -429,7 +435,7 @@ def test_chunk_kda_bad_input(no_cuda_check, case_id):
         assert msg.startswith(f"{arg}:"), msg
 
 
-def test_chunk_kda_ignores_unset_options(no_cuda_check):
+def test_chunk_kda_ignores_unset_options():
     """fla callers pass optional features as None/False; only set ones are refused. The call
     still fails, at the first check a real problem would hit (K=96 has no config), which proves
     the options were accepted without launching anything."""
@@ -438,3 +444,38 @@ def test_chunk_kda_ignores_unset_options(no_cuda_check):
             "transpose_state_layout": False}
     with pytest.raises(ValueError, match="^q/v:"):
         chunk_kda(**chunk_kw(**over))
+
+
+# ------------------------------------------------------------------ metadata checks on fakes
+def _fake_call(**over):
+    """A valid fixed-length call's tensors as FakeTensors on a (fake) CUDA device."""
+    from kda_cute import Call
+    kw = {**inputs(V=K, initial_state=F32, final_state=F32), **over}
+    return Call(**{n: kw[n] for n in Call._fields})
+
+
+def _no_data_ptr(monkeypatch):
+    def refuse(self):
+        raise AssertionError("a metadata check read a tensor's address")
+
+    monkeypatch.setattr(torch.Tensor, "data_ptr", refuse)
+
+
+def test_metadata_checks_run_on_fake_tensors(monkeypatch):
+    """checks.metadata reads shapes, dtypes, strides and devices only: it runs under
+    FakeTensorMode (a torch.library fake, the fla verifier) and never reads an address."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from kda_cute import checks
+    opts = checks.options()
+    with FakeTensorMode() as mode:
+        call = _fake_call()
+        call = call._replace(**{n: mode.from_tensor(t).to("cuda") for n, t in
+                                call._asdict().items() if isinstance(t, torch.Tensor)})
+        _no_data_ptr(monkeypatch)
+        p = checks.metadata(call, opts)
+        assert sizes(p) == (B, T, H, K, K, B, False)
+        with pytest.raises(ValueError, match="^k:"):
+            checks.metadata(call._replace(k=call.k[..., :K // 2]), opts)
+        with pytest.raises(ValueError, match="^scale:"):
+            checks.metadata(call._replace(scale=-1.0), opts)

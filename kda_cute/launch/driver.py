@@ -249,7 +249,14 @@ def get_kernel(cfg, arch: str) -> Kernel:
     return k
 
 
+# counts the clears: what was resolved against the kernels of an earlier generation (the
+# launcher's resolved steps) is not used again
+generation = 0
+
+
 def clear() -> None:
     """Forget loaded kernels, packed blocks and encoded descriptors."""
+    global generation
     _kernels.clear()
     _desc_cache.clear()
+    generation += 1

@@ -82,6 +82,11 @@ class Launch:
     def source(self, arg: str):
         return self.sources[self.args.index(arg)]
 
+    def with_source(self, arg: str, src) -> Launch:
+        """This launch with argument `arg` taken from `src` instead (tests and probes)."""
+        i = self.args.index(arg)
+        return replace(self, sources=self.sources[:i] + (src,) + self.sources[i + 1:])
+
 
 @dataclass(frozen=True)
 class Memset:
@@ -145,6 +150,12 @@ class Plan:
         keep = tuple(s for s in self.steps
                      if s.name in names or not isinstance(s, (Launch, Memset)))
         return replace(self, steps=keep)
+
+    def edit(self, name: str, **changes) -> Plan:
+        """The plan with step `name` replaced by `dataclasses.replace(step, **changes)` (tests
+        and probes: a launch's smem or programmatic flag, a memset's value)."""
+        return replace(self, steps=tuple(replace(s, **changes) if s.name == name else s
+                                         for s in self.steps))
 
     def describe(self) -> str:
         """In words: what this plan runs."""

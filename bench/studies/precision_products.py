@@ -9,7 +9,7 @@ keeps one product (Ah Bh), or runs it as one product of fp16 operands ("fp16": 1
 bits, as an f16 warpgroup MMA takes them). Errors against the float64 loop,
 FlashKDA-benchmark-like inputs.
 
-    python bench/precision_products.py [--T 1024] [--H 2]
+    python bench/studies/precision_products.py [--T 1024] [--H 2]
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from precision_study import study_inputs  # noqa: E402

@@ -1,12 +1,12 @@
 """DRAM rate of the workspace's tile pattern, token-major against head-major.
 
-    python3 bench/layout_probe.py [--heads 64] [--chunks 4096]
+    python3 bench/probes/layout_probe.py [--heads 64] [--chunks 4096]
 
 K1 writes and K2 reads each (chunk, head) tile of the workspace as 16 rows of 256 bytes (K = 128
 fp16). Token-major (the layout today, (T, H*K)) puts those rows H*256 bytes apart; head-major
-((H, T, K)) makes each tile one 4 KB block. Plain CUDA kernels (bench/layout/probe.cu, nvcc here)
-stream every tile once, heads fastest as the kernels' grids run, 256 threads a tile; median of 20
-timed runs after warm-up, bytes over time.
+((H, T, K)) makes each tile one 4 KB block. Plain CUDA kernels (bench/probes/layout/probe.cu,
+nvcc here) stream every tile once, heads fastest as the kernels' grids run, 256 threads a tile;
+median of 20 timed runs after warm-up, bytes over time.
 """
 
 from __future__ import annotations
@@ -20,22 +20,21 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from kda_cute.runtime import check  # noqa: E402
+from kda_cute.launch.driver import bindings, check  # noqa: E402
 
 SRC = Path(__file__).resolve().parent / "layout" / "probe.cu"
 
 
 def main(argv=None) -> None:
-    from cuda.bindings import driver as cu
-
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--heads", type=int, default=64)
     ap.add_argument("--chunks", type=int, default=4096)
     ap.add_argument("--tiles-per-cta", type=int, default=4)
     args = ap.parse_args(argv)
+    cu = bindings()  # cuda.bindings.driver
     out = Path("/tmp/layout_probe.cubin")
     subprocess.run(["nvcc", "-arch=sm_90a", "-cubin", "-O3", "-o", str(out), str(SRC)], check=True)
     torch.zeros(1, device="cuda")

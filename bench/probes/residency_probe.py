@@ -1,20 +1,21 @@
 """How many K1-shaped CTAs run beside one resident K2-shaped CTA on an SM?
 
-    python3 bench/residency_probe.py [--guests-per-sm 12] [--spin-us 200]
+    python3 bench/probes/residency_probe.py [--guests-per-sm 12] [--spin-us 200]
 
 K1 beside an idle resident K2 ran at its alone rate for two CTAs per SM whether two, three or
-four were allowed by shared memory (bench/NOTES.md, "What caps K1 on SMs it shares with K2").
+four were allowed by shared memory (docs/notes/schedules.md, "What caps K1 on SMs it shares with
+K2").
 This probe tests whether registers decide it per SM sub-partition: an SM's four schedulers each
 own a quarter of the register file (16,384 registers), and a CTA's warps are spread over them in
 turn, so a K2 CTA of five warps (four consumers and a producer, 164 registers rounded to 168)
 puts two warps, 10,752 registers, on one scheduler's quarter, which then holds only two of K1's
 2,048-register warps: two K1 CTAs, where the SM-wide count (65,536 - 5 x 5,376) / 8,192 says four.
 
-The kernels (bench/residency/probe.cu, compiled here with nvcc for sm_90a) mimic the resources
-only: a "host" CTA of a given thread count and register cap waits at a flag; "guest" CTAs of 128
-threads, 64 registers and K1's 26,496 bytes of dynamic shared memory each spin a fixed time and
-log (SM, start, end). Printed per host shape: the most guests seen at once on each SM, counted
-over the SMs holding a host CTA and over the others.
+The kernels (bench/probes/residency/probe.cu, compiled here with nvcc for sm_90a) mimic the
+resources only: a "host" CTA of a given thread count and register cap waits at a flag; "guest"
+CTAs of 128 threads, 64 registers and K1's 26,496 bytes of dynamic shared memory each spin a
+fixed time and log (SM, start, end). Printed per host shape: the most guests seen at once on
+each SM, counted over the SMs holding a host CTA and over the others.
 """
 
 from __future__ import annotations
@@ -29,10 +30,10 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from kda_cute.runtime import check  # noqa: E402
+from kda_cute.launch.driver import bindings, check  # noqa: E402
 
 SRC = Path(__file__).resolve().parent / "residency" / "probe.cu"
 K1_SMEM = 26496  # kda_prep_bf16_k128_c16_t128_f16's dynamic shared memory
@@ -70,13 +71,12 @@ def most_at_once(rows) -> int:
 
 
 def main(argv=None) -> None:
-    from cuda.bindings import driver as cu
-
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--guests-per-sm", type=int, default=12)
     ap.add_argument("--spin-us", type=int, default=200)
     ap.add_argument("--cubin", default="/tmp/residency_probe.cubin")
     args = ap.parse_args(argv)
+    cu = bindings()  # cuda.bindings.driver
     torch.zeros(1, device="cuda")  # the primary context
     torch.cuda.synchronize()
     mod = check(cu.cuModuleLoad(str(build(Path(args.cubin))).encode()))

@@ -1,7 +1,8 @@
 """Each kernel's own GPU time in a forward (the profiler's kernel records, no host gaps), for
 benchmark cases or ad-hoc shapes, inputs rotated as in bench.py so the L2 is cold.
 
-    python3 bench/kernel_times.py "B1 T8192 H64" B8_T1024_H64 V1024x8_H64 --head-dim 128
+    python3 bench/probes/kernel_times.py "B1 T8192 H64" B8_T1024_H64 V1024x8_H64 \
+        --head-dim 128
 
 A case is a bench.py case name ('_' for ' '), "B<b>_T<t>_H<h>" (a fixed-length batch) or
 "V<len>x<n>_H<h>" (n sequences of len tokens as one varlen batch). Prints the median duration
@@ -9,7 +10,8 @@ of every kernel the forward launches (K1, K2, and any small torch kernels), and 
 Eager and graph timings in bench.py also count the gaps between launches; this does not.
 --states in,out / in / out / none: which of the initial and final states the forward reads and
 writes (default both; the others show what K2's state traffic costs). --config NAME: the
-forward whose K2 (or K1) config has that name (config.SHIPPED + EXPERIMENTAL), not the ladder's.
+forward whose K2 (or K1) config has that name (ladder.SHIPPED + EXPERIMENTAL), not the
+ladder's.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import re
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
@@ -64,7 +66,7 @@ def main(argv=None):
     a = ap.parse_args(argv)
     config = None
     if a.config:
-        from kda_cute.config import EXPERIMENTAL, SHIPPED
+        from kda_cute.ladder import EXPERIMENTAL, SHIPPED
         config = next((c for c in SHIPPED + EXPERIMENTAL
                        if a.config in (c.recur.name, c.prep.name)), None)
         if config is None:

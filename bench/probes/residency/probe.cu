@@ -1,7 +1,7 @@
 // Residency probe kernels: a "host" kernel mimicking a resident K2 CTA (its threads and register
 // count, idle at a flag) and a "guest" mimicking K1's CTA (128 threads, 64 registers), which logs
 // (SM, start, end) so the host script can count how many guests ran at once beside each host.
-// Built by bench/residency_probe.py with nvcc (sm_90a); nothing here is shipped.
+// Built by bench/probes/residency_probe.py with nvcc (sm_90a); nothing here is shipped.
 #include <cstdint>
 
 __device__ __forceinline__ uint64_t gtimer() {

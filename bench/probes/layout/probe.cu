@@ -1,6 +1,6 @@
 // DRAM efficiency of K2's workspace tile pattern: each CTA reads (or writes) tiles of 16 rows x
 // 256 bytes, the rows either `stride` bytes apart (token-major workspace: stride = H * 256) or
-// contiguous (head-major: one 4 KB block). Built and timed by bench/layout_probe.py.
+// contiguous (head-major: one 4 KB block). Built and timed by bench/probes/layout_probe.py.
 #include <cstdint>
 
 // element `threadIdx.x` (16 rows x 16 lanes of 16 bytes) of tile t (head t % heads, chunk

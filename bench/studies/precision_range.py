@@ -4,7 +4,7 @@ FlashKDA-like inputs with v and the initial state scaled up; prints whether the 
 state stay finite, and their errors (the reference is scaled with them; the inputs' own bf16
 rounding after scaling also shows in these errors, in both modes).
 
-    python bench/precision_range.py
+    python bench/studies/precision_range.py
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from precision_products import hi, k2  # noqa: E402

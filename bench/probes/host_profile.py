@@ -1,7 +1,7 @@
 """The host's share of a forward: how long `fwd` takes to return (launches queued, GPU not
 waited on), per call, and where that time goes (cProfile), for the benchmark's cases.
 
-    python3 bench/host_profile.py "B1 T8192 H16" "B1 T8192 H64" --head-dim 128
+    python3 bench/probes/host_profile.py "B1 T8192 H16" "B1 T8192 H64" --head-dim 128
 
 Where the host time per call exceeds the GPU time, eager timings measure the host: the GPU
 idles between launches. The GPU time is printed beside it (CUDA graph replay, as bench.py).
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 

@@ -5,7 +5,7 @@ products rounded to bf16 or tf32 (accumulation in fp32), the output rounded to b
 kernel's is, against the float64 loop, on FlashKDA-benchmark-like inputs (K = V = 128,
 lower_bound -5).
 
-    python bench/precision_study.py [--T 1024] [--H 2]
+    python bench/studies/precision_study.py [--T 1024] [--H 2]
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from kda_cute.reference import (  # noqa: E402
     chunk_intermediates,

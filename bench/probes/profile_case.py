@@ -1,7 +1,7 @@
 """Run one benchmark case a few times, for a profiler to attach to (Nsight Compute on the H200).
 
     ncu --clock-control none -k regex:kda --launch-skip 4 --launch-count 2 \
-        python3 bench/profile_case.py "B1 T8192 H64" --head-dim 128
+        python3 bench/probes/profile_case.py "B1 T8192 H64" --head-dim 128
 
 Each forward launches K1 then K2; the skip passes the warm-up launches.
 """
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 

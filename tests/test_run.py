@@ -1,0 +1,556 @@
+"""What a run hands the CUDA driver, on a CPU: kda_cute.launch with the driver faked
+(tests/launch_record.py's FakeDriver, through launch.driver.substitute) and torch.cuda answering as
+an H200 would.
+
+A run packs each kernel's parameter block once per distinct set of values and reuses it (the
+launch path is host time a serving loop pays on every step). These tests check that a reused
+block is the block a fresh packing produces, that any change to a pointer, a stride or a scalar
+produces a new one, that alongside forwards on two streams are ordered, that a bound plan
+launches exactly what a run launches without checking anything again, and that a repeated
+`fwd` skips only the checks whose inputs cannot have changed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import struct
+import weakref
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import kda_cute
+from kda_cute import checks, launch, plans
+from kda_cute.launch import buffers, driver, streams
+from kda_cute.plans.steps import At, Buffer, Copy, VarlenOffsets
+from kda_cute.problem import Call, Options
+from kda_cute.specs import args_for
+from tests.launch_record import CUBIN_DIR, FakeDriver, fake_device, make_call
+
+pytestmark = pytest.mark.skipif(not CUBIN_DIR.exists(), reason="cubins not built (`make kernels`)")
+
+BF16, F32 = torch.bfloat16, torch.float32
+H200 = plans.H200
+CPU = torch.device("cpu")
+# the environment's switches are only Options' defaults: every plan here names them
+OPTS = Options(alongside=True, wy="auto")
+
+
+class Driver(FakeDriver):
+    """The fake driver, also noting each launch's parameter array (its address: the same
+    address is the same cached block) and the events made, recorded and waited for."""
+
+    def __init__(self):
+        super().__init__()
+        self.events_made = 0
+
+    def cuLaunchKernel(self, f, gx, gy, gz, bx, by, bz, smem, stream, addr, extra):  # noqa: N802
+        res = super().cuLaunchKernel(f, gx, gy, gz, bx, by, bz, smem, stream, addr, extra)
+        self.ops[-1]["addr"] = addr
+        return res
+
+    def cuLaunchKernelEx(self, conf, f, addr, extra):  # noqa: N802
+        res = super().cuLaunchKernelEx(conf, f, addr, extra)
+        self.ops[-1]["addr"] = addr
+        return res
+
+    def cuEventCreate(self, flags):  # noqa: N802
+        self.events_made += 1
+        return super().cuEventCreate(flags)
+
+    def cuEventRecord(self, ev, stream):  # noqa: N802
+        res = super().cuEventRecord(ev, stream)
+        self.ops[-1]["event"] = ev
+        return res
+
+    def cuStreamWaitEvent(self, stream, ev, flags):  # noqa: N802
+        res = super().cuStreamWaitEvent(stream, ev, flags)
+        self.ops[-1]["event"] = ev
+        return res
+
+
+@pytest.fixture
+def drv(monkeypatch):
+    """A fresh fake driver and an H200 on stream 0; no cached plan, check, buffer or stream
+    order before or after (the golden records start from none). The fake streams are handles
+    only: selecting one for torch's ops (a bound plan's offsets and copies) does nothing, as
+    it does where CUDA is absent."""
+    kda_cute.clear_caches()
+    streams.forget()
+    d = Driver()
+    with fake_device(monkeypatch), driver.substitute(d):
+        monkeypatch.setattr(torch.cuda, "stream", lambda s=None: contextlib.nullcontext())
+        yield d
+    streams.forget()
+    kda_cute.clear_caches()
+
+
+def _on_stream(monkeypatch, handle: int) -> None:
+    monkeypatch.setattr(torch.cuda, "current_stream",
+                        lambda *a: SimpleNamespace(cuda_stream=handle))
+
+
+def _x(opts: Options = OPTS, **spec) -> dict:
+    """A call's tensors and scalars (launch_record.make_call; B1 T40 H2 K64 fp32 states by
+    default) and a workspace for its plan under `opts`."""
+    spec = {"B": 1, "T": 40, "H": 2, "K": 64, **spec}
+    x = make_call(spec)
+    x["workspace"] = torch.empty(_plan(x, opts).workspace_bytes, dtype=torch.uint8)
+    return x
+
+
+def _call(x: dict) -> Call:
+    return Call(**{n: x[n] for n in Call._fields})
+
+
+def _plan(x: dict, opts: Options = OPTS):
+    p = checks.forward(_call(x), opts, check_seqlens=False, cuda=False)
+    return plans.plan(p, opts, H200)
+
+
+def _run(x: dict, opts: Options = OPTS):
+    """fwd's three steps on a CPU: checks (no CUDA requirement), plan (an H200), run."""
+    pl = _plan(x, opts)
+    launch.run(pl, _call(x), x["workspace"])
+    return pl
+
+
+def _launches(ops: list) -> list:
+    return [o for o in ops if o["op"] == "launch"]
+
+
+def _decoded(d: Driver, op: dict) -> list:
+    """A launch's parameter blocks, each fake TMA descriptor as the arguments it was encoded
+    from (the fake numbers its descriptors: a re-encoded one has another number)."""
+    out = []
+    for b in op["params"]:
+        if len(b) == 128 and b[:8] == b"FAKETMAP":
+            out.append(json.dumps(d.maps[struct.unpack_from("<Q", b, 8)[0]], sort_keys=True))
+        else:
+            out.append(b)
+    return out
+
+
+def _index(cfg, name: str) -> int:
+    """The parameter index of argument `name` of kernel `cfg` (a TMA argument with a dynamic
+    shape takes two: its descriptor, then its coordinates)."""
+    i = 0
+    for a in args_for(cfg):
+        if a.grid_only:
+            continue
+        if a.name == name:
+            return i
+        i += 2 if a.kind == "tma" and any(isinstance(e, str) for e in a.shape) else 1
+    raise KeyError(name)
+
+
+def _param(op: dict, cfg, name: str) -> bytes:
+    """The packed bytes of argument `name` in a recorded launch of kernel `cfg`."""
+    return op["params"][_index(cfg, name)]
+
+
+def _pointer(op: dict, cfg, name: str) -> int:
+    return struct.unpack_from("<Q", _param(op, cfg, name))[0]
+
+
+def _counting(monkeypatch, module, name) -> list:
+    """`module.name` (a public function) wrapped to count its calls."""
+    calls = []
+    real = getattr(module, name)
+
+    def counted(*a, **kw):
+        calls.append(1)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(module, name, counted)
+    return calls
+
+
+# ------------------------------------------------------------------------- packed blocks
+def test_repeated_run_reuses_the_packed_block(drv, monkeypatch):
+    x = _x()
+    packed = _counting(monkeypatch, driver, "pack_params")
+    _run(x)
+    assert len(packed) == 2
+    n_maps = len(drv.maps)
+    _run(x)
+    assert len(packed) == 2  # nothing packed again
+    k1a, k2a, k1b, k2b = _launches(drv.ops)
+    assert [k1a["kernel"], k2a["kernel"]] == [k1b["kernel"], k2b["kernel"]]
+    assert k1a["params"] == k1b["params"] and k2a["params"] == k2b["params"]
+    assert k1a["addr"] == k1b["addr"] and k2a["addr"] == k2b["addr"]  # the same cached array
+    assert k1a["addr"] != k2a["addr"]
+    assert len(drv.maps) == n_maps  # no descriptor encoded again
+
+
+def test_cached_block_equals_a_fresh_packing(drv):
+    x = _x()
+    _run(x)
+    cached = [_decoded(drv, o) for o in _launches(drv.ops)]
+    n_maps = len(drv.maps)
+    assert n_maps
+    # the kernels, their packed blocks and descriptors forgotten, and the plan made again (a
+    # run resolved for the old one is not reused; the launcher's buffers are kept, so every
+    # address is as before): every block packed anew
+    driver.clear()
+    plans.clear()
+    _run(x)
+    fresh = [_decoded(drv, o) for o in _launches(drv.ops)[2:]]
+    assert len(drv.maps) == 2 * n_maps
+    assert cached == fresh
+
+
+CHANGES = {
+    "out-pointer": lambda x: x.update(out=torch.empty_like(x["out"])),
+    "state-pointer": lambda x: x.update(final_state=torch.empty_like(x["final_state"])),
+    "workspace": lambda x: x.update(workspace=torch.empty_like(x["workspace"])),
+    "scale": lambda x: x.update(scale=0.5),
+    "lower_bound": lambda x: x.update(lower_bound=-3.0),
+    "no-initial-state": lambda x: x.update(initial_state=None),
+    "bf16-final-state": lambda x: x.update(final_state=x["final_state"].to(BF16)),
+}
+
+
+@pytest.mark.parametrize("change", list(CHANGES))
+def test_any_change_repacks(drv, change):
+    x = _x()
+    _run(x)
+    CHANGES[change](x)
+    _run(x)
+    launches = _launches(drv.ops)
+    before, after = launches[:2], launches[2:]
+    assert [o["kernel"] for o in before] == [o["kernel"] for o in after]
+    assert any(_decoded(drv, b) != _decoded(drv, a)
+               for b, a in zip(before, after, strict=True)), change
+
+
+def test_token_stride_changes_the_block(drv):
+    x = _x()
+    pl = _run(x)
+    T, H, K = 40, 2, 64
+    wide = torch.randn(1, T, H * K + 64).to(BF16)[..., :H * K].view(1, T, H, K)
+    x["q"] = wide
+    _run(x)
+    k1a, _, k1b, _ = _launches(drv.ops)
+    # K1 reads q through its row stride
+    assert _decoded(drv, k1a) != _decoded(drv, k1b)
+    i = _index(pl.step("K1").kernel, "q")
+    before, after = (json.loads(_decoded(drv, o)[i]) for o in (k1a, k1b))
+    assert before["row_stride_bytes"] == [H * K * 2] and after["row_stride_bytes"] == [
+        (H * K + 64) * 2]
+
+
+def test_a_short_workspace_is_refused(drv):
+    """A fast-sized workspace given to a precise forward is refused, naming the argument,
+    before anything is launched."""
+    x = _x()  # the workspace of the fast plan
+    precise = Options(alongside=True, wy="auto", precision="precise")
+    pl = _plan(x, precise)
+    assert pl.workspace_bytes > x["workspace"].numel()
+    with pytest.raises(ValueError, match="workspace"):
+        launch.run(pl, _call(x), x["workspace"])
+    with pytest.raises(ValueError, match="workspace"):
+        launch.bind(pl, _call(x), x["workspace"])
+    assert drv.ops == []
+    launch.run(_plan(x), _call(x), x["workspace"])  # the fast one fits
+    assert len(_launches(drv.ops)) == 2
+
+
+# ----------------------------------------------------------------------------- streams
+def test_alongside_forwards_on_two_streams_are_ordered_by_one_event(drv, monkeypatch):
+    """Each alongside forward records one event after its K1; one launched on another stream
+    than the last waits for that event before it zeroes its flags (two K2 grids at once could
+    leave K1 no SMs). On the same stream, no wait: the stream orders them."""
+    x = _x(T=32 * 16)
+    assert _plan(x).alongside
+    _run(x)
+    _run(x)  # same stream: no wait
+    _on_stream(monkeypatch, 7)
+    _run(x)
+    _run(x)
+    ops = [o["op"] for o in drv.ops]
+    forward = ["memset_d32", "launch", "launch", "event_record"]
+    assert ops == forward * 2 + ["event_wait"] + forward * 2
+    assert ops.count("event_wait") == 1
+    w = ops.index("event_wait")
+    (event,) = {o["event"] for o in drv.ops if o["op"].startswith("event")}
+    assert drv.events_made == 1
+    assert drv.ops[w]["stream"] == 7  # stream 7 waits on stream 0's last forward
+    assert ops[w + 1] == "memset_d32" and drv.ops[w + 1]["stream"] == 7
+    assert ops[:w].count("memset_d32") == 2
+    # one event, recorded after each forward's K1, on the stream it ran on
+    records = [(o["stream"], o["event"]) for o in drv.ops if o["op"] == "event_record"]
+    assert records == [(0, event)] * 2 + [(7, event)] * 2
+
+
+def test_no_stream_ordering_for_serial_forwards(drv, monkeypatch):
+    """Serial forwards need no ordering."""
+    x = _x(H=67, T=32 * 16)
+    assert not _plan(x).alongside
+    _run(x)
+    _on_stream(monkeypatch, 7)
+    _run(x)
+    assert [o["op"] for o in drv.ops] == ["launch"] * 4
+    assert [o["stream"] for o in drv.ops] == [0, 0, 7, 7]
+    assert drv.events_made == 0
+
+
+@pytest.mark.parametrize("entry", ["run", "bind"])
+def test_alongside_order_is_off_while_capturing(drv, monkeypatch, entry):
+    """A captured stream cannot wait on an event recorded outside the capture: an alongside
+    forward run or bound while its stream is being captured records and waits for no event
+    (and a captured run's resolved steps are not kept: its buffers belong to the capture)."""
+    x = _x(T=32 * 16)
+    pl = _plan(x)
+    assert pl.alongside
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    if entry == "run":
+        _run(x)
+        _on_stream(monkeypatch, 7)
+        _run(x)
+    else:
+        for handle in (0, 7):
+            _on_stream(monkeypatch, handle)
+            launch.bind(pl, _call(x), x["workspace"])()
+    assert [o["op"] for o in drv.ops] == ["memset_d32", "launch", "launch"] * 2
+    assert drv.events_made == 0
+    # once the capture ends, the next alongside forward is ordered again (the first of its
+    # kind since: an event recorded, nothing to wait for)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    _run(x)
+    assert [o["op"] for o in drv.ops[6:]] == ["memset_d32", "launch", "launch", "event_record"]
+    assert drv.events_made == 1
+
+
+def test_a_new_driver_gets_its_own_kernels(monkeypatch):
+    """A run's resolved steps (kernel handles, packed blocks) belong to the driver they were
+    made with: after driver.substitute (or driver.clear) the same call resolves again."""
+    kda_cute.clear_caches()
+    with fake_device(monkeypatch):
+        x, other = _x(K=128), _x(K=64)
+        a, b = Driver(), Driver()
+        with driver.substitute(b):
+            _run(other)
+        with driver.substitute(a):
+            _run(x)
+        with driver.substitute(b):
+            _run(x)
+        assert [o["kernel"] for o in _launches(b.ops[2:])] == [
+            o["kernel"] for o in _launches(a.ops)]
+    kda_cute.clear_caches()
+
+
+# -------------------------------------------------------------------------------- bind
+@pytest.mark.parametrize("schedule", ["serial", "segments", "alongside", "no-gate-params"])
+def test_a_bound_call_makes_the_calls_run_made(drv, monkeypatch, schedule):
+    """A bound plan launches what run launched: the same kernels, grids, parameter blocks
+    (the same cached arrays), shared memory, memsets and events, in order, each time, without
+    checking or planning anything again."""
+    opts = Options(alongside=True, wy="auto", segments=3 if schedule == "segments" else None)
+    x = _x(opts, T=32 * 16 if schedule == "alongside" else 40,
+           gate_params=schedule != "no-gate-params")
+    pl = _run(x, opts)
+    assert str(pl.schedule) == {"segments": "segments 3"}.get(schedule, schedule.replace(
+        "no-gate-params", "serial"))
+    first = list(drv.ops)
+    assert first
+    counts = {name: _counting(monkeypatch, checks, name)
+              for name in ("forward", "metadata", "problem", "scalars", "addresses",
+                           "config_for", "options")}
+    planned = _counting(monkeypatch, plans, "plan")
+    bound = launch.bind(pl, _call(x), x["workspace"])
+    assert drv.ops == first  # binding launches nothing
+    for _ in range(2):
+        bound()
+    n = len(first)
+    assert drv.ops[n:2 * n] == first and drv.ops[2 * n:] == first
+    assert all(c == [] for c in counts.values()) and planned == []
+    assert any(o["op"] == "memset_d32" for o in first) == (schedule == "alongside")
+    if schedule == "segments":
+        assert len(_launches(first)) == 5
+    if schedule == "no-gate-params":
+        k1 = pl.step("K1")
+        assert isinstance(k1.source("A_log"), At) and isinstance(k1.source("dt_bias"), At)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32], ids=["i64", "i32"])
+def test_a_bound_varlen_plan_refills_the_offsets(drv, dtype):
+    """A bound varlen plan recomputes its chunk offsets from the bound cu_seqlens' values
+    (changed in place here) into the tensors its launches read, and checks those values as a
+    forward's checks do."""
+    x = _x(seqlens=[17, 23], cu32=dtype == torch.int32)
+    assert x["cu_seqlens"].dtype == dtype
+    pl = _plan(x)
+    offs = pl.step("offsets")
+    assert isinstance(offs, VarlenOffsets) and (offs.cs is None) == (dtype == torch.int32)
+    k1 = pl.step("K1")
+    bound = launch.bind(pl, _call(x), x["workspace"], check_seqlens=True)
+    bound()
+    first = list(drv.ops)
+    k1_op = _launches(first)[0]
+    cc = buffers.get(offs.cc, CPU, 0)
+    assert _pointer(k1_op, k1.kernel, "cu_chunks") == cc.data_ptr()
+    assert cc.tolist() == [0, 2, 4]  # s // 16 + s
+    x["cu_seqlens"].copy_(torch.tensor([0, 3, 40]))
+    bound()
+    assert drv.ops[len(first):] == first  # the same pointers: refilled in place
+    assert cc.tolist() == [0, 1, 4]
+    if offs.cs is None:
+        assert _pointer(k1_op, k1.kernel, "cu_seqlens") == x["cu_seqlens"].data_ptr()
+    else:
+        cs = buffers.get(offs.cs, CPU, 0)
+        assert _pointer(k1_op, k1.kernel, "cu_seqlens") == cs.data_ptr()
+        assert cs.dtype == torch.int32 and cs.tolist() == [0, 3, 40]
+    n = len(drv.ops)
+    x["cu_seqlens"].copy_(torch.tensor([0, 30, 20]))
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        bound()
+    assert len(drv.ops) == n  # nothing launched
+    unchecked = launch.bind(pl, _call(x), x["workspace"], check_seqlens=False)
+    unchecked()
+    assert len(drv.ops) == n + len(first)  # not checked: launched
+    assert cc.tolist() == [0, 2, 3]
+
+
+def _buffers_of(pl) -> set:
+    """Every launcher Buffer a plan's steps read or write."""
+    out = set()
+    for s in pl.steps:
+        if isinstance(s, VarlenOffsets):
+            out |= {b for b in (s.cs, s.cc, s.ramp) if b is not None}
+        elif isinstance(s, Copy):
+            out |= {b for b in (s.src, s.dst) if isinstance(b, Buffer)}
+        elif hasattr(s, "sources"):
+            out |= {src.buffer for src in s.sources if isinstance(src, At)}
+    return out
+
+
+def test_a_bound_plan_keeps_what_it_reads(drv):
+    """The tensors a bound forward uses beyond the caller's (the segments' states and
+    constants, zeros for A_log and dt_bias, the offsets) are held by the Bound, so emptying the
+    launcher's caches frees none of them; dropping the Bound does."""
+    opts = Options(alongside=True, wy="auto", segments=3)
+    x = _x(opts, gate_params=False)
+    pl = _plan(x, opts)
+    bound = launch.bind(pl, _call(x), x["workspace"])
+    bound()
+    first = list(drv.ops)
+    made = sorted(_buffers_of(pl), key=repr)
+    # the states; zeros for v, A_log and dt_bias, the identities; K1's and the segments'
+    # offsets (two tensors each)
+    assert len(made) == 9
+    assert sorted(b.kind for b in made) == ["eye", "scratch", "segments", "segments",
+                                            "segments", "segments", "zeros", "zeros", "zeros"]
+    refs = [weakref.ref(buffers.get(b, CPU, 0)) for b in made]
+    kda_cute.clear_caches()
+    gc.collect()
+    assert all(r() is not None for r in refs)
+    # the launcher forgot them: asked again, it makes new ones
+    assert all(buffers.get(b, CPU, 0) is not r() for b, r in zip(made, refs, strict=True))
+    buffers.clear()
+    bound()
+    assert drv.ops[len(first):] == first  # the same tensors, at the same addresses
+    del bound
+    gc.collect()
+    assert all(r() is None for r in refs)
+
+
+# -------------------------------------------------------------------- fwd's repeated calls
+def _fwd(x: dict) -> None:
+    """kda_cute.fwd of CPU tensors: every check runs, the last (the CUDA requirement) raises."""
+    with pytest.raises(ValueError, match="q: expected a CUDA tensor"):
+        kda_cute.fwd(**x)
+
+
+def _unchecked(**spec) -> dict:
+    """_x's call, its metadata not yet checked (no check of it cached)."""
+    x = _x(**spec)
+    checks.clear()
+    return x
+
+
+def test_a_repeated_fwd_skips_the_metadata_checks(drv, monkeypatch):
+    x = _unchecked()
+    problem = _counting(monkeypatch, checks, "problem")
+    scalars = _counting(monkeypatch, checks, "scalars")
+    _fwd(x)
+    _fwd(x)
+    assert len(problem) == 1 and len(scalars) == 2
+
+
+def test_a_bad_argument_after_a_repeated_call_still_raises(drv, monkeypatch):
+    x = _unchecked()
+    problem = _counting(monkeypatch, checks, "problem")
+    _fwd(x)
+    _fwd(x)
+    with pytest.raises((TypeError, ValueError), match="scale"):
+        kda_cute.fwd(**{**x, "scale": True})
+    with pytest.raises(ValueError, match="scale"):
+        kda_cute.fwd(**{**x, "scale": float("nan")})
+    with pytest.raises(ValueError, match="lower_bound"):
+        kda_cute.fwd(**{**x, "lower_bound": -6.0})
+    assert len(problem) == 1  # the scalars alone were checked again
+    with pytest.raises(TypeError, match="q"):
+        kda_cute.fwd(**{**x, "q": x["q"].float()})
+    assert len(problem) == 2
+
+
+# change -> whether the tensors' metadata checks run again (the scalars' always do)
+CALL_CHANGES = {
+    "out-pointer": (CHANGES["out-pointer"], False),
+    "state-pointer": (CHANGES["state-pointer"], False),
+    "workspace": (CHANGES["workspace"], False),
+    "scale": (CHANGES["scale"], False),
+    "lower_bound": (CHANGES["lower_bound"], False),
+    "q-pointer": (lambda x: x.update(q=x["q"].clone()), False),
+    "scale-type": (lambda x: x.update(scale=1), False),  # 1 == 1.0, another type
+    "no-initial-state": (CHANGES["no-initial-state"], True),
+    "bf16-final-state": (CHANGES["bf16-final-state"], True),
+    "token-stride": (lambda x: x.update(
+        q=torch.empty(1, 40, 2 * 64 + 64, dtype=BF16)[..., :128].view(1, 40, 2, 64)), True),
+    "dt_bias-shape": (lambda x: x.update(dt_bias=x["dt_bias"].view(-1)), True),
+    "precision": (lambda x: x.update(precision="precise"), True),
+    "segments": (lambda x: x.update(segments=2), True),
+    "gate": (lambda x: x.update(gate="unbounded"), True),
+    "qk_l2norm": (lambda x: x.update(qk_l2norm=False), True),
+}
+
+
+@pytest.mark.parametrize("change", list(CALL_CHANGES))
+def test_a_changed_call_is_checked_again(drv, monkeypatch, change):
+    x = _unchecked()
+    x["scale"] = 1.0
+    problem = _counting(monkeypatch, checks, "problem")
+    scalars = _counting(monkeypatch, checks, "scalars")
+    _fwd(x)
+    fn, again = CALL_CHANGES[change]
+    fn(x)
+    _fwd(x)
+    assert len(problem) == (2 if again else 1), change
+    assert len(scalars) == 2
+
+
+@pytest.mark.parametrize("option", [{"wy": "off"}, {"alongside": False}],
+                         ids=["wy", "alongside"])
+def test_a_changed_switch_is_checked_again(drv, monkeypatch, option):
+    x = _unchecked()
+    problem = _counting(monkeypatch, checks, "problem")
+    c = _call(x)
+    first = checks.forward(c, checks.options(alongside=True, wy="auto"), cuda=False)
+    assert checks.forward(c, checks.options(alongside=True, wy="auto"), cuda=False) is first
+    assert len(problem) == 1
+    checks.forward(c, checks.options(**{"alongside": True, "wy": "auto", **option}), cuda=False)
+    assert len(problem) == 2
+
+
+def test_clear_caches_forgets_the_checked_metadata(drv, monkeypatch):
+    x = _unchecked()
+    problem = _counting(monkeypatch, checks, "problem")
+    _fwd(x)
+    _fwd(x)
+    kda_cute.clear_caches()
+    _fwd(x)
+    assert len(problem) == 2
