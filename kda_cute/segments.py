@@ -11,7 +11,7 @@ all B * P segments at once, three times:
    again from each segment's true start state S_start(j): the outputs, exactly as the sequential
    recurrence computes them (one rounding to bf16).
 The work is ~3x the sequential recurrence's, spread over P times more CTAs, so it pays where the
-sequential grid fills a fraction of the GPU. `reference.segmented_recurrence(rerun=True)` is the
+sequential grid fills a fraction of the GPU. `chunked.segmented_recurrence(rerun=True)` is the
 float64 model.
 
 Here: the segment plan, its size, and the combine step; the launcher (`api.launch_forward`)

@@ -135,8 +135,9 @@ def prep_errors(inp, config=None) -> dict:
     operands (config.prep.operands), kd, Aw and Mq are compared as hi + lo; for config.prep.f16
     the fp16 hi plane against the reference rounded to fp16."""
     from kda_cute import Call, checks, launch, plans
+    from kda_cute.chunked import chunk_intermediates
     from kda_cute.plans.workspace import views
-    from kda_cute.reference import chunk_intermediates, preprocess
+    from kda_cute.reference import preprocess
 
     q, v = inp["q"], inp["v"]
     out = torch.empty(v.shape, dtype=torch.bfloat16, device=q.device)

@@ -65,9 +65,7 @@ def _ordered(value):
         def set_ordered(s):
             if not (isinstance(s, Launch) and "ordered" in s.args):
                 return s
-            return dataclasses.replace(s, sources=tuple(
-                Scalar(value) if a == "ordered" else x
-                for a, x in zip(s.args, s.sources, strict=True)))
+            return s.with_source("ordered", Scalar(value))
 
         assert any("ordered" in s.args for s in pl.launches()), pl.describe()
         return dataclasses.replace(pl, steps=tuple(map(set_ordered, pl.steps)))

@@ -10,15 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kda_cute.reference import (
-    GATE_FORMS,
-    chunk_intermediates,
-    chunk_recurrence,
-    kda_chunked,
-    kda_reference,
-    preprocess,
-    rel_err,
-)
+from kda_cute.chunked import chunk_intermediates, chunk_recurrence, kda_chunked
+from kda_cute.reference import GATE_FORMS, kda_reference, preprocess, rel_err
 
 LOWER_BOUND = -5.0
 F64 = torch.float64
@@ -519,7 +512,7 @@ def test_factored_intermediates_reject_bad_sub():
 def test_segmented_recurrence_matches_sequential(segments, gate, rerun):
     """Chunk-parallel partial states (the few-heads K2's math): per-segment affine maps from
     [0; I], chained serially, then outputs from the true starts, equal the sequential twin."""
-    from kda_cute.reference import segmented_recurrence
+    from kda_cute.chunked import segmented_recurrence
     gen = torch.Generator().manual_seed(segments)
     T, H, K, V, C = 7 * 16 + 5, 2, 16, 12, 16
     q, k, g = (torch.randn(1, T, H, K, generator=gen, dtype=torch.float64) for _ in range(3))
@@ -537,7 +530,7 @@ def test_segmented_recurrence_matches_sequential(segments, gate, rerun):
 
 
 def test_segmented_recurrence_rejects_bad_arguments():
-    from kda_cute.reference import segmented_recurrence
+    from kda_cute.chunked import segmented_recurrence
     T, H, K = 40, 1, 8
     qn = kn = torch.randn(1, T, H, K, dtype=F64)
     a = -torch.rand(1, T, H, K, dtype=F64)

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from kda_cute import segments
-from kda_cute.reference import chunk_intermediates, chunk_recurrence, preprocess
+from kda_cute.chunked import chunk_intermediates, chunk_recurrence
+from kda_cute.reference import preprocess
 
 F64 = torch.float64
 

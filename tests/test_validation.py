@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kda_cute import Problem, api, chunk_kda, fwd
-from kda_cute import validate as _validate_on_cuda
+from kda_cute import validate as validate_on_cuda
 
 BF16, F32 = torch.bfloat16, torch.float32
 # K != V everywhere, so a state or output given in the [.., K, V] layout instead of [.., V, K]
@@ -71,7 +71,7 @@ def meta(*shape, dtype=BF16):
 
 def validate(**kw):
     """kda_cute.validate on CPU tensors: every check but the CUDA requirement."""
-    return _validate_on_cuda(**kw, cuda=False)
+    return validate_on_cuda(**kw, cuda=False)
 
 
 def sizes(p: Problem) -> tuple:
@@ -281,7 +281,7 @@ def test_non_cuda_q_rejected(entry, device):
     requirement, checked last, names q."""
     kw = inputs(V=K)
     kw = {n: (t.to(device) if isinstance(t, torch.Tensor) else t) for n, t in kw.items()}
-    call = _validate_on_cuda if entry == "validate" else fwd
+    call = validate_on_cuda if entry == "validate" else fwd
     with pytest.raises(ValueError) as info:
         call(**kw)
     msg = str(info.value)

@@ -51,7 +51,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT / "bench" / "probes"))
 
-from k1_occupancy_probe import hold_k1, with_step  # noqa: E402
+from k1_occupancy_probe import hold_k1  # noqa: E402
 from kernel_times import parse_case  # noqa: E402
 
 import bench  # noqa: E402
@@ -96,10 +96,8 @@ def forced_alongside(p, opts, dev, ctas: int | None = None):
         return own
     k2 = pl.step("K2")
     ordered = own.step("K2").source("ordered")
-    k2 = dataclasses.replace(
-        k2, grid=grid, smem=resources(k2.kernel, dev.arch).smem,
-        sources=tuple(ordered if a == "ordered" else s
-                      for a, s in zip(k2.args, k2.sources, strict=True)))
+    k2 = dataclasses.replace(k2.with_source("ordered", ordered), grid=grid,
+                             smem=resources(k2.kernel, dev.arch).smem)
     if ctas is None:
         ctas = sch.k1_alongside_ctas(p, math.prod(grid), dev,
                                      resources(pl.step("K1").kernel, dev.arch))
@@ -123,7 +121,7 @@ def schedules(p, dev, ctas: int | None = None, shared: bool = False,
             base = hold_k1(base, dev, ctas)
     if base.schedule.kind != "alongside":
         return {"serial": serial, "alongside": base}
-    preset = with_step(base, "zero flags", value=1)
+    preset = base.edit("zero flags", value=1)
     return {"serial": serial, "alongside": base, "preset": preset,
             "k2-only": preset.only("zero flags", "K2")}
 

@@ -10,7 +10,7 @@ graph  the same calls replayed as a CUDA graph (the GPU's time alone)
 Where host approaches graph, the eager time is the host's. Cases as kernel_times.py takes them.
 --bound: each case also as a bound call (kda_cute.bind of the same problem's plan, one per
 input set, made at its first call: what a serving loop with fixed buffers calls), after the
-eager `fwd` call (checks and plan reused, every source resolved again).
+eager `fwd` call (its checks, plan and resolved steps reused).
 --tree DIR: time the kda_cute of DIR instead of this checkout's, e.g. an older revision that
 scripts/ab_build.sh put in build/ab/<rev>/src (with KDA_CUTE_CUBIN_DIR=build/ab/<rev>): only
 its kda_cute is imported (fwd, the checks and the workspace size, which older revisions have

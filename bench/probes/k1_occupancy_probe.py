@@ -13,7 +13,6 @@ as in bench.py) and its items (chunk, head) per us per SM.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from pathlib import Path
 
@@ -32,18 +31,11 @@ from kda_cute.plans import schedule as sch  # noqa: E402
 from kda_cute.plans.device import resources  # noqa: E402
 
 
-def with_step(pl, name: str, **changes):
-    """`pl` with its step `name` replaced by a copy with `changes` (a Plan and its steps are
-    frozen data)."""
-    return dataclasses.replace(pl, steps=tuple(
-        dataclasses.replace(s, **changes) if s.name == name else s for s in pl.steps))
-
-
 def hold_k1(pl, dev, ctas: int):
     """`pl` with K1 held to `ctas` CTAs per SM of `dev` (a DeviceInfo): its Launch's shared
     memory padded as the alongside schedule pads it, at least the kernel's own."""
     own = resources(pl.step("K1").kernel, dev.arch).smem
-    return with_step(pl, "K1", smem=max(own, sch.k1_alongside_smem(dev, ctas)))
+    return pl.edit("K1", smem=max(own, sch.k1_alongside_smem(dev, ctas)))
 
 
 def main(argv=None) -> None:

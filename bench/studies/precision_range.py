@@ -21,7 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from precision_products import hi, k2  # noqa: E402
 from precision_study import study_inputs  # noqa: E402
 
-from kda_cute.reference import chunk_intermediates, rel_err  # noqa: E402
+from kda_cute.chunked import chunk_intermediates  # noqa: E402
+from kda_cute.reference import rel_err  # noqa: E402
 
 
 def main():

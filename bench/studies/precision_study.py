@@ -19,15 +19,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from kda_cute.reference import (  # noqa: E402
-    chunk_intermediates,
-    chunk_recurrence,
-    kda_reference,
-    preprocess,
-    rel_err,
-    round_bf16,
-    round_tf32,
-)
+from kda_cute.chunked import chunk_intermediates, chunk_recurrence
+from kda_cute.reference import kda_reference, preprocess, rel_err, round_bf16, round_tf32
 
 
 def study_inputs(T, H, K, decay=None):
