@@ -14,7 +14,7 @@ The work is ~3x the sequential recurrence's, spread over P times more CTAs, so i
 sequential grid fills a fraction of the GPU. `chunked.segmented_recurrence(rerun=True)` is the
 float64 model.
 
-Here: the segment plan, its size, and the combine step; the launcher (`api.launch_forward`)
+Here: the segment plan, its size, and the combine step; the segments schedule (`plans/prefill.py`)
 runs the kernels.
 """
 

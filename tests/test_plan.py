@@ -462,7 +462,7 @@ K1_64, K1_128, K1_256 = (Resources(64, 77, 19840), Resources(128, 64, 26496),
     (128, 1, 1, 2, K1_128, 1),  # at least one
 ], ids=["k64-h64", "k64-h32", "k128-h32", "k256-h16", "k128-n2", "k128-h1"])
 def test_k1_alongside_ctas_the_sweeps_best(K, N, H, k2_ctas, k1, expect):
-    """K1's CTAs per SM alongside K2 are the best of the H200 sweeps (bench/NOTES.md) where
+    """K1's CTAs per SM alongside K2 are the best of the H200 sweeps (docs/notes/schedules.md) where
     one was run, and the shared memory asked for holds K1 to exactly that many."""
     p = Problem(N, 1024, H, K, K, N, False)
     ctas = schedule.k1_alongside_ctas(p, k2_ctas, H200, k1)

@@ -157,7 +157,13 @@ def run(plan, call, workspace: torch.Tensor | None = None, stream=None) -> None:
                 if len(_resolved) >= _RESOLVED_MAX:
                     _resolved.clear()
                 _resolved[key] = (ops, list(src.held.values()), plan)
-        with _on(stream), alongside_order(device, h, plan.alongside and not capturing):
+        if plan.alongside and not capturing:
+            with _on(stream), alongside_order(device, h, True):
+                _execute(ops, call)
+        elif stream is not None:
+            with torch.cuda.stream(stream):
+                _execute(ops, call)
+        else:
             _execute(ops, call)
 
 
