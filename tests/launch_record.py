@@ -487,6 +487,20 @@ def record(name: str, monkeypatch) -> dict:
     return {"schedule": sched, "ops": ops, "anon": names.anon_table()}
 
 
+def counting(monkeypatch, module, name) -> list:
+    """`module.name` (a public function) wrapped to count its calls: the list grows by one a
+    call."""
+    calls = []
+    real = getattr(module, name)
+
+    def counted(*a, **kw):
+        calls.append(1)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(module, name, counted)
+    return calls
+
+
 class _Patch:
     """A minimal monkeypatch for running outside pytest."""
 

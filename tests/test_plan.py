@@ -32,6 +32,7 @@ from kda_cute.plans.steps import (
 from kda_cute.problem import Call, Options, Problem
 from kda_cute.specs import args_for
 from tests import launch_record
+from tests.launch_record import counting
 
 F32, BF16 = torch.float32, torch.bfloat16
 H200 = plans.H200
@@ -556,44 +557,23 @@ def _fwd_args(**kw) -> dict:
     return {**call, "workspace": None, **kw}
 
 
-def _counting(monkeypatch, module, name) -> list:
-    calls = []
-    real = getattr(module, name)
-
-    def counted(*a, **kw):
-        calls.append(1)
-        return real(*a, **kw)
-
-    monkeypatch.setattr(module, name, counted)
-    return calls
-
-
-@pytest.mark.parametrize("bad", [0, -1, 2.0, True, "2"], ids=repr)
-def test_segments_argument_validated(monkeypatch, bad):
-    planned = _counting(monkeypatch, plans, "plan")
-    checked = _counting(monkeypatch, checks, "forward")
-    with pytest.raises(ValueError, match="segments"):
-        kda_cute.fwd(**_fwd_args(), segments=bad)
-    with pytest.raises(ValueError, match="segments"):
-        checks.options(segments=bad)
-    assert planned == [] and checked == []
-
-
-@pytest.mark.parametrize("bad", ["FAST", "bf16", None, 1], ids=repr)
-def test_precision_argument_validated(monkeypatch, bad):
-    planned = _counting(monkeypatch, plans, "plan")
-    checked = _counting(monkeypatch, checks, "forward")
-    with pytest.raises(ValueError, match="precision"):
-        kda_cute.fwd(**_fwd_args(), precision=bad)
-    with pytest.raises(ValueError, match="precision"):
-        checks.options(precision=bad)
+@pytest.mark.parametrize("option,bad", [
+    *(("segments", bad) for bad in (0, -1, 2.0, True, "2")),
+    *(("precision", bad) for bad in ("FAST", "bf16", None, 1))], ids=repr)
+def test_option_argument_validated(monkeypatch, option, bad):
+    planned = counting(monkeypatch, plans, "plan")
+    checked = counting(monkeypatch, checks, "forward")
+    with pytest.raises(ValueError, match=option):
+        kda_cute.fwd(**_fwd_args(), **{option: bad})
+    with pytest.raises(ValueError, match=option):
+        checks.options(**{option: bad})
     assert planned == [] and checked == []
 
 
 def test_the_argument_tables_are_valid_otherwise(monkeypatch):
     """The call the validation tests break is a valid one: fwd checks it through to the CUDA
     requirement (a CPU run), having planned nothing."""
-    planned = _counting(monkeypatch, plans, "plan")
+    planned = counting(monkeypatch, plans, "plan")
     for kw in ({}, {"segments": 2}, {"precision": "precise"}):
         with pytest.raises(ValueError, match="CUDA"):
             kda_cute.fwd(**_fwd_args(), **kw)

@@ -28,7 +28,7 @@ from kda_cute.launch import buffers, driver, streams
 from kda_cute.plans.steps import At, Buffer, Copy, VarlenOffsets
 from kda_cute.problem import Call, Options
 from kda_cute.specs import args_for
-from tests.launch_record import CUBIN_DIR, FakeDriver, fake_device, make_call
+from tests.launch_record import CUBIN_DIR, FakeDriver, counting, fake_device, make_call
 
 pytestmark = pytest.mark.skipif(not CUBIN_DIR.exists(), reason="cubins not built (`make kernels`)")
 
@@ -156,23 +156,10 @@ def _pointer(op: dict, cfg, name: str) -> int:
     return struct.unpack_from("<Q", _param(op, cfg, name))[0]
 
 
-def _counting(monkeypatch, module, name) -> list:
-    """`module.name` (a public function) wrapped to count its calls."""
-    calls = []
-    real = getattr(module, name)
-
-    def counted(*a, **kw):
-        calls.append(1)
-        return real(*a, **kw)
-
-    monkeypatch.setattr(module, name, counted)
-    return calls
-
-
 # ------------------------------------------------------------------------- packed blocks
 def test_repeated_run_reuses_the_packed_block(drv, monkeypatch):
     x = _x()
-    packed = _counting(monkeypatch, driver, "pack_params")
+    packed = counting(monkeypatch, driver, "pack_params")
     _run(x)
     assert len(packed) == 2
     n_maps = len(drv.maps)
@@ -357,10 +344,10 @@ def test_a_bound_call_makes_the_calls_run_made(drv, monkeypatch, schedule):
         "no-gate-params", "serial"))
     first = list(drv.ops)
     assert first
-    counts = {name: _counting(monkeypatch, checks, name)
+    counts = {name: counting(monkeypatch, checks, name)
               for name in ("forward", "metadata", "problem", "scalars", "addresses",
                            "config_for", "options")}
-    planned = _counting(monkeypatch, plans, "plan")
+    planned = counting(monkeypatch, plans, "plan")
     bound = launch.bind(pl, _call(x), x["workspace"])
     assert drv.ops == first  # binding launches nothing
     for _ in range(2):
@@ -474,8 +461,8 @@ def _unchecked(**spec) -> dict:
 
 def test_a_repeated_fwd_skips_the_metadata_checks(drv, monkeypatch):
     x = _unchecked()
-    problem = _counting(monkeypatch, checks, "problem")
-    scalars = _counting(monkeypatch, checks, "scalars")
+    problem = counting(monkeypatch, checks, "problem")
+    scalars = counting(monkeypatch, checks, "scalars")
     _fwd(x)
     _fwd(x)
     assert len(problem) == 1 and len(scalars) == 2
@@ -483,7 +470,7 @@ def test_a_repeated_fwd_skips_the_metadata_checks(drv, monkeypatch):
 
 def test_a_bad_argument_after_a_repeated_call_still_raises(drv, monkeypatch):
     x = _unchecked()
-    problem = _counting(monkeypatch, checks, "problem")
+    problem = counting(monkeypatch, checks, "problem")
     _fwd(x)
     _fwd(x)
     with pytest.raises((TypeError, ValueError), match="scale"):
@@ -523,8 +510,8 @@ CALL_CHANGES = {
 def test_a_changed_call_is_checked_again(drv, monkeypatch, change):
     x = _unchecked()
     x["scale"] = 1.0
-    problem = _counting(monkeypatch, checks, "problem")
-    scalars = _counting(monkeypatch, checks, "scalars")
+    problem = counting(monkeypatch, checks, "problem")
+    scalars = counting(monkeypatch, checks, "scalars")
     _fwd(x)
     fn, again = CALL_CHANGES[change]
     fn(x)
@@ -537,7 +524,7 @@ def test_a_changed_call_is_checked_again(drv, monkeypatch, change):
                          ids=["wy", "alongside"])
 def test_a_changed_switch_is_checked_again(drv, monkeypatch, option):
     x = _unchecked()
-    problem = _counting(monkeypatch, checks, "problem")
+    problem = counting(monkeypatch, checks, "problem")
     c = _call(x)
     first = checks.forward(c, checks.options(alongside=True, wy="auto"), cuda=False)
     assert checks.forward(c, checks.options(alongside=True, wy="auto"), cuda=False) is first
@@ -548,7 +535,7 @@ def test_a_changed_switch_is_checked_again(drv, monkeypatch, option):
 
 def test_clear_caches_forgets_the_checked_metadata(drv, monkeypatch):
     x = _unchecked()
-    problem = _counting(monkeypatch, checks, "problem")
+    problem = counting(monkeypatch, checks, "problem")
     _fwd(x)
     _fwd(x)
     kda_cute.clear_caches()

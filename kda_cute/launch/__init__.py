@@ -157,14 +157,12 @@ def run(plan, call, workspace: torch.Tensor | None = None, stream=None) -> None:
                 if len(_resolved) >= _RESOLVED_MAX:
                     _resolved.clear()
                 _resolved[key] = (ops, list(src.held.values()), plan)
-        if plan.alongside and not capturing:
-            with _on(stream), alongside_order(device, h, True):
-                _execute(ops, call)
-        elif stream is not None:
-            with torch.cuda.stream(stream):
-                _execute(ops, call)
-        else:
+        ordered = plan.alongside and not capturing
+        if stream is None and not ordered:  # the common case, without the contexts' cost
             _execute(ops, call)
+        else:
+            with _on(stream), alongside_order(device, h, ordered):
+                _execute(ops, call)
 
 
 def _on(stream):
