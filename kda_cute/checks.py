@@ -49,6 +49,12 @@ def _shape(name, t, shape):
         raise err(name, f"shape {tuple(shape)}", f"{tuple(t.shape)}")
 
 
+def _tma_rows(div: int) -> str:
+    """What a TMA-read or -written tensor's rows need (the stride check's and the address
+    check's expectation, one text)."""
+    return f"token stride a multiple of {div} elements and a 16-byte aligned base"
+
+
 def _rows(name, t, div: int):
     """[B, T, H, D] with D contiguous and heads packed; the token stride is free (a multiple of
     `div` elements: TMA rows) but rows must not overlap (a kernel reads and writes whole token
@@ -63,8 +69,7 @@ def _rows(name, t, div: int):
     if B > 1 and T > 0 and t.stride(0) != T * t.stride(1):
         raise err(name, "batch stride == T * token stride", f"strides {tuple(t.stride())}")
     if t.stride(1) % div:
-        raise err(name, f"token stride a multiple of {div} elements and a 16-byte aligned base",
-                  f"stride {t.stride(1)}")
+        raise err(name, _tma_rows(div), f"stride {t.stride(1)}")
 
 
 def options(gate="bounded", qk_l2norm=True, beta_sigmoid=True, segments=None, config=None,
@@ -98,10 +103,14 @@ def _options(gate="bounded", qk_l2norm=True, beta_sigmoid=True, segments=None, c
             raise err("config", "a supported config", why)
     if wy is not None and wy not in WY_MODES:
         raise err("wy", f"one of {WY_MODES}", repr(wy))
-    extra = {k: v for k, v in (("alongside", alongside), ("wy", wy)) if v is not None}
+    switches = {}  # the environment's defaults unless given
+    if alongside is not None:
+        switches["alongside"] = bool(alongside)
+    if wy is not None:
+        switches["wy"] = wy
     return Options(precision=precision, gate=gate, qk_l2norm=bool(qk_l2norm),
                    beta_sigmoid=bool(beta_sigmoid), segments=segments, config=config,
-                   **{k: (bool(v) if k == "alongside" else v) for k, v in extra.items()})
+                   **switches)
 
 
 def config_for(p: Problem, opts: Options | None = None) -> FwdConfig:
@@ -215,8 +224,8 @@ def addresses(c: Call) -> None:
     for name in ("out", "q", "k", "g", "v"):
         t = getattr(c, name)
         if t.data_ptr() % 16:
-            raise err(name, f"token stride a multiple of {SYM_DIV['s' + name[0].upper()]} "
-                      "elements and a 16-byte aligned base", f"address {t.data_ptr()}")
+            raise err(name, _tma_rows(SYM_DIV["s" + name[0].upper()]),
+                      f"address {t.data_ptr()}")
 
 
 def require_cuda(c: Call) -> None:

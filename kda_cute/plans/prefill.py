@@ -8,7 +8,6 @@ from dataclasses import replace
 
 import torch
 
-from ..abi import SYM_WIDTH
 from ..ladder import SEGMENT_RUNS, FwdConfig, alongside_of, combine_config
 from ..problem import Options, Problem
 from ..specs import args_for
@@ -41,7 +40,6 @@ def _launch(name, cfg, grid, values: dict, syms: dict, dev: DeviceInfo, smem: in
     res = resources(cfg, dev.arch)
     args = [a for a in args_for(cfg) if not a.grid_only and a.kind != "mma"]
     used = {e for a in args for e in a.shape + a.stride if isinstance(e, str)}
-    assert used <= set(SYM_WIDTH), used - set(SYM_WIDTH)
     return Launch(name, cfg, tuple(grid), (res.threads, 1, 1), max(res.smem, smem),
                   programmatic, tuple(a.name for a in args),
                   tuple(values[a.name] for a in args), tuple((s, syms[s]) for s in sorted(used)))
@@ -81,8 +79,7 @@ def forward_plan(p: Problem, opts: Options, cfg: FwdConfig, dev: DeviceInfo) -> 
              "qk_l2norm": Scalar(int(bool(opts.qk_l2norm))),
              "beta_sigmoid": Scalar(int(bool(opts.beta_sigmoid)))}
     k1_grid = (H, min(nch, K1_GRID_Y), -(-nch // K1_GRID_Y))  # heads fastest; chunks on y, z
-    k1_work = Tt > 0 and H > 0
-    if sched.kind != "alongside" and k1_work:
+    if sched.kind != "alongside" and Tt > 0 and H > 0:
         steps.append(_launch("K1", cfg.prep, k1_grid, vals1, syms, dev))
     s_in = Role("initial_state") if p.state_in is not None else Role("out")
     s_out = Role("final_state") if p.state_out is not None else Role("out")
@@ -103,9 +100,9 @@ def forward_plan(p: Problem, opts: Options, cfg: FwdConfig, dev: DeviceInfo) -> 
         notes.append(f"K1 held to {ctas} CTAs per SM")
         steps.append(Memset("zero flags", ws["flags"], 0, nch * H))
         steps.append(_launch("K2", acfg.recur, grid, vals2, syms, dev, dev.smem_per_block))
-        if k1_work:
-            steps.append(_launch("K1", acfg.prep, k1_grid, vals1, syms, dev,
-                                 sch.k1_alongside_smem(dev, ctas), programmatic=True))
+        # always K1 work here (alongside needs 32 chunks a sequence): K2 waits on its flags
+        steps.append(_launch("K1", acfg.prep, k1_grid, vals1, syms, dev,
+                             sch.k1_alongside_smem(dev, ctas), programmatic=True))
     elif sched.kind == "segments":
         steps += _segments(p, cfg, sched.segments, vals2, syms, dev)
     elif grid is not None:

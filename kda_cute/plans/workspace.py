@@ -41,12 +41,16 @@ def layout(p: Problem, cfg: FwdConfig) -> list[tuple[str, tuple, torch.dtype]]:
             ("gl", (nch, H, K), f32), ("aw", (R, H, C), f32), ("mq", (R, H, C), f32), flags]
 
 
-@functools.lru_cache(maxsize=1024)
 def planes(p: Problem, cfg: FwdConfig) -> tuple[tuple, int]:
     """((name, offset, bytes, shape, dtype), ...) from an aligned base, and the bytes a
     workspace needs (one alignment's slack included)."""
+    return _planes(_sized(p), cfg)
+
+
+@functools.lru_cache(maxsize=1024)
+def _planes(p: Problem, cfg: FwdConfig) -> tuple[tuple, int]:
     out, start = [], 0
-    for name, shape, dtype in layout(_sized(p), cfg):
+    for name, shape, dtype in layout(p, cfg):
         n = math.prod(shape) * _ELEM[dtype]
         out.append((name, start, n, shape, dtype))
         start += (n + ALIGN - 1) // ALIGN * ALIGN
@@ -54,20 +58,21 @@ def planes(p: Problem, cfg: FwdConfig) -> tuple[tuple, int]:
 
 
 def _sized(p: Problem) -> Problem:
-    """The fields the workspace depends on (so problems differing elsewhere share an entry)."""
+    """The fields the workspace depends on (so problems differing elsewhere share a cache
+    entry)."""
     return Problem(p.B, p.T, p.H, p.K, p.V, p.N, p.varlen)
 
 
 def workspace_bytes(p: Problem, cfg: FwdConfig) -> int:
     """Bytes of the caller-ownable workspace: K1's outputs, each 256-byte aligned."""
-    return planes(_sized(p), cfg)[1]
+    return planes(p, cfg)[1]
 
 
 def views(workspace: torch.Tensor, p: Problem, cfg: FwdConfig) -> dict:
     """K1's outputs as typed views into the workspace (each 256-byte aligned)."""
     base = (-workspace.data_ptr()) % ALIGN
     return {name: workspace[base + off:base + off + n].view(dtype).view(shape)
-            for name, off, n, shape, dtype in planes(_sized(p), cfg)[0]}
+            for name, off, n, shape, dtype in planes(p, cfg)[0]}
 
 
 def operand_offsets(p: Problem, cfg: FwdConfig) -> dict[str, int]:
@@ -75,7 +80,7 @@ def operand_offsets(p: Problem, cfg: FwdConfig) -> dict[str, int]:
     every plane, and for kd, Aw and Mq their hi and lo planes (lo after hi; the f16 configs have
     one plane, which their kernels read and write as hi only: lo names the same plane)."""
     out = {}
-    for name, off, n, shape, _ in planes(_sized(p), cfg)[0]:
+    for name, off, n, shape, _ in planes(p, cfg)[0]:
         out[name] = off
         if name in ("kd", "aw", "mq"):
             out[name + "h"] = off
