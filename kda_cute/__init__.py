@@ -1,15 +1,20 @@
-"""kda-cute: Kimi Delta Attention forward kernels for Hopper, CuTe DSL compiled ahead of time."""
+"""kda-cute: Kimi Delta Attention kernels for Hopper (prefill, decode, verify against a state
+pool), CuTe DSL compiled ahead of time."""
 
 from .api import chunk_kda, clear_caches, describe, fwd, validate, workspace_bytes
+from .errors import DeviceValueError, check_errors
 from .ladder import SHIPPED, FwdConfig, select_config
 from .launch import Bound, bind, run
 from .plans import Plan, plan
-from .problem import Call, Options, Problem
-from .specs import PrepConfig, RecurConfig
+from .problem import Call, Options, Problem, StepCall, StepOptions, StepProblem
+from .serving import commit, decode, fused_recurrent_kda_fwd, recurrent, verify
+from .specs import PrepConfig, RecurConfig, StepConfig
 
 __all__ = [
-    "SHIPPED", "Bound", "Call", "FwdConfig", "Options", "Plan", "PrepConfig", "Problem",
-    "RecurConfig", "bind", "chunk_kda", "clear_caches", "describe", "fwd", "plan", "run",
-    "select_config", "validate", "workspace_bytes",
+    "SHIPPED", "Bound", "Call", "DeviceValueError", "FwdConfig", "Options", "Plan", "PrepConfig",
+    "Problem", "RecurConfig", "StepCall", "StepConfig", "StepOptions", "StepProblem", "bind",
+    "check_errors", "chunk_kda", "clear_caches", "commit", "decode", "describe",
+    "fused_recurrent_kda_fwd", "fwd", "plan", "recurrent", "run", "select_config", "validate",
+    "verify", "workspace_bytes",
 ]
 __version__ = "0.1.0"

@@ -27,11 +27,14 @@ SYM_WIDTH = {
     "FL": 32,
     "sQ": 64, "sK": 64, "sG": 64, "sB": 64, "sV": 64, "sO": 64, "sS": 64, "sW": 32, "sWc": 32,
     "NSP": 32,
+    # the token step: pool slots and written rows, their strides, the index tables' lengths
+    "P": 32, "PD": 32, "sP": 64, "sPD": 64,
+    "NCU": 32, "NRI": 32, "NWI": 32, "NAC": 32, "NPA": 32, "NHI": 32,
 }
 # divisibility promised to the compiler; the launcher validates it
-SYM_DIV = {"sQ": 8, "sK": 8, "sG": 8, "sV": 8, "sO": 8, "sW": 8, "sWc": 8}
+SYM_DIV = {"sQ": 8, "sK": 8, "sG": 8, "sV": 8, "sO": 8, "sW": 8, "sWc": 8, "sP": 8, "sPD": 8}
 
-DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "int32": 4}
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "int32": 4, "int8": 1}
 
 
 @dataclass(frozen=True)

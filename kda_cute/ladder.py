@@ -16,6 +16,7 @@ from .specs import prep, recur
 from .specs.combine import CombineConfig
 from .specs.prep import PrepConfig
 from .specs.recur import RecurConfig
+from .specs.step import StepConfig
 
 HEAD_DIMS = (64, 128, 256)
 
@@ -158,6 +159,28 @@ def combine_config(head_dim: int) -> CombineConfig | None:
     return None
 
 
+# The token step (decode, verify, commit): per head dim and pool dtype, TPR lanes per state row
+# such that each lane holds 16 columns (four 16-byte fp32 or two bf16 pool accesses per row),
+# 32 rows per CTA. Variants of other tiles are reachable through StepOptions.config.
+def _step(d: int, pool: str, block_v: int = 32) -> StepConfig:
+    return StepConfig(d, d, pool, block_v, d // 16, 128)
+
+
+STEP: tuple[StepConfig, ...] = tuple(_step(d, p) for d in HEAD_DIMS
+                                     for p in ("float32", "bfloat16"))
+# other tiles, built for the tile sweep (bench/probes/step_tiles.py)
+STEP_VARIANTS: tuple[StepConfig, ...] = tuple(
+    _step(128, p, bv) for p in ("float32", "bfloat16") for bv in (16, 64))
+
+
+def select_step(head_dim_k: int, head_dim_v: int, pool: str) -> StepConfig | None:
+    """The shipped token-step config for (K, V) and the pool's dtype name, or None."""
+    for cfg in STEP:
+        if (cfg.head_dim_k, cfg.head_dim_v, cfg.pool) == (head_dim_k, head_dim_v, pool):
+            return cfg
+    return None
+
+
 def select_config(head_dim_k: int, head_dim_v: int, varlen: bool,
                   precision: str = "fast") -> FwdConfig | None:
     """The head-dim / layout ladder: the shipped tensor-core config for (K, V) of `precision`
@@ -172,11 +195,11 @@ def select_config(head_dim_k: int, head_dim_v: int, varlen: bool,
 
 def all_kernels() -> tuple:
     """Every kernel config that is built and shipped, once each: the forwards' K1 and K2
-    (shipped, experimental and alongside builds), then K2's segment runs and WY builds and the
-    combines."""
+    (shipped, experimental and alongside builds), then K2's segment runs and WY builds, the
+    combines and the token steps."""
     seen, out = set(), []
     for cfg in [c for f in SHIPPED + EXPERIMENTAL + ALONGSIDE for c in (f.prep, f.recur)] + [
-            *SEGMENT_RUNS, *WY_RUNS, *COMBINE]:
+            *SEGMENT_RUNS, *WY_RUNS, *COMBINE, *STEP, *STEP_VARIANTS]:
         if cfg not in seen:
             seen.add(cfg)
             out.append(cfg)

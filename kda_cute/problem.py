@@ -97,3 +97,81 @@ class Call(NamedTuple):
     cu_seqlens: torch.Tensor | None
     scale: float
     lower_bound: float | None
+
+
+# ------------------------------------------------------------------------ serving steps
+@dataclass(frozen=True)
+class StepProblem:
+    """A serving step's metadata (decode, verify, commit or the dense token-by-token forward):
+    everything the token-step kernel's arguments are made of, bar the tensors' addresses and
+    the call's scale and lower bound (kda_cute.specs.step.args says what each entry means).
+
+    form: "decode", "verify" (a slot per token), "verify scratch" (a read-only pool and a
+    scratch of per-token states), "commit" or "recurrent" (dense states). N rows of the batch,
+    T token rows, H heads, K and V head dims; pool: the state dtype name; slots / slot_stride:
+    the pool's rows and row stride (elements); dst_rows / dst_stride: those of the tensor the
+    states are written to (the pool again, a scratch, a dense final state); strides: the token
+    strides of (q, k, g, v, out, beta); fixed_len: tokens per row (-1: cu_seqlens); lengths:
+    the words of (cu_seqlens, read index, write index, accepted, parent, has_init) tables."""
+
+    form: str
+    N: int
+    T: int
+    H: int
+    K: int
+    V: int
+    pool: str
+    slots: int
+    slot_stride: int
+    dst_rows: int
+    dst_stride: int
+    strides: tuple[int, int, int, int, int, int]
+    fixed_len: int
+    cu_wide: bool
+    max_tokens: int
+    read: tuple[int, int, int, int, int, int]  # mode, n stride, entry stride, wide, mul, add
+    accepted: tuple[int, int, int, int, int]  # on, wide, base, skip negative, entries
+    has_init: bool
+    write: tuple[int, int, int, int, int, int]  # mode, n stride, t stride, wide, mul, add
+    parent: tuple[int, int, int, int]  # on, n stride, t stride, wide
+    null_min: tuple[int, int]  # read, write: entries below are padding
+    A_log: bool
+    dt_bias: bool
+    lengths: tuple[int, int, int, int, int, int]
+
+
+@dataclass(frozen=True)
+class StepOptions:
+    """How a serving step computes: the gate form ("bounded", "unbounded", "none"), whether
+    the kernel normalises q and k and takes beta's sigmoid, and a StepConfig instead of the
+    ladder's pick (kernel development)."""
+
+    gate: str = "bounded"
+    qk_l2norm: bool = True
+    beta_sigmoid: bool = True
+    config: object = None
+
+
+class StepCall(NamedTuple):
+    """One serving step's tensors and scalars, by the roles a step plan's sources name. pool is
+    the state read (the pool, a scratch for a commit, a dense initial state); dst where states
+    are written; the index tables are int32 or int64 (read as word pairs)."""
+
+    q: torch.Tensor | None
+    k: torch.Tensor | None
+    v: torch.Tensor | None
+    g: torch.Tensor | None
+    beta: torch.Tensor | None
+    out: torch.Tensor | None
+    A_log: torch.Tensor | None
+    dt_bias: torch.Tensor | None
+    pool: torch.Tensor | None
+    dst: torch.Tensor | None
+    cu_seqlens: torch.Tensor | None
+    read_index: torch.Tensor | None
+    write_index: torch.Tensor | None
+    accepted: torch.Tensor | None
+    parent: torch.Tensor | None
+    has_init: torch.Tensor | None
+    scale: float
+    lower_bound: float | None

@@ -54,7 +54,7 @@ def _fake_args(args, cutlass, cute):
     from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
 
     dtypes = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16, "float32": cutlass.Float32,
-              "int32": cutlass.Int32}
+              "int32": cutlass.Int32, "int8": cutlass.Int8}
     syms = {}
 
     def sym(e):

@@ -18,6 +18,8 @@ from kda_cute.ladder import (
     SEGMENT_RUNS,
     SHIPPED,
     SIMT,
+    STEP,
+    STEP_VARIANTS,
     TENSOR_CORE,
     WY_RUNS,
     FwdConfig,
@@ -205,7 +207,8 @@ def test_all_kernels_once_each():
     assert len(set(kernels)) == len(kernels)
     forwards = SHIPPED + EXPERIMENTAL + ALONGSIDE
     assert set(kernels) == ({f.prep for f in forwards} | {f.recur for f in forwards}
-                            | set(SEGMENT_RUNS) | set(WY_RUNS) | set(COMBINE))
+                            | set(SEGMENT_RUNS) | set(WY_RUNS) | set(COMBINE) | set(STEP)
+                            | set(STEP_VARIANTS))
     assert set(kernels[:2 * len(SHIPPED)]) == ({f.prep for f in SHIPPED}
                                                 | {f.recur for f in SHIPPED})
 

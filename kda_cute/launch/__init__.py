@@ -9,11 +9,12 @@ import contextlib
 
 import torch
 
-from .. import checks
+from .. import checks, errors
 from ..plans.steps import (
     At,
     CallScalar,
     Copy,
+    Errors,
     Launch,
     Memset,
     Plane,
@@ -56,6 +57,8 @@ class _Sources:
             return self.tensor(src.buffer).data_ptr() + src.offset
         if isinstance(src, CallScalar):
             return float(getattr(self.call, src.name) or 0.0)
+        if isinstance(src, Errors):
+            return errors.address(self.dev)
         raise TypeError(f"not a source: {src!r}")
 
 
@@ -109,14 +112,28 @@ def _execute(ops, call) -> None:
             fn(*args)
 
 
+def device_of(call):
+    """The device of a call: its q's (a prefill, a serving step with tokens) or its pool's (a
+    commit)."""
+    return (call.q if call.q is not None else call.pool).device
+
+
 def _where(call, stream):
-    dev = call.q.device
+    dev = device_of(call)
     device = dev.index if dev.index is not None else torch.cuda.current_device()
     s = torch.cuda.current_stream(dev) if stream is None else stream
     return dev, device, s
 
 
+_no_workspace: dict = {}
+
+
 def _workspace(plan, workspace, dev):
+    if workspace is None and not plan.workspace_bytes:  # one empty tensor per device
+        ws = _no_workspace.get(dev)
+        if ws is None:
+            ws = _no_workspace[dev] = torch.empty(0, dtype=torch.uint8, device=dev)
+        return ws
     if workspace is None:
         return torch.empty(plan.workspace_bytes, dtype=torch.uint8, device=dev)
     checks.workspace(workspace, plan.workspace_bytes, dev)
@@ -130,24 +147,23 @@ _resolved: dict[tuple, tuple] = {}
 _RESOLVED_MAX = 64
 
 
-def _ptr(t):
-    return None if t is None else t.data_ptr()
+def _key(x):
+    return x.data_ptr() if isinstance(x, torch.Tensor) else x
 
 
 def run(plan, call, workspace: torch.Tensor | None = None, stream=None) -> None:
     """Launch `plan` for `call` (a problem.Call whose metadata the plan was made from) on
     `stream` (a torch.cuda.Stream; None: the current one of the call's device). `workspace`:
     a caller-owned uint8 tensor of >= plan.workspace_bytes bytes, or None to allocate one."""
-    dev = call.q.device
+    dev = device_of(call)
     with torch.cuda.device(dev):
         dev, device, s = _where(call, stream)
         ws = _workspace(plan, workspace, dev)
         h = s.cuda_stream
         capturing = torch.cuda.is_current_stream_capturing()
         # not kept: a fresh workspace each call, or buffers made for one capture
-        key = None if workspace is None or capturing else (
-            id(plan), driver.generation, device, h, ws.data_ptr(), *map(_ptr, call[:11]),
-            call.scale, call.lower_bound)
+        key = None if (workspace is None and plan.workspace_bytes) or capturing else (
+            id(plan), driver.generation, device, h, ws.data_ptr(), *map(_key, call))
         hit = _resolved.get(key) if key is not None else None
         if hit is not None and hit[2] is plan:
             ops = hit[0]
@@ -177,7 +193,7 @@ class Bound:
     sync) unless bound with check_seqlens=False."""
 
     def __init__(self, plan, call, workspace=None, stream=None, check_seqlens: bool = True):
-        dev = call.q.device
+        dev = device_of(call)
         with torch.cuda.device(dev):
             dev, device, s = _where(call, stream)
             self.workspace = _workspace(plan, workspace, dev)
@@ -186,13 +202,16 @@ class Bound:
         self._held = list(src.held.values())  # the buffers its launches read
         self._torch = any(isinstance(x, (VarlenOffsets, Copy)) for x in plan.steps)
         self._device = device
-        self._check = check_seqlens and plan.problem.varlen
+        self._check = check_seqlens and getattr(plan.problem, "varlen", False)
+        self._errors = hasattr(plan.problem, "form")  # a serving step reports bad values
 
     def _capturing(self) -> bool:
         with torch.cuda.device(self._device):
             return torch.cuda.is_current_stream_capturing()
 
     def __call__(self) -> None:
+        if self._errors:
+            errors.raise_pending(self._device)
         capturing = (self._check or self.plan.alongside) and self._capturing()
         if self._check and not capturing:
             checks.seqlens(self.call.cu_seqlens, self.plan.problem.T)

@@ -61,6 +61,12 @@ class CallScalar:
     name: str
 
 
+@dataclass(frozen=True)
+class Errors:
+    """The device's error words (kda_cute.errors): where a kernel reports bad index, length and
+    count values. Also the address given for an index table a step does not read."""
+
+
 # ------------------------------------------------------------------------------------ steps
 @dataclass(frozen=True)
 class Launch:
@@ -160,6 +166,11 @@ class Plan:
     def describe(self) -> str:
         """In words: what this plan runs."""
         p, o = self.problem, self.options
+        if hasattr(p, "form"):  # a serving step
+            lines = [f"KDA {p.form}: N={p.N} T={p.T} H={p.H} K={p.K} V={p.V}, {p.pool} pool of "
+                     f"{p.slots} slots, {o.gate} gate"
+                     + "".join(f"; {n}" for n in self.notes)]
+            return "\n".join(lines + self._steps_text())
         states = "/".join("none" if d is None else str(d).replace("torch.", "")
                           for d in (p.state_in, p.state_out))
         lines = [f"KDA forward: B={p.B} T={p.T} H={p.H} K={p.K} V={p.V}, "
@@ -167,6 +178,10 @@ class Plan:
                  f"state in/out {states}, {o.precision} precision, {o.gate} gate",
                  f"schedule: {self.schedule}" + "".join(f"; {n}" for n in self.notes),
                  f"workspace: {self.workspace_bytes} bytes"]
+        return "\n".join(lines + self._steps_text())
+
+    def _steps_text(self) -> list[str]:
+        lines = []
         for i, s in enumerate(self.steps, 1):
             if isinstance(s, Launch):
                 extra = " programmatic" if s.programmatic else ""
@@ -176,4 +191,4 @@ class Plan:
                 lines.append(f"{i}. {s.name}: memset {s.count} words to {s.value}")
             else:
                 lines.append(f"{i}. {s.name}")
-        return "\n".join(lines)
+        return lines

@@ -12,10 +12,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..abi import Arg
-from . import combine, prep, recur
+from . import combine, prep, recur, step
 from .combine import CombineConfig
 from .prep import PrepConfig
 from .recur import RecurConfig
+from .step import StepConfig
 
 
 @dataclass(frozen=True)
@@ -30,12 +31,12 @@ class KernelSpec:
 SPECS: tuple[KernelSpec, ...] = tuple(
     KernelSpec(name, m_cfg, m.supports, m.args, m.dsl_class)
     for name, m_cfg, m in (("prep", PrepConfig, prep), ("recur", RecurConfig, recur),
-                           ("combine", CombineConfig, combine)))
+                           ("combine", CombineConfig, combine), ("step", StepConfig, step)))
 _BY_TYPE = {s.config: s for s in SPECS}
 
 
 def spec_of(cfg) -> KernelSpec:
-    """The spec of a kernel config (PrepConfig, RecurConfig or CombineConfig)."""
+    """The spec of a kernel config (PrepConfig, RecurConfig, CombineConfig or StepConfig)."""
     try:
         return _BY_TYPE[type(cfg)]
     except KeyError:
@@ -47,5 +48,5 @@ def args_for(cfg) -> list[Arg]:
     return spec_of(cfg).args(cfg)
 
 
-__all__ = ["SPECS", "CombineConfig", "KernelSpec", "PrepConfig", "RecurConfig", "args_for",
-           "spec_of"]
+__all__ = ["SPECS", "CombineConfig", "KernelSpec", "PrepConfig", "RecurConfig", "StepConfig",
+           "args_for", "spec_of"]

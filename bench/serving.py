@@ -1,0 +1,298 @@
+"""Benchmark: kda_cute's decode and verify against a state pool vs fla's Triton
+`fused_recurrent_kda_fwd`, side by side in one run on the H200.
+
+    python bench/serving.py [--quick] [--out bench/results/serving-h200-DATE.json]
+
+K = V = 128, bounded gate with q/k L2 norm and beta's sigmoid in the kernel, fp32 and bf16 pools
+four times larger than the slots a call touches, random slots. Each figure is the median of
+CUDA-event-timed launches, eager and replayed from a CUDA graph, with the L2 flushed (a 256 MB
+write) before every launch. The ceiling is the compulsory bytes (touched slots read and
+written, q, k, v, g, beta, out) at the measured device-to-device copy bandwidth. Outputs are
+checked against each other (kda_cute vs fla) on the first set. Also reported: the host time of
+an eager decode call and of a bound one (kda_cute.Bound).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import kda_cute  # noqa: E402
+from bench import copy_bandwidth, versions  # noqa: E402
+from kda_cute.reference import rel_err  # noqa: E402
+
+K = V = 128
+DECODE_N = (1, 8, 64, 256, 1024)
+DECODE_H = (12, 32, 96)
+VERIFY = [(N, T) for N in (64, 256) for T in (2, 4, 8)]
+FLUSH = 256 * 2**20
+
+
+def _flusher():
+    buf = torch.empty(FLUSH, dtype=torch.uint8, device="cuda")
+    return lambda: buf.fill_(1)
+
+
+def time_ms(fn, iters, flush, warmup=5) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(iters):
+        flush()
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        ts.append(s.elapsed_time(e))
+    return statistics.median(ts)
+
+
+def graphed(fn):
+    fn()
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(s):
+        fn()
+        torch.cuda.synchronize()
+        with torch.cuda.graph(g, stream=s):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    return g.replay
+
+
+def inputs(N, T, H, dtype, seed):
+    """Tokens [N, T, H, *], a pool of 4 N T slots (random values), random distinct slots."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    slots = 4 * N * T
+
+    def rnd(*s):
+        return torch.randn(*s, generator=gen, device="cuda").to(torch.bfloat16)
+
+    x = dict(q=rnd(N, T, H, K), k=rnd(N, T, H, K), g=rnd(N, T, H, K), v=rnd(N, T, H, V),
+             beta=rnd(N, T, H), A_log=torch.randn(H, generator=gen, device="cuda") * 0.5,
+             dt_bias=torch.randn(H * K, generator=gen, device="cuda") * 0.5)
+    pool = torch.empty(slots, H, V, K, dtype=dtype, device="cuda")
+    pool.normal_(0, 0.3, generator=gen)
+    x["pool"] = pool
+    x["idx"] = torch.randperm(slots, generator=gen, device="cuda")[:N * T].view(N, T).to(
+        torch.int32).contiguous()
+    x["out"] = torch.empty_like(x["v"])
+    return x
+
+
+def tokens_bytes(N, T, H) -> int:
+    return N * T * H * (3 * K * 2 + 2 * V * 2 + 2)
+
+
+def fla_fn():
+    try:
+        from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+    except Exception as e:  # fla is optional: the table says so
+        print(f"fla unavailable: {e!r}", file=sys.stderr)
+        return None
+    return fused_recurrent_kda_fwd
+
+
+def decode_case(N, H, dtype, fla, bw, iters, flush):
+    x = inputs(N, 1, H, dtype, seed=N * 7 + H)
+    idx = x["idx"][:, 0].contiguous()
+    kw = dict(A_log=x["A_log"], dt_bias=x["dt_bias"], lower_bound=-5.0, gate="bounded")
+    pool0 = x["pool"].clone() if N * H <= 256 * 32 else None
+
+    def kda():
+        kda_cute.decode(x["q"], x["k"], x["v"], x["g"], x["beta"], x["pool"], idx,
+                        out=x["out"], **kw)
+
+    row = {"form": "decode", "N": N, "H": H, "T": 1,
+           "pool": str(dtype).replace("torch.", "")}
+    esz = x["pool"].element_size()
+    row["bytes"] = 2 * N * H * V * K * esz + tokens_bytes(N, 1, H)
+    row["ceiling_ms"] = row["bytes"] / bw * 1e3
+    row["kda_ms"] = time_ms(kda, iters, flush)
+    row["kda_graph_ms"] = time_ms(graphed(kda), iters, flush)
+    row["kda_pct"] = 100 * row["ceiling_ms"] / row["kda_graph_ms"]
+    if fla is not None:
+        def fl():
+            fla(x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=x["A_log"],
+                dt_bias=x["dt_bias"], initial_state=x["pool"], inplace_final_state=True,
+                state_v_first=True, ssm_state_indices=idx, use_qk_l2norm_in_kernel=True,
+                use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, lower_bound=-5.0,
+                out=x["out"])
+        if pool0 is not None:  # one step of each from the same pool: the outputs agree
+            p = pool0.clone()
+            o1 = kda_cute.decode(x["q"], x["k"], x["v"], x["g"], x["beta"], p, idx, **kw)
+            p2 = pool0.clone()
+            o2, _ = fla(x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=x["A_log"],
+                        dt_bias=x["dt_bias"], initial_state=p2, inplace_final_state=True,
+                        state_v_first=True, ssm_state_indices=idx, use_qk_l2norm_in_kernel=True,
+                        use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                        lower_bound=-5.0)
+            row["out_vs_fla"] = rel_err(o1, o2)
+            row["state_vs_fla"] = rel_err(p[idx.long()], p2[idx.long()])
+        row["fla_ms"] = time_ms(fl, iters, flush)
+        row["fla_graph_ms"] = time_ms(graphed(fl), iters, flush)
+        row["fla_pct"] = 100 * row["ceiling_ms"] / row["fla_graph_ms"]
+        row["speedup_vs_fla"] = row["fla_graph_ms"] / row["kda_graph_ms"]
+        row["speedup_vs_fla_eager"] = row["fla_ms"] / row["kda_ms"]
+    return row
+
+
+def verify_case(N, T, H, dtype, fla, bw, iters, flush):
+    x = inputs(N, T, H, dtype, seed=N * 11 + T)
+    acc = torch.randint(1, T + 1, (N,), device="cuda", dtype=torch.int32)
+    kw = dict(A_log=x["A_log"], dt_bias=x["dt_bias"], lower_bound=-5.0, gate="bounded")
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
+
+    def kda_a():
+        kda_cute.verify(*args, x["pool"], ssm_state_indices=x["idx"], num_accepted_tokens=acc,
+                        out=x["out"], **kw)
+
+    sidx = x["idx"][:, 0].contiguous()
+    inter = torch.empty(N, T, H, V, K, dtype=dtype, device="cuda")
+
+    def kda_b():
+        kda_cute.verify(*args, x["pool"], state_indices=sidx, intermediate_states=inter,
+                        out=x["out"], **kw)
+
+    esz = x["pool"].element_size()
+    row = {"form": "verify", "N": N, "H": H, "T": T, "pool": str(dtype).replace("torch.", "")}
+    row["bytes"] = (1 + T) * N * H * V * K * esz + tokens_bytes(N, T, H)
+    row["ceiling_ms"] = row["bytes"] / bw * 1e3
+    row["kda_ms"] = time_ms(kda_a, iters, flush)
+    row["kda_graph_ms"] = time_ms(graphed(kda_a), iters, flush)
+    row["kda_pct"] = 100 * row["ceiling_ms"] / row["kda_graph_ms"]
+    row["kda_scratch_graph_ms"] = time_ms(graphed(kda_b), iters, flush)
+    row["scratch_vs_slots"] = row["kda_scratch_graph_ms"] / row["kda_graph_ms"]
+    if fla is not None:
+        def fl():
+            fla(*args, A_log=x["A_log"], dt_bias=x["dt_bias"], initial_state=x["pool"],
+                inplace_final_state=True, state_v_first=True, ssm_state_indices=x["idx"],
+                num_accepted_tokens=acc, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                use_beta_sigmoid_in_kernel=True, lower_bound=-5.0, out=x["out"])
+        row["fla_ms"] = time_ms(fl, iters, flush)
+        row["fla_graph_ms"] = time_ms(graphed(fl), iters, flush)
+        row["fla_pct"] = 100 * row["ceiling_ms"] / row["fla_graph_ms"]
+        row["speedup_vs_fla"] = row["fla_graph_ms"] / row["kda_graph_ms"]
+    return row
+
+
+def host_times(n_calls=2000) -> dict:
+    """Host time per call (us) of an eager decode and of a bound one (N 64, H 32, fp32)."""
+    x = inputs(64, 1, 32, torch.float32, seed=3)
+    idx = x["idx"][:, 0].contiguous()
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"], x["pool"], idx)
+    kw = dict(out=x["out"], A_log=x["A_log"], dt_bias=x["dt_bias"], lower_bound=-5.0)
+    bound = kda_cute.decode(*args, bind=True, **kw)
+    res = {}
+    for name, fn in (("eager_us", lambda: kda_cute.decode(*args, **kw)), ("bound_us", bound)):
+        rounds = []
+        for _ in range(5):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(n_calls):
+                fn()
+            rounds.append((time.perf_counter() - t0) / n_calls * 1e6)
+            torch.cuda.synchronize()
+        res[name] = min(rounds)
+        res[name + "_rounds"] = rounds
+    return res
+
+
+def markdown(rows, host, bw) -> str:
+    lines = [f"Copy bandwidth {bw / 1e9:.0f} GB/s. Host time per decode call: eager "
+             f"{host['eager_us']:.1f} us, bound {host['bound_us']:.1f} us.", "",
+             "| form | pool | N | H | T | kda graph ms | kda eager ms | % of ceiling | "
+             "fla graph ms | fla % | vs fla (graph) | vs fla (eager) | scratch / slots |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        def f(k, fmt="{:.4f}"):
+            return fmt.format(r[k]) if k in r else "-"
+        lines.append(f"| {r['form']} | {r['pool']} | {r['N']} | {r['H']} | {r['T']} | "
+                     f"{f('kda_graph_ms')} | {f('kda_ms')} | {f('kda_pct', '{:.0f}')} | "
+                     f"{f('fla_graph_ms')} | {f('fla_pct', '{:.0f}')} | "
+                     f"{f('speedup_vs_fla', '{:.2f}')} | {f('speedup_vs_fla_eager', '{:.2f}')}"
+                     f" | {f('scratch_vs_slots', '{:.3f}')} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    names = [f"{r['form']} {r['pool']} N{r['N']} H{r['H']} T{r['T']}" for r in rows]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(14, 0.3 * len(rows) + 2))
+    y = list(range(len(rows)))
+    a1.barh([i + 0.2 for i in y], [r["kda_graph_ms"] for r in rows], 0.4, label="kda_cute")
+    if all("fla_graph_ms" in r for r in rows):
+        a1.barh([i - 0.2 for i in y], [r["fla_graph_ms"] for r in rows], 0.4,
+                label="fla fused_recurrent")
+    a1.set_xscale("log")
+    a1.set_yticks(y, names, fontsize=7)
+    a1.set_xlabel("ms (median, CUDA graph, cold L2)")
+    a1.legend()
+    a2.barh([i + 0.2 for i in y], [r["kda_pct"] for r in rows], 0.4, label="kda_cute")
+    if all("fla_pct" in r for r in rows):
+        a2.barh([i - 0.2 for i in y], [r["fla_pct"] for r in rows], 0.4, label="fla")
+    a2.set_yticks(y, [""] * len(rows))
+    a2.set_xlabel("% of the copy ceiling on compulsory bytes")
+    a2.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer shapes")
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--no-fla", action="store_true")
+    ap.add_argument("--out", default="bench/results/serving.json")
+    a = ap.parse_args(argv)
+    fla = None if a.no_fla else fla_fn()
+    bw = copy_bandwidth()
+    flush = _flusher()
+    rows = []
+    ns = (8, 256, 1024) if a.quick else DECODE_N
+    hs = (32,) if a.quick else DECODE_H
+    for dtype in (torch.float32, torch.bfloat16):
+        for N in ns:
+            for H in hs:
+                rows.append(decode_case(N, H, dtype, fla, bw, a.iters, flush))
+                print(json.dumps(rows[-1]), flush=True)
+                torch.cuda.empty_cache()
+    for dtype in (torch.float32, torch.bfloat16):
+        for N, T in (VERIFY[:1] + VERIFY[-2:] if a.quick else VERIFY):
+            rows.append(verify_case(N, T, 32, dtype, fla, bw, a.iters, flush))
+            print(json.dumps(rows[-1]), flush=True)
+            torch.cuda.empty_cache()
+    host = host_times()
+    print(json.dumps(host), flush=True)
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    res = {"versions": versions(), "copy_bandwidth": bw, "host": host, "rows": rows,
+           "method": __doc__}
+    out.write_text(json.dumps(res, indent=1) + "\n")
+    out.with_suffix(".md").write_text(markdown(rows, host, bw))
+    plot(rows, out.with_suffix(".png"))
+    print(markdown(rows, host, bw))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,81 @@
+"""Bad values found on the device, reported without a host sync.
+
+Index, length and count values live on the device; checking them on the host would stall the
+stream. The token-step kernel never follows a bad one (the row becomes a padding row) and sets
+the argument's error word instead: one word per argument (kda_cute.specs.step.ERRORS) in
+page-locked host memory that the kernel writes through the unified address space, so the host
+reads it without waiting for anything. Every serving call reads the words first and raises
+for what an earlier call left (`raise_pending`); `check_errors()` does the same on demand
+(sync=True: after the device has finished the work queued so far). The words are made once
+per device and never freed, so a captured CUDA graph's kernels keep a valid address.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+
+import torch
+
+from .specs.step import ERROR_WORDS, ERRORS
+
+_words: dict[int, tuple[torch.Tensor, ctypes.Array]] = {}
+_lock = threading.Lock()
+
+
+class DeviceValueError(ValueError):
+    """A serving call was given a bad index, length or count value (found by the kernel)."""
+
+
+def _index(device) -> int:
+    if isinstance(device, torch.device):
+        return device.index if device.index is not None else torch.cuda.current_device()
+    return torch.cuda.current_device() if device is None else int(device)
+
+
+def words(device) -> tuple[torch.Tensor, ctypes.Array]:
+    """The error words of `device`: (the page-locked tensor, a ctypes view of its words)."""
+    d = _index(device)
+    hit = _words.get(d)
+    if hit is None:
+        with _lock:
+            hit = _words.get(d)
+            if hit is None:
+                t = torch.zeros(ERROR_WORDS, dtype=torch.int32, pin_memory=True)
+                hit = _words[d] = (t, (ctypes.c_int32 * ERROR_WORDS).from_address(t.data_ptr()))
+    return hit
+
+
+def address(device) -> int:
+    """The words' address as the kernels see it (page-locked memory is mapped at the same
+    address on every device of the unified address space)."""
+    return words(device)[0].data_ptr()
+
+
+def raise_pending(device) -> None:
+    """Raise DeviceValueError for any word set by a kernel that has finished by now (no wait),
+    naming the arguments, and clear the words."""
+    d = _index(device)
+    hit = _words.get(d)
+    if hit is None:
+        return
+    view = hit[1]
+    if not any(view):
+        return
+    bad = [ERRORS[i] for i in range(ERROR_WORDS) if view[i]]
+    for i in range(ERROR_WORDS):
+        view[i] = 0
+    raise DeviceValueError(
+        f"{', '.join(bad)}: expected values in range (indices < the pool's slots, offsets "
+        f"non-decreasing and within the tokens, counts within the entries per row), got out-of-"
+        f"range values in an earlier call on cuda:{d}; those rows were treated as padding "
+        f"(zero outputs, no state read or written)")
+
+
+def check_errors(device=None, sync: bool = False) -> None:
+    """Raise DeviceValueError if a serving kernel on `device` (None: the current one) found a
+    bad value. sync=True waits for the device first (every call queued so far is covered);
+    otherwise only kernels that have finished are."""
+    if sync:
+        torch.cuda.synchronize(_index(device))
+    raise_pending(device)

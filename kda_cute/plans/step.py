@@ -1,0 +1,88 @@
+"""A serving step's launch list: one token-step kernel (kernels/kda_step_sm90.py) whose every
+mode is a scalar of the plan, from the StepProblem alone (kda_cute.specs.step.args says what each
+argument means). The grid depends on shapes only: N rows x H heads x V / block_v blocks."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ..ladder import select_step
+from ..problem import StepOptions, StepProblem
+from ..specs.step import STEP_GATES
+from .device import H200, DeviceInfo
+from .prefill import _launch
+from .steps import At, Buffer, CallScalar, Errors, Plan, Role, Scalar
+
+F32 = torch.float32
+
+
+def step_config(p: StepProblem, opts: StepOptions):
+    if opts.config is not None:
+        return opts.config
+    return select_step(p.K, p.V, p.pool)
+
+
+@functools.lru_cache(maxsize=256)
+def _step_plan(p: StepProblem, opts: StepOptions, dev: DeviceInfo) -> Plan:
+    cfg = step_config(p, opts)
+    H, K, V = p.H, p.K, p.V
+    sq, sk, sg, sv, so, sb = p.strides
+    ncu, nri, nwi, nac, npa, nhi = (max(1, x) for x in p.lengths)
+    syms = {"T": p.T, "H": H, "HK": H * K, "HV": H * V, "sQ": sq, "sK": sk, "sG": sg,
+            "sV": sv, "sO": so, "sB": sb, "P": max(1, p.slots), "sP": p.slot_stride,
+            "PD": max(1, p.dst_rows), "sPD": p.dst_stride, "NCU": ncu, "NRI": nri, "NWI": nwi,
+            "NAC": nac, "NPA": npa, "NHI": nhi}
+    tokens = p.T > 0
+    pdt = torch.float32 if p.pool == "float32" else torch.bfloat16
+    err = Errors()
+
+    def role(name, present=True):
+        return Role(name) if present else err
+
+    ramp = At(Buffer("ramp", (max(1, p.N),), torch.int32))
+    r_mode, r_sn, r_st, r_wide, r_mul, r_add = p.read
+    w_mode, w_sn, w_st, w_wide, w_mul, w_add = p.write
+    acc_on, acc_wide, acc_base, acc_skip, acc_n = p.accepted
+    par_on, p_sn, p_st, p_wide = p.parent
+    values = {
+        "q": role("q", tokens), "k": role("k", tokens), "g": role("g", tokens),
+        "v": role("v", tokens), "beta": role("beta", tokens), "out": role("out", tokens),
+        "A_log": Role("A_log") if p.A_log else At(Buffer("zeros", (H,), F32)),
+        "dt_bias": Role("dt_bias") if p.dt_bias else At(Buffer("zeros", (H * K,), F32)),
+        # a step that reads (writes) no state gets a one-slot stand-in
+        "pool": Role("pool") if p.slots else At(Buffer("zeros", (1, H, V, K), pdt)),
+        "dst": Role("dst") if p.dst_rows else At(Buffer("zeros", (1, H, V, K), pdt)),
+        "cu_seqlens": role("cu_seqlens", p.fixed_len < 0),
+        "read_index": Role("read_index") if p.lengths[1] else ramp,
+        "write_index": Role("write_index") if p.lengths[2] else ramp,
+        "accepted": role("accepted", bool(acc_on)),
+        "parent": role("parent", bool(par_on)),
+        "has_init": role("has_init", p.has_init),
+        "errors": err,
+        "fixed_len": Scalar(p.fixed_len), "cu_wide": Scalar(int(p.cu_wide)),
+        "max_tokens": Scalar(p.max_tokens),
+        "read_mode": Scalar(r_mode), "r_sn": Scalar(r_sn), "r_st": Scalar(r_st),
+        "r_wide": Scalar(r_wide), "r_mul": Scalar(r_mul), "r_add": Scalar(r_add),
+        "acc_on": Scalar(acc_on), "acc_wide": Scalar(acc_wide), "acc_base": Scalar(acc_base),
+        "acc_skip": Scalar(acc_skip), "max_sel": Scalar(acc_n),
+        "hi_on": Scalar(int(p.has_init)), "r_null": Scalar(p.null_min[0]),
+        "w_null": Scalar(p.null_min[1]),
+        "write_mode": Scalar(w_mode), "w_sn": Scalar(w_sn), "w_st": Scalar(w_st),
+        "w_wide": Scalar(w_wide), "w_mul": Scalar(w_mul), "w_add": Scalar(w_add),
+        "parent_on": Scalar(par_on), "p_sn": Scalar(p_sn), "p_st": Scalar(p_st),
+        "p_wide": Scalar(p_wide),
+        "gate": Scalar(STEP_GATES[opts.gate]), "has_a": Scalar(int(p.A_log)),
+        "has_bias": Scalar(int(p.dt_bias)), "qk_l2norm": Scalar(int(opts.qk_l2norm)),
+        "beta_sigmoid": Scalar(int(opts.beta_sigmoid)),
+        "scale": CallScalar("scale"), "lower_bound": CallScalar("lower_bound"),
+    }
+    grid = (V // cfg.block_v, H, p.N)
+    steps = (_launch("step", cfg, grid, values, syms, dev),) if p.N > 0 and H > 0 else ()
+    return Plan(p, opts, cfg, dev, p.form, 0, steps)
+
+
+def step_plan(p: StepProblem, opts: StepOptions | None = None, device: DeviceInfo = H200) -> Plan:
+    """The plan of serving step `p` under `opts` on `device` (pure, cached)."""
+    return _step_plan(p, opts if opts is not None else StepOptions(), device)

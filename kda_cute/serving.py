@@ -1,0 +1,601 @@
+"""Serving against a state pool: `decode`, `verify`, `commit` and fla's `fused_recurrent_kda_fwd`,
+each checks (metadata, on the host, no sync) -> a StepProblem -> a step plan -> run, one
+token-step kernel launch (kda_cute.plans.step). The contract: docs/serving.md.
+
+The pool is `state[slots, H, V, K]` (fp32 or bf16, the slot stride free, each slot's [H, V, K]
+dense). Slot indices are int32 or int64; an index < 0 is padding, and with null_slot=0 index 0
+is padding too: a padding row reads and writes no state and its outputs are zeros. Values the
+host cannot see without a sync (indices past the pool, offsets out of order, counts out of
+range) are never followed: the row is treated as padding and the next serving call on the
+device, or `check_errors()`, raises DeviceValueError naming the argument (kda_cute.errors).
+Grids depend on shapes only, so a CUDA graph captured once stays correct when the indices,
+lengths and counts it reads change between replays.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import errors, launch
+from .checks import _dtype_name, err, tensor
+from .ladder import select_step
+from .plans import device_info
+from .plans.step import step_config, step_plan
+from .problem import StepCall, StepOptions, StepProblem
+from .specs.step import STEP_GATES, WRITE_ALL, WRITE_LAST, WRITE_NONE, WRITE_START, supports
+
+BF16 = torch.bfloat16
+INDEX_DTYPES = (torch.int32, torch.int64)
+POOL_DTYPES = (torch.float32, torch.bfloat16)
+ROW_DIV = 8  # token strides in elements (abi.SYM_DIV of sQ .. sO)
+
+
+# ------------------------------------------------------------------------------- checks
+def _rows(name, t, D, H=None, dev=None):
+    """A token tensor [B, T, H, D] or [R, H, D]: (rows, token stride, its leading shape). With
+    T == 1 the rows are the batch; rows may be strided views of one buffer (mixed_qkv)."""
+    tensor(name, t, (BF16,), None, dev)
+    if t.dim() not in (3, 4) or t.shape[-1] != D or (H is not None and t.shape[-2] != H):
+        want = f"[B, T, {H if H is not None else 'H'}, {D}] or [T, H, {D}]"
+        raise err(name, f"shape {want}", tuple(t.shape))
+    h = t.shape[-2]
+    if t.stride(-1) != 1 or (h > 1 and t.stride(-2) != D):
+        raise err(name, f"the last two dims contiguous (strides (..., {D}, 1))",
+                  f"strides {tuple(t.stride())}")
+    if t.dim() == 4:
+        B, T = t.shape[0], t.shape[1]
+        if T == 1:
+            rows, stride = B, t.stride(0)
+        else:
+            rows, stride = B * T, t.stride(1)
+            if B > 1 and t.stride(0) != T * t.stride(1):
+                raise err(name, "batch stride == T * token stride", f"strides {tuple(t.stride())}")
+    else:
+        rows, stride = t.shape[0], t.stride(0)
+    if rows <= 1:
+        stride = max(stride, h * D) + (-max(stride, h * D)) % ROW_DIV
+    if rows > 1 and stride < h * D:
+        raise err(name, f"a token stride >= H*D = {h * D} (rows must not overlap)",
+                  f"strides {tuple(t.stride())}")
+    if stride % ROW_DIV:
+        raise err(name, f"a token stride that is a multiple of {ROW_DIV} elements", stride)
+    return rows, stride, tuple(t.shape[:-2])
+
+
+def _beta(t, rows, lead, H, dev):
+    tensor("beta", t, (BF16,), None, dev)
+    if tuple(t.shape) != (*lead, H):
+        raise err("beta", f"shape {(*lead, H)}", tuple(t.shape))
+    if H > 1 and t.stride(-1) != 1:
+        raise err("beta", "heads contiguous", f"strides {tuple(t.stride())}")
+    if t.dim() == 3 and t.shape[1] == 1:
+        return t.stride(0)
+    if t.dim() == 3 and t.shape[0] > 1 and t.stride(0) != t.shape[1] * t.stride(1):
+        raise err("beta", "batch stride == T * token stride", f"strides {tuple(t.stride())}")
+    s = t.stride(-2)
+    if rows > 1 and s < H:
+        raise err("beta", f"a token stride >= H = {H}", f"strides {tuple(t.stride())}")
+    return s if rows > 1 else H
+
+
+def _pool(name, t, H, V, K, dev, ndim=4):
+    tensor(name, t, POOL_DTYPES, ndim, dev)
+    inner = tuple(t.shape[ndim - 3:])
+    if inner != (H, V, K):
+        raise err(name, f"shape [..., {H}, {V}, {K}]", tuple(t.shape))
+    if t.stride()[ndim - 3:] != (V * K, K, 1):
+        raise err(name, f"each slot's [H, V, K] dense (strides (..., {V * K}, {K}, 1))",
+                  f"strides {tuple(t.stride())}")
+    s = t.stride(ndim - 4) if t.shape[ndim - 4] > 1 else H * V * K
+    if s % 8 or s < H * V * K:
+        raise err(name, f"a slot stride >= H*V*K = {H * V * K} and a multiple of 8 elements",
+                  s)
+    return s
+
+
+def _index(name, t, shape, dev):
+    """An int32 / int64 table of `shape` (None entries: any): its strides in elements."""
+    tensor(name, t, INDEX_DTYPES, len(shape), dev)
+    if any(w is not None and w != g for w, g in zip(shape, t.shape, strict=True)):
+        want = tuple("*" if w is None else w for w in shape)
+        raise err(name, f"shape {want}", tuple(t.shape))
+    return tuple(t.stride(i) if t.shape[i] > 1 else 0 for i in range(t.dim()))
+
+
+def _words(t) -> int:
+    if t is None:
+        return 0
+    span = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True)) \
+        if t.numel() else 1
+    return span * (2 if t.dtype == torch.int64 else 1)
+
+
+def _wide(t) -> int:
+    return int(t is not None and t.dtype == torch.int64)
+
+
+def _null(null_slot) -> int:
+    if null_slot is None:
+        return 0
+    if isinstance(null_slot, bool) or null_slot != 0:
+        raise err("null_slot", "None or 0 (index 0 marks padding too)", repr(null_slot))
+    return 1
+
+
+def _opts(gate, qk_l2norm, beta_sigmoid, config) -> StepOptions:
+    if not isinstance(gate, str) or gate not in STEP_GATES:
+        raise err("gate", f"one of {sorted(STEP_GATES)}", repr(gate))
+    return StepOptions(gate, bool(qk_l2norm), bool(beta_sigmoid), config)
+
+
+def _scalars(scale, lower_bound, gate, K):
+    if scale is None:
+        scale = K ** -0.5
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0 \
+            or scale == float("inf"):
+        raise err("scale", "a finite positive float", repr(scale))
+    if gate == "bounded":
+        if not isinstance(lower_bound, (int, float)) or not -5.0 <= lower_bound < 0.0:
+            raise err("lower_bound", "a float in [-5, 0) for the bounded gate", repr(lower_bound))
+    return float(scale), (float(lower_bound) if lower_bound is not None else None)
+
+
+def _gate_params(A_log, dt_bias, gate, H, K, dev):
+    if gate == "none":
+        return False, False
+    if A_log is None and gate == "unbounded":
+        raise err("A_log", "a float32 tensor [H] for the unbounded gate", None)
+    if A_log is not None:
+        tensor("A_log", A_log, (torch.float32,), None, dev)
+        if A_log.numel() != H or not A_log.is_contiguous():
+            raise err("A_log", f"a contiguous float32 tensor of {H} elements",
+                      f"shape {tuple(A_log.shape)}")
+    if dt_bias is not None:
+        tensor("dt_bias", dt_bias, (torch.float32,), None, dev)
+        if dt_bias.numel() != H * K or not dt_bias.is_contiguous():
+            raise err("dt_bias", f"a contiguous float32 tensor [{H}, {K}] or [{H * K}]",
+                      f"shape {tuple(dt_bias.shape)}")
+    return A_log is not None, dt_bias is not None
+
+
+class _Tokens:
+    """The checked token tensors of a decode / verify call."""
+
+    def __init__(self, q, k, v, g, beta, out):
+        tensor("q", q, (BF16,))
+        self.dev = dev = q.device
+        H, K = q.shape[-2], q.shape[-1]
+        self.rows, sq, self.lead = _rows("q", q, K, None, dev)
+        if q.dim() == 4 and q.shape[1] == 1:
+            self.lead = (q.shape[0], 1)
+        for name, t in (("k", k), ("g", g)):
+            r, _, lead = _rows(name, t, K, H, dev)
+            if tuple(t.shape) != tuple(q.shape):
+                raise err(name, f"shape {tuple(q.shape)}", tuple(t.shape))
+        tensor("v", v, (BF16,), q.dim(), dev)
+        if tuple(v.shape[:-1]) != tuple(q.shape[:-1]):
+            raise err("v", f"shape {(*q.shape[:-1], 'V')}", tuple(v.shape))
+        V = v.shape[-1]
+        _, sv, _ = _rows("v", v, V, H, dev)
+        sb = _beta(beta, self.rows, tuple(q.shape[:-2]), H, dev)
+        if out is None:
+            out = torch.empty(v.shape, dtype=BF16, device=dev)
+        else:
+            tensor("out", out, (BF16,), None, dev)
+            if tuple(out.shape) != tuple(v.shape) and tuple(out.shape) != (self.rows, H * V):
+                raise err("out", f"shape {tuple(v.shape)} or {(self.rows, H * V)} (packed)",
+                          tuple(out.shape))
+        if out.dim() == 2:  # packed rows [T, H*V]
+            if out.stride(1) != 1 or (self.rows > 1 and out.stride(0) < H * V) or \
+                    out.stride(0) % ROW_DIV:
+                raise err("out", f"rows of H*V = {H * V} contiguous elements, a row stride "
+                          f"that is a multiple of {ROW_DIV}", f"strides {tuple(out.stride())}")
+            so = out.stride(0) if self.rows > 1 else H * V + (-H * V) % ROW_DIV
+        else:
+            _, so, _ = _rows("out", out, V, H, dev)
+        self.H, self.K, self.V = H, K, V
+        self.strides = (sq, _rows("k", k, K, H)[1], _rows("g", g, K, H)[1], sv, so, sb)
+        self.tensors = (q, k, v, g, beta, out)
+        self.out = out
+
+    def addresses(self):
+        for name, t in zip(("q", "k", "v", "g", "beta", "out"), self.tensors, strict=True):
+            if name != "beta" and t.data_ptr() % 16:
+                raise err(name, "a 16-byte aligned base address", t.data_ptr())
+
+
+def _config(p: StepProblem, opts: StepOptions):
+    cfg = step_config(p, opts)
+    if cfg is None:
+        raise err("q/state", "head dims K == V in (64, 128, 256) with an fp32 or bf16 pool",
+                  f"K={p.K}, V={p.V}, pool {p.pool}")
+    ok, why = supports(cfg)
+    if not ok or (cfg.head_dim_k, cfg.head_dim_v, cfg.pool) != (p.K, p.V, p.pool):
+        raise err("config", f"a StepConfig for K={p.K}, V={p.V}, pool {p.pool}",
+                  why or cfg.name)
+    return cfg
+
+
+def _run(p: StepProblem, opts: StepOptions, call: StepCall, dev, stream=None, bind=False):
+    """Launch the step (bind: return it bound instead, kda_cute.Bound, not launched)."""
+    _config(p, opts)
+    if dev.type != "cuda":
+        raise err("q" if call.q is not None else "state", "a CUDA tensor", f"one on {dev}")
+    errors.raise_pending(dev)
+    plan = step_plan(p, opts, device_info(dev))
+    if bind:
+        return launch.bind(plan, call, None, stream)
+    launch.run(plan, call, None, stream)
+    return None
+
+
+def _cu(cu_seqlens, dev):
+    tensor("cu_seqlens", cu_seqlens, INDEX_DTYPES, 1, dev)
+    if cu_seqlens.numel() < 1 or not cu_seqlens.is_contiguous():
+        raise err("cu_seqlens", "a contiguous tensor of N+1 >= 1 offsets",
+                  f"shape {tuple(cu_seqlens.shape)}")
+    return cu_seqlens.numel() - 1
+
+
+# ---------------------------------------------------------------------------------- API
+def decode(q, k, v, g, beta, state, state_indices=None, *, out=None, output_state_indices=None,
+           has_initial_state=None, A_log=None, dt_bias=None, scale=None, lower_bound=None,
+           gate="bounded", qk_l2norm=True, beta_sigmoid=True, null_slot=None, config=None,
+           stream=None, bind=False):
+    """One token per sequence against the pool; returns `out`.
+
+    q, k, g: [B, 1, H, K] or [B, H, K] bf16 (row-strided views of one projection allowed);
+    v: the same with V; beta: [B, 1, H] or [B, H] bf16 (logits when beta_sigmoid); out: like v,
+    or packed [B, H*V] (allocated when None). state: the pool [slots, H, V, K], fp32 or bf16.
+    state_indices: [B] int32/int64 slots read (None: row n uses slot n); output_state_indices:
+    [B] slots written (default: the read ones, in place). has_initial_state: [B] bool, rows
+    marked False start from zeros. Gate options as `kda_cute.fwd`; null_slot=0 makes index 0
+    padding too. Row n reads slot state_indices[n] and writes the state after its token to
+    its write slot; a padding row (index < 0) reads and writes nothing and outputs zeros.
+    stream: a torch.cuda.Stream (None: the current one). bind=True returns a kda_cute.Bound
+    that launches this step again on the same tensors, checking nothing (every serving
+    function takes stream and bind).
+    """
+    opts = _opts(gate, qk_l2norm, beta_sigmoid, config)
+    tk = _Tokens(q, k, v, g, beta, out)
+    dev, H, K, V, B = tk.dev, tk.H, tk.K, tk.V, tk.rows
+    if q.dim() == 4 and q.shape[1] != 1:
+        raise err("q", "one token per row ([B, 1, H, K]); see verify for more", tuple(q.shape))
+    ss = _pool("state", state, H, V, K, dev)
+    null = _null(null_slot)
+    # an absent table is the launcher's ramp 0, 1, ..: stride 1
+    r = _index("state_indices", state_indices, (B,), dev) if state_indices is not None else (1,)
+    wi = output_state_indices if output_state_indices is not None else state_indices
+    w = _index("output_state_indices", wi, (B,), dev) if output_state_indices is not None else r
+    if has_initial_state is not None:
+        tensor("has_initial_state", has_initial_state, (torch.bool, torch.int8, torch.uint8), 1,
+               dev)
+        if has_initial_state.numel() != B or not has_initial_state.is_contiguous():
+            raise err("has_initial_state", f"a contiguous tensor of {B} flags",
+                      tuple(has_initial_state.shape))
+    a, b = _gate_params(A_log, dt_bias, opts.gate, H, K, dev)
+    scale, lb = _scalars(scale, lower_bound, opts.gate, K)
+    tk.addresses()
+    if state.data_ptr() % 16:
+        raise err("state", "a 16-byte aligned base address", state.data_ptr())
+    pool = "float32" if state.dtype == torch.float32 else "bfloat16"
+    if state_indices is None and state.shape[0] < B:
+        raise err("state", f"at least B = {B} slots without state_indices", state.shape[0])
+    p = StepProblem(
+        "decode", B, B, H, K, V, pool, state.shape[0], ss, state.shape[0], ss, tk.strides,
+        1, False, 1, (1, r[0], 0, _wide(state_indices), 1, 0), (0, 0, 1, 0, 1),
+        has_initial_state is not None, (WRITE_LAST, w[0], 0, _wide(wi), 1, 0), (0, 0, 0, 0),
+        (null, null), a, b,
+        (0, _words(state_indices), _words(wi), 0, 0,
+         0 if has_initial_state is None else B))
+    hi = None if has_initial_state is None else has_initial_state.view(torch.int8)
+    call = StepCall(q, k, v, g, beta, tk.out, A_log, dt_bias, state, state, None, state_indices,
+                    wi, None, None, hi, scale, lb)
+    bound = _run(p, opts, call, dev, stream, bind)
+    return bound if bind else tk.out
+
+
+def verify(q, k, v, g, beta, state, *, cu_seqlens=None, ssm_state_indices=None,
+           num_accepted_tokens=None, state_indices=None, intermediate_states=None,
+           intermediate_state_indices=None, retrieve_parent_token=None, out=None, A_log=None,
+           dt_bias=None, scale=None, lower_bound=None, gate="bounded", qk_l2norm=True,
+           beta_sigmoid=True, null_slot=None, config=None, stream=None, bind=False):
+    """Multi-token verify (speculative decoding) against the pool; returns `out`.
+
+    Tokens: q, k, g [N, T, H, K] (T = 1 + S per row), or packed [1, T, H, K] / [T, H, K] with
+    cu_seqlens [N+1] (rows of 0 .. 1 + S tokens). Two styles:
+    (a) vLLM / fla: ssm_state_indices [N, 1+S]; row n starts from slot
+        ssm_state_indices[n, num_accepted_tokens[n] - 1] (entry 0 without num_accepted_tokens)
+        and writes the state after token t to slot ssm_state_indices[n, t] (entries < 0, or
+        0 with null_slot=0, are skipped); the start slot is read before any is written.
+    (b) SGLang / FlashInfer: the pool is read only, row n starts from slot state_indices[n];
+        the state after token t goes to intermediate_states[intermediate_state_indices[n], t]
+        ([R, S_max, H, V, K], the pool's dtype; indices default to n); `commit` then copies
+        the accepted step into the pool. retrieve_parent_token [N, T]: token t starts from the
+        state after token parent (-1: the row's start state), not from t - 1's.
+    """
+    opts = _opts(gate, qk_l2norm, beta_sigmoid, config)
+    tk = _Tokens(q, k, v, g, beta, out)
+    dev, H, K, V = tk.dev, tk.H, tk.K, tk.V
+    ss = _pool("state", state, H, V, K, dev)
+    null = _null(null_slot)
+    if cu_seqlens is not None:
+        N = _cu(cu_seqlens, dev)
+        if q.dim() == 4 and q.shape[0] != 1:
+            raise err("q", "batch size 1 when cu_seqlens is given", tuple(q.shape))
+        fixed, per_row = -1, None
+    else:
+        if q.dim() != 4:
+            raise err("q", "[N, T, H, K] without cu_seqlens", tuple(q.shape))
+        N, fixed = q.shape[0], q.shape[1]
+        per_row = fixed
+    pool = "float32" if state.dtype == torch.float32 else "bfloat16"
+    hi_words = 0
+    par = (0, 0, 0, 0)
+    npa = 0
+    if ssm_state_indices is not None:
+        if state_indices is not None or intermediate_states is not None:
+            raise err("ssm_state_indices", "not together with state_indices / "
+                      "intermediate_states (two verify styles)", "both")
+        if retrieve_parent_token is not None:
+            raise err("retrieve_parent_token", "tree drafts with intermediate_states (style b)",
+                      "ssm_state_indices")
+        st = _index("ssm_state_indices", ssm_state_indices, (N, None), dev)
+        S1 = ssm_state_indices.shape[1]
+        if per_row is not None and per_row > S1:
+            raise err("q", f"at most {S1} tokens per row (ssm_state_indices' entries)", per_row)
+        acc = (0, 0, 1, 0, S1)
+        if num_accepted_tokens is not None:
+            _index("num_accepted_tokens", num_accepted_tokens, (N,), dev)
+            acc = (1, _wide(num_accepted_tokens), 1, 0, S1)
+        read = (1, st[0], st[1], _wide(ssm_state_indices), 1, 0)
+        write = (WRITE_ALL, st[0], st[1], _wide(ssm_state_indices), 1, 0)
+        dst, ds, drows, form = state, ss, state.shape[0], "verify"
+        ridx = widx = ssm_state_indices
+        max_tokens, nulls = S1, (null, null)
+    else:
+        if state_indices is None or intermediate_states is None:
+            raise err("ssm_state_indices", "given (style a), or state_indices with "
+                      "intermediate_states (style b)", None)
+        if num_accepted_tokens is not None:
+            raise err("num_accepted_tokens", "None in style b (commit takes the accepted step)",
+                      "a tensor")
+        r = _index("state_indices", state_indices, (N,), dev)
+        _pool("intermediate_states", intermediate_states, H, V, K, dev, ndim=5)
+        if intermediate_states.dtype != state.dtype:
+            raise err("intermediate_states", f"the pool's dtype {_dtype_name(state.dtype)}",
+                      _dtype_name(intermediate_states.dtype))
+        R, S_max = intermediate_states.shape[:2]
+        if R > 1 and intermediate_states.stride(0) != S_max * intermediate_states.stride(1):
+            raise err("intermediate_states", "row stride == S_max * step stride",
+                      f"strides {tuple(intermediate_states.stride())}")
+        ds = intermediate_states.stride(1) if S_max > 1 or R > 1 else H * V * K
+        if per_row is not None and per_row > S_max:
+            raise err("q", f"at most {S_max} tokens per row (intermediate_states' steps)",
+                      per_row)
+        if intermediate_state_indices is not None:
+            w = _index("intermediate_state_indices", intermediate_state_indices, (N,), dev)
+        else:
+            if R < N:
+                raise err("intermediate_states", f"at least N = {N} rows without "
+                          "intermediate_state_indices", R)
+            w = (1,)  # the ramp
+        max_tokens = S_max
+        if retrieve_parent_token is not None:
+            pt = _index("retrieve_parent_token", retrieve_parent_token, (N, None), dev)
+            max_tokens = min(S_max, retrieve_parent_token.shape[1])
+            if per_row is not None and per_row > retrieve_parent_token.shape[1]:
+                raise err("retrieve_parent_token", f"at least {per_row} entries per row",
+                          tuple(retrieve_parent_token.shape))
+            par = (1, pt[0], pt[1], _wide(retrieve_parent_token))
+            npa = _words(retrieve_parent_token)
+        acc = (0, 0, 1, 0, 1)
+        read = (1, r[0], 0, _wide(state_indices), 1, 0)
+        write = (WRITE_ALL, w[0], 0, _wide(intermediate_state_indices), S_max, 1)
+        dst, drows, form = intermediate_states, R * S_max, "verify scratch"
+        ridx, widx = state_indices, intermediate_state_indices
+        nulls = (null, 0)
+    a, b = _gate_params(A_log, dt_bias, opts.gate, H, K, dev)
+    scale, lb = _scalars(scale, lower_bound, opts.gate, K)
+    tk.addresses()
+    for name, t in (("state", state), ("intermediate_states", intermediate_states)):
+        if t is not None and t.data_ptr() % 16:
+            raise err(name, "a 16-byte aligned base address", t.data_ptr())
+    p = StepProblem(
+        form, N, tk.rows, H, K, V, pool, state.shape[0], ss, drows, ds, tk.strides, fixed,
+        _wide(cu_seqlens) == 1, max_tokens, read, acc, False, write, par, nulls, a, b,
+        (_words(cu_seqlens), _words(ridx), _words(widx), _words(num_accepted_tokens), npa,
+         hi_words))
+    call = StepCall(q, k, v, g, beta, tk.out, A_log, dt_bias, state, dst, cu_seqlens, ridx,
+                    widx, num_accepted_tokens, retrieve_parent_token, None, scale, lb)
+    bound = _run(p, opts, call, dev, stream, bind)
+    return bound if bind else tk.out
+
+
+def commit(state, intermediate_states, state_indices, accepted_step,
+           intermediate_state_indices=None, *, null_slot=None, stream=None, bind=False):
+    """After a style-(b) verify: state[state_indices[n]] = intermediate_states[
+    intermediate_state_indices[n], accepted_step[n]] (indices default to n); a row whose step
+    is < 0, or whose slot is padding, is skipped. In place; returns `state`."""
+    tensor("state", state, POOL_DTYPES)
+    dev = state.device
+    if state.dim() != 4:
+        raise err("state", "a pool [slots, H, V, K]", tuple(state.shape))
+    H, V, K = state.shape[1:]
+    ss = _pool("state", state, H, V, K, dev)
+    _pool("intermediate_states", intermediate_states, H, V, K, dev, ndim=5)
+    if intermediate_states.dtype != state.dtype:
+        raise err("intermediate_states", f"the pool's dtype {_dtype_name(state.dtype)}",
+                  _dtype_name(intermediate_states.dtype))
+    R, S_max = intermediate_states.shape[:2]
+    if R > 1 and intermediate_states.stride(0) != S_max * intermediate_states.stride(1):
+        raise err("intermediate_states", "row stride == S_max * step stride",
+                  f"strides {tuple(intermediate_states.stride())}")
+    ds = intermediate_states.stride(1) if S_max > 1 or R > 1 else H * V * K
+    tensor("state_indices", state_indices, INDEX_DTYPES, 1, dev)
+    N = state_indices.shape[0]
+    w = _index("state_indices", state_indices, (N,), dev)
+    _index("accepted_step", accepted_step, (N,), dev)
+    if intermediate_state_indices is not None:
+        r = _index("intermediate_state_indices", intermediate_state_indices, (N,), dev)
+    else:
+        if R < N:
+            raise err("intermediate_states", f"at least N = {N} rows without "
+                      "intermediate_state_indices", R)
+        r = (1,)  # the ramp
+    null = _null(null_slot)
+    for name, t in (("state", state), ("intermediate_states", intermediate_states)):
+        if t.data_ptr() % 16:
+            raise err(name, "a 16-byte aligned base address", t.data_ptr())
+    pool = "float32" if state.dtype == torch.float32 else "bfloat16"
+    p = StepProblem(
+        "commit", N, 0, H, K, V, pool, R * S_max, ds, state.shape[0], ss,
+        (H * K, H * K, H * K, H * V, H * V, H), 0, False, 0,
+        (1, r[0], 0, _wide(intermediate_state_indices), S_max, 1),
+        (1, _wide(accepted_step), 0, 1, S_max), False,
+        (WRITE_START, w[0], 0, _wide(state_indices), 1, 0), (0, 0, 0, 0), (0, null),
+        False, False,
+        (0, _words(intermediate_state_indices), _words(state_indices), _words(accepted_step),
+         0, 0))
+    call = StepCall(None, None, None, None, None, None, None, None, intermediate_states, state,
+                    None, intermediate_state_indices, state_indices, accepted_step, None, None,
+                    1.0, None)
+    opts = StepOptions(gate="none")
+    bound = _run(p, opts, call, dev, stream, bind)
+    return bound if bind else state
+
+
+# fla's fused_recurrent_kda_fwd arguments, all of which are honoured or refused
+_FLA_ARGS = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state", "scale",
+             "output_final_state", "inplace_final_state", "state_v_first", "cu_seqlens",
+             "ssm_state_indices", "num_accepted_tokens", "use_qk_l2norm_in_kernel",
+             "use_gate_in_kernel", "use_beta_sigmoid_in_kernel", "allow_neg_eigval",
+             "lower_bound", "out")
+
+
+def fused_recurrent_kda_fwd(q, k, v, g, beta, A_log=None, dt_bias=None, initial_state=None,
+                            scale=None, output_final_state=False, inplace_final_state=True,
+                            state_v_first=False, cu_seqlens=None, ssm_state_indices=None,
+                            num_accepted_tokens=None, use_qk_l2norm_in_kernel=False,
+                            use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
+                            allow_neg_eigval=False, lower_bound=None, out=None, **kwargs):
+    """fla's `fused_recurrent_kda_fwd` with its argument names and defaults; returns (out,
+    final_state). With ssm_state_indices, initial_state is the pool ([slots, H, V, K] with
+    state_v_first=True) updated in place: the state after token t of row n goes to slot
+    ssm_state_indices[n, t] (1-D indices: one token per row), the start slot chosen by
+    num_accepted_tokens. Without, the states are dense [N, H, V, K] (final_state is
+    initial_state, updated in place, when inplace_final_state). Refused (ValueError): any
+    other keyword, allow_neg_eigval, headwise beta, GVA (v's heads != q's), a K-first pool
+    (state_v_first=False) updated in place or through indices."""
+    if kwargs:
+        raise TypeError(f"fused_recurrent_kda_fwd: unknown arguments {sorted(kwargs)}")
+    if allow_neg_eigval:
+        raise err("allow_neg_eigval", "False (not supported)", True)
+    tensor("q", q, (BF16,), 4)
+    tensor("v", v, (BF16,), 4)
+    if v.shape[2] != q.shape[2]:
+        raise err("v", f"{q.shape[2]} heads as q (GVA is not supported)", v.shape[2])
+    if beta.dim() == v.dim():
+        raise err("beta", "one value per head [B, T, H] (headwise beta is not supported)",
+                  tuple(beta.shape))
+    if use_gate_in_kernel:
+        gate = "bounded" if lower_bound is not None else "unbounded"
+    else:
+        gate = "none"
+    H, K = q.shape[2], q.shape[3]
+    if scale is None:
+        scale = K ** -0.5
+    if out is None:
+        out = torch.zeros_like(v)
+    kw = dict(A_log=A_log, dt_bias=dt_bias, scale=scale, lower_bound=lower_bound, gate=gate,
+              qk_l2norm=use_qk_l2norm_in_kernel, beta_sigmoid=use_beta_sigmoid_in_kernel)
+    if ssm_state_indices is not None:
+        if initial_state is None:
+            raise err("initial_state", "the state pool with ssm_state_indices", None)
+        if not state_v_first:
+            raise err("state_v_first", "True: the pool is [slots, H, V, K] (K-first pools are "
+                      "not supported)", False)
+        if not inplace_final_state:
+            raise err("inplace_final_state", "True with ssm_state_indices", False)
+        idx = ssm_state_indices if ssm_state_indices.dim() == 2 else \
+            ssm_state_indices.unsqueeze(1)
+        verify(q, k, v, g, beta, initial_state, cu_seqlens=cu_seqlens, ssm_state_indices=idx,
+               num_accepted_tokens=num_accepted_tokens, out=out, **kw)
+        return out, initial_state
+    if num_accepted_tokens is not None:
+        raise err("num_accepted_tokens", "None without ssm_state_indices", "a tensor")
+    s0 = initial_state
+    if s0 is not None and not state_v_first:
+        if inplace_final_state:
+            raise err("state_v_first", "True to update initial_state in place", False)
+        s0 = s0.transpose(-1, -2).contiguous()
+    N = q.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
+    if inplace_final_state:
+        if initial_state is None:
+            raise err("initial_state", "a tensor with inplace_final_state=True", None)
+        s1 = s0
+    elif output_final_state:
+        s1 = torch.empty(N, H, v.shape[-1], K, dtype=torch.float32, device=q.device)
+    else:
+        s1 = None
+    recurrent(q, k, v, g, beta, s0, s1, cu_seqlens=cu_seqlens, out=out, **kw)
+    if s1 is not None and not state_v_first and not inplace_final_state:
+        s1 = s1.transpose(-1, -2).contiguous()
+    return out, s1
+
+
+def recurrent(q, k, v, g, beta, initial_state=None, final_state=None, *, cu_seqlens=None,
+              out=None, A_log=None, dt_bias=None, scale=None, lower_bound=None, gate="bounded",
+              qk_l2norm=True, beta_sigmoid=True, config=None, stream=None, bind=False):
+    """The dense forward token by token (no pool): initial_state / final_state [N, H, V, K] of
+    one dtype (either may be None; they may be the same tensor). For short sequences, where
+    the chunked prefill's K1 does not pay off; returns `out`."""
+    opts = _opts(gate, qk_l2norm, beta_sigmoid, config)
+    tk = _Tokens(q, k, v, g, beta, out)
+    dev, H, K, V = tk.dev, tk.H, tk.K, tk.V
+    if cu_seqlens is not None:
+        N = _cu(cu_seqlens, dev)
+        fixed = -1
+        if q.dim() == 4 and q.shape[0] != 1:
+            raise err("q", "batch size 1 when cu_seqlens is given", tuple(q.shape))
+    else:
+        if q.dim() != 4:
+            raise err("q", "[B, T, H, K] without cu_seqlens", tuple(q.shape))
+        N, fixed = q.shape[0], q.shape[1]
+    s0s = s1s = H * V * K
+    dt = None
+    for name, t in (("initial_state", initial_state), ("final_state", final_state)):
+        if t is None:
+            continue
+        s = _pool(name, t, H, V, K, dev)
+        if t.shape[0] != N:
+            raise err(name, f"[N={N}, H, V, K]", tuple(t.shape))
+        if dt is not None and t.dtype != dt:
+            raise err(name, f"the dtype of initial_state ({_dtype_name(dt)})",
+                      _dtype_name(t.dtype))
+        dt = t.dtype
+        if name == "initial_state":
+            s0s = s
+        else:
+            s1s = s
+    a, b = _gate_params(A_log, dt_bias, opts.gate, H, K, dev)
+    scale, lb = _scalars(scale, lower_bound, opts.gate, K)
+    tk.addresses()
+    pool = "bfloat16" if dt == torch.bfloat16 else "float32"
+    n0 = N if initial_state is not None else 0
+    n1 = N if final_state is not None else 0
+    p = StepProblem(
+        "recurrent", N, tk.rows, H, K, V, pool, n0, s0s, n1, s1s, tk.strides, fixed,
+        _wide(cu_seqlens) == 1, 2 ** 31 - 1, (int(n0 > 0), 1, 0, 0, 1, 0), (0, 0, 1, 0, 1),
+        False, (WRITE_LAST if n1 else WRITE_NONE, 1, 0, 0, 1, 0), (0, 0, 0, 0), (0, 0), a, b,
+        (_words(cu_seqlens), 0, 0, 0, 0, 0))
+    call = StepCall(q, k, v, g, beta, tk.out, A_log, dt_bias, initial_state, final_state,
+                    cu_seqlens, None, None, None, None, None, scale, lb)
+    bound = _run(p, opts, call, dev, stream, bind)
+    return bound if bind else tk.out
+
+
+check_errors = errors.check_errors
+
+__all__ = ["check_errors", "commit", "decode", "fused_recurrent_kda_fwd", "recurrent",
+           "select_step", "verify"]

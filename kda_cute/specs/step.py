@@ -1,0 +1,148 @@
+"""The token step (kernels/kda_step_sm90.py): decode and multi-token verify against a state pool,
+token by token with the state in registers. Its config, constraints and argument list; no DSL
+import here.
+
+One kernel serves every serving form: which slot a row reads, where the state after a token goes
+and how a row's tokens are found are run-time arguments (index tables with strides, modes), so
+one cubin per (head dims, pool dtype, tile) covers decode, both verify styles and tree drafts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from ..abi import Arg, scalar, tensor
+
+POOL_DTYPES = ("float32", "bfloat16")
+
+# the error words the kernel sets (mErr[code] = 1; sticky until the host reads and clears them),
+# each named by the argument whose value was bad
+ERRORS = ("cu_seqlens", "cu_seqlens (tokens per row past the entries or scratch steps)",
+          "num_accepted_tokens / accepted_step",
+          "state_indices / ssm_state_indices / intermediate_state_indices (the read slot)",
+          "output_state_indices / ssm_state_indices / intermediate_state_indices / "
+          "state_indices (a write slot)", "retrieve_parent_token", "unused", "unused")
+ERROR_WORDS = len(ERRORS)
+
+# write modes: nothing, the state after a row's last token, the state after every token, the
+# start state itself (a commit: no tokens)
+WRITE_NONE, WRITE_LAST, WRITE_ALL, WRITE_START = 0, 1, 2, 3
+# gate modes (as the prefill's: kda_cute.specs.prep.GATE_MODES)
+STEP_GATES = {"none": 0, "bounded": 1, "unbounded": 2}
+
+
+@dataclass(frozen=True)
+class StepConfig:
+    """One CTA per (block of `block_v` state rows, head, row of the batch); `tpr` lanes per state
+    row, each holding K / tpr columns of `rows_per_thread` rows in fp32 registers. `pool` is
+    the dtype of the state pool read and written (and of the verify scratch)."""
+
+    head_dim_k: int
+    head_dim_v: int
+    pool: str = "float32"
+    block_v: int = 32
+    tpr: int = 8
+    threads: int = 128
+
+    @property
+    def vec(self) -> int:
+        """Pool elements per 16-byte access."""
+        return 4 if self.pool == "float32" else 8
+
+    @property
+    def rows_per_thread(self) -> int:
+        return self.block_v * self.tpr // self.threads
+
+    @property
+    def name(self) -> str:
+        p = "f32" if self.pool == "float32" else "bf16"
+        return (f"kda_step_k{self.head_dim_k}_v{self.head_dim_v}_{p}_bv{self.block_v}"
+                f"_r{self.tpr}_t{self.threads}")
+
+    @property
+    def block_threads(self) -> int:
+        return self.threads
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def supports(cfg: StepConfig) -> tuple[bool, str]:
+    K, V = cfg.head_dim_k, cfg.head_dim_v
+    if cfg.pool not in POOL_DTYPES:
+        return False, f"pool must be one of {POOL_DTYPES}, got {cfg.pool!r}"
+    if K % 32 or not 32 <= K <= 256:
+        return False, f"head_dim_k must be a multiple of 32 in [32, 256], got {K}"
+    if V % 8 or not 8 <= V <= 256:
+        return False, f"head_dim_v must be a multiple of 8 in [8, 256], got {V}"
+    if cfg.tpr not in (1, 2, 4, 8, 16, 32):
+        return False, f"tpr must be a power of two <= 32, got {cfg.tpr}"
+    if K % (cfg.tpr * cfg.vec):
+        return False, f"tpr * {cfg.vec} ({cfg.tpr * cfg.vec}) must divide head_dim_k {K}"
+    if cfg.threads % 32 or not 32 <= cfg.threads <= 1024:
+        return False, f"threads must be a multiple of 32 in [32, 1024], got {cfg.threads}"
+    if cfg.block_v < 1 or V % cfg.block_v:
+        return False, f"block_v {cfg.block_v} must divide head_dim_v {V}"
+    groups = cfg.threads // cfg.tpr
+    if cfg.block_v % groups:
+        return False, (f"threads / tpr ({groups} row groups) must divide block_v "
+                       f"{cfg.block_v}")
+    return True, ""
+
+
+def args(cfg: StepConfig) -> list[Arg]:
+    """The step's `__call__` arguments, in order. Token rows are (T, H * D) views with a free row
+    stride; the pool (P slots) and the written states (PD rows: the pool again, or the verify
+    scratch) are (slots, H, V, K) with a free slot stride; index tables are flat int32 words
+    (an int64 table is read as word pairs, its `*_wide` flag set), addressed by the strides the
+    scalars give."""
+    K, V = cfg.head_dim_k, cfg.head_dim_v
+
+    def rows(name, width, stride):
+        return tensor(name, "bfloat16", ("T", width), (stride, 1), 16)
+
+    def words(name, n, dsl=""):
+        return tensor(name, "int32", (n,), (1,), dsl=dsl)
+
+    return [
+        rows("q", "HK", "sQ"), rows("k", "HK", "sK"), rows("g", "HK", "sG"),
+        rows("v", "HV", "sV"),
+        tensor("beta", "bfloat16", ("T", "H"), ("sB", 1)),
+        rows("out", "HV", "sO"),
+        tensor("A_log", "float32", ("H",), (1,)),
+        tensor("dt_bias", "float32", ("HK",), (1,)),
+        tensor("pool", cfg.pool, ("P", "H", V, K), ("sP", V * K, K, 1), 16),
+        tensor("dst", cfg.pool, ("PD", "H", V, K), ("sPD", V * K, K, 1), 16),
+        words("cu_seqlens", "NCU", dsl="mCu"),
+        words("read_index", "NRI", dsl="mRIdx"),
+        words("write_index", "NWI", dsl="mWIdx"),
+        words("accepted", "NAC", dsl="mAcc"),
+        words("parent", "NPA"),
+        tensor("has_init", "int8", ("NHI",), (1,)),
+        tensor("errors", "int32", (8,), (1,), dsl="mErr"),
+        scalar("num_rows", grid_only=True),
+        scalar("num_heads", grid_only=True),
+        # tokens: fixed_len >= 0 gives row n tokens n * fixed_len ..; < 0: cu_seqlens
+        scalar("fixed_len"), scalar("cu_wide"), scalar("max_tokens"),
+        # the read row: read_index[n * r_sn + sel * r_st] * r_mul + sel * r_add, with
+        # sel = accepted[n] - acc_base in [0, max_sel) (0 without accepted; acc_skip: a
+        # negative sel skips the row)
+        scalar("read_mode"), scalar("r_sn"), scalar("r_st"), scalar("r_wide"),
+        scalar("r_mul"), scalar("r_add"),
+        scalar("acc_on"), scalar("acc_wide"), scalar("acc_base"), scalar("acc_skip"),
+        scalar("max_sel"), scalar("hi_on"),
+        # entries below these are padding: of the read index, of the write index
+        scalar("r_null"), scalar("w_null"),
+        # the state after token t: dst row write_index[n * w_sn + t * w_st] * w_mul + t * w_add
+        scalar("write_mode"), scalar("w_sn"), scalar("w_st"), scalar("w_wide"),
+        scalar("w_mul"), scalar("w_add"),
+        # tree drafts: token t starts from the state after token parent[n * p_sn + t * p_st]
+        scalar("parent_on"), scalar("p_sn"), scalar("p_st"), scalar("p_wide"),
+        scalar("gate"), scalar("has_a"), scalar("has_bias"), scalar("qk_l2norm"),
+        scalar("beta_sigmoid"),
+        scalar("scale", "f32"), scalar("lower_bound", "f32"),
+    ]
+
+
+def dsl_class(cfg: StepConfig) -> str:
+    return "kernels.kda_step_sm90:KdaStepSm90"

@@ -1,0 +1,351 @@
+"""Decode and multi-token verify (sm_90a): the KDA recurrence token by token against a state pool.
+
+One CTA per (block of BV state rows, head, batch row n), TPR lanes per state row. Thread t owns
+the rows v = vb BV + grp + G r (grp = t // TPR, G = threads / TPR row groups, r < R) and, of
+each, the columns d = (sub + TPR j) VEC + e (sub = t % TPR, j < NJ, e < VEC): one 16-byte pool
+access per (row, j), so a warp's accesses cover whole 128-byte lines. The state stays in fp32
+registers across the row's tokens; per token, with the row dot products (and q's and k's norms)
+reduced over the TPR lanes of a row by butterfly shuffles:
+
+    a = gate(g);  S = S * exp(a);  u = beta (v - S kn);  S = S + u kn^T;  o = S (scale qn)
+
+Which slot a row reads, where the state after a token goes and where a row's tokens are are all
+run-time arguments (kda_cute.specs.step.args), so one kernel serves decode, verify with a slot
+per token (vLLM, fla), verify into a scratch with tree parents (SGLang, FlashInfer) and the
+dense recurrent forward. A bad index, length or count is never followed: the row becomes a
+padding row (zero outputs, nothing read or written) and the argument's error word is set.
+The pool is read with plain (coherent) loads: a row may read back the scratch rows it wrote.
+Constraints: kda_cute.specs.step.supports.
+"""
+
+import cutlass
+import cutlass.cute as cute
+
+from kda_cute.specs.step import ERRORS, WRITE_ALL, WRITE_LAST, WRITE_START, StepConfig
+
+E_CU, E_LEN, E_ACC, E_READ, E_WRITE, E_PARENT = range(6)  # the words of specs.step.ERRORS
+assert ERRORS[E_PARENT] == "retrieve_parent_token"
+GATE_BOUNDED, GATE_UNBOUNDED = 1, 2
+
+
+class KdaStepSm90:
+    def __init__(self, cfg: StepConfig):
+        self.cfg = cfg
+        self.K, self.V = cfg.head_dim_k, cfg.head_dim_v
+        self.pdt = cutlass.Float32 if cfg.pool == "float32" else cutlass.BFloat16
+        self.VEC, self.TPR = cfg.vec, cfg.tpr
+        self.NJ = self.K // (cfg.tpr * cfg.vec)
+        self.NC = self.NJ * cfg.vec  # columns per thread
+        self.BV, self.threads = cfg.block_v, cfg.threads
+        self.G = cfg.threads // cfg.tpr
+        self.R = cfg.block_v // self.G
+        self.smem_bytes = 0
+        self.tma_meta = []
+
+    # ------------------------------------------------------------------ host
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor, mK: cute.Tensor, mG: cute.Tensor,  # (T, H*K) bf16, row stride free
+        mV: cute.Tensor,  # (T, H*V) bf16
+        mBeta: cute.Tensor,  # (T, H) bf16
+        mOut: cute.Tensor,  # (T, H*V) bf16
+        mALog: cute.Tensor, mDtBias: cute.Tensor,  # (H,), (H*K,) fp32
+        mPool: cute.Tensor,  # (P, H, V, K) the state pool, slot stride free
+        mDst: cute.Tensor,  # (PD, H, V, K) where states are written (the pool or a scratch)
+        mCu: cute.Tensor, mRIdx: cute.Tensor, mWIdx: cute.Tensor, mAcc: cute.Tensor,
+        mParent: cute.Tensor,  # int32 words
+        mHasInit: cute.Tensor,  # (N,) int8
+        mErr: cute.Tensor,  # (8,) int32 error words
+        num_rows: cutlass.Int32, num_heads: cutlass.Int32,
+        fixed_len: cutlass.Int32, cu_wide: cutlass.Int32, max_tokens: cutlass.Int32,
+        read_mode: cutlass.Int32, r_sn: cutlass.Int32, r_st: cutlass.Int32,
+        r_wide: cutlass.Int32, r_mul: cutlass.Int32, r_add: cutlass.Int32,
+        acc_on: cutlass.Int32, acc_wide: cutlass.Int32, acc_base: cutlass.Int32,
+        acc_skip: cutlass.Int32, max_sel: cutlass.Int32,
+        hi_on: cutlass.Int32, r_null: cutlass.Int32, w_null: cutlass.Int32,
+        write_mode: cutlass.Int32, w_sn: cutlass.Int32, w_st: cutlass.Int32,
+        w_wide: cutlass.Int32, w_mul: cutlass.Int32, w_add: cutlass.Int32,
+        parent_on: cutlass.Int32, p_sn: cutlass.Int32, p_st: cutlass.Int32,
+        p_wide: cutlass.Int32,
+        gate: cutlass.Int32, has_a: cutlass.Int32, has_bias: cutlass.Int32,
+        qk_l2norm: cutlass.Int32, beta_sigmoid: cutlass.Int32,
+        scale: cutlass.Float32, lower_bound: cutlass.Float32,
+        stream,
+    ):
+        self.kernel(
+            mQ, mK, mG, mV, mBeta, mOut, mALog, mDtBias, mPool, mDst, mCu, mRIdx, mWIdx, mAcc,
+            mParent, mHasInit, mErr, fixed_len, cu_wide, max_tokens, read_mode, r_sn, r_st,
+            r_wide, r_mul, r_add, acc_on, acc_wide, acc_base, acc_skip, max_sel, hi_on,
+            r_null, w_null, write_mode, w_sn, w_st, w_wide, w_mul,
+            w_add, parent_on, p_sn, p_st, p_wide, gate, has_a, has_bias, qk_l2norm,
+            beta_sigmoid, scale, lower_bound,
+        ).launch(grid=(self.V // self.BV, num_heads, num_rows), block=(self.threads, 1, 1),
+                 stream=stream)
+
+    # ---------------------------------------------------------------- device
+    @cute.jit
+    def _word(self, t: cute.Tensor, off, wide):
+        """Entry `off` of an index table: (value, ok). An int64 table (wide) is read as word
+        pairs; ok is 0 when the high word is not the low word's sign extension."""
+        v = t[off]
+        ok = cutlass.Int32(1)
+        if wide != 0:
+            v = t[2 * off]
+            hi = t[2 * off + 1]
+            if hi != (v >> 31):
+                ok = cutlass.Int32(0)
+        return v, ok
+
+    @cute.jit
+    def _flag(self, mErr: cute.Tensor, code: cutlass.Constexpr, lead):
+        if lead != 0:
+            mErr[code] = cutlass.Int32(1)
+
+    @cute.jit
+    def _load_rows(self, st, src: cute.Tensor, row, h, vb, grp, sub):
+        """This thread's columns of its R rows of src[row, h] into st (fp32)."""
+        VEC, NC = self.VEC, self.NC
+        for r in cutlass.range_constexpr(self.R):
+            v = vb * self.BV + grp + self.G * r
+            vecs = cute.logical_divide(src[row, h, v, None], cute.make_layout(VEC))
+            for j in cutlass.range_constexpr(self.NJ):
+                x = vecs[None, sub + self.TPR * j].load().to(cutlass.Float32)
+                for e in cutlass.range_constexpr(VEC):
+                    st[r * NC + j * VEC + e] = x[e]
+
+    @cute.jit
+    def _store_rows(self, st, dst: cute.Tensor, row, h, vb, grp, sub):
+        VEC, NC = self.VEC, self.NC
+        frag = cute.make_rmem_tensor((VEC,), cutlass.Float32)
+        for r in cutlass.range_constexpr(self.R):
+            v = vb * self.BV + grp + self.G * r
+            vecs = cute.logical_divide(dst[row, h, v, None], cute.make_layout(VEC))
+            for j in cutlass.range_constexpr(self.NJ):
+                for e in cutlass.range_constexpr(VEC):
+                    frag[e] = st[r * NC + j * VEC + e]
+                vecs[None, sub + self.TPR * j].store(frag.load().to(self.pdt))
+
+    @cute.jit
+    def _zero(self, st):
+        for i in cutlass.range_constexpr(self.R * self.NC):
+            st[i] = cutlass.Float32(0.0)
+
+    @cute.jit
+    def _head_cols(self, x, m: cute.Tensor, tok, h, sub):
+        """This thread's columns of head h of token row `tok` of a (T, H*K) bf16 tensor, fp32."""
+        VEC = self.VEC
+        vecs = cute.logical_divide(m[tok, None], cute.make_layout(VEC))
+        base = h * (self.K // VEC) + sub
+        for j in cutlass.range_constexpr(self.NJ):
+            y = vecs[None, base + self.TPR * j].load().to(cutlass.Float32)
+            for e in cutlass.range_constexpr(VEC):
+                x[j * VEC + e] = y[e]
+
+    @cute.jit
+    def _lanes_sum(self, x):
+        for k in cutlass.range_constexpr(self.TPR.bit_length() - 1):
+            x = x + cute.arch.shuffle_sync_bfly(x, offset=1 << k)
+        return x
+
+    @cute.kernel
+    def kernel(
+        self, mQ: cute.Tensor, mK: cute.Tensor, mG: cute.Tensor, mV: cute.Tensor,
+        mBeta: cute.Tensor, mOut: cute.Tensor, mALog: cute.Tensor, mDtBias: cute.Tensor,
+        mPool: cute.Tensor, mDst: cute.Tensor, mCu: cute.Tensor, mRIdx: cute.Tensor,
+        mWIdx: cute.Tensor, mAcc: cute.Tensor, mParent: cute.Tensor, mHasInit: cute.Tensor,
+        mErr: cute.Tensor,
+        fixed_len: cutlass.Int32, cu_wide: cutlass.Int32, max_tokens: cutlass.Int32,
+        read_mode: cutlass.Int32, r_sn: cutlass.Int32, r_st: cutlass.Int32,
+        r_wide: cutlass.Int32, r_mul: cutlass.Int32, r_add: cutlass.Int32,
+        acc_on: cutlass.Int32, acc_wide: cutlass.Int32, acc_base: cutlass.Int32,
+        acc_skip: cutlass.Int32, max_sel: cutlass.Int32,
+        hi_on: cutlass.Int32, r_null: cutlass.Int32, w_null: cutlass.Int32,
+        write_mode: cutlass.Int32, w_sn: cutlass.Int32, w_st: cutlass.Int32,
+        w_wide: cutlass.Int32, w_mul: cutlass.Int32, w_add: cutlass.Int32,
+        parent_on: cutlass.Int32, p_sn: cutlass.Int32, p_st: cutlass.Int32,
+        p_wide: cutlass.Int32,
+        gate: cutlass.Int32, has_a: cutlass.Int32, has_bias: cutlass.Int32,
+        qk_l2norm: cutlass.Int32, beta_sigmoid: cutlass.Int32,
+        scale: cutlass.Float32, lower_bound: cutlass.Float32,
+    ):
+        f32, i32 = cutlass.Float32, cutlass.Int32
+        K, V, VEC, NC, R = self.K, self.V, self.VEC, self.NC, self.R
+        tidx, _, _ = cute.arch.thread_idx()
+        vb, h, n = cute.arch.block_idx()
+        grp = tidx // self.TPR
+        sub = tidx - grp * self.TPR
+        # one thread of a batch row reports its bad values
+        lead = cutlass.Int32(0)
+        if tidx == 0 and vb == 0 and h == 0:
+            lead = cutlass.Int32(1)
+        num_tokens = mQ.shape[0]
+        slots = mPool.shape[0]
+        dst_rows = mDst.shape[0]
+
+        # ---- the row's tokens ---------------------------------------------------------------
+        bos = n * fixed_len
+        length = fixed_len
+        if fixed_len < 0:
+            b0, ok0 = self._word(mCu, n, cu_wide)
+            e0, ok1 = self._word(mCu, n + 1, cu_wide)
+            bos = b0
+            length = e0 - b0
+            if ok0 == 0 or ok1 == 0 or b0 < 0 or e0 < b0 or e0 > num_tokens:
+                self._flag(mErr, E_CU, lead)
+                bos = i32(0)
+                length = i32(0)
+        if length > max_tokens:
+            self._flag(mErr, E_LEN, lead)
+            length = i32(0)
+
+        # ---- the read slot: padding (< r_null), bad (flagged, then padding) -----------------
+        # sel = accepted[n] - acc_base picks the read entry (and, times r_add, the row in it)
+        pad = i32(0)
+        sel = i32(0)
+        if acc_on != 0:
+            a, ok = self._word(mAcc, n, acc_wide)
+            sel = a - acc_base
+            if ok != 0 and sel < 0 and acc_skip != 0:
+                pad = i32(1)  # a commit's step < 0: nothing to do
+            elif ok == 0 or sel < 0 or sel >= max_sel:
+                first, _ = self._word(mRIdx, n * r_sn, r_wide)
+                if first >= r_null:  # a padding row may carry any count
+                    self._flag(mErr, E_ACC, lead)
+                pad = i32(1)
+        slot = i32(-1)
+        if pad == 0 and read_mode != 0:  # read_mode 0: every row starts from zeros
+            s0, ok = self._word(mRIdx, n * r_sn + sel * r_st, r_wide)
+            # s0 < slots first: s0 * r_mul cannot wrap around then
+            slot = cutlass.min(s0, slots) * r_mul + sel * r_add
+            if ok == 0 or (s0 >= r_null and (s0 >= slots or slot >= slots)):
+                self._flag(mErr, E_READ, lead)
+                pad = i32(1)
+            elif s0 < r_null:
+                pad = i32(1)
+        start = read_mode  # 1: the row starts from its slot, 0: from zeros
+        if hi_on != 0:
+            if mHasInit[n] == 0:
+                start = i32(0)
+
+        st = cute.make_rmem_tensor((R * NC,), f32)
+        self._zero(st)
+        if pad == 0 and start != 0:
+            self._load_rows(st, mPool, slot, h, vb, grp, sub)
+
+        # ---- the gate's per-column constants ------------------------------------------------
+        a_exp = f32(1.0)
+        if has_a != 0:
+            a_exp = cute.math.exp(mALog[h])
+        bias = cute.make_rmem_tensor((NC,), f32)
+        for j in cutlass.range_constexpr(self.NJ):
+            for e in cutlass.range_constexpr(VEC):
+                x = f32(0.0)
+                if has_bias != 0:
+                    x = mDtBias[h * K + (sub + self.TPR * j) * VEC + e]
+                bias[j * VEC + e] = x
+
+        qv = cute.make_rmem_tensor((NC,), f32)
+        kv = cute.make_rmem_tensor((NC,), f32)
+        dv = cute.make_rmem_tensor((NC,), f32)
+        for t in cutlass.range(length):
+            tok = bos + t
+            if pad != 0:
+                for r in cutlass.range_constexpr(R):
+                    if sub == 0:
+                        mOut[tok, h * V + vb * self.BV + grp + self.G * r] = (
+                            f32(0.0).to(cutlass.BFloat16))
+            else:
+                # tree drafts: a token whose parent is not the previous one restarts from the
+                # start state (parent -1) or from the state after its parent, already written
+                if parent_on != 0 and t > 0:
+                    par, ok = self._word(mParent, n * p_sn + t * p_st, p_wide)
+                    if par != t - 1:
+                        prow = i32(-1)
+                        if ok != 0 and par >= 0 and par < t and write_mode == WRITE_ALL:
+                            w, okw = self._word(mWIdx, n * w_sn + par * w_st, w_wide)
+                            prow = cutlass.min(w, dst_rows) * w_mul + par * w_add
+                            if okw == 0 or w < w_null or w >= dst_rows or prow >= dst_rows:
+                                prow = i32(-2)
+                        elif ok == 0 or par != -1:
+                            prow = i32(-2)
+                        if prow == -2:
+                            self._flag(mErr, E_PARENT, lead)
+                            prow = i32(-1)
+                        if prow >= 0:
+                            self._load_rows(st, mDst, prow, h, vb, grp, sub)
+                        else:
+                            self._zero(st)
+                            if start != 0:
+                                self._load_rows(st, mPool, slot, h, vb, grp, sub)
+                self._head_cols(qv, mQ, tok, h, sub)
+                self._head_cols(kv, mK, tok, h, sub)
+                self._head_cols(dv, mG, tok, h, sub)
+                # q and k norms over the row's lanes; q carries the scale
+                sq = f32(0.0)
+                sk = f32(0.0)
+                for c in cutlass.range_constexpr(NC):
+                    sq = sq + qv[c] * qv[c]
+                    sk = sk + kv[c] * kv[c]
+                rq = scale
+                rk = f32(1.0)
+                if qk_l2norm != 0:
+                    sq = self._lanes_sum(sq)
+                    sk = self._lanes_sum(sk)
+                    rq = scale * cute.math.rsqrt(sq + 1e-6)
+                    rk = cute.math.rsqrt(sk + 1e-6)
+                for c in cutlass.range_constexpr(NC):
+                    qv[c] = qv[c] * rq
+                    kv[c] = kv[c] * rk
+                # the decay exp(a) per column
+                if gate == GATE_BOUNDED:
+                    for c in cutlass.range_constexpr(NC):
+                        x = a_exp * (dv[c] + bias[c])
+                        sg = cute.arch.rcp_approx(1.0 + cute.math.exp(-x, fastmath=True))
+                        dv[c] = cute.math.exp(lower_bound * sg, fastmath=True)
+                elif gate == GATE_UNBOUNDED:
+                    for c in cutlass.range_constexpr(NC):
+                        x = dv[c] + bias[c]
+                        sp = cute.arch.fmax(x, 0.0) + cute.math.log1p(
+                            cute.math.exp(-cute.arch.fmax(x, -x)))
+                        dv[c] = cute.math.exp(-a_exp * sp, fastmath=True)
+                else:
+                    for c in cutlass.range_constexpr(NC):
+                        dv[c] = cute.math.exp(dv[c], fastmath=True)
+                beta = mBeta[tok, h].to(f32)
+                if beta_sigmoid != 0:
+                    beta = cute.arch.rcp_approx(1.0 + cute.math.exp(-beta, fastmath=True))
+                for r in cutlass.range_constexpr(R):
+                    v_idx = vb * self.BV + grp + self.G * r
+                    p = f32(0.0)
+                    for c in cutlass.range_constexpr(NC):
+                        s = st[r * NC + c] * dv[c]
+                        st[r * NC + c] = s
+                        p = p + s * kv[c]
+                    p = self._lanes_sum(p)
+                    u = beta * (mV[tok, h * V + v_idx].to(f32) - p)
+                    o = f32(0.0)
+                    for c in cutlass.range_constexpr(NC):
+                        s = st[r * NC + c] + u * kv[c]
+                        st[r * NC + c] = s
+                        o = o + s * qv[c]
+                    o = self._lanes_sum(o)
+                    if sub == 0:
+                        mOut[tok, h * V + v_idx] = o.to(cutlass.BFloat16)
+                # the state after this token
+                if write_mode == WRITE_ALL or (write_mode == WRITE_LAST and t == length - 1):
+                    w, okw = self._word(mWIdx, n * w_sn + t * w_st, w_wide)
+                    # w < dst_rows first: w * w_mul cannot wrap around then
+                    row = cutlass.min(w, dst_rows) * w_mul + t * w_add
+                    if okw == 0 or (w >= w_null and (w >= dst_rows or row >= dst_rows)):
+                        self._flag(mErr, E_WRITE, lead)
+                    elif w >= w_null:
+                        self._store_rows(st, mDst, row, h, vb, grp, sub)
+
+        # a commit: the start state itself to the row's write slot
+        if write_mode == WRITE_START and pad == 0:
+            w, okw = self._word(mWIdx, n * w_sn, w_wide)
+            if okw == 0 or w >= dst_rows:
+                self._flag(mErr, E_WRITE, lead)
+            elif w >= w_null:
+                self._store_rows(st, mDst, w * w_mul, h, vb, grp, sub)

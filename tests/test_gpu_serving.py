@@ -1,0 +1,455 @@
+"""Decode, verify and commit against a state pool on the H200, token by token against the
+float64 reference (skips without a Hopper GPU + cubins).
+
+Every pool is filled with a sentinel value first; after a call every slot the call may not
+write is checked bit-identical, and every output row of a padding row is checked zero. Pools sit
+inside a larger buffer whose guard regions are poisoned and checked untouched."""
+
+import pytest
+import torch
+
+import kda_cute
+from kda_cute.reference import preprocess, rel_err
+from kda_cute.testing import cuda_ready
+
+ok, why = cuda_ready()
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not ok, reason=why)]
+
+OUT_TOL = 3.5e-3  # bf16 output rounding alone is ~1.7e-3
+STATE_TOL = {torch.float32: 1e-5, torch.bfloat16: 6e-3}
+SENTINEL = -0.0017  # a pool value no step writes by chance
+GUARD = 4096  # elements of poisoned guard on each side of a pool
+
+
+def _guarded(shape, dtype, fill=SENTINEL):
+    """A tensor of `shape` inside a buffer with GUARD poisoned elements on each side: (tensor,
+    buffer)."""
+    n = 1
+    for s in shape:
+        n *= s
+    buf = torch.full((n + 2 * GUARD,), fill, dtype=dtype, device="cuda")
+    buf[:GUARD] = 777.0
+    buf[-GUARD:] = 777.0
+    return buf[GUARD:GUARD + n].view(shape), buf
+
+
+def _guards_ok(buf):
+    return bool((buf[:GUARD] == 777.0).all() and (buf[-GUARD:] == 777.0).all())
+
+
+def _tokens(R, H, K, V, gate, seed, lead=None):
+    """q, k, g, v, beta of R token rows [R, H, D] (or `lead` + [H, D])."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    lead = lead or (R,)
+
+    def rnd(*s, scale=1.0):
+        return (torch.randn(*s, generator=gen, device="cuda") * scale).to(torch.bfloat16)
+
+    q, k = rnd(*lead, H, K), rnd(*lead, H, K)
+    g = rnd(*lead, H, K) if gate != "none" else (
+        -torch.rand(*lead, H, K, generator=gen, device="cuda") * 0.5).to(torch.bfloat16)
+    v, beta = rnd(*lead, H, V), rnd(*lead, H)
+    A_log = torch.randn(H, generator=gen, device="cuda") * 0.5
+    dt_bias = torch.randn(H * K, generator=gen, device="cuda") * 0.5
+    return q, k, g, v, beta, A_log, dt_bias
+
+
+def _steps(q, k, g, v, beta, S0, gate, A_log, dt_bias, lb, scale, parents=None):
+    """float64: outputs [L, H, V] and the states after each token [L, H, V, K] of one row whose
+    tokens are q.. [L, H, *] from S0 [H, V, K] (parents: token t starts from parent's state)."""
+    L = q.shape[0]
+    qn, kn, a, b = preprocess(q[None], k[None], g[None], beta[None], A_log=A_log,
+                              dt_bias=dt_bias, lower_bound=lb, gate=gate)
+    qn, kn, a, b = qn[0], kn[0], a[0], b[0]
+    v = v.double()
+    S = S0.double()
+    outs, states = [], []
+    for t in range(L):
+        if parents is not None and t > 0 and parents[t] != t - 1:
+            S = S0.double() if parents[t] < 0 else states[parents[t]]
+        S = S * torch.exp(a[t])[:, None, :]
+        e = v[t] - (S @ kn[t][:, :, None])[..., 0]
+        S = S + b[t][:, None, None] * e[..., None] * kn[t][:, None, :]
+        outs.append(scale * (S @ qn[t][:, :, None])[..., 0])
+        states.append(S)
+    return torch.stack(outs) if L else v.new_zeros(0), states
+
+
+def _kw(gate, A_log, dt_bias):
+    return dict(A_log=A_log if gate != "none" else None,
+                dt_bias=dt_bias if gate != "none" else None,
+                lower_bound=-5.0 if gate == "bounded" else None, gate=gate)
+
+
+CASES = [(K, dt, gate) for K in (64, 128, 256) for dt in (torch.float32, torch.bfloat16)
+         for gate in ("bounded", "unbounded", "none")]
+
+
+@pytest.mark.parametrize("K,dtype,gate", CASES, ids=lambda x: str(x).replace("torch.", ""))
+@pytest.mark.parametrize("null", [False, True], ids=["pad-1", "null0"])
+def test_decode(K, dtype, gate, null):
+    B, H, slots = 12, 4, 64
+    q, k, g, v, beta, A_log, dt_bias = _tokens(B, H, K, K, gate, seed=K + len(gate))
+    pool, buf = _guarded((slots, H, K, K), dtype)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    live = torch.randn(slots, H, K, K, generator=gen, device="cuda").to(dtype) * 0.3
+    perm = torch.randperm(slots - 1, generator=gen, device="cuda")[:2 * B] + 1
+    read, write = perm[:B].clone(), perm[B:].clone()
+    pool[read] = live[read]
+    pad_rows = [1, 7]
+    read[pad_rows] = 0 if null else -1
+    idx = read.to(torch.int32)
+    before = pool.clone()
+    out = torch.full((B, H, K), float("nan"), dtype=torch.bfloat16, device="cuda")
+    kda_cute.decode(q, k, v, g, beta, pool, idx, out=out, output_state_indices=write,
+                    null_slot=0 if null else None, **_kw(gate, A_log, dt_bias))
+    torch.cuda.synchronize()
+    kda_cute.check_errors(sync=True)
+    lb = -5.0 if gate == "bounded" else None
+    scale = K ** -0.5
+    for n in range(B):
+        if n in pad_rows:
+            assert (out[n] == 0).all()
+            continue
+        o, states = _steps(q[n:n + 1], k[n:n + 1], g[n:n + 1], v[n:n + 1], beta[n:n + 1],
+                           before[read[n]], gate, A_log, dt_bias, lb, scale)
+        assert rel_err(out[n], o[0]) < OUT_TOL
+        assert rel_err(pool[write[n]], states[-1]) < STATE_TOL[dtype]
+    written = set(write[[n for n in range(B) if n not in pad_rows]].tolist())
+    untouched = [s for s in range(slots) if s not in written]
+    assert torch.equal(pool[untouched].view(torch.int16 if dtype == torch.bfloat16 else
+                                            torch.int32),
+                       before[untouched].view(torch.int16 if dtype == torch.bfloat16 else
+                                              torch.int32))
+    assert _guards_ok(buf)
+
+
+def _bits(x):
+    return x.view(torch.int16 if x.dtype == torch.bfloat16 else torch.int32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_decode_mixed_qkv_in_place(dtype):
+    """q, k, v as row-strided views of one projection, g and beta likewise, a packed output,
+    int64 indices and the update in place."""
+    B, H, K = 9, 3, 128
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    width = 3 * H * K + 8
+    mixed = torch.randn(B, width, generator=gen, device="cuda").to(torch.bfloat16)
+    q = mixed[:, :H * K].view(B, H, K)
+    k = mixed[:, H * K:2 * H * K].view(B, H, K)
+    v = mixed[:, 2 * H * K:3 * H * K].view(B, H, K)
+    gb = torch.randn(B, H * K + 16, generator=gen, device="cuda").to(torch.bfloat16)
+    g = gb[:, :H * K].view(B, H, K)
+    beta = gb[:, H * K:H * K + H]
+    A_log = torch.randn(H, generator=gen, device="cuda") * 0.5
+    pool, buf = _guarded((20, H, K, K), dtype)
+    pool.copy_((torch.randn(20, H, K, K, generator=gen, device="cuda") * 0.3).to(dtype))
+    before = pool.clone()
+    idx = torch.tensor([3, 0, 19, 5, -1, 7, 11, 2, 13], dtype=torch.int64, device="cuda")
+    out = torch.full((B, H * K), float("nan"), dtype=torch.bfloat16, device="cuda")
+    kda_cute.decode(q, k, v, g, beta, pool, idx, out=out, A_log=A_log, gate="unbounded")
+    kda_cute.check_errors(sync=True)
+    for n in range(B):
+        if idx[n] < 0:
+            assert (out[n] == 0).all()
+            continue
+        o, st = _steps(q[n:n + 1], k[n:n + 1], g[n:n + 1], v[n:n + 1], beta[n:n + 1],
+                       before[idx[n]], "unbounded", A_log, None, None, K ** -0.5)
+        assert rel_err(out[n].view(H, K), o[0]) < OUT_TOL
+        assert rel_err(pool[idx[n]], st[-1]) < STATE_TOL[dtype]
+    rest = [s for s in range(20) if s not in idx.tolist()]
+    assert torch.equal(_bits(pool[rest]), _bits(before[rest]))
+    assert _guards_ok(buf)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("varlen", [False, True], ids=["fixed", "varlen"])
+def test_verify_slot_per_token(dtype, varlen):
+    """Style (a): ssm_state_indices [N, 1+S], num_accepted_tokens; the start slot is one of the
+    write slots (read before any write); padding entries are skipped, padding rows output
+    zeros; varlen rows of 0 .. 1+S tokens."""
+    N, S1, H, K = 10, 4, 4, 128
+    gate = "bounded"
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    lens = [S1] * N if not varlen else [4, 0, 1, 3, 4, 2, 0, 4, 1, 3]
+    Ttot = sum(lens)
+    q, k, g, v, beta, A_log, dt_bias = _tokens(Ttot, H, K, K, gate, seed=3)
+    slots = 4 * N * S1
+    pool, buf = _guarded((slots, H, K, K), dtype)
+    perm = torch.randperm(slots, generator=gen, device="cuda")[:N * S1].view(N, S1)
+    idx = perm.to(torch.int32).clone()
+    acc = torch.randint(1, S1 + 1, (N,), generator=gen, device="cuda", dtype=torch.int32)
+    for n in range(N):  # the start slots hold live states
+        pool[idx[n, acc[n] - 1]] = (torch.randn(H, K, K, generator=gen, device="cuda")
+                                    * 0.3).to(dtype)
+    idx[2, :] = -1  # a padding row
+    idx[4, 3] = -1  # a skipped entry
+    acc[4] = min(int(acc[4]), 3)
+    before = pool.clone()
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32,
+                      device="cuda")
+    if varlen:
+        args = (q, k, v, g, beta)
+        out = torch.full((Ttot, H, K), float("nan"), dtype=torch.bfloat16, device="cuda")
+        kw = dict(cu_seqlens=cu)
+    else:
+        args = tuple(x.view(N, S1, *x.shape[1:]) for x in (q, k, v, g, beta))
+        out = torch.full((N, S1, H, K), float("nan"), dtype=torch.bfloat16, device="cuda")
+        kw = {}
+    kda_cute.verify(*args, pool, ssm_state_indices=idx, num_accepted_tokens=acc, out=out,
+                    **kw, **_kw(gate, A_log, dt_bias))
+    kda_cute.check_errors(sync=True)
+    out = out.view(Ttot, H, K)
+    written = set()
+    for n in range(N):
+        t0, L = int(cu[n]), lens[n]
+        if L == 0:
+            continue
+        if n == 2:
+            assert (out[t0:t0 + L] == 0).all()
+            continue
+        start = before[idx[n, acc[n] - 1]]
+        o, states = _steps(q[t0:t0 + L], k[t0:t0 + L], g[t0:t0 + L], v[t0:t0 + L],
+                           beta[t0:t0 + L], start, gate, A_log, dt_bias, -5.0, K ** -0.5)
+        assert rel_err(out[t0:t0 + L], o) < OUT_TOL, n
+        for t in range(L):
+            s = int(idx[n, t])
+            if s >= 0:
+                assert rel_err(pool[s], states[t]) < STATE_TOL[dtype], (n, t)
+                written.add(s)
+    rest = [s for s in range(slots) if s not in written]
+    assert torch.equal(_bits(pool[rest]), _bits(before[rest]))
+    assert _guards_ok(buf)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_verify_scratch_and_commit(dtype, tree):
+    """Style (b): the pool is read only, the state after each token goes to the scratch;
+    tree drafts start tokens from their parents; commit copies the accepted step."""
+    N, S, H, K = 6, 5, 2, 128
+    gate = "unbounded"
+    gen = torch.Generator(device="cuda").manual_seed(21)
+    q, k, g, v, beta, A_log, dt_bias = _tokens(N * S, H, K, K, gate, seed=4, lead=(N, S))
+    slots = 32
+    pool, buf = _guarded((slots, H, K, K), dtype)
+    pool.copy_((torch.randn(slots, H, K, K, generator=gen, device="cuda") * 0.3).to(dtype))
+    before = pool.clone()
+    sidx = torch.randperm(slots, generator=gen, device="cuda")[:N].to(torch.int32)
+    sidx[3] = -1
+    R = N + 3
+    inter, ibuf = _guarded((R, S, H, K, K), dtype)
+    iidx = torch.randperm(R, generator=gen, device="cuda")[:N].to(torch.int32)
+    parents = None
+    if tree:
+        par = [[-1, 0, 0, 1, 2], [-1, -1, 1, 2, 0], [-1, 0, 1, 2, 3], [-1, 0, 0, 0, 0],
+               [-1, 0, 1, 1, 3], [-1, 0, 0, 2, 2]]
+        parents = torch.tensor(par, dtype=torch.int64, device="cuda")
+    out = torch.full((N, S, H, K), float("nan"), dtype=torch.bfloat16, device="cuda")
+    kda_cute.verify(q, k, v, g, beta, pool, state_indices=sidx, intermediate_states=inter,
+                    intermediate_state_indices=iidx, retrieve_parent_token=parents, out=out,
+                    **_kw(gate, A_log, dt_bias))
+    kda_cute.check_errors(sync=True)
+    assert torch.equal(_bits(pool), _bits(before))
+    for n in range(N):
+        if n == 3:
+            assert (out[n] == 0).all()
+            assert (inter[iidx[n]] == SENTINEL).all()
+            continue
+        o, states = _steps(q[n], k[n], g[n], v[n], beta[n], before[sidx[n]], gate, A_log,
+                           dt_bias, None, K ** -0.5, parents[n].tolist() if tree else None)
+        assert rel_err(out[n], o) < OUT_TOL, n
+        for t in range(S):
+            assert rel_err(inter[iidx[n], t], states[t]) < STATE_TOL[dtype], (n, t)
+    step = torch.tensor([2, -1, 4, 1, 0, 3], dtype=torch.int32, device="cuda")
+    kda_cute.commit(pool, inter, sidx, step, iidx)
+    kda_cute.check_errors(sync=True)
+    for n in range(N):
+        s = int(sidx[n])
+        if s < 0:
+            continue
+        want = before[s] if step[n] < 0 else inter[iidx[n], step[n]]
+        assert torch.equal(_bits(pool[s]), _bits(want)), n
+    rest = [s for s in range(slots) if s not in sidx.tolist()]
+    assert torch.equal(_bits(pool[rest]), _bits(before[rest]))
+    assert _guards_ok(buf) and _guards_ok(ibuf)
+
+
+def test_fla_compatible_call():
+    """fused_recurrent_kda_fwd with fla's argument names: decode in place through 1-D
+    ssm_state_indices, and the dense form; unknown arguments raise."""
+    B, H, K = 5, 4, 128
+    q, k, g, v, beta, A_log, dt_bias = _tokens(B, H, K, K, "bounded", seed=8, lead=(1, B))
+    q, k, g, v, beta = (x.view(B, 1, *x.shape[2:]) for x in (q, k, g, v, beta))
+    pool = (torch.randn(16, H, K, K, device="cuda") * 0.3)
+    before = pool.clone()
+    idx = torch.tensor([4, 9, 1, 15, 0], dtype=torch.int32, device="cuda")
+    out, st = kda_cute.fused_recurrent_kda_fwd(
+        q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, initial_state=pool, state_v_first=True,
+        ssm_state_indices=idx, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+        use_beta_sigmoid_in_kernel=True, lower_bound=-5.0)
+    torch.cuda.synchronize()
+    assert st is pool
+    for n in range(B):
+        o, states = _steps(q[n], k[n], g[n], v[n], beta[n], before[idx[n]], "bounded", A_log,
+                           dt_bias, -5.0, K ** -0.5)
+        assert rel_err(out[n, 0], o[0]) < OUT_TOL
+        assert rel_err(pool[idx[n]], states[-1]) < STATE_TOL[torch.float32]
+    # dense: T = 3 tokens per sequence, a new fp32 final state
+    q3, k3, g3, v3, b3, *_ = _tokens(B * 3, H, K, K, "none", seed=9, lead=(B, 3))
+    s0 = torch.randn(B, H, K, K, device="cuda") * 0.3
+    o3, s1 = kda_cute.fused_recurrent_kda_fwd(
+        q3, k3, v3, g3, b3, initial_state=s0, output_final_state=True,
+        inplace_final_state=False, state_v_first=True, use_qk_l2norm_in_kernel=True,
+        use_beta_sigmoid_in_kernel=True)
+    for n in range(B):
+        o, states = _steps(q3[n], k3[n], g3[n], v3[n], b3[n], s0[n], "none", None, None, None,
+                           K ** -0.5)
+        assert rel_err(o3[n], o) < OUT_TOL
+        assert rel_err(s1[n], states[-1]) < STATE_TOL[torch.float32]
+    with pytest.raises(TypeError, match="unknown arguments"):
+        kda_cute.fused_recurrent_kda_fwd(q, k, v, g, beta, initial_state=pool,
+                                         state_v_first=True, ssm_state_indices=idx, foo=1)
+
+
+def test_graph_replay_new_indices_and_counts():
+    """A verify captured once, replayed with new slots, counts and lengths in the same
+    buffers: each replay matches an eager call on the same values."""
+    N, S1, H, K = 8, 3, 4, 128
+    gen = torch.Generator(device="cuda").manual_seed(31)
+    q, k, g, v, beta, A_log, dt_bias = _tokens(N * S1, H, K, K, "bounded", seed=12)
+    slots = 64
+    pool = torch.randn(slots, H, K, K, device="cuda") * 0.3
+    idx = torch.zeros(N, S1, dtype=torch.int32, device="cuda")
+    acc = torch.ones(N, dtype=torch.int32, device="cuda")
+    cu = torch.arange(0, N * S1 + 1, S1, dtype=torch.int32, device="cuda")
+    out = torch.zeros(N * S1, H, K, dtype=torch.bfloat16, device="cuda")
+    kw = _kw("bounded", A_log, dt_bias)
+
+    def call(p, o):
+        kda_cute.verify(q, k, v, g, beta, p, cu_seqlens=cu, ssm_state_indices=idx,
+                        num_accepted_tokens=acc, out=o, **kw)
+
+    call(pool.clone(), out)  # warm: kernels loaded, plan made
+    torch.cuda.synchronize()
+    graph_pool = pool.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call(graph_pool, out)
+    for r in range(3):
+        idx.copy_(torch.randperm(slots, generator=gen, device="cuda")[:N * S1].view(N, S1))
+        acc.copy_(torch.randint(1, S1 + 1, (N,), generator=gen, device="cuda"))
+        lens = torch.randint(0, S1 + 1, (N,), generator=gen, device="cuda")
+        cu.copy_(torch.cat([cu.new_zeros(1), lens.cumsum(0)]).to(torch.int32))
+        graph_pool.copy_(pool)
+        out.fill_(float("nan"))
+        graph.replay()
+        got_out, got_pool = out.clone(), graph_pool.clone()
+        eager_pool = pool.clone()
+        out.fill_(float("nan"))
+        call(eager_pool, out)
+        torch.cuda.synchronize()
+        n_tok = int(cu[-1])
+        assert torch.equal(got_out[:n_tok], out[:n_tok]), r
+        assert torch.equal(got_pool, eager_pool), r
+    kda_cute.check_errors(sync=True)
+
+
+def test_four_streams():
+    """Four decodes on four streams at once, each on its own slots of one pool."""
+    B, H, K = 16, 8, 128
+    pool = torch.randn(4 * B, H, K, K, device="cuda") * 0.3
+    before = pool.clone()
+    ins = [_tokens(B, H, K, K, "none", seed=40 + i) for i in range(4)]
+    streams = [torch.cuda.Stream() for _ in range(4)]
+    outs = []
+    torch.cuda.synchronize()
+    for i, s in enumerate(streams):
+        q, k, g, v, beta, *_ = ins[i]
+        idx = torch.arange(i * B, (i + 1) * B, dtype=torch.int32, device="cuda")
+        with torch.cuda.stream(s):
+            outs.append(kda_cute.decode(q, k, v, g, beta, pool, idx, gate="none", stream=s))
+    torch.cuda.synchronize()
+    for i in range(4):
+        q, k, g, v, beta, *_ = ins[i]
+        for n in (0, B - 1):
+            o, st = _steps(q[n:n + 1], k[n:n + 1], g[n:n + 1], v[n:n + 1], beta[n:n + 1],
+                           before[i * B + n], "none", None, None, None, K ** -0.5)
+            assert rel_err(outs[i][n], o[0]) < OUT_TOL
+            assert rel_err(pool[i * B + n], st[-1]) < STATE_TOL[torch.float32]
+
+
+@pytest.mark.parametrize("bad", ["read", "write", "accepted", "cu", "parent", "wide"])
+def test_bad_values_reported_and_contained(bad):
+    """A bad index / count / offset value touches nothing outside the tensors (poisoned guard
+    regions), makes its row padding, and is reported by check_errors naming the argument."""
+    N, S1, H, K = 4, 3, 2, 64
+    q, k, g, v, beta, *_ = _tokens(N * S1, H, K, K, "none", seed=50)
+    pool, buf = _guarded((16, H, K, K), torch.float32)
+    kda_cute.check_errors(sync=True)
+    before = pool.clone()
+    idx = torch.arange(N * S1, dtype=torch.int32, device="cuda").view(N, S1)
+    acc = torch.ones(N, dtype=torch.int32, device="cuda")
+    cu = torch.arange(0, N * S1 + 1, S1, dtype=torch.int32, device="cuda")
+    kw = dict(gate="none", ssm_state_indices=idx, num_accepted_tokens=acc, cu_seqlens=cu)
+    name = {"read": "the read slot", "write": "a write slot",
+            "accepted": "num_accepted_tokens", "cu": "cu_seqlens", "parent":
+            "retrieve_parent_token", "wide": "the read slot"}[bad]
+    if bad == "read":
+        idx[1, 0] = 1 << 30
+    elif bad == "write":
+        idx[1, 2] = 16
+    elif bad == "accepted":
+        acc[2] = 7
+    elif bad == "cu":
+        cu[2] = 100
+    elif bad == "wide":
+        idx64 = idx.to(torch.int64)
+        idx64[1, 0] = (1 << 32) + 3  # the low word alone would look valid
+        kw["ssm_state_indices"] = idx64
+    if bad == "parent":
+        inter, ibuf = _guarded((N, S1, H, K, K), torch.float32)
+        par = torch.tensor([[-1, 0, 5]] * N, dtype=torch.int32, device="cuda")
+        kda_cute.verify(q, k, v, g, beta, pool, state_indices=idx[:, 0].contiguous(),
+                        intermediate_states=inter, retrieve_parent_token=par, gate="none",
+                        cu_seqlens=cu)
+        assert _guards_ok(ibuf)
+    else:
+        kda_cute.verify(q, k, v, g, beta, pool, **kw)
+    with pytest.raises(kda_cute.DeviceValueError, match=name):
+        kda_cute.check_errors(sync=True)
+    kda_cute.check_errors(sync=True)  # cleared once reported
+    assert _guards_ok(buf)
+    del before
+
+
+def test_next_call_reports():
+    """A bad value is reported by the next serving call on the device, without a sync."""
+    B, H, K = 4, 2, 64
+    q, k, g, v, beta, *_ = _tokens(B, H, K, K, "none", seed=60)
+    pool = torch.zeros(8, H, K, K, device="cuda")
+    bad = torch.tensor([0, 1, 99, 3], dtype=torch.int32, device="cuda")
+    kda_cute.decode(q, k, v, g, beta, pool, bad, gate="none")
+    torch.cuda.synchronize()
+    good = torch.tensor([0, 1, 2, 3], dtype=torch.int32, device="cuda")
+    with pytest.raises(kda_cute.DeviceValueError, match="the read slot"):
+        kda_cute.decode(q, k, v, g, beta, pool, good, gate="none")
+    kda_cute.decode(q, k, v, g, beta, pool, good, gate="none")
+    kda_cute.check_errors(sync=True)
+
+
+def test_bound_decode_replays():
+    B, H, K = 8, 4, 128
+    q, k, g, v, beta, *_ = _tokens(B, H, K, K, "none", seed=70)
+    pool = torch.randn(B, H, K, K, device="cuda") * 0.3
+    ref_pool = pool.clone()
+    idx = torch.arange(B, dtype=torch.int32, device="cuda")
+    out = torch.empty(B, H, K, dtype=torch.bfloat16, device="cuda")
+    bound = kda_cute.decode(q, k, v, g, beta, pool, idx, out=out, gate="none", bind=True)
+    for _ in range(2):
+        bound()
+        ref_out = kda_cute.decode(q, k, v, g, beta, ref_pool, idx, gate="none")
+        torch.cuda.synchronize()
+        assert torch.equal(out, ref_out)
+        assert torch.equal(pool, ref_pool)
