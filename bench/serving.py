@@ -191,9 +191,39 @@ def verify_case(N, T, H, dtype, fla, bw, iters, flush):
     return row
 
 
-def host_times(n_calls=2000) -> dict:
-    """Host time per call (us) of an eager decode and of a bound one (N 64, H 32, fp32)."""
-    x = inputs(64, 1, 32, torch.float32, seed=3)
+SWEEP = [(1, 12), (8, 32), (64, 32), (256, 32), (1024, 32)]
+
+
+def sweep(bw, iters, flush) -> list[dict]:
+    """Decode at K = 128 with every built tile (ladder.STEP and STEP_VARIANTS), CUDA graph."""
+    from kda_cute.ladder import STEP, STEP_VARIANTS
+    rows = []
+    for dtype in (torch.float32, torch.bfloat16):
+        pool = "float32" if dtype == torch.float32 else "bfloat16"
+        cfgs = [c for c in STEP + STEP_VARIANTS if c.head_dim_k == K and c.pool == pool]
+        for N, H in SWEEP:
+            x = inputs(N, 1, H, dtype, seed=5)
+            idx = x["idx"][:, 0].contiguous()
+            by = {}
+            for c in cfgs:
+                def fn(c=c, x=x, idx=idx):
+                    kda_cute.decode(x["q"], x["k"], x["v"], x["g"], x["beta"], x["pool"], idx,
+                                    out=x["out"], A_log=x["A_log"], dt_bias=x["dt_bias"],
+                                    lower_bound=-5.0, config=c)
+                by[c.name] = time_ms(graphed(fn), iters, flush)
+            ceiling = (2 * N * H * V * K * x["pool"].element_size() + tokens_bytes(N, 1, H)) \
+                / bw * 1e3
+            rows.append({"N": N, "H": H, "pool": pool, "ceiling_ms": ceiling, "ms": by})
+            print(json.dumps(rows[-1]), flush=True)
+            x = idx = None
+            torch.cuda.empty_cache()
+    return rows
+
+
+def host_times(n_calls=300) -> dict:
+    """Host time per call (us) of an eager decode and of a bound one (N 1, H 12, fp32: the GPU
+    work is shorter than the host's, and 300 calls stay within the launch queue)."""
+    x = inputs(1, 1, 12, torch.float32, seed=3)
     idx = x["idx"][:, 0].contiguous()
     args = (x["q"], x["k"], x["v"], x["g"], x["beta"], x["pool"], idx)
     kw = dict(out=x["out"], A_log=x["A_log"], dt_bias=x["dt_bias"], lower_bound=-5.0)
@@ -201,7 +231,7 @@ def host_times(n_calls=2000) -> dict:
     res = {}
     for name, fn in (("eager_us", lambda: kda_cute.decode(*args, **kw)), ("bound_us", bound)):
         rounds = []
-        for _ in range(5):
+        for _ in range(7):
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             for _ in range(n_calls):
@@ -220,7 +250,7 @@ def markdown(rows, host, bw) -> str:
              "fla graph ms | fla % | vs fla (graph) | vs fla (eager) | scratch / slots |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        def f(k, fmt="{:.4f}"):
+        def f(k, fmt="{:.4f}", r=r):
             return fmt.format(r[k]) if k in r else "-"
         lines.append(f"| {r['form']} | {r['pool']} | {r['N']} | {r['H']} | {r['T']} | "
                      f"{f('kda_graph_ms')} | {f('kda_ms')} | {f('kda_pct', '{:.0f}')} | "
@@ -264,10 +294,17 @@ def main(argv=None):
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--out", default="bench/results/serving.json")
+    ap.add_argument("--sweep", action="store_true", help="only the tile sweep")
     a = ap.parse_args(argv)
     fla = None if a.no_fla else fla_fn()
     bw = copy_bandwidth()
     flush = _flusher()
+    if a.sweep:
+        res = {"versions": versions(), "copy_bandwidth": bw, "sweep": sweep(bw, a.iters, flush),
+               "host": host_times()}
+        Path(a.out).write_text(json.dumps(res, indent=1) + "\n")
+        print(json.dumps(res["host"]))
+        return
     rows = []
     ns = (8, 256, 1024) if a.quick else DECODE_N
     hs = (32,) if a.quick else DECODE_H
