@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from . import checks, launch, plans
+from . import checks, launch, plans, serving
 from .checks import validate
 from .ladder import FwdConfig
 from .plans import device_info, workspace_bytes
@@ -122,6 +122,7 @@ def clear_caches() -> None:
     plans.clear()
     checks.clear()
     launch.clear()
+    serving.clear()
 
 
 __all__ = ["chunk_kda", "clear_caches", "config_for", "describe", "fwd", "schedule", "validate",

@@ -160,24 +160,19 @@ def combine_config(head_dim: int) -> CombineConfig | None:
 
 
 # The token step (decode, verify, commit): per head dim and pool dtype, as many lanes per state
-# row as 16-byte pool accesses make a row (at most a warp), and 8 rows per thread, so each thread
-# has eight or more 16-byte loads in flight from the start (the kernel is a stream of state
-# bytes). Variants of other tiles are reachable through StepOptions.config.
-def _step(d: int, pool: str, rows: int = 8, tpr: int | None = None) -> StepConfig:
+# row as 16-byte pool accesses make a row (at most a warp) and 32 rows per CTA: 4 to 32 KB of
+# state staged per CTA, so many CTAs (and their bytes) are in flight on each SM. Other tiles
+# are reachable through StepOptions.config.
+def _step(d: int, pool: str, block_v: int = 32) -> StepConfig:
     vec = 4 if pool == "float32" else 8
-    tpr = tpr or min(32, d // vec)
-    block_v = min(d, 128 // tpr * rows)
-    return StepConfig(d, d, pool, block_v, tpr, 128)
+    return StepConfig(d, d, pool, min(d, block_v), min(32, d // vec), 128)
 
 
 STEP: tuple[StepConfig, ...] = tuple(_step(d, p) for d in HEAD_DIMS
                                      for p in ("float32", "bfloat16"))
-# other tiles, built for the tile sweep (bench/serving.py --sweep): fewer and more rows per
-# thread, and 16 columns per lane
-STEP_VARIANTS: tuple[StepConfig, ...] = tuple(dict.fromkeys(
-    c for p in ("float32", "bfloat16")
-    for c in (_step(128, p, 2), _step(128, p, 4), _step(128, p, 16),
-              StepConfig(128, 128, p, 32, 8, 128)) if c not in STEP))
+# other tiles, built for the tile sweep (bench/serving.py --sweep): fewer and more rows per CTA
+STEP_VARIANTS: tuple[StepConfig, ...] = tuple(
+    _step(128, p, bv) for p in ("float32", "bfloat16") for bv in (16, 64, 128))
 
 
 def select_step(head_dim_k: int, head_dim_v: int, pool: str) -> StepConfig | None:

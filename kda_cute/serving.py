@@ -216,17 +216,12 @@ def _config(p: StepProblem, opts: StepOptions):
     return cfg
 
 
-def _run(p: StepProblem, opts: StepOptions, call: StepCall, dev, stream=None, bind=False):
-    """Launch the step (bind: return it bound instead, kda_cute.Bound, not launched)."""
+def _planned(p: StepProblem, opts: StepOptions, dev, what="q"):
+    """The step's plan, once its config and device are checked."""
     _config(p, opts)
     if dev.type != "cuda":
-        raise err("q" if call.q is not None else "state", "a CUDA tensor", f"one on {dev}")
-    errors.raise_pending(dev)
-    plan = step_plan(p, opts, device_info(dev))
-    if bind:
-        return launch.bind(plan, call, None, stream)
-    launch.run(plan, call, None, stream)
-    return None
+        raise err(what, "a CUDA tensor", f"one on {dev}")
+    return step_plan(p, opts, device_info(dev))
 
 
 def _cu(cu_seqlens, dev):
@@ -235,6 +230,44 @@ def _cu(cu_seqlens, dev):
         raise err("cu_seqlens", "a contiguous tensor of N+1 >= 1 offsets",
                   f"shape {tuple(cu_seqlens.shape)}")
     return cu_seqlens.numel() - 1
+
+
+# metadata the checks passed, by each argument's dtype, shape, strides and device and the
+# call's scalars and options: a serving loop's repeated call skips straight to its plan
+_memo: dict[tuple, tuple] = {}
+_MEMO_MAX = 256
+
+
+def _meta(t):
+    if isinstance(t, torch.Tensor):
+        return t.dtype, t.shape, t.stride(), t.device
+    return t if t is None or isinstance(t, (bool, int, float, str)) else (type(t), id(t))
+
+
+def _remember(key, value):
+    if len(_memo) >= _MEMO_MAX:
+        _memo.clear()
+    _memo[key] = value
+    return value
+
+
+def _aligned(*named) -> None:
+    """The tensors' bases are 16-byte aligned (read every call: addresses change)."""
+    for name, t in named:
+        if t is not None and t.data_ptr() % 16:
+            raise err(name, "a 16-byte aligned base address", t.data_ptr())
+
+
+def _launch(plan, call, dev, stream, bind):
+    errors.raise_pending(dev)
+    if bind:
+        return launch.bind(plan, call, None, stream)
+    launch.run(plan, call, None, stream)
+    return None
+
+
+def clear() -> None:
+    _memo.clear()
 
 
 # ---------------------------------------------------------------------------------- API
@@ -256,6 +289,31 @@ def decode(q, k, v, g, beta, state, state_indices=None, *, out=None, output_stat
     that launches this step again on the same tensors, checking nothing (every serving
     function takes stream and bind).
     """
+    key = ("decode", *map(_meta, (q, k, v, g, beta, state, state_indices, out,
+                                   output_state_indices, has_initial_state, A_log, dt_bias)),
+           scale, lower_bound, gate, qk_l2norm, beta_sigmoid, null_slot, config)
+    hit = _memo.get(key)
+    if hit is None:
+        hit = _remember(key, _decode_plan(q, k, v, g, beta, state, state_indices, out,
+                                          output_state_indices, has_initial_state, A_log,
+                                          dt_bias, scale, lower_bound, gate, qk_l2norm,
+                                          beta_sigmoid, null_slot, config))
+    plan, scale, lb = hit
+    if out is None:
+        out = torch.empty(v.shape, dtype=BF16, device=v.device)
+    _aligned(("q", q), ("k", k), ("v", v), ("g", g), ("out", out), ("state", state))
+    wi = output_state_indices if output_state_indices is not None else state_indices
+    hi = None if has_initial_state is None else has_initial_state.view(torch.int8)
+    call = StepCall(q, k, v, g, beta, out, A_log, dt_bias, state, state, None, state_indices,
+                    wi, None, None, hi, scale, lb)
+    bound = _launch(plan, call, q.device, stream, bind)
+    return bound if bind else out
+
+
+def _decode_plan(q, k, v, g, beta, state, state_indices, out, output_state_indices,
+                 has_initial_state, A_log, dt_bias, scale, lower_bound, gate, qk_l2norm,
+                 beta_sigmoid, null_slot, config):
+    """decode's checks: (plan, scale, lower bound)."""
     opts = _opts(gate, qk_l2norm, beta_sigmoid, config)
     tk = _Tokens(q, k, v, g, beta, out)
     dev, H, K, V, B = tk.dev, tk.H, tk.K, tk.V, tk.rows
@@ -275,9 +333,6 @@ def decode(q, k, v, g, beta, state, state_indices=None, *, out=None, output_stat
                       tuple(has_initial_state.shape))
     a, b = _gate_params(A_log, dt_bias, opts.gate, H, K, dev)
     scale, lb = _scalars(scale, lower_bound, opts.gate, K)
-    tk.addresses()
-    if state.data_ptr() % 16:
-        raise err("state", "a 16-byte aligned base address", state.data_ptr())
     pool = "float32" if state.dtype == torch.float32 else "bfloat16"
     if state_indices is None and state.shape[0] < B:
         raise err("state", f"at least B = {B} slots without state_indices", state.shape[0])
@@ -288,11 +343,7 @@ def decode(q, k, v, g, beta, state, state_indices=None, *, out=None, output_stat
         (null, null), a, b,
         (0, _words(state_indices), _words(wi), 0, 0,
          0 if has_initial_state is None else B))
-    hi = None if has_initial_state is None else has_initial_state.view(torch.int8)
-    call = StepCall(q, k, v, g, beta, tk.out, A_log, dt_bias, state, state, None, state_indices,
-                    wi, None, None, hi, scale, lb)
-    bound = _run(p, opts, call, dev, stream, bind)
-    return bound if bind else tk.out
+    return _planned(p, opts, dev), scale, lb
 
 
 def verify(q, k, v, g, beta, state, *, cu_seqlens=None, ssm_state_indices=None,
@@ -314,6 +365,35 @@ def verify(q, k, v, g, beta, state, *, cu_seqlens=None, ssm_state_indices=None,
         the accepted step into the pool. retrieve_parent_token [N, T]: token t starts from the
         state after token parent (-1: the row's start state), not from t - 1's.
     """
+    tensors = (q, k, v, g, beta, state, cu_seqlens, ssm_state_indices, num_accepted_tokens,
+               state_indices, intermediate_states, intermediate_state_indices,
+               retrieve_parent_token, out, A_log, dt_bias)
+    key = ("verify", *map(_meta, tensors), scale, lower_bound, gate, qk_l2norm, beta_sigmoid,
+           null_slot, config)
+    hit = _memo.get(key)
+    if hit is None:
+        hit = _remember(key, _verify_plan(*tensors, scale, lower_bound, gate, qk_l2norm,
+                                          beta_sigmoid, null_slot, config))
+    plan, scale, lb = hit
+    if out is None:
+        out = torch.empty(v.shape, dtype=BF16, device=v.device)
+    _aligned(("q", q), ("k", k), ("v", v), ("g", g), ("out", out), ("state", state),
+             ("intermediate_states", intermediate_states))
+    if ssm_state_indices is not None:
+        dst, ridx, widx = state, ssm_state_indices, ssm_state_indices
+    else:
+        dst, ridx, widx = intermediate_states, state_indices, intermediate_state_indices
+    call = StepCall(q, k, v, g, beta, out, A_log, dt_bias, state, dst, cu_seqlens, ridx,
+                    widx, num_accepted_tokens, retrieve_parent_token, None, scale, lb)
+    bound = _launch(plan, call, q.device, stream, bind)
+    return bound if bind else out
+
+
+def _verify_plan(q, k, v, g, beta, state, cu_seqlens, ssm_state_indices, num_accepted_tokens,
+                 state_indices, intermediate_states, intermediate_state_indices,
+                 retrieve_parent_token, out, A_log, dt_bias, scale, lower_bound, gate,
+                 qk_l2norm, beta_sigmoid, null_slot, config):
+    """verify's checks: (plan, scale, lower bound)."""
     opts = _opts(gate, qk_l2norm, beta_sigmoid, config)
     tk = _Tokens(q, k, v, g, beta, out)
     dev, H, K, V = tk.dev, tk.H, tk.K, tk.V
@@ -397,19 +477,13 @@ def verify(q, k, v, g, beta, state, *, cu_seqlens=None, ssm_state_indices=None,
         nulls = (null, 0)
     a, b = _gate_params(A_log, dt_bias, opts.gate, H, K, dev)
     scale, lb = _scalars(scale, lower_bound, opts.gate, K)
-    tk.addresses()
-    for name, t in (("state", state), ("intermediate_states", intermediate_states)):
-        if t is not None and t.data_ptr() % 16:
-            raise err(name, "a 16-byte aligned base address", t.data_ptr())
     p = StepProblem(
         form, N, tk.rows, H, K, V, pool, state.shape[0], ss, drows, ds, tk.strides, fixed,
         _wide(cu_seqlens) == 1, max_tokens, read, acc, False, write, par, nulls, a, b,
         (_words(cu_seqlens), _words(ridx), _words(widx), _words(num_accepted_tokens), npa,
          hi_words))
-    call = StepCall(q, k, v, g, beta, tk.out, A_log, dt_bias, state, dst, cu_seqlens, ridx,
-                    widx, num_accepted_tokens, retrieve_parent_token, None, scale, lb)
-    bound = _run(p, opts, call, dev, stream, bind)
-    return bound if bind else tk.out
+    del dst, ridx, widx  # the call's, chosen again each call
+    return _planned(p, opts, dev), scale, lb
 
 
 def commit(state, intermediate_states, state_indices, accepted_step,
@@ -460,8 +534,8 @@ def commit(state, intermediate_states, state_indices, accepted_step,
     call = StepCall(None, None, None, None, None, None, None, None, intermediate_states, state,
                     None, intermediate_state_indices, state_indices, accepted_step, None, None,
                     1.0, None)
-    opts = StepOptions(gate="none")
-    bound = _run(p, opts, call, dev, stream, bind)
+    plan = _planned(p, StepOptions(gate="none"), dev, "state")
+    bound = _launch(plan, call, dev, stream, bind)
     return bound if bind else state
 
 
@@ -591,7 +665,7 @@ def recurrent(q, k, v, g, beta, initial_state=None, final_state=None, *, cu_seql
         (_words(cu_seqlens), 0, 0, 0, 0, 0))
     call = StepCall(q, k, v, g, beta, tk.out, A_log, dt_bias, initial_state, final_state,
                     cu_seqlens, None, None, None, None, None, scale, lb)
-    bound = _run(p, opts, call, dev, stream, bind)
+    bound = _launch(_planned(p, opts, dev), call, dev, stream, bind)
     return bound if bind else tk.out
 
 

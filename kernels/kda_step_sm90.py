@@ -3,29 +3,39 @@
 One CTA per (block of BV state rows, head, batch row n), TPR lanes per state row. Thread t owns
 the rows v = vb BV + grp + G r (grp = t // TPR, G = threads / TPR row groups, r < R) and, of
 each, the columns d = (sub + TPR j) VEC + e (sub = t % TPR, j < NJ, e < VEC): one 16-byte pool
-access per (row, j), so a warp's accesses cover whole 128-byte lines. The state stays in fp32
-registers across the row's tokens; per token, with the row dot products (and q's and k's norms)
-reduced over the TPR lanes of a row by butterfly shuffles:
+access per (row, j), so a warp's accesses cover whole 128-byte lines. Per token, with the row
+dot products (and q's and k's norms) reduced over the TPR lanes of a row by butterfly shuffles:
 
     a = gate(g);  S = S * exp(a);  u = beta (v - S kn);  S = S + u kn^T;  o = S (scale qn)
 
+The kernel is a stream of state bytes, so what sets its speed is how many are in flight: the
+start state goes to shared memory by cp.async (16 bytes a copy, every one of a thread's issued
+at once, none holding a register), and each thread reads back only what it copied itself, so a
+cp.async.wait_group is all the synchronisation there is (no CTA barrier anywhere). A row's
+state comes into registers for its token's update and goes out to the pool at once; between
+tokens (verify) it is kept in shared memory in fp32 (a bf16 pool's staging area stays as it
+was loaded). Shared memory layout: [R][NJ][threads][VEC], so each 16-byte access of a warp is
+contiguous and conflict-free.
+
 Which slot a row reads, where the state after a token goes and where a row's tokens are are all
 run-time arguments (kda_cute.specs.step.args), so one kernel serves decode, verify with a slot
-per token (vLLM, fla), verify into a scratch with tree parents (SGLang, FlashInfer) and the
-dense recurrent forward. A bad index, length or count is never followed: the row becomes a
+per token (vLLM, fla), verify into a scratch with tree parents (SGLang, FlashInfer), commit and
+the dense recurrent forward. A bad index, length or count is never followed: the row becomes a
 padding row (zero outputs, nothing read or written) and the argument's error word is set.
-The pool is read with plain (coherent) loads: a row may read back the scratch rows it wrote.
 Constraints: kda_cute.specs.step.supports.
 """
 
 import cutlass
 import cutlass.cute as cute
+import cutlass.utils as utils
+from cutlass.cute.nvgpu import cpasync
 
 from kda_cute.specs.step import ERRORS, WRITE_ALL, WRITE_LAST, WRITE_START, StepConfig
 
 E_CU, E_LEN, E_ACC, E_READ, E_WRITE, E_PARENT = range(6)  # the words of specs.step.ERRORS
 assert ERRORS[E_PARENT] == "retrieve_parent_token"
 GATE_BOUNDED, GATE_UNBOUNDED = 1, 2
+SRC_ZERO, SRC_STAGE, SRC_F32 = 0, 1, 2  # where a row's state comes from at a token
 
 
 class KdaStepSm90:
@@ -73,6 +83,21 @@ class KdaStepSm90:
         scale: cutlass.Float32, lower_bound: cutlass.Float32,
         stream,
     ):
+        n_el = self.BV * self.K
+        pdt = self.pdt
+
+        if cutlass.const_expr(self.pdt is cutlass.Float32):
+            @cute.struct
+            class SharedStorage:
+                stage: cute.struct.Align[cute.struct.MemRange[pdt, n_el], 128]
+        else:
+            @cute.struct
+            class SharedStorage:
+                stage: cute.struct.Align[cute.struct.MemRange[pdt, n_el], 128]
+                keep: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, n_el], 128]
+
+        self.shared_storage = SharedStorage
+        self.smem_bytes = SharedStorage.size_in_bytes()
         self.kernel(
             mQ, mK, mG, mV, mBeta, mOut, mALog, mDtBias, mPool, mDst, mCu, mRIdx, mWIdx, mAcc,
             mParent, mHasInit, mErr, fixed_len, cu_wide, max_tokens, read_mode, r_sn, r_st,
@@ -81,7 +106,7 @@ class KdaStepSm90:
             w_add, parent_on, p_sn, p_st, p_wide, gate, has_a, has_bias, qk_l2norm,
             beta_sigmoid, scale, lower_bound,
         ).launch(grid=(self.V // self.BV, num_heads, num_rows), block=(self.threads, 1, 1),
-                 stream=stream)
+                 smem=self.smem_bytes, stream=stream)
 
     # ---------------------------------------------------------------- device
     @cute.jit
@@ -102,34 +127,77 @@ class KdaStepSm90:
         if lead != 0:
             mErr[code] = cutlass.Int32(1)
 
-    @cute.jit
-    def _load_rows(self, st, src: cute.Tensor, row, h, vb, grp, sub):
-        """This thread's columns of its R rows of src[row, h] into st (fp32)."""
-        VEC, NC = self.VEC, self.NC
-        for r in cutlass.range_constexpr(self.R):
-            v = vb * self.BV + grp + self.G * r
-            vecs = cute.logical_divide(src[row, h, v, None], cute.make_layout(VEC))
-            for j in cutlass.range_constexpr(self.NJ):
-                x = vecs[None, sub + self.TPR * j].load().to(cutlass.Float32)
-                for e in cutlass.range_constexpr(VEC):
-                    st[r * NC + j * VEC + e] = x[e]
+    def _mine(self, area, tidx):
+        """This thread's elements of a shared area, as [e, j, r] (its VEC-vectors)."""
+        VEC, NT = self.VEC, self.threads
+        whole = cute.make_tensor(area.iterator, cute.make_layout(
+            (VEC, NT, self.NJ, self.R), stride=(1, VEC, NT * VEC, self.NJ * NT * VEC)))
+        return whole[None, tidx, None, None]
+
+    def _row_vecs(self, m: cute.Tensor, row, h, v):
+        return cute.logical_divide(m[row, h, v, None], cute.make_layout(self.VEC))
 
     @cute.jit
-    def _store_rows(self, st, dst: cute.Tensor, row, h, vb, grp, sub):
-        VEC, NC = self.VEC, self.NC
+    def _stage(self, mine, src: cute.Tensor, row, h, vb, grp, sub):
+        """cp.async this thread's columns of its R rows of src[row, h] into its staging area
+        (one commit group)."""
+        atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
+                                   self.pdt, num_bits_per_copy=128)
+        for r in cutlass.range_constexpr(self.R):
+            vecs = self._row_vecs(src, row, h, vb * self.BV + grp + self.G * r)
+            for j in cutlass.range_constexpr(self.NJ):
+                cute.copy(atom, vecs[None, sub + self.TPR * j], mine[None, j, r])
+        cute.arch.cp_async_commit_group()
+
+    @cute.jit
+    def _fetch(self, x, src, stage, keep, r):
+        """Row r's state into registers x: from the staging area, the fp32 keep area, or
+        zeros."""
+        VEC = self.VEC
+        for j in cutlass.range_constexpr(self.NJ):
+            if src == SRC_STAGE:
+                y = stage[None, j, r].load().to(cutlass.Float32)
+                for e in cutlass.range_constexpr(VEC):
+                    x[j * VEC + e] = y[e]
+            elif src == SRC_F32:
+                y = keep[None, j, r].load()
+                for e in cutlass.range_constexpr(VEC):
+                    x[j * VEC + e] = y[e]
+            else:
+                for e in cutlass.range_constexpr(VEC):
+                    x[j * VEC + e] = cutlass.Float32(0.0)
+
+    @cute.jit
+    def _put(self, x, vecs_dst, sub, dtype):
+        """Registers x to a row of VEC-vectors (global or shared), converted to dtype."""
+        VEC = self.VEC
         frag = cute.make_rmem_tensor((VEC,), cutlass.Float32)
-        for r in cutlass.range_constexpr(self.R):
-            v = vb * self.BV + grp + self.G * r
-            vecs = cute.logical_divide(dst[row, h, v, None], cute.make_layout(VEC))
-            for j in cutlass.range_constexpr(self.NJ):
-                for e in cutlass.range_constexpr(VEC):
-                    frag[e] = st[r * NC + j * VEC + e]
-                vecs[None, sub + self.TPR * j].store(frag.load().to(self.pdt))
+        for j in cutlass.range_constexpr(self.NJ):
+            for e in cutlass.range_constexpr(VEC):
+                frag[e] = x[j * VEC + e]
+            vecs_dst[None, sub + self.TPR * j].store(frag.load().to(dtype))
 
     @cute.jit
-    def _zero(self, st):
-        for i in cutlass.range_constexpr(self.R * self.NC):
-            st[i] = cutlass.Float32(0.0)
+    def _keep(self, x, keep, r):
+        VEC = self.VEC
+        frag = cute.make_rmem_tensor((VEC,), cutlass.Float32)
+        for j in cutlass.range_constexpr(self.NJ):
+            for e in cutlass.range_constexpr(VEC):
+                frag[e] = x[j * VEC + e]
+            keep[None, j, r].store(frag.load())
+
+    @cute.jit
+    def _reload(self, keep, src: cute.Tensor, row, h, vb, grp, sub):
+        """A tree parent's state: rows of src[row, h] (written by this thread before) into the
+        keep area, through registers."""
+        x = cute.make_rmem_tensor((self.NC,), cutlass.Float32)
+        for r in cutlass.range_constexpr(self.R):
+            vecs = self._row_vecs(src, row, h, vb * self.BV + grp + self.G * r)
+            for j in cutlass.range_constexpr(self.NJ):
+                y = vecs[None, sub + self.TPR * j].load().to(cutlass.Float32)
+                for e in cutlass.range_constexpr(self.VEC):
+                    x[j * self.VEC + e] = y[e]
+            self._keep(x, keep, r)
 
     @cute.jit
     def _head_cols(self, x, m: cute.Tensor, tok, h, sub):
@@ -228,10 +296,17 @@ class KdaStepSm90:
             if mHasInit[n] == 0:
                 start = i32(0)
 
-        st = cute.make_rmem_tensor((R * NC,), f32)
-        self._zero(st)
+        smem = utils.SmemAllocator()
+        shared = smem.allocate(self.shared_storage)
+        n_el = self.BV * K
+        stage = self._mine(shared.stage.get_tensor(cute.make_layout(n_el)), tidx)
+        keep = stage  # an fp32 pool keeps its state where it was staged
+        if cutlass.const_expr(self.pdt is not cutlass.Float32):
+            keep = self._mine(shared.keep.get_tensor(cute.make_layout(n_el)), tidx)
+        src = i32(SRC_ZERO)
         if pad == 0 and start != 0:
-            self._load_rows(st, mPool, slot, h, vb, grp, sub)
+            self._stage(stage, mPool, slot, h, vb, grp, sub)
+            src = i32(SRC_STAGE)
 
         # ---- the gate's per-column constants ------------------------------------------------
         a_exp = f32(1.0)
@@ -248,6 +323,7 @@ class KdaStepSm90:
         qv = cute.make_rmem_tensor((NC,), f32)
         kv = cute.make_rmem_tensor((NC,), f32)
         dv = cute.make_rmem_tensor((NC,), f32)
+        x = cute.make_rmem_tensor((NC,), f32)
         for t in cutlass.range(length):
             tok = bos + t
             if pad != 0:
@@ -273,11 +349,13 @@ class KdaStepSm90:
                             self._flag(mErr, E_PARENT, lead)
                             prow = i32(-1)
                         if prow >= 0:
-                            self._load_rows(st, mDst, prow, h, vb, grp, sub)
+                            self._reload(keep, mDst, prow, h, vb, grp, sub)
+                            src = i32(SRC_F32)
+                        elif start != 0:
+                            self._stage(stage, mPool, slot, h, vb, grp, sub)
+                            src = i32(SRC_STAGE)
                         else:
-                            self._zero(st)
-                            if start != 0:
-                                self._load_rows(st, mPool, slot, h, vb, grp, sub)
+                            src = i32(SRC_ZERO)
                 self._head_cols(qv, mQ, tok, h, sub)
                 self._head_cols(kv, mK, tok, h, sub)
                 self._head_cols(dv, mG, tok, h, sub)
@@ -300,14 +378,14 @@ class KdaStepSm90:
                 # the decay exp(a) per column
                 if gate == GATE_BOUNDED:
                     for c in cutlass.range_constexpr(NC):
-                        x = a_exp * (dv[c] + bias[c])
-                        sg = cute.arch.rcp_approx(1.0 + cute.math.exp(-x, fastmath=True))
+                        y = a_exp * (dv[c] + bias[c])
+                        sg = cute.arch.rcp_approx(1.0 + cute.math.exp(-y, fastmath=True))
                         dv[c] = cute.math.exp(lower_bound * sg, fastmath=True)
                 elif gate == GATE_UNBOUNDED:
                     for c in cutlass.range_constexpr(NC):
-                        x = dv[c] + bias[c]
-                        sp = cute.arch.fmax(x, 0.0) + cute.math.log1p(
-                            cute.math.exp(-cute.arch.fmax(x, -x)))
+                        y = dv[c] + bias[c]
+                        sp = cute.arch.fmax(y, 0.0) + cute.math.log1p(
+                            cute.math.exp(-cute.arch.fmax(y, -y)))
                         dv[c] = cute.math.exp(-a_exp * sp, fastmath=True)
                 else:
                     for c in cutlass.range_constexpr(NC):
@@ -315,24 +393,8 @@ class KdaStepSm90:
                 beta = mBeta[tok, h].to(f32)
                 if beta_sigmoid != 0:
                     beta = cute.arch.rcp_approx(1.0 + cute.math.exp(-beta, fastmath=True))
-                for r in cutlass.range_constexpr(R):
-                    v_idx = vb * self.BV + grp + self.G * r
-                    p = f32(0.0)
-                    for c in cutlass.range_constexpr(NC):
-                        s = st[r * NC + c] * dv[c]
-                        st[r * NC + c] = s
-                        p = p + s * kv[c]
-                    p = self._lanes_sum(p)
-                    u = beta * (mV[tok, h * V + v_idx].to(f32) - p)
-                    o = f32(0.0)
-                    for c in cutlass.range_constexpr(NC):
-                        s = st[r * NC + c] + u * kv[c]
-                        st[r * NC + c] = s
-                        o = o + s * qv[c]
-                    o = self._lanes_sum(o)
-                    if sub == 0:
-                        mOut[tok, h * V + v_idx] = o.to(cutlass.BFloat16)
-                # the state after this token
+                # where the state after this token goes (-1: nowhere)
+                wrow = i32(-1)
                 if write_mode == WRITE_ALL or (write_mode == WRITE_LAST and t == length - 1):
                     w, okw = self._word(mWIdx, n * w_sn + t * w_st, w_wide)
                     # w < dst_rows first: w * w_mul cannot wrap around then
@@ -340,7 +402,32 @@ class KdaStepSm90:
                     if okw == 0 or (w >= w_null and (w >= dst_rows or row >= dst_rows)):
                         self._flag(mErr, E_WRITE, lead)
                     elif w >= w_null:
-                        self._store_rows(st, mDst, row, h, vb, grp, sub)
+                        wrow = row
+                more = t + 1 < length
+                cute.arch.cp_async_wait_group(0)  # this thread's staged rows have landed
+                for r in cutlass.range_constexpr(R):
+                    v_idx = vb * self.BV + grp + self.G * r
+                    self._fetch(x, src, stage, keep, r)
+                    p = f32(0.0)
+                    for c in cutlass.range_constexpr(NC):
+                        s = x[c] * dv[c]
+                        x[c] = s
+                        p = p + s * kv[c]
+                    p = self._lanes_sum(p)
+                    u = beta * (mV[tok, h * V + v_idx].to(f32) - p)
+                    o = f32(0.0)
+                    for c in cutlass.range_constexpr(NC):
+                        s = x[c] + u * kv[c]
+                        x[c] = s
+                        o = o + s * qv[c]
+                    o = self._lanes_sum(o)
+                    if sub == 0:
+                        mOut[tok, h * V + v_idx] = o.to(cutlass.BFloat16)
+                    if wrow >= 0:
+                        self._put(x, self._row_vecs(mDst, wrow, h, v_idx), sub, self.pdt)
+                    if more:
+                        self._keep(x, keep, r)
+                src = i32(SRC_F32)
 
         # a commit: the start state itself to the row's write slot
         if write_mode == WRITE_START and pad == 0:
@@ -348,4 +435,9 @@ class KdaStepSm90:
             if okw == 0 or w >= dst_rows:
                 self._flag(mErr, E_WRITE, lead)
             elif w >= w_null:
-                self._store_rows(st, mDst, w * w_mul, h, vb, grp, sub)
+                cute.arch.cp_async_wait_group(0)
+                for r in cutlass.range_constexpr(R):
+                    self._fetch(x, src, stage, keep, r)
+                    self._put(x, self._row_vecs(mDst, w * w_mul, h, vb * self.BV + grp
+                                                + self.G * r), sub, self.pdt)
+        cute.arch.cp_async_wait_group(0)  # nothing in flight when the CTA exits
