@@ -172,7 +172,11 @@ STEP: tuple[StepConfig, ...] = tuple(_step(d, p) for d in HEAD_DIMS
                                      for p in ("float32", "bfloat16"))
 # other tiles, built for the tile sweep (bench/serving.py --sweep): fewer and more rows per CTA
 STEP_VARIANTS: tuple[StepConfig, ...] = tuple(
-    _step(128, p, bv) for p in ("float32", "bfloat16") for bv in (16, 64, 128))
+    [_step(128, p, bv) for p in ("float32", "bfloat16") for bv in (16, 64)]
+    + [dataclasses.replace(_step(128, p, bv), unroll=2) for p in ("float32", "bfloat16")
+       for bv in (32, 64)]
+    + [StepConfig(128, 128, "bfloat16", bv, 32, 128, access=8, unroll=u)
+       for bv in (32, 64) for u in (0, 2)])
 
 
 def select_step(head_dim_k: int, head_dim_v: int, pool: str) -> StepConfig | None:

@@ -2,8 +2,8 @@
 
 One CTA per (block of BV state rows, head, batch row n), TPR lanes per state row. Thread t owns
 the rows v = vb BV + grp + G r (grp = t // TPR, G = threads / TPR row groups, r < R) and, of
-each, the columns d = (sub + TPR j) VEC + e (sub = t % TPR, j < NJ, e < VEC): one 16-byte pool
-access per (row, j), so a warp's accesses cover whole 128-byte lines. Per token, with the row
+each, the columns d = (sub + TPR j) VEC + e (sub = t % TPR, j < NJ, e < VEC): one 16-byte (or 8-byte:
+cfg.access) pool access per (row, j), so a warp's accesses cover whole 128-byte lines. Per token, with the row
 dot products (and q's and k's norms) reduced over the TPR lanes of a row by butterfly shuffles:
 
     a = gate(g);  S = S * exp(a);  u = beta (v - S kn);  S = S + u kn^T;  o = S (scale qn)
@@ -14,7 +14,8 @@ at once, none holding a register), and each thread reads back only what it copie
 cp.async.wait_group is all the synchronisation there is (no CTA barrier anywhere). A row's
 state comes into registers for its token's update and goes out to the pool at once; between
 tokens (verify) it is kept in shared memory in fp32 (a bf16 pool's staging area stays as it
-was loaded). Shared memory layout: [R][NJ][threads][VEC], so each 16-byte access of a warp is
+was loaded; its fp32 keep area follows the staging one, and a single-token plan reserves only
+the staging area: the keep area is touched only between tokens). Shared memory layout: [R][NJ][threads][VEC], so each 16-byte access of a warp is
 contiguous and conflict-free.
 
 Which slot a row reads, where the state after a token goes and where a row's tokens are are all
@@ -49,6 +50,7 @@ class KdaStepSm90:
         self.BV, self.threads = cfg.block_v, cfg.threads
         self.G = cfg.threads // cfg.tpr
         self.R = cfg.block_v // self.G
+        self.U = cfg.unroll  # the row loops' unroll (0: whole; fewer registers otherwise)
         self.smem_bytes = 0
         self.tma_meta = []
 
@@ -141,9 +143,11 @@ class KdaStepSm90:
     def _stage(self, mine, src: cute.Tensor, row, h, vb, grp, sub):
         """cp.async this thread's columns of its R rows of src[row, h] into its staging area
         (one commit group)."""
-        atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
-                                   self.pdt, num_bits_per_copy=128)
-        for r in cutlass.range_constexpr(self.R):
+        mode = cpasync.LoadCacheMode.GLOBAL if self.cfg.access == 16 else \
+            cpasync.LoadCacheMode.ALWAYS  # cp.async.cg copies 16 bytes only
+        atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=mode), self.pdt,
+                                   num_bits_per_copy=8 * self.cfg.access)
+        for r in cutlass.range(self.R, unroll=self.U, unroll_full=self.U == 0):
             vecs = self._row_vecs(src, row, h, vb * self.BV + grp + self.G * r)
             for j in cutlass.range_constexpr(self.NJ):
                 cute.copy(atom, vecs[None, sub + self.TPR * j], mine[None, j, r])
@@ -191,7 +195,7 @@ class KdaStepSm90:
         """A tree parent's state: rows of src[row, h] (written by this thread before) into the
         keep area, through registers."""
         x = cute.make_rmem_tensor((self.NC,), cutlass.Float32)
-        for r in cutlass.range_constexpr(self.R):
+        for r in cutlass.range(self.R, unroll=self.U, unroll_full=self.U == 0):
             vecs = self._row_vecs(src, row, h, vb * self.BV + grp + self.G * r)
             for j in cutlass.range_constexpr(self.NJ):
                 y = vecs[None, sub + self.TPR * j].load().to(cutlass.Float32)
@@ -405,7 +409,7 @@ class KdaStepSm90:
                         wrow = row
                 more = t + 1 < length
                 cute.arch.cp_async_wait_group(0)  # this thread's staged rows have landed
-                for r in cutlass.range_constexpr(R):
+                for r in cutlass.range(self.R, unroll=self.U, unroll_full=self.U == 0):
                     v_idx = vb * self.BV + grp + self.G * r
                     self._fetch(x, src, stage, keep, r)
                     p = f32(0.0)
@@ -436,7 +440,7 @@ class KdaStepSm90:
                 self._flag(mErr, E_WRITE, lead)
             elif w >= w_null:
                 cute.arch.cp_async_wait_group(0)
-                for r in cutlass.range_constexpr(R):
+                for r in cutlass.range(self.R, unroll=self.U, unroll_full=self.U == 0):
                     self._fetch(x, src, stage, keep, r)
                     self._put(x, self._row_vecs(mDst, w * w_mul, h, vb * self.BV + grp
                                                 + self.G * r), sub, self.pdt)

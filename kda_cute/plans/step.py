@@ -5,6 +5,7 @@ argument means). The grid depends on shapes only: N rows x H heads x V / block_v
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 
 import torch
 
@@ -79,7 +80,14 @@ def _step_plan(p: StepProblem, opts: StepOptions, dev: DeviceInfo) -> Plan:
         "scale": CallScalar("scale"), "lower_bound": CallScalar("lower_bound"),
     }
     grid = (V // cfg.block_v, H, p.N)
-    steps = (_launch("step", cfg, grid, values, syms, dev),) if p.N > 0 and H > 0 else ()
+    steps = ()
+    if p.N > 0 and H > 0:
+        step = _launch("step", cfg, grid, values, syms, dev)
+        if p.max_tokens <= 1 and not p.parent[0]:
+            # a row has at most one token (the kernel refuses more), so a bf16 pool's fp32
+            # keep area, used only between tokens, is never touched: more CTAs fit on an SM
+            step = replace(step, smem=min(step.smem, cfg.stage_bytes))
+        steps = (step,)
     return Plan(p, opts, cfg, dev, p.form, 0, steps)
 
 

@@ -43,11 +43,19 @@ class StepConfig:
     block_v: int = 32
     tpr: int = 8
     threads: int = 128
+    access: int = 16  # bytes per pool access (16, or 8)
+    unroll: int = 0  # the row loop's unroll (0: whole)
 
     @property
     def vec(self) -> int:
-        """Pool elements per 16-byte access."""
-        return 4 if self.pool == "float32" else 8
+        """Pool elements per access."""
+        return self.access // (4 if self.pool == "float32" else 2)
+
+    @property
+    def stage_bytes(self) -> int:
+        """Shared memory of the staged start state (a bf16 pool's fp32 keep area, for the
+        states between a row's tokens, follows it)."""
+        return self.block_v * self.head_dim_k * (4 if self.pool == "float32" else 2)
 
     @property
     def rows_per_thread(self) -> int:
@@ -56,8 +64,10 @@ class StepConfig:
     @property
     def name(self) -> str:
         p = "f32" if self.pool == "float32" else "bf16"
+        a = "" if self.access == 16 else f"_a{self.access}"
+        u = "" if not self.unroll else f"_u{self.unroll}"
         return (f"kda_step_k{self.head_dim_k}_v{self.head_dim_v}_{p}_bv{self.block_v}"
-                f"_r{self.tpr}_t{self.threads}")
+                f"_r{self.tpr}_t{self.threads}{a}{u}")
 
     @property
     def block_threads(self) -> int:
@@ -75,6 +85,10 @@ def supports(cfg: StepConfig) -> tuple[bool, str]:
         return False, f"head_dim_k must be a multiple of 32 in [32, 256], got {K}"
     if V % 8 or not 8 <= V <= 256:
         return False, f"head_dim_v must be a multiple of 8 in [8, 256], got {V}"
+    if cfg.access not in (8, 16):
+        return False, f"access must be 8 or 16 bytes, got {cfg.access}"
+    if cfg.unroll < 0:
+        return False, f"unroll must be >= 0, got {cfg.unroll}"
     if cfg.tpr not in (1, 2, 4, 8, 16, 32):
         return False, f"tpr must be a power of two <= 32, got {cfg.tpr}"
     if K % (cfg.tpr * cfg.vec):
