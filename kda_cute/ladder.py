@@ -163,20 +163,23 @@ def combine_config(head_dim: int) -> CombineConfig | None:
 # row as 16-byte pool accesses make a row (at most a warp) and 32 rows per CTA: 4 to 32 KB of
 # state staged per CTA, so many CTAs (and their bytes) are in flight on each SM. Other tiles
 # are reachable through StepOptions.config.
-def _step(d: int, pool: str, block_v: int = 32) -> StepConfig:
+def _step(d: int, pool: str, block_v: int = 32, unroll: int = 0) -> StepConfig:
     vec = 4 if pool == "float32" else 8
-    return StepConfig(d, d, pool, min(d, block_v), min(32, d // vec), 128)
+    return StepConfig(d, d, pool, min(d, block_v), min(32, d // vec), 128, unroll=unroll)
 
 
-STEP: tuple[StepConfig, ...] = tuple(_step(d, p) for d in HEAD_DIMS
-                                     for p in ("float32", "bfloat16"))
+# bf16 pools at K <= 128: 64 rows per CTA, the row loop unrolled by two (the K = 128 tile
+# sweep's fastest at N >= 64, 73% of the copy ceiling at N 1024 H 32 against 54% for 32 rows
+# unrolled whole: bench/results/serving-sweep-h200-2026-12-01-54ff339.json)
+STEP: tuple[StepConfig, ...] = tuple(
+    _step(d, p, 64, 2) if p == "bfloat16" and d <= 128 else _step(d, p)
+    for d in HEAD_DIMS for p in ("float32", "bfloat16"))
 # other tiles, built for the tile sweep (bench/serving.py --sweep): fewer and more rows per CTA
-STEP_VARIANTS: tuple[StepConfig, ...] = tuple(
-    [_step(128, p, bv) for p in ("float32", "bfloat16") for bv in (16, 64)]
-    + [dataclasses.replace(_step(128, p, bv), unroll=2) for p in ("float32", "bfloat16")
-       for bv in (32, 64)]
+STEP_VARIANTS: tuple[StepConfig, ...] = tuple(c for c in dict.fromkeys(
+    [_step(128, p, bv) for p in ("float32", "bfloat16") for bv in (16, 32, 64)]
+    + [_step(128, p, bv, 2) for p in ("float32", "bfloat16") for bv in (32, 64)]
     + [StepConfig(128, 128, "bfloat16", bv, 32, 128, access=8, unroll=u)
-       for bv in (32, 64) for u in (0, 2)])
+       for bv in (32, 64) for u in (0, 2)]) if c not in STEP)
 
 
 def select_step(head_dim_k: int, head_dim_v: int, pool: str) -> StepConfig | None:

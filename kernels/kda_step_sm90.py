@@ -2,8 +2,9 @@
 
 One CTA per (block of BV state rows, head, batch row n), TPR lanes per state row. Thread t owns
 the rows v = vb BV + grp + G r (grp = t // TPR, G = threads / TPR row groups, r < R) and, of
-each, the columns d = (sub + TPR j) VEC + e (sub = t % TPR, j < NJ, e < VEC): one 16-byte (or 8-byte:
-cfg.access) pool access per (row, j), so a warp's accesses cover whole 128-byte lines. Per token, with the row
+each, the columns d = (sub + TPR j) VEC + e (sub = t % TPR, j < NJ, e < VEC): one 16-byte
+(cfg.access: or 8-byte) pool access per (row, j), so a warp's accesses cover whole 128-byte
+lines. Per token, with the row
 dot products (and q's and k's norms) reduced over the TPR lanes of a row by butterfly shuffles:
 
     a = gate(g);  S = S * exp(a);  u = beta (v - S kn);  S = S + u kn^T;  o = S (scale qn)
