@@ -1,0 +1,215 @@
+"""The serving calls on a CPU: their argument checks (each bad input named), the StepProblem and
+plan each call makes (grids from shapes only, the sources of absent tables, the single-token
+shared-memory trim), and fla's call's refusals. The kernels run in tests/test_gpu_serving.py."""
+
+import pytest
+import torch
+
+import kda_cute
+from kda_cute import serving
+from kda_cute.ladder import STEP, select_step
+from kda_cute.plans.step import step_plan
+from kda_cute.plans.steps import At, Errors, Role
+from kda_cute.specs.step import WRITE_ALL, WRITE_LAST, WRITE_START, supports
+
+BF = torch.bfloat16
+H, K = 4, 128
+
+
+@pytest.fixture
+def planned(monkeypatch):
+    """The calls' plans, made on a CPU (the device check skipped): the last one is kept."""
+    got = {}
+
+    def fake(p, opts, dev, what="q"):
+        serving._config(p, opts)
+        got["plan"] = step_plan(p, opts)
+        return got["plan"]
+
+    monkeypatch.setattr(serving, "_planned", fake)
+    monkeypatch.setattr(serving, "_launch", lambda *a: None)
+    serving.clear()
+    yield got
+    serving.clear()
+
+
+def tok(*lead, d=K):
+    return torch.randn(*lead, H, d).to(BF)
+
+
+def decode_args(B=8, slots=32, dtype=torch.float32):
+    return (tok(B, 1), tok(B, 1), tok(B, 1), tok(B, 1), torch.randn(B, 1, H).to(BF),
+            torch.zeros(slots, H, K, K, dtype=dtype), torch.arange(B, dtype=torch.int32))
+
+
+def test_shipped_step_configs_supported():
+    for c in STEP:
+        assert supports(c) == (True, ""), c.name
+    for d in (64, 128, 256):
+        for p in ("float32", "bfloat16"):
+            assert select_step(d, d, p) is not None
+    assert select_step(96, 96, "float32") is None
+
+
+def test_decode_plan(planned):
+    kda_cute.decode(*decode_args(), lower_bound=-5.0)
+    pl = planned["plan"]
+    (st,) = pl.launches()
+    cfg = st.kernel
+    assert st.grid == (K // cfg.block_v, H, 8)
+    assert st.source("accepted") == Errors() and st.source("parent") == Errors()
+    assert st.source("read_index") == Role("read_index")
+    assert st.source("write_index") == Role("write_index")
+    assert st.source("write_mode").value == WRITE_LAST
+    assert st.smem <= cfg.stage_bytes  # one token per row: the staging area only
+    assert "decode" in pl.describe()
+
+
+def test_decode_grid_from_shapes_only(planned):
+    """Indices, lengths and counts do not enter the plan: the same shapes give the same plan."""
+    a = decode_args()
+    kda_cute.decode(*a, lower_bound=-5.0)
+    first = planned["plan"]
+    b = list(decode_args())
+    b[6] = torch.tensor([5, -1, 3, 0, 31, 7, 2, 9], dtype=torch.int32)
+    kda_cute.decode(*b, lower_bound=-5.0)
+    assert planned["plan"] is first
+
+
+def test_decode_without_indices_reads_the_ramp(planned):
+    a = decode_args()
+    kda_cute.decode(*a[:6], lower_bound=-5.0)
+    st = planned["plan"].launches()[0]
+    assert isinstance(st.source("read_index"), At) and st.source("read_index").buffer.kind == "ramp"
+    assert st.source("r_sn").value == 1
+
+
+def test_verify_styles(planned):
+    N, S1 = 4, 3
+    q = tok(N, S1)
+    beta = torch.randn(N, S1, H).to(BF)
+    pool = torch.zeros(32, H, K, K)
+    idx = torch.zeros(N, S1, dtype=torch.int64)
+    kda_cute.verify(q, q, q, q, beta, pool, ssm_state_indices=idx,
+                    num_accepted_tokens=torch.ones(N, dtype=torch.int32), lower_bound=-5.0)
+    p = planned["plan"].problem
+    assert p.form == "verify" and p.write[0] == WRITE_ALL and p.read[3] == 1  # int64: wide
+    assert p.accepted[0] == 1 and p.max_tokens == S1
+    assert planned["plan"].launches()[0].smem == STEP[2].block_v * K * 4  # fp32 pool stages
+    inter = torch.zeros(N, S1, H, K, K)
+    kda_cute.verify(q, q, q, q, beta, pool, state_indices=idx[:, 0].contiguous(),
+                    intermediate_states=inter,
+                    retrieve_parent_token=torch.zeros(N, S1, dtype=torch.int32), gate="none")
+    p = planned["plan"].problem
+    assert p.form == "verify scratch" and p.write[4:] == (S1, 1) and p.parent[0] == 1
+    assert p.null_min == (0, 0) and p.dst_rows == N * S1
+
+
+def test_commit_problem(planned):
+    N, S = 4, 3
+    pool = torch.zeros(32, H, K, K, dtype=BF)
+    inter = torch.zeros(N, S, H, K, K, dtype=BF)
+    kda_cute.commit(pool, inter, torch.arange(N, dtype=torch.int32),
+                    torch.zeros(N, dtype=torch.int32), null_slot=0)
+    p = planned["plan"].problem
+    assert p.form == "commit" and p.T == 0 and p.write[0] == WRITE_START
+    assert p.read[4:] == (S, 1) and p.accepted[2:4] == (0, 1)  # step, negative skips
+    assert p.null_min == (0, 1)  # the scratch row 0 is a row, slot 0 is padding
+
+
+def _raises(fn, exc, match):
+    with pytest.raises(exc, match=match):
+        fn()
+
+
+BAD_DECODE = [
+    ("q dtype", lambda a: (a[0].float(), *a[1:]), TypeError, "q: expected dtype bfloat16"),
+    ("k shape", lambda a: (a[0], tok(8, 1, d=64), *a[2:]), ValueError, "k: expected shape"),
+    ("two tokens", lambda a: (*(tok(8, 2) for _ in range(4)), torch.randn(8, 2, H).to(BF),
+                              *a[5:]), ValueError, "q: expected one token per row"),
+    ("beta shape", lambda a: (*a[:4], torch.randn(8, 1, H + 1).to(BF), *a[5:]), ValueError,
+     "beta: expected shape"),
+    ("pool dtype", lambda a: (*a[:5], a[5].double(), a[6]), TypeError, "state: expected dtype"),
+    ("pool inner", lambda a: (*a[:5], torch.zeros(32, H, K, K + 8)[..., :K], a[6]), ValueError,
+     "state: expected each slot's"),
+    ("index dtype", lambda a: (*a[:6], a[6].float()), TypeError, "state_indices: expected dtype"),
+    ("index shape", lambda a: (*a[:6], a[6][:3]), ValueError, "state_indices: expected shape"),
+    ("k overlap", lambda a: (a[0], torch.zeros(8, 1, H * K + 8).to(BF)[:, :, :H * K].view(
+        8, 1, H, K)[:, :, :, :].as_strided((8, 1, H, K), (64, 64, K, 1)), *a[2:]), ValueError,
+     "k: expected a token stride >= H"),
+]
+
+
+@pytest.mark.parametrize("case", BAD_DECODE, ids=lambda c: c[0])
+def test_decode_bad_metadata_named(case, planned):
+    _, edit, exc, match = case
+    _raises(lambda: kda_cute.decode(*edit(decode_args()), lower_bound=-5.0), exc, match)
+
+
+def test_decode_bad_options_named(planned):
+    a = decode_args()
+    _raises(lambda: kda_cute.decode(*a), ValueError, "lower_bound: expected a float")
+    _raises(lambda: kda_cute.decode(*a, gate="sigmoid"), ValueError, "gate: expected one of")
+    _raises(lambda: kda_cute.decode(*a, gate="unbounded"), ValueError, "A_log: expected")
+    _raises(lambda: kda_cute.decode(*a, lower_bound=-5.0, null_slot=3), ValueError, "null_slot")
+    _raises(lambda: kda_cute.decode(*a, lower_bound=-5.0, scale=-1.0), ValueError, "scale")
+    _raises(lambda: kda_cute.decode(*a, lower_bound=-5.0, dt_bias=torch.zeros(3)), ValueError,
+            "dt_bias")
+    _raises(lambda: kda_cute.decode(*a[:6], lower_bound=-5.0, has_initial_state=torch.ones(3)),
+            TypeError, "has_initial_state")
+    small = list(decode_args(slots=4))
+    _raises(lambda: kda_cute.decode(*small[:6], lower_bound=-5.0), ValueError,
+            "state: expected at least B = 8 slots")
+
+
+def test_on_cpu_the_device_is_named():
+    serving.clear()
+    _raises(lambda: kda_cute.decode(*decode_args(), lower_bound=-5.0), ValueError,
+            "q: expected a CUDA tensor")
+
+
+def test_verify_bad_metadata_named(planned):
+    N, S1 = 4, 3
+    q = tok(N, S1)
+    beta = torch.randn(N, S1, H).to(BF)
+    pool = torch.zeros(32, H, K, K)
+    idx = torch.zeros(N, S1, dtype=torch.int32)
+    _raises(lambda: kda_cute.verify(q, q, q, q, beta, pool, gate="none"), ValueError,
+            "ssm_state_indices: expected given")
+    _raises(lambda: kda_cute.verify(q, q, q, q, beta, pool, ssm_state_indices=idx[:, :2],
+                                    gate="none"), ValueError, "q: expected at most 2 tokens")
+    _raises(lambda: kda_cute.verify(q, q, q, q, beta, pool, ssm_state_indices=idx,
+                                    num_accepted_tokens=torch.ones(N + 1, dtype=torch.int32),
+                                    gate="none"), ValueError, "num_accepted_tokens")
+    inter = torch.zeros(N, S1, H, K, K, dtype=BF)
+    _raises(lambda: kda_cute.verify(q, q, q, q, beta, pool, state_indices=idx[:, 0],
+                                    intermediate_states=inter, gate="none"), ValueError,
+            "intermediate_states: expected the pool's dtype")
+    _raises(lambda: kda_cute.verify(q, q, q, q, beta, pool, ssm_state_indices=idx,
+                                    retrieve_parent_token=idx, gate="none"), ValueError,
+            "retrieve_parent_token: expected tree drafts with intermediate_states")
+    _raises(lambda: kda_cute.verify(q, q, q, q, beta, pool, ssm_state_indices=idx,
+                                    cu_seqlens=torch.zeros(N + 1, dtype=torch.int32),
+                                    gate="none"), ValueError, "q: expected batch size 1")
+
+
+def test_fla_call_refusals(planned):
+    B = 4
+    q = tok(B, 1)
+    beta = torch.randn(B, 1, H).to(BF)
+    pool = torch.zeros(8, H, K, K)
+    idx = torch.arange(B, dtype=torch.int32)
+    f = kda_cute.fused_recurrent_kda_fwd
+    _raises(lambda: f(q, q, q, q, beta, initial_state=pool, ssm_state_indices=idx, bogus=1),
+            TypeError, "unknown arguments")
+    _raises(lambda: f(q, q, q, q, beta, initial_state=pool, ssm_state_indices=idx,
+                      state_v_first=True, allow_neg_eigval=True), ValueError, "allow_neg_eigval")
+    _raises(lambda: f(q, q, q, q, beta, initial_state=pool, ssm_state_indices=idx),
+            ValueError, "state_v_first")
+    _raises(lambda: f(q, q, tok(B, 1).repeat(1, 1, 2, 1), q, beta, initial_state=pool,
+                      ssm_state_indices=idx, state_v_first=True), ValueError, "GVA")
+    _raises(lambda: f(q, q, q, q, q, initial_state=pool, ssm_state_indices=idx,
+                      state_v_first=True), ValueError, "headwise beta")
+    out, st = f(q, q, q, q, beta, initial_state=pool, ssm_state_indices=idx, state_v_first=True)
+    assert st is pool and out.shape == q.shape
+    assert planned["plan"].problem.form == "verify"
