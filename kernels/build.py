@@ -34,7 +34,8 @@ TESTED_ARCHS = ("sm_90a",)
 SOURCES = ("kernels/kda_prep_sm90.py", "kernels/kda_recur_sm90.py", "kernels/build.py",
            "kernels/common.py", "kernels/kda_recur_tc_sm90.py", "kernels/kda_combine_sm90.py",
            "kda_cute/abi.py", "kda_cute/specs/__init__.py", "kda_cute/specs/prep.py",
-           "kda_cute/specs/recur.py", "kda_cute/specs/combine.py")
+           "kda_cute/specs/recur.py", "kda_cute/specs/combine.py", "kernels/kda_step_sm90.py",
+           "kda_cute/specs/step.py")
 
 
 def dsl_version() -> str:

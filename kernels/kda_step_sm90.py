@@ -10,14 +10,14 @@ dot products (and q's and k's norms) reduced over the TPR lanes of a row by butt
     a = gate(g);  S = S * exp(a);  u = beta (v - S kn);  S = S + u kn^T;  o = S (scale qn)
 
 The kernel is a stream of state bytes, so what sets its speed is how many are in flight: the
-start state goes to shared memory by cp.async (16 bytes a copy, every one of a thread's issued
-at once, none holding a register), and each thread reads back only what it copied itself, so a
-cp.async.wait_group is all the synchronisation there is (no CTA barrier anywhere). A row's
+start state goes to shared memory by cp.async (cfg.access bytes a copy, every one of a thread's
+issued at once, none holding a register), and each thread reads back only what it copied itself,
+so a cp.async.wait_group is all the synchronisation there is (no CTA barrier anywhere). A row's
 state comes into registers for its token's update and goes out to the pool at once; between
-tokens (verify) it is kept in shared memory in fp32 (a bf16 pool's staging area stays as it
-was loaded; its fp32 keep area follows the staging one, and a single-token plan reserves only
-the staging area: the keep area is touched only between tokens). Shared memory layout: [R][NJ][threads][VEC], so each 16-byte access of a warp is
-contiguous and conflict-free.
+tokens (verify) it is kept in shared memory in fp32 (a bf16 pool's staging area stays as it was
+loaded; its fp32 keep area follows the staging one, and a single-token plan reserves only the
+staging area: the keep area is touched only between tokens). Shared memory layout:
+[R][NJ][threads][VEC], so each 16-byte access of a warp is contiguous and conflict-free.
 
 Which slot a row reads, where the state after a token goes and where a row's tokens are are all
 run-time arguments (kda_cute.specs.step.args), so one kernel serves decode, verify with a slot
