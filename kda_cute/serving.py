@@ -224,6 +224,20 @@ def _planned(p: StepProblem, opts: StepOptions, dev, what="q"):
     return step_plan(p, opts, device_info(dev))
 
 
+def _scratch(inter, state, H, V, K, dev):
+    """The verify scratch [R, S_max, H, V, K] in the pool's dtype: (R, S_max, its step stride);
+    its rows are read and written as R * S_max state rows."""
+    _pool("intermediate_states", inter, H, V, K, dev, ndim=5)
+    if inter.dtype != state.dtype:
+        raise err("intermediate_states", f"the pool's dtype {_dtype_name(state.dtype)}",
+                  _dtype_name(inter.dtype))
+    R, S_max = inter.shape[:2]
+    if R > 1 and inter.stride(0) != S_max * inter.stride(1):
+        raise err("intermediate_states", "row stride == S_max * step stride",
+                  f"strides {tuple(inter.stride())}")
+    return R, S_max, inter.stride(1) if S_max > 1 or R > 1 else H * V * K
+
+
 def _cu(cu_seqlens, dev):
     tensor("cu_seqlens", cu_seqlens, INDEX_DTYPES, 1, dev)
     if cu_seqlens.numel() < 1 or not cu_seqlens.is_contiguous():
@@ -441,15 +455,7 @@ def _verify_plan(q, k, v, g, beta, state, cu_seqlens, ssm_state_indices, num_acc
             raise err("num_accepted_tokens", "None in style b (commit takes the accepted step)",
                       "a tensor")
         r = _index("state_indices", state_indices, (N,), dev)
-        _pool("intermediate_states", intermediate_states, H, V, K, dev, ndim=5)
-        if intermediate_states.dtype != state.dtype:
-            raise err("intermediate_states", f"the pool's dtype {_dtype_name(state.dtype)}",
-                      _dtype_name(intermediate_states.dtype))
-        R, S_max = intermediate_states.shape[:2]
-        if R > 1 and intermediate_states.stride(0) != S_max * intermediate_states.stride(1):
-            raise err("intermediate_states", "row stride == S_max * step stride",
-                      f"strides {tuple(intermediate_states.stride())}")
-        ds = intermediate_states.stride(1) if S_max > 1 or R > 1 else H * V * K
+        R, S_max, ds = _scratch(intermediate_states, state, H, V, K, dev)
         if per_row is not None and per_row > S_max:
             raise err("q", f"at most {S_max} tokens per row (intermediate_states' steps)",
                       per_row)
@@ -497,15 +503,7 @@ def commit(state, intermediate_states, state_indices, accepted_step,
         raise err("state", "a pool [slots, H, V, K]", tuple(state.shape))
     H, V, K = state.shape[1:]
     ss = _pool("state", state, H, V, K, dev)
-    _pool("intermediate_states", intermediate_states, H, V, K, dev, ndim=5)
-    if intermediate_states.dtype != state.dtype:
-        raise err("intermediate_states", f"the pool's dtype {_dtype_name(state.dtype)}",
-                  _dtype_name(intermediate_states.dtype))
-    R, S_max = intermediate_states.shape[:2]
-    if R > 1 and intermediate_states.stride(0) != S_max * intermediate_states.stride(1):
-        raise err("intermediate_states", "row stride == S_max * step stride",
-                  f"strides {tuple(intermediate_states.stride())}")
-    ds = intermediate_states.stride(1) if S_max > 1 or R > 1 else H * V * K
+    R, S_max, ds = _scratch(intermediate_states, state, H, V, K, dev)
     tensor("state_indices", state_indices, INDEX_DTYPES, 1, dev)
     N = state_indices.shape[0]
     w = _index("state_indices", state_indices, (N,), dev)
