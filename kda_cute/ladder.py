@@ -179,7 +179,12 @@ STEP_VARIANTS: tuple[StepConfig, ...] = tuple(c for c in dict.fromkeys(
     [_step(128, p, bv) for p in ("float32", "bfloat16") for bv in (16, 32, 64)]
     + [_step(128, p, bv, 2) for p in ("float32", "bfloat16") for bv in (32, 64)]
     + [StepConfig(128, 128, "bfloat16", bv, 32, 128, access=8, unroll=u)
-       for bv in (32, 64) for u in (0, 2)]) if c not in STEP)
+       for bv in (32, 64) for u in (0, 2)]
+    # more state per CTA for bf16 pools: 128 rows, or 256 threads
+    + [StepConfig(128, 128, "bfloat16", 128, 16, 128, unroll=u) for u in (2, 4)]
+    + [StepConfig(128, 128, "bfloat16", 128, 32, 128, access=8, unroll=2)]
+    + [StepConfig(128, 128, "bfloat16", bv, 16, 256, unroll=2) for bv in (64, 128)])
+    if c not in STEP)
 
 
 def select_step(head_dim_k: int, head_dim_v: int, pool: str) -> StepConfig | None:
