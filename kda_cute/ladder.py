@@ -174,6 +174,12 @@ def _step(d: int, pool: str, block_v: int = 32, unroll: int = 0) -> StepConfig:
 STEP: tuple[StepConfig, ...] = tuple(
     _step(d, p, 64, 2) if p == "bfloat16" and d <= 128 else _step(d, p)
     for d in HEAD_DIMS for p in ("float32", "bfloat16"))
+# Wide grids of a bf16 pool at K = 128: a whole head per CTA (128 rows, the row loop unrolled by
+# four): 82% of the copy ceiling at N 1024 H 32 and 75% at N 256 against 73% and 69% for 64
+# rows, equal at N 64, slower below (bench/results/serving-sweep-h200-2026-12-01-b612d11.json).
+STEP_WIDE: tuple[StepConfig, ...] = (StepConfig(128, 128, "bfloat16", 128, 16, 128, unroll=4),)
+WIDE_HEADS = 4096  # rows x heads from which select_step takes STEP_WIDE's tile
+
 # other tiles, built for the tile sweep (bench/serving.py --sweep): fewer and more rows per CTA
 STEP_VARIANTS: tuple[StepConfig, ...] = tuple(c for c in dict.fromkeys(
     [_step(128, p, bv) for p in ("float32", "bfloat16") for bv in (16, 32, 64)]
@@ -181,14 +187,20 @@ STEP_VARIANTS: tuple[StepConfig, ...] = tuple(c for c in dict.fromkeys(
     + [StepConfig(128, 128, "bfloat16", bv, 32, 128, access=8, unroll=u)
        for bv in (32, 64) for u in (0, 2)]
     # more state per CTA for bf16 pools: 128 rows, or 256 threads
-    + [StepConfig(128, 128, "bfloat16", 128, 16, 128, unroll=u) for u in (2, 4)]
+    + [StepConfig(128, 128, "bfloat16", 128, 16, 128, unroll=2)]
     + [StepConfig(128, 128, "bfloat16", 128, 32, 128, access=8, unroll=2)]
     + [StepConfig(128, 128, "bfloat16", bv, 16, 256, unroll=2) for bv in (64, 128)])
-    if c not in STEP)
+    if c not in STEP + STEP_WIDE)
 
 
-def select_step(head_dim_k: int, head_dim_v: int, pool: str) -> StepConfig | None:
-    """The shipped token-step config for (K, V) and the pool's dtype name, or None."""
+def select_step(head_dim_k: int, head_dim_v: int, pool: str, heads: int = 0
+                ) -> StepConfig | None:
+    """The shipped token-step config for (K, V) and the pool's dtype name, or None; `heads`
+    (rows x heads of the call) picks STEP_WIDE's tile for wide grids where there is one."""
+    if heads >= WIDE_HEADS:
+        for cfg in STEP_WIDE:
+            if (cfg.head_dim_k, cfg.head_dim_v, cfg.pool) == (head_dim_k, head_dim_v, pool):
+                return cfg
     for cfg in STEP:
         if (cfg.head_dim_k, cfg.head_dim_v, cfg.pool) == (head_dim_k, head_dim_v, pool):
             return cfg
@@ -213,7 +225,7 @@ def all_kernels() -> tuple:
     combines and the token steps."""
     seen, out = set(), []
     for cfg in [c for f in SHIPPED + EXPERIMENTAL + ALONGSIDE for c in (f.prep, f.recur)] + [
-            *SEGMENT_RUNS, *WY_RUNS, *COMBINE, *STEP, *STEP_VARIANTS]:
+            *SEGMENT_RUNS, *WY_RUNS, *COMBINE, *STEP, *STEP_WIDE, *STEP_VARIANTS]:
         if cfg not in seen:
             seen.add(cfg)
             out.append(cfg)

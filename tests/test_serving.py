@@ -42,6 +42,14 @@ def decode_args(B=8, slots=32, dtype=torch.float32):
             torch.zeros(slots, H, K, K, dtype=dtype), torch.arange(B, dtype=torch.int32))
 
 
+def test_wide_grids_take_the_wide_tile():
+    from kda_cute.ladder import STEP_WIDE, WIDE_HEADS
+    wide = STEP_WIDE[0]
+    assert select_step(128, 128, "bfloat16", WIDE_HEADS) == wide
+    assert select_step(128, 128, "bfloat16", WIDE_HEADS - 1) != wide
+    assert select_step(128, 128, "float32", 10 ** 6) in STEP
+
+
 def test_shipped_step_configs_supported():
     for c in STEP:
         assert supports(c) == (True, ""), c.name

@@ -22,7 +22,7 @@ F32 = torch.float32
 def step_config(p: StepProblem, opts: StepOptions):
     if opts.config is not None:
         return opts.config
-    return select_step(p.K, p.V, p.pool)
+    return select_step(p.K, p.V, p.pool, p.N * p.H)
 
 
 @functools.lru_cache(maxsize=256)
