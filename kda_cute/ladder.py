@@ -177,6 +177,8 @@ STEP: tuple[StepConfig, ...] = tuple(
 # Wide grids of a bf16 pool at K = 128: a whole head per CTA (128 rows, the row loop unrolled by
 # four): 82% of the copy ceiling at N 1024 H 32 and 75% at N 256 against 73% and 69% for 64
 # rows, equal at N 64, slower below (bench/results/serving-sweep-h200-2026-12-01-b612d11.json).
+# Single-token plans only (plans.step.step_config): a verify's fp32 keep area would hold the
+# tile to two CTAs per SM (N 256 T 2..8 ran 29-36% of the ceiling against 43-52%).
 STEP_WIDE: tuple[StepConfig, ...] = (StepConfig(128, 128, "bfloat16", 128, 16, 128, unroll=4),)
 WIDE_HEADS = 4096  # rows x heads from which select_step takes STEP_WIDE's tile
 

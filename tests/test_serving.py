@@ -50,6 +50,17 @@ def test_wide_grids_take_the_wide_tile():
     assert select_step(128, 128, "float32", 10 ** 6) in STEP
 
 
+def test_wide_tile_for_single_tokens_only(planned):
+    from kda_cute.ladder import STEP_WIDE
+    B, slots = 4096 // H, 2 * 4096 // H
+    kda_cute.decode(*decode_args(B, slots, BF), lower_bound=-5.0)
+    assert planned["plan"].launches()[0].kernel == STEP_WIDE[0]
+    q = tok(B, 2)
+    kda_cute.verify(q, q, q, q, torch.randn(B, 2, H).to(BF), torch.zeros(slots, H, K, K, dtype=BF),
+                    ssm_state_indices=torch.zeros(B, 2, dtype=torch.int32), lower_bound=-5.0)
+    assert planned["plan"].launches()[0].kernel != STEP_WIDE[0]
+
+
 def test_shipped_step_configs_supported():
     for c in STEP:
         assert supports(c) == (True, ""), c.name

@@ -22,7 +22,10 @@ F32 = torch.float32
 def step_config(p: StepProblem, opts: StepOptions):
     if opts.config is not None:
         return opts.config
-    return select_step(p.K, p.V, p.pool, p.N * p.H)
+    # the wide tile only where a row has one token: between tokens a bf16 pool keeps an fp32
+    # copy of the tile in shared memory (96 KB at 128 rows: two CTAs per SM)
+    single = p.max_tokens <= 1 and not p.parent[0]
+    return select_step(p.K, p.V, p.pool, p.N * p.H if single else 0)
 
 
 @functools.lru_cache(maxsize=256)
