@@ -453,3 +453,41 @@ def test_bound_decode_replays():
         torch.cuda.synchronize()
         assert torch.equal(out, ref_out)
         assert torch.equal(pool, ref_pool)
+
+
+def _tiles():
+    from kda_cute.ladder import STEP, STEP_VARIANTS, STEP_WIDE
+    return [c for c in STEP + STEP_WIDE + STEP_VARIANTS]
+
+
+@pytest.mark.parametrize("cfg", _tiles(), ids=lambda c: c.name)
+def test_every_tile(cfg):
+    """Each built token-step tile (shipped, wide, sweep variants): a decode and a 3-token verify
+    against the float64 reference, through StepOptions.config."""
+    K = cfg.head_dim_k
+    dtype = torch.float32 if cfg.pool == "float32" else torch.bfloat16
+    N, T, H = 6, 3, 3
+    q, k, g, v, beta, A_log, dt_bias = _tokens(N * T, H, K, K, "unbounded", seed=80)
+    pool = (torch.randn(4 * N * T, H, K, K, device="cuda") * 0.3).to(dtype)
+    before = pool.clone()
+    idx = torch.randperm(4 * N * T, device="cuda")[:N * T].view(N, T).to(torch.int32)
+    kw = dict(A_log=A_log, dt_bias=dt_bias, gate="unbounded", config=cfg)
+    d_idx = idx[:, 0].contiguous()
+    out = kda_cute.decode(q[:N], k[:N], v[:N], g[:N], beta[:N], pool, d_idx, **kw)
+    torch.cuda.synchronize()
+    for n in range(N):
+        o, st = _steps(q[n:n + 1], k[n:n + 1], g[n:n + 1], v[n:n + 1], beta[n:n + 1],
+                       before[d_idx[n]], "unbounded", A_log, dt_bias, None, K ** -0.5)
+        assert rel_err(out[n], o[0]) < OUT_TOL
+        assert rel_err(pool[d_idx[n]], st[-1]) < STATE_TOL[dtype]
+    pool.copy_(before)
+    args = tuple(x.view(N, T, *x.shape[1:]) for x in (q, k, v, g, beta))
+    out = kda_cute.verify(*args, pool, ssm_state_indices=idx, **kw)
+    kda_cute.check_errors(sync=True)
+    for n in range(N):
+        o, states = _steps(q[n * T:(n + 1) * T], k[n * T:(n + 1) * T], g[n * T:(n + 1) * T],
+                           v[n * T:(n + 1) * T], beta[n * T:(n + 1) * T], before[idx[n, 0]],
+                           "unbounded", A_log, dt_bias, None, K ** -0.5)
+        assert rel_err(out[n], o) < OUT_TOL
+        for t in range(T):
+            assert rel_err(pool[idx[n, t]], states[t]) < STATE_TOL[dtype]
