@@ -18,7 +18,6 @@ import torch
 
 from . import errors, launch
 from .checks import _dtype_name, err, tensor
-from .ladder import select_step
 from .plans import device_info
 from .plans.step import step_config, step_plan
 from .problem import StepCall, StepOptions, StepProblem
@@ -165,11 +164,10 @@ class _Tokens:
         tensor("q", q, (BF16,))
         self.dev = dev = q.device
         H, K = q.shape[-2], q.shape[-1]
-        self.rows, sq, self.lead = _rows("q", q, K, None, dev)
-        if q.dim() == 4 and q.shape[1] == 1:
-            self.lead = (q.shape[0], 1)
+        self.rows, sq, _ = _rows("q", q, K, None, dev)
+        sk_sg = []
         for name, t in (("k", k), ("g", g)):
-            r, _, lead = _rows(name, t, K, H, dev)
+            sk_sg.append(_rows(name, t, K, H, dev)[1])
             if tuple(t.shape) != tuple(q.shape):
                 raise err(name, f"shape {tuple(q.shape)}", tuple(t.shape))
         tensor("v", v, (BF16,), q.dim(), dev)
@@ -194,14 +192,8 @@ class _Tokens:
         else:
             _, so, _ = _rows("out", out, V, H, dev)
         self.H, self.K, self.V = H, K, V
-        self.strides = (sq, _rows("k", k, K, H)[1], _rows("g", g, K, H)[1], sv, so, sb)
-        self.tensors = (q, k, v, g, beta, out)
+        self.strides = (sq, *sk_sg, sv, so, sb)
         self.out = out
-
-    def addresses(self):
-        for name, t in zip(("q", "k", "v", "g", "beta", "out"), self.tensors, strict=True):
-            if name != "beta" and t.data_ptr() % 16:
-                raise err(name, "a 16-byte aligned base address", t.data_ptr())
 
 
 def _config(p: StepProblem, opts: StepOptions):
@@ -652,7 +644,8 @@ def recurrent(q, k, v, g, beta, initial_state=None, final_state=None, *, cu_seql
             s1s = s
     a, b = _gate_params(A_log, dt_bias, opts.gate, H, K, dev)
     scale, lb = _scalars(scale, lower_bound, opts.gate, K)
-    tk.addresses()
+    _aligned(("q", q), ("k", k), ("v", v), ("g", g), ("out", tk.out),
+             ("initial_state", initial_state), ("final_state", final_state))
     pool = "bfloat16" if dt == torch.bfloat16 else "float32"
     n0 = N if initial_state is not None else 0
     n1 = N if final_state is not None else 0
@@ -669,5 +662,4 @@ def recurrent(q, k, v, g, beta, initial_state=None, final_state=None, *, cu_seql
 
 check_errors = errors.check_errors
 
-__all__ = ["check_errors", "commit", "decode", "fused_recurrent_kda_fwd", "recurrent",
-           "select_step", "verify"]
+__all__ = ["check_errors", "commit", "decode", "fused_recurrent_kda_fwd", "recurrent", "verify"]
