@@ -31,8 +31,8 @@ ROW_DIV = 8  # token strides in elements (abi.SYM_DIV of sQ .. sO)
 
 # ------------------------------------------------------------------------------- checks
 def _rows(name, t, D, H=None, dev=None):
-    """A token tensor [B, T, H, D] or [R, H, D]: (rows, token stride, its leading shape). With
-    T == 1 the rows are the batch; rows may be strided views of one buffer (mixed_qkv)."""
+    """A token tensor [B, T, H, D] or [R, H, D]: (rows, token stride). With T == 1 the rows are
+    the batch; rows may be strided views of one buffer (mixed_qkv)."""
     tensor(name, t, (BF16,), None, dev)
     if t.dim() not in (3, 4) or t.shape[-1] != D or (H is not None and t.shape[-2] != H):
         want = f"[B, T, {H if H is not None else 'H'}, {D}] or [T, H, {D}]"
@@ -58,7 +58,7 @@ def _rows(name, t, D, H=None, dev=None):
                   f"strides {tuple(t.stride())}")
     if stride % ROW_DIV:
         raise err(name, f"a token stride that is a multiple of {ROW_DIV} elements", stride)
-    return rows, stride, tuple(t.shape[:-2])
+    return rows, stride
 
 
 def _beta(t, rows, lead, H, dev):
@@ -164,7 +164,7 @@ class _Tokens:
         tensor("q", q, (BF16,))
         self.dev = dev = q.device
         H, K = q.shape[-2], q.shape[-1]
-        self.rows, sq, _ = _rows("q", q, K, None, dev)
+        self.rows, sq = _rows("q", q, K, None, dev)
         sk_sg = []
         for name, t in (("k", k), ("g", g)):
             sk_sg.append(_rows(name, t, K, H, dev)[1])
@@ -174,7 +174,7 @@ class _Tokens:
         if tuple(v.shape[:-1]) != tuple(q.shape[:-1]):
             raise err("v", f"shape {(*q.shape[:-1], 'V')}", tuple(v.shape))
         V = v.shape[-1]
-        _, sv, _ = _rows("v", v, V, H, dev)
+        _, sv = _rows("v", v, V, H, dev)
         sb = _beta(beta, self.rows, tuple(q.shape[:-2]), H, dev)
         if out is None:
             out = torch.empty(v.shape, dtype=BF16, device=dev)
@@ -190,7 +190,7 @@ class _Tokens:
                           f"that is a multiple of {ROW_DIV}", f"strides {tuple(out.stride())}")
             so = out.stride(0) if self.rows > 1 else H * V + (-H * V) % ROW_DIV
         else:
-            _, so, _ = _rows("out", out, V, H, dev)
+            _, so = _rows("out", out, V, H, dev)
         self.H, self.K, self.V = H, K, V
         self.strides = (sq, *sk_sg, sv, so, sb)
         self.out = out
