@@ -26,7 +26,7 @@ SYM_WIDTH = {
     "T": 32, "R": 32, "H": 32, "HK": 32, "HV": 32, "HC": 32, "NCH": 32, "N1": 32, "NS": 32,
     "FL": 32,
     "sQ": 64, "sK": 64, "sG": 64, "sB": 64, "sV": 64, "sO": 64, "sS": 64, "sW": 32, "sWc": 32,
-    "NSP": 32,
+    "NSP": 32, "sSP": 64,
     # the token step: pool slots and written rows, their strides, the index tables' lengths
     "P": 32, "PD": 32, "sP": 64, "sPD": 64,
     "NCU": 32, "NRI": 32, "NWI": 32, "NAC": 32, "NPA": 32, "NHI": 32,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from . import checks, launch, plans, serving
+from . import checks, errors, launch, plans, serving
 from .checks import validate
 from .ladder import FwdConfig
 from .plans import device_info, workspace_bytes
@@ -20,7 +20,9 @@ from .problem import Call, Options, Problem
 
 def fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state=None,
         final_state=None, cu_seqlens=None, workspace=None, *, gate="bounded", qk_l2norm=True,
-        beta_sigmoid=True, check_seqlens=True, config=None, segments=None, precision="fast"):
+        beta_sigmoid=True, check_seqlens=True, config=None, segments=None, precision="fast",
+        state_indices=None, output_state_indices=None, has_initial_state=None,
+        null_slot=None):
     """KDA forward, FlashKDA's low-level call: writes `out` and `final_state` in place.
 
     q, k, g: [B, T, H, K] bf16; v, out: [B, T, H, V] bf16; beta: [B, T, H] bf16 (logits when
@@ -36,13 +38,26 @@ def fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state
     segments: K2's segments per sequence (kda_cute.segments; fixed-length batches, K == V);
     None chooses from the grid's size, 1 turns them off. Where K2's grid is small and not
     split, K2 runs alongside K1 (`describe`; KDA_CUTE_ALONGSIDE=0 turns that off).
+    has_initial_state: [N] bool, sequences marked False start from zeros whatever their
+    initial state holds.
+    The pool form (docs/serving.md): with state_indices [N] (int32 or int64), initial_state is
+    a state pool [slots, H, V, K] (fp32 or bf16, the slot stride free) that sequence n reads at
+    slot state_indices[n], and final_state the pool it writes (the same tensor for an update in
+    place, or None to only read) at slot output_state_indices[n] (default: state_indices[n]).
+    An index < 0 is padding, and index 0 too with null_slot=0: a padding sequence reads and
+    writes no state and its outputs are zeros. An index past the pool is never followed (the
+    sequence is treated as padding) and raised as kda_cute.DeviceValueError by the next pool or
+    serving call, or by `kda_cute.check_errors()`.
     A repeated call with tensors of the same metadata reuses the checks and the plan; `bind`
     skips the rest too.
     """
     opts = checks.options(gate, qk_l2norm, beta_sigmoid, segments, config, precision)
     call = Call(q, k, v, g, beta, out, A_log, dt_bias, initial_state, final_state, cu_seqlens,
-                scale, lower_bound)
+                scale, lower_bound, state_indices, output_state_indices, has_initial_state,
+                null_slot)
     p = checks.forward(call, opts, check_seqlens)
+    if p.pool is not None:
+        errors.raise_pending(q.device)
     launch.run(plans.plan(p, opts, device_info(q.device)), call, workspace)
 
 
@@ -50,10 +65,16 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
               use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
               use_beta_sigmoid_in_kernel=False, safe_gate=False, lower_bound=None, A_log=None,
               dt_bias=None, state_v_first=False, cu_seqlens=None, workspace=None,
-              precision="fast", **kwargs):
+              precision="fast", state_indices=None, output_state_indices=None,
+              has_initial_state=None, null_slot=None, **kwargs):
     """fla-compatible forward: returns (o, final_state or None).
 
     State layout is [N, H, K, V] unless state_v_first=True ([N, H, V, K], the kernels' own).
+    has_initial_state: [N] bool, sequences marked False start from zeros.
+    The pool form (as `fwd`'s): with state_indices, initial_state is the pool [slots, H, V, K]
+    (state_v_first=True: a K-first pool cannot be updated in place), read at state_indices and
+    written in place at output_state_indices (default: state_indices); the pool is returned as
+    the final state when output_final_state.
     The gate is bounded when use_gate_in_kernel and (safe_gate or lower_bound is set), unbounded
     when use_gate_in_kernel alone, and taken as the log-space decay otherwise. precision:
     "fast" or "precise", as in `fwd`.
@@ -76,6 +97,20 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     else:
         gate = "none"
     out = torch.empty(*q.shape[:3], v.shape[-1], dtype=torch.bfloat16, device=q.device)
+    if state_indices is not None:
+        if not state_v_first:
+            raise checks.err("state_v_first", "True with state_indices (the pool [slots, H, V, "
+                             "K] is updated in place; a K-first pool cannot be)", state_v_first)
+        fwd(q, k, v, g, beta, float(scale), out, A_log, dt_bias, lower_bound, initial_state,
+            initial_state, cu_seqlens, workspace, gate=gate, qk_l2norm=use_qk_l2norm_in_kernel,
+            beta_sigmoid=use_beta_sigmoid_in_kernel, precision=precision,
+            state_indices=state_indices, output_state_indices=output_state_indices,
+            has_initial_state=has_initial_state, null_slot=null_slot)
+        return out, initial_state if output_final_state else None
+    for name, t in (("output_state_indices", output_state_indices), ("null_slot", null_slot)):
+        if t is not None:
+            raise checks.err(name, "None without state_indices (the pool form)",
+                             type(t).__name__)
 
     def to_vfirst(s):
         return s if s is None or state_v_first else s.transpose(-1, -2).contiguous()
@@ -87,7 +122,8 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
         s1 = torch.empty(N, q.shape[2], v.shape[-1], K, dtype=torch.float32, device=q.device)
     fwd(q, k, v, g, beta, float(scale), out, A_log, dt_bias, lower_bound, s0, s1, cu_seqlens,
         workspace, gate=gate, qk_l2norm=use_qk_l2norm_in_kernel,
-        beta_sigmoid=use_beta_sigmoid_in_kernel, precision=precision)
+        beta_sigmoid=use_beta_sigmoid_in_kernel, precision=precision,
+        has_initial_state=has_initial_state)
     if s1 is not None and not state_v_first:
         s1 = s1.transpose(-1, -2).contiguous()
     return out, s1

@@ -72,6 +72,60 @@ def _rows(name, t, div: int):
         raise err(name, _tma_rows(div), f"stride {t.stride(1)}")
 
 
+# ---------------------------------------------------------------- state pools and slot indices
+INDEX_DTYPES = (torch.int32, torch.int64)
+POOL_DTYPES = STATE_DTYPES
+
+
+def pool(name, t, H, V, K, dev, ndim=4):
+    """A state pool [..., slots, H, V, K] (fp32 or bf16, each slot's [H, V, K] dense, the slot
+    stride free: a multiple of 8 elements, >= H*V*K): its slot stride in elements."""
+    tensor(name, t, POOL_DTYPES, ndim, dev)
+    inner = tuple(t.shape[ndim - 3:])
+    if inner != (H, V, K):
+        raise err(name, f"shape [..., {H}, {V}, {K}]", tuple(t.shape))
+    if t.stride()[ndim - 3:] != (V * K, K, 1):
+        raise err(name, f"each slot's [H, V, K] dense (strides (..., {V * K}, {K}, 1))",
+                  f"strides {tuple(t.stride())}")
+    s = t.stride(ndim - 4) if t.shape[ndim - 4] > 1 else H * V * K
+    if s % 8 or s < H * V * K:
+        raise err(name, f"a slot stride >= H*V*K = {H * V * K} and a multiple of 8 elements",
+                  s)
+    return s
+
+
+def index_table(name, t, shape, dev):
+    """An int32 / int64 table of `shape` (None entries: any): its strides in elements."""
+    tensor(name, t, INDEX_DTYPES, len(shape), dev)
+    if any(w is not None and w != g for w, g in zip(shape, t.shape, strict=True)):
+        want = tuple("*" if w is None else w for w in shape)
+        raise err(name, f"shape {want}", tuple(t.shape))
+    return tuple(t.stride(i) if t.shape[i] > 1 else 0 for i in range(t.dim()))
+
+
+def index_words(t) -> int:
+    """The int32 words an index table spans (0 for None; an int64 entry is two)."""
+    if t is None:
+        return 0
+    span = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True)) \
+        if t.numel() else 1
+    return span * (2 if t.dtype == torch.int64 else 1)
+
+
+def is_wide(t) -> int:
+    """1 for an int64 index table (read as word pairs), else 0."""
+    return int(t is not None and t.dtype == torch.int64)
+
+
+def null_min(null_slot) -> int:
+    """The least index that is not padding: 0, or 1 with null_slot=0 (vLLM's null block)."""
+    if null_slot is None:
+        return 0
+    if isinstance(null_slot, bool) or null_slot != 0:
+        raise err("null_slot", "None or 0 (index 0 marks padding too)", repr(null_slot))
+    return 1
+
+
 def options(gate="bounded", qk_l2norm=True, beta_sigmoid=True, segments=None, config=None,
             precision="fast", alongside=None, wy=None) -> Options:
     """Checked Options (alongside / wy None: the environment's defaults), made once per
@@ -181,13 +235,28 @@ def problem(c: Call, opts: Options) -> Problem:
         N = cu.numel() - 1
     else:
         N = B
-    for name, st in (("initial_state", c.initial_state), ("final_state", c.final_state)):
-        if st is None:
-            continue
-        tensor(name, st, STATE_DTYPES, 4, dev)
-        _shape(name, st, (N, H, V, K))
-        if not st.is_contiguous():
-            raise err(name, "a contiguous tensor", f"strides {tuple(st.stride())}")
+    pool = _pool_form(c, N, H, V, K, dev) if c.state_indices is not None else None
+    if pool is None:
+        for name, t in (("output_state_indices", c.output_state_indices),
+                        ("null_slot", c.null_slot)):
+            if t is not None:
+                raise err(name, "None without state_indices (the pool form)",
+                          type(t).__name__)
+        for name, st in (("initial_state", c.initial_state), ("final_state", c.final_state)):
+            if st is None:
+                continue
+            tensor(name, st, STATE_DTYPES, 4, dev)
+            _shape(name, st, (N, H, V, K))
+            if not st.is_contiguous():
+                raise err(name, "a contiguous tensor", f"strides {tuple(st.stride())}")
+    hi = c.has_initial_state
+    if hi is not None:
+        if c.initial_state is None:
+            raise err("has_initial_state", "None without initial_state", "a tensor")
+        tensor("has_initial_state", hi, (torch.bool, torch.int8, torch.uint8), 1, dev)
+        if hi.numel() != N or not hi.is_contiguous():
+            raise err("has_initial_state", f"a contiguous tensor of {N} flags",
+                      f"shape {tuple(hi.shape)}, strides {tuple(hi.stride())}")
     # the gate parameters a bounded / unbounded gate reads (zeros where not given)
     gated = opts.gate != "none"
     return Problem(
@@ -197,7 +266,41 @@ def problem(c: Call, opts: Options) -> Problem:
         state_in=None if c.initial_state is None else c.initial_state.dtype,
         state_out=None if c.final_state is None else c.final_state.dtype,
         A_log=gated and c.A_log is not None, dt_bias=gated and c.dt_bias is not None,
-        cu_int64=cu is not None and cu.dtype == torch.int64)
+        cu_int64=cu is not None and cu.dtype == torch.int64, pool=pool,
+        has_init=hi is not None)
+
+
+def _pool_form(c: Call, N: int, H: int, V: int, K: int, dev) -> tuple:
+    """The pool form's checks: initial_state the pool [slots, H, V, K], final_state None (the
+    pool is only read) or it (or a tensor of its shape and strides), state_indices and
+    output_state_indices [N] int32 / int64. Returns Problem.pool."""
+    st = c.initial_state
+    if st is None:
+        raise err("initial_state", "the state pool [slots, H, V, K] that state_indices index",
+                  None)
+    stride = pool("initial_state", st, H, V, K, dev)
+    slots = st.shape[0]
+    if slots < 1 or slots >= 2 ** 31:
+        raise err("initial_state", "a pool of 1 to 2^31 - 1 slots", slots)
+    fs = c.final_state
+    if fs is not None:
+        tensor("final_state", fs, STATE_DTYPES, 4, dev)
+        if fs.shape != st.shape or (slots > 1 and fs.stride() != st.stride()) or (
+                fs.stride()[1:] != st.stride()[1:]):
+            raise err("final_state", "the pool (initial_state), or a tensor of its shape and "
+                      f"strides {tuple(st.stride())}",
+                      f"shape {tuple(fs.shape)}, strides {tuple(fs.stride())}")
+    r_sn = index_table("state_indices", c.state_indices, (N,), dev)[0]
+    wi = c.output_state_indices
+    w_sn = 0
+    if wi is not None:
+        if fs is None:
+            raise err("output_state_indices", "None when no state is written (final_state "
+                      "None)", "a tensor")
+        w_sn = index_table("output_state_indices", wi, (N,), dev)[0]
+    return (slots, stride, r_sn, is_wide(c.state_indices), int(wi is not None), w_sn,
+            is_wide(wi), null_min(c.null_slot), index_words(c.state_indices),
+            index_words(wi))
 
 
 def scalars(c: Call, opts: Options) -> None:
@@ -276,7 +379,7 @@ def forward(c: Call, opts: Options, check_seqlens: bool = True, cuda: bool = Tru
     """Every check of a forward call, in order: the tensors' metadata, the scalars, addresses,
     cu_seqlens' values (`check_seqlens`; not during capture), a shipped or given config for the
     head dims (`config`), the CUDA requirement (`cuda`). Returns its Problem."""
-    key = (opts, tuple(map(_meta, c[:11])))
+    key = (opts, tuple(map(_meta, c[:11])), tuple(map(_meta, c[13:16])), c.null_slot)
     p = _passed.get(key)
     if p is None:
         p = problem(c, opts)
@@ -299,10 +402,13 @@ def clear() -> None:
 
 
 def validate(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state,
-             final_state, cu_seqlens, gate, check_seqlens=True, cuda=True) -> Problem:
+             final_state, cu_seqlens, gate, check_seqlens=True, cuda=True, *,
+             state_indices=None, output_state_indices=None, has_initial_state=None,
+             null_slot=None) -> Problem:
     """`forward`'s checks with fwd's arguments (gate as fwd's keyword), head dims without a
     config aside: the Problem they describe. cuda=False: tensors on any device (the checks on a
     CPU)."""
     return forward(Call(q, k, v, g, beta, out, A_log, dt_bias, initial_state, final_state,
-                        cu_seqlens, scale, lower_bound), options(gate), check_seqlens, cuda,
+                        cu_seqlens, scale, lower_bound, state_indices, output_state_indices,
+                        has_initial_state, null_slot), options(gate), check_seqlens, cuda,
                    config=False)

@@ -41,7 +41,10 @@ def words(device) -> tuple[torch.Tensor, ctypes.Array]:
         with _lock:
             hit = _words.get(d)
             if hit is None:
-                t = torch.zeros(ERROR_WORDS, dtype=torch.int32, pin_memory=True)
+                # (page-locked where there is a device to see it; plain memory on a machine
+                # without CUDA, where plans are made and inspected but nothing runs)
+                t = torch.zeros(ERROR_WORDS, dtype=torch.int32,
+                                pin_memory=torch.cuda.is_available())
                 hit = _words[d] = (t, (ctypes.c_int32 * ERROR_WORDS).from_address(t.data_ptr()))
     return hit
 

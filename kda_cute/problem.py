@@ -38,7 +38,10 @@ class Problem:
     described by its sizes alone (workspace sizing, scheduling): the token strides of q, k, g,
     v, out and beta in elements (None: packed rows), the states' dtypes (None: no state), which
     gate parameters are given, and whether cu_seqlens is int64 (copied to int32 for the
-    kernels)."""
+    kernels). pool: None for dense states ([N, H, V, K], row n sequence n's), or the pool form's
+    (slots, slot stride in elements, state_indices' entry stride and int64 flag, whether
+    output_state_indices is given, its entry stride and int64 flag, the least index that is not
+    padding, the two tables' int32 words); has_init: has_initial_state is given."""
 
     B: int
     T: int
@@ -53,6 +56,8 @@ class Problem:
     A_log: bool = True
     dt_bias: bool = True
     cu_int64: bool = False
+    pool: tuple[int, int, int, int, int, int, int, int, int, int] | None = None
+    has_init: bool = False
 
     def token_strides(self) -> tuple[int, int, int, int, int, int]:
         """(q, k, g, v, out, beta) token strides in elements."""
@@ -97,6 +102,12 @@ class Call(NamedTuple):
     cu_seqlens: torch.Tensor | None
     scale: float
     lower_bound: float | None
+    # the pool form: read and write slots of each sequence (initial_state / final_state are
+    # then the pool), per-sequence "starts from its state" flags, null_slot=0 (index 0 pads)
+    state_indices: torch.Tensor | None = None
+    output_state_indices: torch.Tensor | None = None
+    has_initial_state: torch.Tensor | None = None
+    null_slot: int | None = None
 
 
 # ------------------------------------------------------------------------ serving steps

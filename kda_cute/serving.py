@@ -17,15 +17,18 @@ from __future__ import annotations
 import torch
 
 from . import errors, launch
-from .checks import _dtype_name, err, tensor
+from .checks import INDEX_DTYPES, POOL_DTYPES, _dtype_name, err, tensor
+from .checks import index_table as _index
+from .checks import index_words as _words
+from .checks import is_wide as _wide
+from .checks import null_min as _null
+from .checks import pool as _pool
 from .plans import device_info
 from .plans.step import step_config, step_plan
 from .problem import StepCall, StepOptions, StepProblem
 from .specs.step import STEP_GATES, WRITE_ALL, WRITE_LAST, WRITE_NONE, WRITE_START, supports
 
 BF16 = torch.bfloat16
-INDEX_DTYPES = (torch.int32, torch.int64)
-POOL_DTYPES = (torch.float32, torch.bfloat16)
 ROW_DIV = 8  # token strides in elements (abi.SYM_DIV of sQ .. sO)
 
 
@@ -75,50 +78,6 @@ def _beta(t, rows, lead, H, dev):
     if rows > 1 and s < H:
         raise err("beta", f"a token stride >= H = {H}", f"strides {tuple(t.stride())}")
     return s if rows > 1 else H
-
-
-def _pool(name, t, H, V, K, dev, ndim=4):
-    tensor(name, t, POOL_DTYPES, ndim, dev)
-    inner = tuple(t.shape[ndim - 3:])
-    if inner != (H, V, K):
-        raise err(name, f"shape [..., {H}, {V}, {K}]", tuple(t.shape))
-    if t.stride()[ndim - 3:] != (V * K, K, 1):
-        raise err(name, f"each slot's [H, V, K] dense (strides (..., {V * K}, {K}, 1))",
-                  f"strides {tuple(t.stride())}")
-    s = t.stride(ndim - 4) if t.shape[ndim - 4] > 1 else H * V * K
-    if s % 8 or s < H * V * K:
-        raise err(name, f"a slot stride >= H*V*K = {H * V * K} and a multiple of 8 elements",
-                  s)
-    return s
-
-
-def _index(name, t, shape, dev):
-    """An int32 / int64 table of `shape` (None entries: any): its strides in elements."""
-    tensor(name, t, INDEX_DTYPES, len(shape), dev)
-    if any(w is not None and w != g for w, g in zip(shape, t.shape, strict=True)):
-        want = tuple("*" if w is None else w for w in shape)
-        raise err(name, f"shape {want}", tuple(t.shape))
-    return tuple(t.stride(i) if t.shape[i] > 1 else 0 for i in range(t.dim()))
-
-
-def _words(t) -> int:
-    if t is None:
-        return 0
-    span = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True)) \
-        if t.numel() else 1
-    return span * (2 if t.dtype == torch.int64 else 1)
-
-
-def _wide(t) -> int:
-    return int(t is not None and t.dtype == torch.int64)
-
-
-def _null(null_slot) -> int:
-    if null_slot is None:
-        return 0
-    if isinstance(null_slot, bool) or null_slot != 0:
-        raise err("null_slot", "None or 0 (index 0 marks padding too)", repr(null_slot))
-    return 1
 
 
 def _opts(gate, qk_l2norm, beta_sigmoid, config) -> StepOptions:

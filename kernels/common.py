@@ -8,6 +8,12 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync
 from cutlass.cutlass_dsl import T, dsl_user_op
 
+from kda_cute.specs.recur import INDEX_DENSE, INDEX_POOL
+from kda_cute.specs.step import ERRORS
+
+E_READ, E_WRITE = 3, 4  # the error words of a bad read / write slot (specs.step.ERRORS)
+assert ERRORS[E_READ].startswith("state_indices") and ERRORS[E_WRITE].startswith("output")
+
 LOG2E = 1.4426950408889634  # log2(e): K1's column passes carry G in base 2
 # the factored phase B needs every |G_i - r| and |r| of a chunk's column within this (natural
 # units): e^80 ~ 5.5e34, so each factor and product stays a normal fp32
@@ -110,6 +116,63 @@ class ChunkTileLoader(TileCopy):
                             bar)
         self._tile_copy(tma_gl, tGl, sGl[None, None, s], (chunk_id, gl_col), (1, self.K), bar)
         self._tile_copy(tma_v, tV, sV[None, None, s], (t0, v_col), (self.C, self.BV), bar)
+
+
+class StateSlots:
+    """The pool form of the prefill's states (K2, the combine): which rows a sequence reads
+    and writes, from the run-time arguments of kda_cute.specs.recur.INDEX_SCALARS."""
+
+    @cute.jit
+    def _word(self, t: cute.Tensor, off, wide):
+        """Entry `off` of an index table: (value, ok). An int64 table (wide) is read as word
+        pairs; ok is 0 when the high word is not the low word's sign extension."""
+        v = t[off]
+        ok = cutlass.Int32(1)
+        if wide != 0:
+            v = t[2 * off]
+            hi = t[2 * off + 1]
+            if hi != (v >> 31):
+                ok = cutlass.Int32(0)
+        return v, ok
+
+    @cute.jit
+    def _slots(self, mRIdx: cute.Tensor, mWIdx: cute.Tensor, mHasInit: cute.Tensor,
+               mErr: cute.Tensor, seq, idx, lead):
+        """Sequence `seq`'s (live, read row, write row, init). live 0: a padding row (an index
+        below null_min) or one with a bad index (>= slots, or an int64 one out of int32's
+        range: the argument's error word is set by the `lead` thread, INDEX_POOL only); it
+        reads and writes no state and its outputs are zeros. init 0: has_init says the row
+        starts from zeros. Dense states: row `seq` both ways."""
+        mode, row_div, slots, r_sn, r_wide, w_on, w_sn, w_wide, hi_on, null_min = idx
+        i32 = cutlass.Int32
+        row = seq // row_div
+        live = i32(1)
+        rs = seq
+        ws = seq
+        init = i32(1)
+        if mode != INDEX_DENSE:
+            s, ok = self._word(mRIdx, row * r_sn, r_wide)
+            w = s
+            okw = ok
+            if w_on != 0:
+                w, okw = self._word(mWIdx, row * w_sn, w_wide)
+            if ok == 0 or s >= slots:
+                live = i32(0)
+                if mode == INDEX_POOL and lead != 0:
+                    mErr[E_READ] = i32(1)
+            if okw == 0 or w >= slots:
+                live = i32(0)
+                if mode == INDEX_POOL and lead != 0 and w_on != 0:
+                    mErr[E_WRITE] = i32(1)
+            if s < null_min or w < null_min:
+                live = i32(0)
+            if mode == INDEX_POOL:
+                rs = s
+                ws = w
+        if hi_on != 0:
+            if mHasInit[row] == 0:
+                init = i32(0)
+        return live, rs, ws, init
 
 
 @dsl_user_op

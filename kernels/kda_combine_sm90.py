@@ -12,6 +12,9 @@ per row, in k order), A_j's row k read by the CTA's threads as one coalesced row
 not depend on the rows, so each thread streams its column of them through registers, up to 128
 values ahead of the FMAs that use them, across segments (a few loads in flight at a time made
 the kernel wait on L2 once per few rows: 56 us of B1 T8192 H16's 0.34 ms at K = 128).
+The initial state is read and the final state written in fp32 or bf16, dense or at a pool's
+slots (kernels.common.StateSlots: a padding row reads and writes neither, its start states are
+those from zero).
 Constraints: head_dim_k a multiple of 32 up to 256, rows dividing it (specs.combine.supports).
 """
 
@@ -20,9 +23,13 @@ import cutlass.cute as cute
 import cutlass.utils as utils
 
 from kda_cute.specs.combine import CombineConfig
+from kda_cute.specs.recur import INDEX_POOL
+from kernels.common import StateSlots
+
+STATE_NONE, STATE_F32, STATE_BF16 = 0, 1, 2
 
 
-class KdaCombineSm90:
+class KdaCombineSm90(StateSlots):
     def __init__(self, cfg: CombineConfig):
         self.cfg = cfg
         self.K = cfg.head_dim_k
@@ -39,12 +46,16 @@ class KdaCombineSm90:
         self,
         mA: cute.Tensor,  # (N*P, H, K, K) fp32: the segments' state maps
         mB: cute.Tensor,  # (N*P, H, K, K) fp32: their end states from zero (V = K rows)
-        mS0: cute.Tensor,  # (N, H, K, K) fp32 initial state (read when has_init)
+        mS0f: cute.Tensor, mS0h: cute.Tensor,  # (N or slots, H, K, K) the initial state
         mStart: cute.Tensor,  # (N*P, H, K, K) fp32: each segment's start state
-        mFinal: cute.Tensor,  # (N, H, K, K) fp32 final state (written when has_final)
+        mFinal: cute.Tensor, mFinalH: cute.Tensor,  # the final state, as the initial one
+        mRIdx: cute.Tensor, mWIdx: cute.Tensor, mHasInit: cute.Tensor, mErr: cute.Tensor,
         segments: cutlass.Int32,
-        has_init: cutlass.Int32,
-        has_final: cutlass.Int32,
+        state_in: cutlass.Int32,  # STATE_NONE / STATE_F32 / STATE_BF16
+        state_out: cutlass.Int32,
+        index_mode: cutlass.Int32, row_div: cutlass.Int32, slots: cutlass.Int32,
+        r_sn: cutlass.Int32, r_wide: cutlass.Int32, w_on: cutlass.Int32, w_sn: cutlass.Int32,
+        w_wide: cutlass.Int32, hi_on: cutlass.Int32, null_min: cutlass.Int32,
         num_seqs: cutlass.Int32,
         num_heads: cutlass.Int32,
         stream,
@@ -57,16 +68,23 @@ class KdaCombineSm90:
 
         self.shared_storage = SharedStorage
         self.smem_bytes = SharedStorage.size_in_bytes()
-        self.kernel(mA, mB, mS0, mStart, mFinal, segments, has_init, has_final).launch(
+        self.kernel(mA, mB, mS0f, mS0h, mStart, mFinal, mFinalH, mRIdx, mWIdx, mHasInit, mErr,
+                    segments, state_in, state_out, index_mode, row_div, slots, r_sn, r_wide,
+                    w_on, w_sn, w_wide, hi_on, null_min).launch(
             grid=(K // RB, num_heads, num_seqs), block=(K, 1, 1), smem=self.smem_bytes,
             stream=stream,
         )
 
     # ---------------------------------------------------------------- device
     @cute.kernel
-    def kernel(self, mA: cute.Tensor, mB: cute.Tensor, mS0: cute.Tensor, mStart: cute.Tensor,
-               mFinal: cute.Tensor, segments: cutlass.Int32, has_init: cutlass.Int32,
-               has_final: cutlass.Int32):
+    def kernel(self, mA: cute.Tensor, mB: cute.Tensor, mS0f: cute.Tensor, mS0h: cute.Tensor,
+               mStart: cute.Tensor, mFinal: cute.Tensor, mFinalH: cute.Tensor,
+               mRIdx: cute.Tensor, mWIdx: cute.Tensor, mHasInit: cute.Tensor,
+               mErr: cute.Tensor, segments: cutlass.Int32, state_in: cutlass.Int32,
+               state_out: cutlass.Int32, index_mode: cutlass.Int32, row_div: cutlass.Int32,
+               slots: cutlass.Int32, r_sn: cutlass.Int32, r_wide: cutlass.Int32,
+               w_on: cutlass.Int32, w_sn: cutlass.Int32, w_wide: cutlass.Int32,
+               hi_on: cutlass.Int32, null_min: cutlass.Int32):
         K, RB = self.K, self.RB
         f32 = cutlass.Float32
         t, _, _ = cute.arch.thread_idx()
@@ -76,12 +94,24 @@ class KdaCombineSm90:
         st = smem.allocate(self.shared_storage)
         sRows = st.rows.get_tensor(cute.make_layout((K, RB), stride=(RB, 1)))  # [k, row]
 
+        lead = cutlass.Int32(0)
+        if t == 0 and rb == 0 and h == 0 and index_mode == INDEX_POOL:
+            lead = cutlass.Int32(1)
+        live, rs, ws, init = self._slots(
+            mRIdx, mWIdx, mHasInit, mErr, b,
+            (index_mode, row_div, slots, r_sn, r_wide, w_on, w_sn, w_wide, hi_on, null_min), lead)
+        s_in = state_in
+        if live == 0 or init == 0:
+            s_in = cutlass.Int32(STATE_NONE)
         acc = cute.make_rmem_tensor((RB,), f32)  # column t of the current rows
         for r in cutlass.range_constexpr(RB):
             acc[r] = f32(0.0)
-        if has_init != 0:
+        if s_in == STATE_F32:
             for r in cutlass.range_constexpr(RB):
-                acc[r] = mS0[b, h, r0 + r, t]
+                acc[r] = mS0f[rs, h, r0 + r, t]
+        elif s_in == STATE_BF16:
+            for r in cutlass.range_constexpr(RB):
+                acc[r] = mS0h[rs, h, r0 + r, t].to(f32)
         # A_j's column t streams through registers in pieces of KB rows, D pieces ahead of
         # their use (across segments: the maps do not depend on the rows), so the loads are
         # in flight while the FMAs run instead of a few at a time before them; B_j's rows one
@@ -123,6 +153,10 @@ class KdaCombineSm90:
                         for i in cutlass.range_constexpr(KB):
                             ring[slot * KB + i] = mA[n + 1, h, (q + D - NQ) * KB + i, t]
             cute.arch.sync_threads()  # every thread has read the rows before they change
-        if has_final != 0:
-            for r in cutlass.range_constexpr(RB):
-                mFinal[b, h, r0 + r, t] = acc[r]
+        if live != 0:
+            if state_out == STATE_F32:
+                for r in cutlass.range_constexpr(RB):
+                    mFinal[ws, h, r0 + r, t] = acc[r]
+            elif state_out == STATE_BF16:
+                for r in cutlass.range_constexpr(RB):
+                    mFinalH[ws, h, r0 + r, t] = acc[r].to(cutlass.BFloat16)

@@ -10,6 +10,8 @@ workspace and the v tile) on its own mbarrier; one elected thread issues chunk c
 once every thread has left chunk c - 1 (a CTA barrier frees the buffer).
 Per chunk (tokens i < length only; rows past it belong to another sequence or are out of bounds):
   W = v - kg S^T ; U = Aw W ; O = qg S^T + Mq U ; S = S * gl + U^T kd
+The states are dense or a pool's slots, as the tensor-core K2's (kernels.common.StateSlots): a
+padding row reads and writes no state and writes zeros as its output.
 Constraints: see kda_cute.specs.recur.supports.
 """
 
@@ -17,13 +19,13 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.utils as utils
 
-from kda_cute.specs.recur import RecurConfig
-from kernels.common import ChunkTileLoader
+from kda_cute.specs.recur import INDEX_POOL, RecurConfig
+from kernels.common import ChunkTileLoader, StateSlots
 
 STATE_NONE, STATE_F32, STATE_BF16 = 0, 1, 2
 
 
-class KdaRecurSm90(ChunkTileLoader):
+class KdaRecurSm90(ChunkTileLoader, StateSlots):
     def __init__(self, cfg: RecurConfig):
         self.cfg = cfg
         self.K, self.V = cfg.head_dim_k, cfg.head_dim_v
@@ -53,10 +55,15 @@ class KdaRecurSm90(ChunkTileLoader):
         mS1h: cute.Tensor,
         mCuSeq: cute.Tensor,  # (N+1,) int32
         mCuChunk: cute.Tensor,  # (N+1,) int32
+        # the pool form (kernels.common.StateSlots): index tables, has_init, error words
+        mRIdx: cute.Tensor, mWIdx: cute.Tensor, mHasInit: cute.Tensor, mErr: cute.Tensor,
         num_seqs: cutlass.Int32,
         num_heads: cutlass.Int32,
         state_in: cutlass.Int32,  # STATE_NONE / STATE_F32 / STATE_BF16
         state_out: cutlass.Int32,
+        index_mode: cutlass.Int32, row_div: cutlass.Int32, slots: cutlass.Int32,
+        r_sn: cutlass.Int32, r_wide: cutlass.Int32, w_on: cutlass.Int32, w_sn: cutlass.Int32,
+        w_wide: cutlass.Int32, hi_on: cutlass.Int32, null_min: cutlass.Int32,
         stream,
     ):
         C, K, BV, S = self.C, self.K, self.BV, self.stages
@@ -78,8 +85,9 @@ class KdaRecurSm90(ChunkTileLoader):
         self.smem_bytes = SharedStorage.size_in_bytes()
         self.kernel(
             tma_kg, tKg, tma_qg, tQg, tma_kd, tKd, tma_aw, tAw, tma_mq, tMq, tma_gl, tGl,
-            tma_v, tV, mOut, mS0f, mS0h, mS1f, mS1h, mCuSeq, mCuChunk, state_in, state_out,
-            l_ck, l_cc, l_1k, l_cv,
+            tma_v, tV, mOut, mS0f, mS0h, mS1f, mS1h, mCuSeq, mCuChunk, mRIdx, mWIdx, mHasInit,
+            mErr, state_in, state_out, index_mode, row_div, slots, r_sn, r_wide, w_on, w_sn,
+            w_wide, hi_on, null_min, l_ck, l_cc, l_1k, l_cv,
         ).launch(
             grid=(self.V // BV, num_heads, num_seqs), block=(self.threads, 1, 1),
             smem=self.smem_bytes, stream=stream,
@@ -99,7 +107,11 @@ class KdaRecurSm90(ChunkTileLoader):
         mOut: cute.Tensor,
         mS0f: cute.Tensor, mS0h: cute.Tensor, mS1f: cute.Tensor, mS1h: cute.Tensor,
         mCuSeq: cute.Tensor, mCuChunk: cute.Tensor,
+        mRIdx: cute.Tensor, mWIdx: cute.Tensor, mHasInit: cute.Tensor, mErr: cute.Tensor,
         state_in: cutlass.Int32, state_out: cutlass.Int32,
+        index_mode: cutlass.Int32, row_div: cutlass.Int32, slots: cutlass.Int32,
+        r_sn: cutlass.Int32, r_wide: cutlass.Int32, w_on: cutlass.Int32, w_sn: cutlass.Int32,
+        w_wide: cutlass.Int32, hi_on: cutlass.Int32, null_min: cutlass.Int32,
         l_ck: cute.Layout, l_cc: cute.Layout, l_1k: cute.Layout, l_cv: cute.Layout,
     ):
         C, K, BV, S = self.C, self.K, self.BV, self.stages
@@ -144,15 +156,28 @@ class KdaRecurSm90(ChunkTileLoader):
         )
         head_cols = (h * K, h * K, h * K, h * C, h * C)
 
+        # ---- the state's rows (a padding row: none, zero outputs) ------------------------
+        idx = (index_mode, row_div, slots, r_sn, r_wide, w_on, w_sn, w_wide, hi_on, null_min)
+        lead = cutlass.Int32(0)
+        if tidx == 0 and vb == 0 and h == 0 and index_mode == INDEX_POOL:
+            lead = cutlass.Int32(1)
+        live, rs, ws, init = self._slots(mRIdx, mWIdx, mHasInit, mErr, seq, idx, lead)
+        s_in = state_in
+        s_out = state_out
+        if live == 0 or init == 0:
+            s_in = cutlass.Int32(0)
+        if live == 0:
+            s_out = cutlass.Int32(0)
+
         # ---- initial state -> registers ------------------------------------------------
         state = cute.make_rmem_tensor((NCOL,), cutlass.Float32)
         for m in cutlass.range_constexpr(NCOL):
             d = sub + TPR * m
             x = cutlass.Float32(0.0)
-            if state_in == STATE_F32:
-                x = mS0f[seq, h, v_idx, d]
-            elif state_in == STATE_BF16:
-                x = mS0h[seq, h, v_idx, d].to(cutlass.Float32)
+            if s_in == STATE_F32:
+                x = mS0f[rs, h, v_idx, d]
+            elif s_in == STATE_BF16:
+                x = mS0h[rs, h, v_idx, d].to(cutlass.Float32)
             state[m] = x
 
         # ---- prologue: fill all but one stage --------------------------------------------
@@ -205,6 +230,8 @@ class KdaRecurSm90(ChunkTileLoader):
                     acc = o[i]
                     for j in cutlass.range_constexpr(i + 1):
                         acc = acc + sMq[i, j, s] * u[j]
+                    if live == 0:
+                        acc = cutlass.Float32(0.0)
                     if sub == i % TPR:
                         mOut[t0 + i, h, v_idx] = acc.to(cutlass.BFloat16)
             # S = S * gl + U^T kd
@@ -219,7 +246,7 @@ class KdaRecurSm90(ChunkTileLoader):
         # ---- final state ----------------------------------------------------------------
         for m in cutlass.range_constexpr(NCOL):
             d = sub + TPR * m
-            if state_out == STATE_F32:
-                mS1f[seq, h, v_idx, d] = state[m]
-            elif state_out == STATE_BF16:
-                mS1h[seq, h, v_idx, d] = state[m].to(cutlass.BFloat16)
+            if s_out == STATE_F32:
+                mS1f[ws, h, v_idx, d] = state[m]
+            elif s_out == STATE_BF16:
+                mS1h[ws, h, v_idx, d] = state[m].to(cutlass.BFloat16)

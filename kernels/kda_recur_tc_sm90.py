@@ -33,6 +33,10 @@ Built `wy` (ladder.WY_RUNS, fp16 only), U skips P: U^T = v^T Aw^T + S kgw^T with
 which the producer warp forms in place of each landed kg tile (ldmatrix, warp MMA, stmatrix) two
 chunks behind its loads and hands over on a per-stage `ready` mbarrier; one product round trip
 less on the serial chain (the launcher takes it where each CTA has an SM to itself).
+The states are dense (sequence n's is row n) or a pool's slots (kernels.common.StateSlots:
+row state_index[n] read, out_index[n] written, in place when equal), looked up once per sequence
+by the consumer warpgroup; a padding row (or one with a bad index) reads and writes no state and
+stores zeros as its output, through the same pipeline.
 Constraints: block_v == 64, threads == 128 (+ 32 producer), chunk == 16, head_dim_k % 64 == 0.
 """
 
@@ -46,8 +50,8 @@ from cutlass.cute.nvgpu import warp as warp_mma
 from cutlass.utils import LayoutEnum
 
 from kda_cute.abi import operand_dtype
-from kda_cute.specs.recur import RecurConfig
-from kernels.common import TileCopy, swizzle_bytes, tma_meta, trap
+from kda_cute.specs.recur import INDEX_POOL, RecurConfig
+from kernels.common import StateSlots, TileCopy, swizzle_bytes, tma_meta, trap
 
 STATE_NONE, STATE_F32, STATE_BF16 = 0, 1, 2
 # the longest K2 waits for one chunk's flag from a K1 running alongside it before failing
@@ -71,7 +75,7 @@ def acc_as_operand_a(acc: cute.Tensor) -> cute.Tensor:
     return cute.make_tensor(acc.iterator, layout)
 
 
-class KdaRecurTcSm90(TileCopy):
+class KdaRecurTcSm90(TileCopy, StateSlots):
     def __init__(self, cfg: RecurConfig):
         self.cfg = cfg
         self.K, self.V = cfg.head_dim_k, cfg.head_dim_v
@@ -111,9 +115,14 @@ class KdaRecurTcSm90(TileCopy):
         mS0f: cute.Tensor, mS0h: cute.Tensor, mS1f: cute.Tensor, mS1h: cute.Tensor,
         mCuSeq: cute.Tensor, mCuChunk: cute.Tensor,
         mFlags: cute.Tensor,  # (num_chunks * H,) int32: K1's per-(chunk, head) flags
+        # the pool form (kernels.common.StateSlots): index tables, has_init, error words
+        mRIdx: cute.Tensor, mWIdx: cute.Tensor, mHasInit: cute.Tensor, mErr: cute.Tensor,
         num_seqs: cutlass.Int32, num_heads: cutlass.Int32,
         state_in: cutlass.Int32, state_out: cutlass.Int32,
         ordered: cutlass.Int32,  # 1: grid z is the z-th longest sequence (a varlen batch)
+        index_mode: cutlass.Int32, row_div: cutlass.Int32, slots: cutlass.Int32,
+        r_sn: cutlass.Int32, r_wide: cutlass.Int32, w_on: cutlass.Int32, w_sn: cutlass.Int32,
+        w_wide: cutlass.Int32, hi_on: cutlass.Int32, null_min: cutlass.Int32,
         stream,
     ):
         C, K, BV, S = self.C, self.K, self.BV, self.stages
@@ -190,8 +199,9 @@ class KdaRecurTcSm90(TileCopy):
         self.smem_bytes = SharedStorage.size_in_bytes()
         self.kernel(
             *atoms, mOut, tma_o, tO, mS0f, mS0h, mS1f, mS1h, mCuSeq, mCuChunk, mFlags,
-            state_in, state_out, ordered, mma_p, mma_s, l_ck, l_cc, l_kc, l_gl, l_v, l_o,
-            l_slab,
+            mRIdx, mWIdx, mHasInit, mErr, state_in, state_out, ordered, index_mode, row_div,
+            slots, r_sn, r_wide, w_on, w_sn, w_wide, hi_on, null_min, mma_p, mma_s, l_ck, l_cc,
+            l_kc, l_gl, l_v, l_o, l_slab,
         ).launch(
             grid=(self.V // BV, num_heads, num_seqs), block=(self.threads, 1, 1),
             smem=self.smem_bytes, stream=stream,
@@ -220,7 +230,11 @@ class KdaRecurTcSm90(TileCopy):
         tma_o: cute.CopyAtom, tO: cute.Tensor,
         mS0f: cute.Tensor, mS0h: cute.Tensor, mS1f: cute.Tensor, mS1h: cute.Tensor,
         mCuSeq: cute.Tensor, mCuChunk: cute.Tensor, mFlags: cute.Tensor,
+        mRIdx: cute.Tensor, mWIdx: cute.Tensor, mHasInit: cute.Tensor, mErr: cute.Tensor,
         state_in: cutlass.Int32, state_out: cutlass.Int32, ordered: cutlass.Int32,
+        index_mode: cutlass.Int32, row_div: cutlass.Int32, slots: cutlass.Int32,
+        r_sn: cutlass.Int32, r_wide: cutlass.Int32, w_on: cutlass.Int32, w_sn: cutlass.Int32,
+        w_wide: cutlass.Int32, hi_on: cutlass.Int32, null_min: cutlass.Int32,
         mma_p: cute.TiledMma, mma_s: cute.TiledMma,
         l_ck: cute.ComposedLayout, l_cc: cute.ComposedLayout, l_kc: cute.ComposedLayout,
         l_gl: cute.Layout, l_v: cute.Layout, l_o: cute.Layout, l_slab: cute.Layout,
@@ -317,7 +331,9 @@ class KdaRecurTcSm90(TileCopy):
             self._consume(pipe, sKg, sQg, sKdh, sKdl, sAwh, sAwl, sMqh, sMql, sGl, sV, sO,
                           l_slab, mOut, (tma_o, tO), mS0f, mS0h, mS1f, mS1h, state_in,
                           state_out, mma_p, mma_s, tidx, warp, h, vb, mCuSeq,
-                          (z, num_seqs, nz), ready)
+                          (z, num_seqs, nz), ready, (mRIdx, mWIdx, mHasInit, mErr),
+                          (index_mode, row_div, slots, r_sn, r_wide, w_on, w_sn, w_wide, hi_on,
+                           null_min))
 
     @cute.jit
     def _wy_operand(self, pipe, wstate, sKg, sAwh, ready):
@@ -413,7 +429,7 @@ class KdaRecurTcSm90(TileCopy):
     def _consume(self, pipe, sKg, sQg, sKdh, sKdl, sAwh, sAwl, sMqh, sMql, sGl, sV, sO,
                  l_slab, mOut, store_o, mS0f, mS0h, mS1f, mS1h, state_in, state_out,
                  mma_p: cute.TiledMma, mma_s: cute.TiledMma, tidx, warp, h, vb,
-                 mCuSeq: cute.Tensor, seqs, ready):
+                 mCuSeq: cute.Tensor, seqs, ready, tables, idx):
         C, K, BV = self.C, self.K, self.BV
         v0 = vb * BV
         bf16, f32 = cutlass.BFloat16, cutlass.Float32
@@ -446,15 +462,25 @@ class KdaRecurTcSm90(TileCopy):
 
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         z, num_seqs, nz = seqs
+        mRIdx, mWIdx, mHasInit, mErr = tables
+        lead = cutlass.Int32(0)  # one thread of a sequence reports its bad indices
+        if tidx == 0 and vb == 0 and h == 0 and idx[0] == INDEX_POOL:
+            lead = cutlass.Int32(1)
         for seq in cutlass.range(z, num_seqs, nz):
             bos = mCuSeq[seq]
             eos = mCuSeq[seq + 1]
             num_chunks = (eos - bos + C - 1) // C
+            # the rows of the state read and written; a padding row neither reads nor writes
+            # and its outputs are zeros
+            live, rs, ws, init = self._slots(mRIdx, mWIdx, mHasInit, mErr, seq, idx, lead)
+            s_in = state_in
+            if live == 0 or init == 0:
+                s_in = cutlass.Int32(0)
             # ---- initial state -> accumulator registers (one branch, then every load at once) ---
-            if state_in == STATE_F32:
-                acc_s.store(thr_s.partition_C(self._state_rows(mS0f, seq, h, vb)).load())
-            elif state_in == STATE_BF16:
-                acc_s.store(thr_s.partition_C(self._state_rows(mS0h, seq, h, vb)).load().to(f32))
+            if s_in == STATE_F32:
+                acc_s.store(thr_s.partition_C(self._state_rows(mS0f, rs, h, vb)).load())
+            elif s_in == STATE_BF16:
+                acc_s.store(thr_s.partition_C(self._state_rows(mS0h, rs, h, vb)).load().to(f32))
             else:
                 acc_s.fill(0.0)
 
@@ -492,6 +518,10 @@ class KdaRecurTcSm90(TileCopy):
                 if cutlass.const_expr(self.outputs):
                     # O done; the update runs on while the output is stored
                     warpgroup.wait_group(1)
+                    if live == 0:
+                        acc_o.fill(0.0)
+                        if cutlass.const_expr(self.wy):
+                            acc_p.fill(0.0)
                     if length == C:
                         # whole chunk: each warp its 16 rows, through its slab of smem buffer
                         # c % 2 and one TMA store (no barrier across the warpgroup)
@@ -520,10 +550,13 @@ class KdaRecurTcSm90(TileCopy):
             cute.arch.cp_async_bulk_wait_group(0, read=True)  # smem outlives every warp's stores
 
             # ---- final state ------------------------------------------------------------------
-            if state_out == STATE_F32:
-                thr_s.partition_C(self._state_rows(mS1f, seq, h, vb)).store(acc_s.load())
-            elif state_out == STATE_BF16:
-                thr_s.partition_C(self._state_rows(mS1h, seq, h, vb)).store(acc_s.load().to(bf16))
+            s_out = state_out
+            if live == 0:
+                s_out = cutlass.Int32(0)
+            if s_out == STATE_F32:
+                thr_s.partition_C(self._state_rows(mS1f, ws, h, vb)).store(acc_s.load())
+            elif s_out == STATE_BF16:
+                thr_s.partition_C(self._state_rows(mS1h, ws, h, vb)).store(acc_s.load().to(bf16))
 
     def _out(self, acc_o, acc_p, e):
         """Output element e: Pq + U^T Mq^T, summed in acc_o or (WY form) across acc_o and acc_p."""
@@ -655,9 +688,9 @@ class KdaRecurTcSm90(TileCopy):
         self._operand(vU, aUh, aUl)
 
     @cute.jit
-    def _state_rows(self, m: cute.Tensor, seq, h, vb) -> cute.Tensor:
-        """State rows vb*BV .. vb*BV + BV - 1 of (sequence, head): a (BV, K) tile of m."""
-        return cute.local_tile(m[seq, h, None, None], (self.BV, self.K), (vb, 0))
+    def _state_rows(self, m: cute.Tensor, row, h, vb) -> cute.Tensor:
+        """State rows vb*BV .. vb*BV + BV - 1 of (state row, head): a (BV, K) tile of m."""
+        return cute.local_tile(m[row, h, None, None], (self.BV, self.K), (vb, 0))
 
     @cute.jit
     def _split(self, acc_view: cute.Tensor, hi: cute.Tensor, lo: cute.Tensor):

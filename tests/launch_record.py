@@ -31,7 +31,8 @@ GOLDEN = Path(__file__).parent / "golden" / "launches.json"
 BF16, F32 = torch.bfloat16, torch.float32
 CUBIN_DIR = Path(__file__).resolve().parent.parent / "kda_cute" / "_cubins" / "sm_90a"
 ROLES = ("q", "k", "v", "g", "beta", "out", "A_log", "dt_bias", "initial_state", "final_state",
-         "cu_seqlens", "workspace")
+         "cu_seqlens", "state_indices", "output_state_indices", "has_initial_state", "workspace",
+         "errors")
 
 
 # ------------------------------------------------------------------------------ the problems
@@ -75,6 +76,22 @@ def make_call(spec: dict) -> dict:
     s1 = torch.empty(N, H, V, K, dtype=s_out) if s_out is not None else None
     if spec.get("in_place"):
         s1 = s0
+    pool = spec.get("pool")
+    extra = {}
+    if pool is not None:
+        # the pool form: a pool of `slots` slots with `pad` elements between them, in place
+        # unless read only
+        slots = pool["slots"]
+        buf = torch.randn(slots, H * V * K + pool.get("pad", 0), generator=gen).to(s_in)
+        s0 = buf[:, :H * V * K].unflatten(-1, (H, V, K))
+        s1 = None if pool.get("read_only") else s0
+        idt = torch.int64 if pool.get("idx64") else torch.int32
+        extra["state_indices"] = torch.arange(N, dtype=idt) % slots
+        if pool.get("out"):
+            extra["output_state_indices"] = (torch.arange(N, dtype=idt) + 1) % slots
+        extra["null_slot"] = pool.get("null_slot")
+    if spec.get("has_init"):
+        extra["has_initial_state"] = torch.arange(N) % 2 == 0
     cu = None
     if seqlens is not None:
         offs = [0]
@@ -86,7 +103,7 @@ def make_call(spec: dict) -> dict:
                 A_log=torch.empty(H, dtype=F32) if gates else None,
                 dt_bias=torch.empty(H, K, dtype=F32) if gates else None,
                 lower_bound=spec.get("lower_bound", -5.0), initial_state=s0, final_state=s1,
-                cu_seqlens=cu)
+                cu_seqlens=cu, **extra)
 
 
 def _kw(spec: dict) -> dict:
@@ -136,6 +153,19 @@ PROBLEMS = {
     "k128-wy-off": dict(B=1, T=200, H=64, K=128, wy="off"),
     "k128-wy-force": dict(B=1, T=200, H=96, K=128, wy="force"),
     "k64-empty-batch": dict(B=1, T=0, H=2, K=64),
+    # the pool form, dense has_initial_state
+    "k128-varlen-pool": dict(seqlens=[300, 0, 1700, 5], H=4, K=128, pool=dict(slots=9, pad=8)),
+    "k128-varlen-pool-int64-out-null": dict(seqlens=[40, 7, 90], H=4, K=128, has_init=True,
+                                            pool=dict(slots=5, idx64=True, out=True,
+                                                      null_slot=0)),
+    "k64-pool-read-only-bf16": dict(B=3, T=64, H=4, K=64, state_in="bf16",
+                                    pool=dict(slots=4, read_only=True)),
+    "k128-pool-segments-bf16": dict(B=2, T=300, H=2, K=128, segments=3, state_in="bf16",
+                                    has_init=True, pool=dict(slots=6, pad=16, out=True)),
+    "k128-pool-alongside": dict(seqlens=[4096, 2048], H=8, K=128, pool=dict(slots=3)),
+    "k128-pool-wy": dict(B=1, T=200, H=64, K=128, pool=dict(slots=2)),
+    "k128-pool-simt": dict(B=2, T=64, H=4, K=128, config=("SIMT", 128), pool=dict(slots=3)),
+    "k128-dense-has-init": dict(B=3, T=64, H=4, K=128, has_init=True),
     "k64-k1-grid-z": dict(B=1, T=16 * 70000, H=1, K=64),
 }
 
@@ -447,7 +477,7 @@ def _options(spec: dict):
 def _plan(spec: dict, call: dict):
     """The checks and the plan of a problem, on an H200 (the tensors live on the CPU)."""
     from kda_cute import Call, checks, plans
-    c = Call(**{n: call[n] for n in Call._fields})
+    c = Call(**{n: call.get(n) for n in Call._fields})
     opts = _options(spec)
     p = checks.forward(c, opts, check_seqlens=False, cuda=False)
     return c, plans.plan(p, opts, plans.H200)
@@ -477,6 +507,10 @@ def record(name: str, monkeypatch) -> dict:
     drv.ops = []
     with fake_device(monkeypatch):
         call = make_call(spec)
+        # the error words: a CPU tensor in place of the page-locked one (no CUDA here)
+        call["errors"] = torch.zeros(8, dtype=torch.int32)
+        from kda_cute import errors
+        monkeypatch.setattr(errors, "address", lambda dev: call["errors"].data_ptr())
         ws = _workspace_for(spec, call)
         call["workspace"] = ws
         made = _Made()

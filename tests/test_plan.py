@@ -21,6 +21,7 @@ from kda_cute.plans.steps import (
     At,
     Buffer,
     CallScalar,
+    Errors,
     Copy,
     Launch,
     Memset,
@@ -47,7 +48,7 @@ def _problem(opts: Options = OPTS, **spec) -> Problem:
     """The Problem of a launch_record spec's CPU tensors (B1 T40 H2 K64 by default)."""
     spec = {"B": 1, "T": 40, "H": 2, "K": 64, **spec}
     call = launch_record.make_call(spec)
-    return checks.forward(Call(**{n: call[n] for n in Call._fields}), opts,
+    return checks.forward(Call(**{n: call.get(n) for n in Call._fields}), opts,
                           check_seqlens=False, cuda=False)
 
 
@@ -100,7 +101,7 @@ def test_plan_is_pure_and_cached(monkeypatch):
     assert fresh is not first and fresh == first
 
 
-SOURCE_TYPES = (Role, Plane, At, Scalar, CallScalar)
+SOURCE_TYPES = (Role, Plane, At, Scalar, CallScalar, Errors)
 
 
 @needs_manifests
@@ -112,7 +113,7 @@ def test_sources_cover_exactly_the_kernel_parameters(name):
     spec = launch_record.PROBLEMS[name]
     call = launch_record.make_call(spec)
     opts = _spec_options(spec)
-    p = checks.forward(Call(**{n: call[n] for n in Call._fields}), opts,
+    p = checks.forward(Call(**{n: call.get(n) for n in Call._fields}), opts,
                        check_seqlens=False, cuda=False)
     pl = plans.plan(p, opts, H200)
     offsets = workspace.operand_offsets(p, pl.config)
@@ -150,8 +151,8 @@ def test_only_keeps_the_named_launches():
     over its zeroed flags)."""
     pl = _plan(T=512)
     assert _names(pl.only("zero flags", "K2")) == ["zero flags", "K2"]
-    seg = _plan(_with(segments=3), state_in="bf16")
-    assert _names(seg.only("K1")) == ["K1", "initial state to fp32"]
+    var = _plan(seqlens=[30, 10])
+    assert _names(var.only("K1")) == ["offsets", "K1"]
 
 
 # -------------------------------------------------------------------------------- segments
@@ -177,53 +178,32 @@ def test_segmented_launches():
     assert grids[0] == (2, 3, 1)  # K1: (H, chunks, 1), heads fastest
 
 
-STATE_ARGS = ("maps", "ends", "s0", "starts", "final")
+STATE_ARGS = ("maps", "ends", "s0f", "s0h", "starts", "final", "final_h")
 
 
 @needs_manifests
 @pytest.mark.parametrize("initial", ["f32", "bf16", None])
 @pytest.mark.parametrize("final", ["f32", "bf16", None])
 def test_segmented_combine_states(initial, final):
-    """The combine reads the fp32 initial state where there is one (a bf16 one through an fp32
-    copy), writes the fp32 final state in place (a bf16 one through an fp32 buffer, copied
-    back), and its scalars say which; two sequences of three segments each."""
+    """The combine reads the initial state where there is one and writes the final state, in
+    its own dtype (fp32 or bf16, no copies), and its scalars say which; two sequences of three
+    segments each."""
     pl = _plan(_with(segments=3), B=2, state_in=initial, state_out=final)
     comb = pl.step("combine")
     assert comb.grid == (8, 2, 2)
-    # rows of maps, ends, starts: B * P; of s0 and final: B
+    # rows of maps, ends, starts: B * P; of the states: B
     syms = dict(comb.syms)
     rows = [syms[a.shape[0]] for a in args_for(comb.kernel) if a.name in STATE_ARGS]
-    assert rows == [6, 6, 2, 6, 2]
-    assert [comb.source(n) for n in ("segments", "has_init", "has_final")] == [
-        Scalar(3), Scalar(int(initial is not None)), Scalar(int(final is not None))]
+    assert rows == [6, 6, 2, 2, 6, 2, 2]
+    code = {"f32": 1, "bf16": 2, None: 0}
+    assert [comb.source(n) for n in ("segments", "state_in", "state_out", "index_mode")] == [
+        Scalar(3), Scalar(code[initial]), Scalar(code[final]), Scalar(0)]
     names = _names(pl)
-    s0, fin = comb.source("s0"), comb.source("final")
-    if initial == "f32":
-        assert s0 == Role("initial_state")
-    elif initial == "bf16":
-        assert isinstance(s0, At) and s0.buffer.dtype == F32
-        assert s0.buffer.shape == (2, 2, 64, 64)
-        copy = pl.step("initial state to fp32")
-        assert isinstance(copy, Copy)
-        assert copy.src == Role("initial_state") and copy.dst == s0.buffer
-        assert names.index("initial state to fp32") < names.index("combine")
-    else:
-        assert not isinstance(s0, Role)
-    if initial != "bf16":
-        assert "initial state to fp32" not in names
-    if final == "f32":
-        assert fin == Role("final_state")
-    elif final == "bf16":
-        assert isinstance(fin, At) and fin.buffer.dtype == F32
-        assert fin.buffer.shape == (2, 2, 64, 64)
-        copy = pl.step("final state from fp32")
-        assert isinstance(copy, Copy)
-        assert copy.src == fin.buffer and copy.dst == Role("final_state")
-        assert names.index("combine") < names.index("final state from fp32")
-    else:
-        assert not isinstance(fin, Role)
-    if final != "bf16":
-        assert "final state from fp32" not in names
+    for arg in ("s0f", "s0h"):
+        assert (comb.source(arg) == Role("initial_state")) == (initial is not None)
+    for arg in ("final", "final_h"):
+        assert (comb.source(arg) == Role("final_state")) == (final is not None)
+    assert not any(isinstance(s, Copy) for s in pl.steps), names
     # K2's third run starts from the combine's start states
     third = pl.step("K2 from starts")
     assert third.source("s0f") == third.source("s0h") == comb.source("starts")

@@ -103,7 +103,7 @@ def _x(opts: Options = OPTS, **spec) -> dict:
 
 
 def _call(x: dict) -> Call:
-    return Call(**{n: x[n] for n in Call._fields})
+    return Call(**{n: x.get(n) for n in Call._fields})
 
 
 def _plan(x: dict, opts: Options = OPTS):

@@ -451,7 +451,7 @@ def _fake_call(**over):
     """A valid fixed-length call's tensors as FakeTensors on a (fake) CUDA device."""
     from kda_cute import Call
     kw = {**inputs(V=K, initial_state=F32, final_state=F32), **over}
-    return Call(**{n: kw[n] for n in Call._fields})
+    return Call(**{n: kw.get(n) for n in Call._fields})
 
 
 def _no_data_ptr(monkeypatch):

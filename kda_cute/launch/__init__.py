@@ -203,7 +203,8 @@ class Bound:
         self._torch = any(isinstance(x, (VarlenOffsets, Copy)) for x in plan.steps)
         self._device = device
         self._check = check_seqlens and getattr(plan.problem, "varlen", False)
-        self._errors = hasattr(plan.problem, "form")  # a serving step reports bad values
+        # a serving step and a pool-form forward report bad values
+        self._errors = hasattr(plan.problem, "form") or bool(getattr(plan.problem, "pool", None))
 
     def _capturing(self) -> bool:
         with torch.cuda.device(self._device):

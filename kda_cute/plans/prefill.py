@@ -12,6 +12,7 @@ from ..ladder import SEGMENT_RUNS, FwdConfig, alongside_of, combine_config
 from ..problem import Options, Problem
 from ..specs import args_for
 from ..specs.prep import GATE_MODES, K1_GRID_Y
+from ..specs.recur import INDEX_DENSE, INDEX_PAD, INDEX_POOL
 from . import schedule as sch
 from . import workspace
 from .device import DeviceInfo, resources
@@ -19,7 +20,7 @@ from .steps import (
     At,
     Buffer,
     CallScalar,
-    Copy,
+    Errors,
     Launch,
     Memset,
     Plan,
@@ -45,6 +46,34 @@ def _launch(name, cfg, grid, values: dict, syms: dict, dev: DeviceInfo, smem: in
                   tuple(values[a.name] for a in args), tuple((s, syms[s]) for s in sorted(used)))
 
 
+def _index_values(p: Problem, N: int, mode: int | None = None, row_div: int = 1,
+                  has_init: bool | None = None) -> dict:
+    """The pool form's arguments of K2 and the combine (kda_cute.specs.recur.index_args) for
+    problem `p` (the error words stand in for the tables a plan does not read): dense states
+    unless `p.pool`, `mode` (INDEX_*) and `has_init` overriding the problem's."""
+    err = Errors()
+    pool = p.pool or (N, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+    slots, _, r_sn, r_wide, w_on, w_sn, w_wide, null, _, _ = pool
+    hi = p.has_init if has_init is None else has_init
+    if mode is None:
+        mode = INDEX_POOL if p.pool else INDEX_DENSE
+    tables = mode != INDEX_DENSE
+    return {"state_index": Role("state_indices") if tables else err,
+            "out_index": Role("output_state_indices") if tables and w_on else err,
+            "has_init": Role("has_initial_state") if hi else err,
+            "errors": err,
+            "index_mode": Scalar(mode), "row_div": Scalar(row_div), "slots": Scalar(slots),
+            "r_sn": Scalar(r_sn), "r_wide": Scalar(r_wide), "w_on": Scalar(w_on),
+            "w_sn": Scalar(w_sn), "w_wide": Scalar(w_wide), "hi_on": Scalar(int(hi)),
+            "null_min": Scalar(null)}
+
+
+def _index_syms(p: Problem) -> dict:
+    """The dynamic dimensions of the pool form's tables (word counts, at least one)."""
+    nri, nwi = (p.pool[8], p.pool[9]) if p.pool else (0, 0)
+    return {"NRI": max(1, nri), "NWI": max(1, nwi), "NHI": max(1, p.N if p.has_init else 0)}
+
+
 def _segment_offsets(B: int, T: int, C: int, P: int) -> tuple[At, At]:
     """cu_seqlens and cu_chunks of a fixed-length batch as B * P segments."""
     return tuple(At(Buffer("segments", (B * P + 1,), I32, (B, T, C, P, which)))
@@ -68,8 +97,11 @@ def forward_plan(p: Problem, opts: Options, cfg: FwdConfig, dev: DeviceInfo) -> 
     dt_bias = Role("dt_bias") if p.dt_bias else At(Buffer("zeros", (H * K,), F32))
     sq, sk, sg, sv, so, sb = p.token_strides()
     syms = {"T": Tt, "R": R, "H": H, "HK": H * K, "HV": H * V, "HC": H * C, "NCH": nch,
-            "N1": p.N + 1, "NS": p.N, "sQ": sq, "sK": sk, "sG": sg, "sB": sb, "sV": sv,
-            "sO": so, "sS": H * V * K, "sW": H * K, "sWc": H * C, "FL": nch * H}
+            "N1": p.N + 1, "sQ": sq, "sK": sk, "sG": sg, "sB": sb, "sV": sv,
+            "sO": so, "sW": H * K, "sWc": H * C, "FL": nch * H,
+            # the states' rows: the sequences', or the pool's slots
+            "NS": p.pool[0] if p.pool else p.N, "sS": p.pool[1] if p.pool else H * V * K,
+            **_index_syms(p)}
     sched = sch.decide(p, opts, cfg, dev)
     vals1 = {"q": Role("q"), "k": Role("k"), "g": Role("g"), "beta": Role("beta"),
              "A_log": a_log, "dt_bias": dt_bias, "cu_seqlens": offs[0], "cu_chunks": offs[1],
@@ -88,7 +120,8 @@ def forward_plan(p: Problem, opts: Options, cfg: FwdConfig, dev: DeviceInfo) -> 
              "cu_seqlens": offs[0], "cu_chunks": offs[1],
              "state_in": Scalar(_STATE_CODE[p.state_in]),
              "state_out": Scalar(_STATE_CODE[p.state_out]),
-             "ordered": Scalar(int(sch.longest_first(p, cfg, sched.k2_grid, dev)))}
+             "ordered": Scalar(int(sch.longest_first(p, cfg, sched.k2_grid, dev))),
+             **_index_values(p, p.N)}
     notes = []
     grid = sched.k2_grid
     if sched.kind == "alongside":
@@ -144,38 +177,36 @@ def _segments(p: Problem, cfg: FwdConfig, P: int, vals2: dict, syms: dict,
     scratch = (vals2["out"] if quiet_built
                else At(Buffer("scratch", (B * T, H, K), BF16, ("identity out",))))
     seg = {"cu_seqlens": cu, "cu_chunks": cc}
-    syms_v = {**syms, "N1": N + 1, "NS": N}
-    syms_i = {**syms_v, "HV": H * K, "sV": H * K, "sO": H * K, "sS": H * K * K}
+    dense = _index_values(p, N, INDEX_DENSE, has_init=False)
+    syms_v = {**syms, "N1": N + 1, "NS": N, "sS": H * K * K}
+    syms_i = {**syms_v, "HV": H * K, "sV": H * K, "sO": H * K}
     steps = [
         _launch("K2 from zero", quiet if quiet_built else cfg.recur, (V // bv, H, N),
-                {**vals2, **seg, "state_in": Scalar(0), "state_out": Scalar(1),
+                {**vals2, **seg, **dense, "state_in": Scalar(0), "state_out": Scalar(1),
                  "s1f": ends, "s1h": ends}, syms_v, dev),
         _launch("K2 identity", ident_quiet if quiet_built else ident, (K // bv, H, N),
-                {**vals2, **seg, "v": zeros, "out": scratch, "out_tma": scratch,
+                {**vals2, **seg, **dense, "v": zeros, "out": scratch, "out_tma": scratch,
                  "state_in": Scalar(1), "s0f": eye, "s0h": eye, "state_out": Scalar(1),
                  "s1f": maps, "s1h": maps}, syms_i, dev),
     ]
-    # the combine reads and writes fp32 states: a bf16 one through an fp32 buffer
-    s0 = final = None
-    if p.state_in is not None:
-        s0 = Role("initial_state")
-        if p.state_in != F32:
-            s0 = At(Buffer("scratch", (B, H, K, K), F32, ("initial state",)))
-            steps.append(Copy("initial state to fp32", Role("initial_state"), s0.buffer))
-    if p.state_out is not None:
-        final = Role("final_state")
-        if p.state_out != F32:
-            final = At(Buffer("scratch", (B, H, K, K), F32, ("final state",)))
+    # the combine reads the initial state and writes the final one (fp32 or bf16, dense or
+    # at the pool's slots); the start states and the maps are fp32 scratch
+    s0 = Role("initial_state") if p.state_in is not None else starts
+    final = Role("final_state") if p.state_out is not None else starts
     kc = combine_config(K)
     steps.append(_launch(
         "combine", kc, (K // kc.rows, H, B),
-        {"maps": maps, "ends": ends, "s0": s0 or starts, "starts": starts,
-         "final": final or starts, "segments": Scalar(P),
-         "has_init": Scalar(int(s0 is not None)), "has_final": Scalar(int(final is not None))},
-        {"NSP": B * P, "NS": B, "H": H, "sS": H * K * K}, dev))
-    if isinstance(final, At):
-        steps.append(Copy("final state from fp32", final.buffer, Role("final_state")))
+        {"maps": maps, "ends": ends, "s0f": s0, "s0h": s0, "starts": starts, "final": final,
+         "final_h": final, "segments": Scalar(P),
+         "state_in": Scalar(_STATE_CODE[p.state_in]),
+         "state_out": Scalar(_STATE_CODE[p.state_out]), **_index_values(p, B)},
+        {"NSP": N, "sSP": H * K * K, "NS": syms["NS"], "sS": syms["sS"], "H": H,
+         **_index_syms(p)}, dev))
+    # the value rows from each segment's start state; in the pool form the index table says
+    # which rows are padding (zero outputs)
     steps.append(_launch("K2 from starts", cfg.recur, (V // bv, H, N),
-                         {**vals2, **seg, "state_in": Scalar(1), "s0f": starts,
-                          "s0h": starts, "state_out": Scalar(0)}, syms_v, dev))
+                         {**vals2, **seg, **_index_values(
+                             p, N, INDEX_PAD if p.pool else INDEX_DENSE, P, has_init=False),
+                          "state_in": Scalar(1), "s0f": starts, "s0h": starts,
+                          "state_out": Scalar(0)}, syms_v, dev))
     return steps

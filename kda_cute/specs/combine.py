@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from ..abi import Arg, scalar, tensor
+from .recur import index_args
 
 
 @dataclass(frozen=True)
@@ -38,19 +39,29 @@ def supports(cfg: CombineConfig) -> tuple[bool, str]:
 
 
 def args(cfg: CombineConfig) -> list[Arg]:
-    """The combine's `__call__` arguments: NSP = sequences x segments, NS = sequences,
-    sS = H * K * K."""
+    """The combine's `__call__` arguments: NSP = sequences x segments (the fp32 scratch
+    states, stride sSP = H * K * K); the initial and final states as K2's (fp32 or bf16, dense
+    [N, H, K, K] or the pool's slots, stride sS), read and written as state_in / state_out say
+    (0 none, 1 fp32, 2 bf16) at the slots the pool form's arguments give."""
     K = cfg.head_dim_k
 
-    def states(name, rows, dsl):
-        return tensor(name, "float32", (rows, "H", K, K), ("sS", K * K, K, 1), dsl=dsl)
+    def scratch(name, dsl):
+        return tensor(name, "float32", ("NSP", "H", K, K), ("sSP", K * K, K, 1), dsl=dsl)
 
+    def state(name, dtype, dsl):
+        return tensor(name, dtype, ("NS", "H", K, K), ("sS", K * K, K, 1), dsl=dsl)
+
+    idx = index_args()
     return [
-        states("maps", "NSP", "mA"), states("ends", "NSP", "mB"), states("s0", "NS", "mS0"),
-        states("starts", "NSP", "mStart"), states("final", "NS", "mFinal"),
+        scratch("maps", "mA"), scratch("ends", "mB"),
+        state("s0f", "float32", "mS0f"), state("s0h", "bfloat16", "mS0h"),
+        scratch("starts", "mStart"),
+        state("final", "float32", "mFinal"), state("final_h", "bfloat16", "mFinalH"),
+        *idx[:4],
         scalar("segments"),
-        scalar("has_init"),
-        scalar("has_final"),
+        scalar("state_in"),
+        scalar("state_out"),
+        *idx[4:],
         scalar("num_seqs", grid_only=True),
         scalar("num_heads", grid_only=True),
     ]

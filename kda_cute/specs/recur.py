@@ -7,6 +7,31 @@ from dataclasses import asdict, dataclass
 
 from ..abi import Arg, operand_dtype, operand_tma, scalar, tensor, tma, ws_tile
 
+# Where a sequence's states are (K2's and the combine's `index_mode`): dense (sequence n's state
+# is row n), in a pool (row state_index[n] read, out_index[n] written), or dense with the pool's
+# index table read only for which rows are padding (the segments' last run, whose start states
+# are the combine's)
+INDEX_DENSE, INDEX_POOL, INDEX_PAD = 0, 1, 2
+# The pool form's run-time arguments, shared by K2 and the combine (kernels.common.StateSlots):
+# the mode, the index table's row of sequence n (n // row_div), the pool's slots, the read
+# table's entry stride and int64 flag, whether a write table is given (else the read slot is
+# written) with its stride and flag, whether has_init is read, and the least index that is not
+# padding (0, or 1 with null_slot=0)
+INDEX_SCALARS = ("index_mode", "row_div", "slots", "r_sn", "r_wide", "w_on", "w_sn", "w_wide",
+                 "hi_on", "null_min")
+
+
+def index_args() -> list[Arg]:
+    """The pool form's tables (int32 words; an int64 table as word pairs), has_init flags, the
+    error words (kda_cute.errors) and INDEX_SCALARS."""
+    return [
+        tensor("state_index", "int32", ("NRI",), (1,), dsl="mRIdx"),
+        tensor("out_index", "int32", ("NWI",), (1,), dsl="mWIdx"),
+        tensor("has_init", "int8", ("NHI",), (1,)),
+        tensor("errors", "int32", (8,), (1,), dsl="mErr"),
+        *(scalar(n) for n in INDEX_SCALARS),
+    ]
+
 
 @dataclass(frozen=True)
 class RecurConfig:
@@ -131,6 +156,7 @@ def _common(cfg: RecurConfig) -> list[Arg]:
         tensor("out", "bfloat16", ("T", "H", V), ("sO", V, 1)),
         *([tma("out_tma", "bfloat16", ("T", "HV"), ("sO", 1), (16, C), dsl="mOutT")]
           if tc else []),
+        # dense states [N, H, V, K], or the pool [slots, H, V, K] (slot stride sS)
         tensor("s0f", "float32", ("NS", "H", V, K), ("sS", V * K, K, 1)),
         tensor("s0h", "bfloat16", ("NS", "H", V, K), ("sS", V * K, K, 1)),
         tensor("s1f", "float32", ("NS", "H", V, K), ("sS", V * K, K, 1)),
@@ -139,12 +165,14 @@ def _common(cfg: RecurConfig) -> list[Arg]:
         tensor("cu_chunks", "int32", ("N1",), (1,), dsl="mCuChunk"),
         # read only by an alongside build
         *([tensor("flags", "int32", ("FL",), (1,))] if tc else []),
+        *index_args()[:4],
         scalar("num_seqs", grid_only=True),
         scalar("num_heads", grid_only=True),
         scalar("state_in"),
         scalar("state_out"),
         # 1: grid z runs the z-th longest sequence (varlen, fewer than the CTA's threads)
         *([scalar("ordered")] if tc else []),
+        *index_args()[4:],
     ]
 
 
