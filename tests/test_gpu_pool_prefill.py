@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import kda_cute
-from kda_cute import Call, checks, plans
+from kda_cute import Call, api, checks, plans
 from kda_cute.reference import rel_err
 from kda_cute.testing import cuda_ready, make_inputs, reference
 
@@ -278,7 +278,7 @@ def test_cuda_graph_replay_with_new_indices():
     p = checks.forward(Call(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], out,
                             inp["A_log"], inp["dt_bias"], pool, pool, inp["cu_seqlens"],
                             inp["scale"], inp["lower_bound"], **kw), checks.options())
-    ws = torch.empty(kda_cute.workspace_bytes(p, kda_cute.config_for(p)), dtype=torch.uint8,
+    ws = torch.empty(kda_cute.workspace_bytes(p, api.config_for(p)), dtype=torch.uint8,
                      device="cuda")
 
     def step():
