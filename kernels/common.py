@@ -174,6 +174,15 @@ class StateSlots:
                 init = i32(0)
         return live, rs, ws, init
 
+    @cute.jit
+    def _zero_rows(self, mOut: cute.Tensor, bos, eos, h, v0, tidx, nthreads: cutlass.Constexpr):
+        """A padding row's outputs: zeros in columns v0 .. v0 + BV - 1 of its tokens (mOut
+        (T, H, V)), by `nthreads` threads. The row runs no chunk: it needs no pipeline."""
+        BV = self.BV
+        for e in cutlass.range(tidx, (eos - bos) * BV, nthreads):
+            t = e // BV
+            mOut[bos + t, h, v0 + e - t * BV] = cutlass.BFloat16(0.0)
+
 
 @dsl_user_op
 def trap(*, loc=None, ip=None):

@@ -126,7 +126,6 @@ class KdaRecurSm90(ChunkTileLoader, StateSlots):
         bos = mCuSeq[seq]
         eos = mCuSeq[seq + 1]
         chunk0 = mCuChunk[seq]
-        num_chunks = (eos - bos + C - 1) // C
 
         smem = utils.SmemAllocator()
         st = smem.allocate(self.shared_storage)
@@ -168,6 +167,8 @@ class KdaRecurSm90(ChunkTileLoader, StateSlots):
             s_in = cutlass.Int32(0)
         if live == 0:
             s_out = cutlass.Int32(0)
+            self._zero_rows(mOut, bos, eos, h, vb * BV, tidx, self.threads)
+        num_chunks = (eos - bos + C - 1) // C * live  # a padding row runs no chunk
 
         # ---- initial state -> registers ------------------------------------------------
         state = cute.make_rmem_tensor((NCOL,), cutlass.Float32)
@@ -230,8 +231,6 @@ class KdaRecurSm90(ChunkTileLoader, StateSlots):
                     acc = o[i]
                     for j in cutlass.range_constexpr(i + 1):
                         acc = acc + sMq[i, j, s] * u[j]
-                    if live == 0:
-                        acc = cutlass.Float32(0.0)
                     if sub == i % TPR:
                         mOut[t0 + i, h, v_idx] = acc.to(cutlass.BFloat16)
             # S = S * gl + U^T kd

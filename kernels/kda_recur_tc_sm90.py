@@ -35,8 +35,9 @@ chunks behind its loads and hands over on a per-stage `ready` mbarrier; one prod
 less on the serial chain (the launcher takes it where each CTA has an SM to itself).
 The states are dense (sequence n's is row n) or a pool's slots (kernels.common.StateSlots:
 row state_index[n] read, out_index[n] written, in place when equal), looked up once per sequence
-by the consumer warpgroup; a padding row (or one with a bad index) reads and writes no state and
-stores zeros as its output, through the same pipeline.
+by the consumer warpgroup and the producer warp alike; a padding row (or one with a bad index)
+reads and writes no state and runs no chunk (nothing is loaded for it): its output rows are
+stored as zeros, so the chunk loop is the dense forward's.
 Constraints: block_v == 64, threads == 128 (+ 32 producer), chunk == 16, head_dim_k % 64 == 0.
 """
 
@@ -281,6 +282,7 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
                                                      self.mma_threads // 32),
             tx_count=self.tx_bytes)
 
+        idx = (index_mode, row_div, slots, r_sn, r_wide, w_on, w_sn, w_wide, hi_on, null_min)
         if warp == self.producer_warp:
             # ---- producer: one chunk's tiles per stage -----------------------------------
             loads = ((tma_kg, tKg, sKg, (C, K), False), (tma_qg, tQg, sQg, (C, K), False),
@@ -297,7 +299,10 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
             for seq in cutlass.range(z, num_seqs, nz):
                 bos = mCuSeq[seq]
                 chunk0 = mCuChunk[seq]
-                nch = (mCuSeq[seq + 1] - bos + C - 1) // C
+                # a padding row runs no chunk (the consumers agree: _slots)
+                live, _, _, _ = self._slots(mRIdx, mWIdx, mHasInit, mErr, seq, idx,
+                                            cutlass.Int32(0))
+                nch = (mCuSeq[seq + 1] - bos + C - 1) // C * live
                 flagged = cutlass.Int32(-1)  # chunks 0 .. flagged known written (K1 alongside)
                 for c in cutlass.range(nch):
                     pipe.producer_acquire(state)
@@ -331,9 +336,7 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
             self._consume(pipe, sKg, sQg, sKdh, sKdl, sAwh, sAwl, sMqh, sMql, sGl, sV, sO,
                           l_slab, mOut, (tma_o, tO), mS0f, mS0h, mS1f, mS1h, state_in,
                           state_out, mma_p, mma_s, tidx, warp, h, vb, mCuSeq,
-                          (z, num_seqs, nz), ready, (mRIdx, mWIdx, mHasInit, mErr),
-                          (index_mode, row_div, slots, r_sn, r_wide, w_on, w_sn, w_wide, hi_on,
-                           null_min))
+                          (z, num_seqs, nz), ready, (mRIdx, mWIdx, mHasInit, mErr), idx)
 
     @cute.jit
     def _wy_operand(self, pipe, wstate, sKg, sAwh, ready):
@@ -469,10 +472,13 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
         for seq in cutlass.range(z, num_seqs, nz):
             bos = mCuSeq[seq]
             eos = mCuSeq[seq + 1]
-            num_chunks = (eos - bos + C - 1) // C
-            # the rows of the state read and written; a padding row neither reads nor writes
-            # and its outputs are zeros
+            # the rows of the state read and written; a padding row neither reads nor writes,
+            # runs no chunk (the producer loads none) and its outputs are zeros
             live, rs, ws, init = self._slots(mRIdx, mWIdx, mHasInit, mErr, seq, idx, lead)
+            num_chunks = (eos - bos + C - 1) // C * live
+            if cutlass.const_expr(self.outputs):
+                if live == 0:
+                    self._zero_rows(mOut, bos, eos, h, v0, tidx, self.mma_threads)
             s_in = state_in
             if live == 0 or init == 0:
                 s_in = cutlass.Int32(0)
@@ -518,10 +524,6 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
                 if cutlass.const_expr(self.outputs):
                     # O done; the update runs on while the output is stored
                     warpgroup.wait_group(1)
-                    if live == 0:
-                        acc_o.fill(0.0)
-                        if cutlass.const_expr(self.wy):
-                            acc_p.fill(0.0)
                     if length == C:
                         # whole chunk: each warp its 16 rows, through its slab of smem buffer
                         # c % 2 and one TMA store (no barrier across the warpgroup)

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from kda_cute.cubin import CUBIN_ROOT
-from kda_cute.ladder import ALONGSIDE, EXPERIMENTAL, SEGMENT_RUNS, SHIPPED
+from kda_cute.ladder import ALONGSIDE, EXPERIMENTAL, SEGMENT_RUNS, SHIPPED, WY_RUNS
 
 
 def _nvdisasm() -> Path | None:
@@ -30,7 +30,8 @@ def _nvdisasm() -> Path | None:
 
 
 NVDISASM = _nvdisasm()
-WGMMA = sorted({c.recur for c in SHIPPED + EXPERIMENTAL + ALONGSIDE if c.recur.mma == "wgmma"},
+WGMMA = sorted({c.recur for c in SHIPPED + EXPERIMENTAL + ALONGSIDE if c.recur.mma == "wgmma"}
+               | set(WY_RUNS),
                key=lambda r: r.name)
 
 
