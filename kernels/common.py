@@ -175,6 +175,17 @@ class StateSlots:
         return live, rs, ws, init
 
     @cute.jit
+    def _report(self, mRIdx: cute.Tensor, mWIdx: cute.Tensor, mHasInit: cute.Tensor,
+                mErr: cute.Tensor, seqs, idx):
+        """The bad indices of sequences `seqs` (range arguments) into the error words, by the
+        calling thread alone, before the kernel's main work: a store under a thread's own
+        condition inside the warp-specialised loops makes ptxas treat the producer's loop
+        state as divergent (an elect loop around every TMA load)."""
+        if idx[0] == INDEX_POOL:
+            for seq in cutlass.range(seqs[0], seqs[1], seqs[2]):
+                self._slots(mRIdx, mWIdx, mHasInit, mErr, seq, idx, cutlass.Int32(1))
+
+    @cute.jit
     def _zero_rows(self, mOut: cute.Tensor, bos, eos, h, v0, tidx, nthreads: cutlass.Constexpr):
         """A padding row's outputs: zeros in columns v0 .. v0 + BV - 1 of its tokens (mOut
         (T, H, V)), by `nthreads` threads. The row runs no chunk: it needs no pipeline."""

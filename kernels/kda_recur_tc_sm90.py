@@ -51,7 +51,7 @@ from cutlass.cute.nvgpu import warp as warp_mma
 from cutlass.utils import LayoutEnum
 
 from kda_cute.abi import operand_dtype
-from kda_cute.specs.recur import INDEX_POOL, RecurConfig
+from kda_cute.specs.recur import RecurConfig
 from kernels.common import StateSlots, TileCopy, swizzle_bytes, tma_meta, trap
 
 STATE_NONE, STATE_F32, STATE_BF16 = 0, 1, 2
@@ -283,6 +283,8 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
             tx_count=self.tx_bytes)
 
         idx = (index_mode, row_div, slots, r_sn, r_wide, w_on, w_sn, w_wide, hi_on, null_min)
+        if tidx == 0 and vb == 0 and h == 0:  # one thread of a sequence reports its bad indices
+            self._report(mRIdx, mWIdx, mHasInit, mErr, (z, num_seqs, nz), idx)
         if warp == self.producer_warp:
             # ---- producer: one chunk's tiles per stage -----------------------------------
             loads = ((tma_kg, tKg, sKg, (C, K), False), (tma_qg, tQg, sQg, (C, K), False),
@@ -466,15 +468,13 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         z, num_seqs, nz = seqs
         mRIdx, mWIdx, mHasInit, mErr = tables
-        lead = cutlass.Int32(0)  # one thread of a sequence reports its bad indices
-        if tidx == 0 and vb == 0 and h == 0 and idx[0] == INDEX_POOL:
-            lead = cutlass.Int32(1)
         for seq in cutlass.range(z, num_seqs, nz):
             bos = mCuSeq[seq]
             eos = mCuSeq[seq + 1]
             # the rows of the state read and written; a padding row neither reads nor writes,
             # runs no chunk (the producer loads none) and its outputs are zeros
-            live, rs, ws, init = self._slots(mRIdx, mWIdx, mHasInit, mErr, seq, idx, lead)
+            live, rs, ws, init = self._slots(mRIdx, mWIdx, mHasInit, mErr, seq, idx,
+                                             cutlass.Int32(0))
             num_chunks = (eos - bos + C - 1) // C * live
             if cutlass.const_expr(self.outputs):
                 if live == 0:

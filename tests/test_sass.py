@@ -63,3 +63,20 @@ def test_state_run_wgmma_groups_not_split(cfg):
     assert hgmma >= 3 * cfg.head_dim_k // 64 + 3, sass.count("HGMMA")
     groups = max(1, cfg.head_dim_k // 128) + 2
     assert arrive <= groups < hgmma, (hgmma, arrive)
+
+
+@pytest.mark.skipif(NVDISASM is None, reason="no nvdisasm (triton's wheel ships one)")
+@pytest.mark.parametrize("cfg", sorted(set(WGMMA) | set(SEGMENT_RUNS), key=lambda r: r.name),
+                         ids=lambda r: r.name)
+def test_tma_loads_issued_from_uniform_registers(cfg):
+    """K2's producer warp issues each TMA load once: its descriptors, coordinates and stage
+    index are warp-uniform. Where ptxas cannot prove them so (a store under a thread's own
+    condition inside the warp-specialised loops did it), it wraps every load in an elect loop
+    (ELECT, UTMALDG, `BRA.U.ANY` back), which slowed the output-free segment runs by half."""
+    cubin = CUBIN_ROOT / "sm_90a" / f"{cfg.name}.cubin"
+    if not cubin.exists():
+        pytest.skip(f"{cubin.name} not built (make kernels)")
+    sass = subprocess.run([str(NVDISASM), "-c", str(cubin)], capture_output=True, text=True,
+                          check=True).stdout
+    assert "UTMALDG" in sass
+    assert "BRA.U.ANY" not in sass, f"{cfg.name}: TMA loads inside elect loops"
