@@ -6,7 +6,8 @@ the H200, side by side in one run over bench.py's cases.
 Each case times the dense call (initial_state [N] in, final_state [N] out) and the pool form
 (a fp32 pool of 4N slots, random int32 slots, updated in place) on the same input sets, cold L2
 as bench.py (CUDA events, warm-up, median, sets rotated past 3x the L2), eager and in a CUDA
-graph, in the order dense, pool, pool, dense (each figure the mean of its two medians). Before
+graph, in rounds of dense, pool, pool, dense (each figure the median of its rounds' medians,
+--rounds of them: one run's medians drift by a few percent between rounds). Before
 timing, the pool form's outputs and written slots are checked bit-identical to the dense
 forward's on the same states. Writes JSON (device, versions, commit, every figure), a Markdown
 table and a PNG plot beside it.
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import zlib
 from pathlib import Path
@@ -71,19 +73,19 @@ def bit_identical(x) -> bool:
     return bool(same)
 
 
-def bench_case(name, spec, K, iters) -> dict:
+def bench_case(name, spec, K, iters, rounds) -> dict:
     seed = zlib.crc32(name.encode()) % 1000
     sets = with_pools(b.input_sets(spec, K, seed, later_seed=0), seed)
     ok = bit_identical(sets[0])
     t = {"dense": [], "pool": [], "dense_graph": [], "pool_graph": []}
-    for kind in ("dense", "pool", "pool", "dense"):
+    for kind in ("dense", "pool", "pool", "dense") * rounds:
         fn = dense if kind == "dense" else pooled
         t[kind].append(b.time_fn(fn, sets, iters))
         t[kind + "_graph"].append(b.time_fn(b.graph_runner(fn, sets), sets, iters))
     row = {"case": name, "K": K, "N": sets[0]["N"], "bit_identical": ok,
            "input_sets": len(sets)}
     for k, v in t.items():
-        row[k + "_ms"] = sum(v) / len(v)
+        row[k + "_ms"] = statistics.median(v)
         row[k + "_runs_ms"] = v
     row["pool_over_dense"] = row["pool_ms"] / row["dense_ms"]
     row["pool_over_dense_graph"] = row["pool_graph_ms"] / row["dense_graph_ms"]
@@ -135,15 +137,17 @@ def main(argv=None) -> int:
     ap.add_argument("--cases", default="")
     ap.add_argument("--head-dims", default="128")
     ap.add_argument("--iters", type=int, default=100)
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "pool-prefill.json"))
     a = ap.parse_args(argv)
     names = (a.cases.replace("_", " ").split(",") if a.cases
              else b.QUICK if a.quick else list(b.CASES))
-    rows = [bench_case(n, b.CASES[n], int(K), a.iters) for K in a.head_dims.split(",")
+    rows = [bench_case(n, b.CASES[n], int(K), a.iters, a.rounds) for K in a.head_dims.split(",")
             for n in names]
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({**b.versions(), "iters": a.iters, "rows": rows}, indent=1)
+    out.write_text(json.dumps({**b.versions(), "iters": a.iters, "rounds": a.rounds,
+                               "rows": rows}, indent=1)
                    + "\n")
     out.with_suffix(".md").write_text(table(rows))
     plot(rows, out.with_suffix(".png"))
