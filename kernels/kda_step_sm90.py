@@ -33,6 +33,7 @@ import cutlass.utils as utils
 from cutlass.cute.nvgpu import cpasync
 
 from kda_cute.specs.step import ERRORS, WRITE_ALL, WRITE_LAST, WRITE_START, StepConfig
+from kernels.common import StateSlots  # _word: an index table entry, int64 as word pairs
 
 E_CU, E_LEN, E_ACC, E_READ, E_WRITE, E_PARENT = range(6)  # the words of specs.step.ERRORS
 assert ERRORS[E_PARENT] == "retrieve_parent_token"
@@ -40,7 +41,7 @@ GATE_BOUNDED, GATE_UNBOUNDED = 1, 2
 SRC_ZERO, SRC_STAGE, SRC_F32 = 0, 1, 2  # where a row's state comes from at a token
 
 
-class KdaStepSm90:
+class KdaStepSm90(StateSlots):
     def __init__(self, cfg: StepConfig):
         self.cfg = cfg
         self.K, self.V = cfg.head_dim_k, cfg.head_dim_v
@@ -112,19 +113,6 @@ class KdaStepSm90:
                  smem=self.smem_bytes, stream=stream)
 
     # ---------------------------------------------------------------- device
-    @cute.jit
-    def _word(self, t: cute.Tensor, off, wide):
-        """Entry `off` of an index table: (value, ok). An int64 table (wide) is read as word
-        pairs; ok is 0 when the high word is not the low word's sign extension."""
-        v = t[off]
-        ok = cutlass.Int32(1)
-        if wide != 0:
-            v = t[2 * off]
-            hi = t[2 * off + 1]
-            if hi != (v >> 31):
-                ok = cutlass.Int32(0)
-        return v, ok
-
     @cute.jit
     def _flag(self, mErr: cute.Tensor, code: cutlass.Constexpr, lead):
         if lead != 0:

@@ -35,14 +35,19 @@ WGMMA = sorted({c.recur for c in SHIPPED + EXPERIMENTAL + ALONGSIDE if c.recur.m
                key=lambda r: r.name)
 
 
-@pytest.mark.skipif(NVDISASM is None, reason="no nvdisasm (triton's wheel ships one)")
-@pytest.mark.parametrize("cfg", WGMMA, ids=lambda r: r.name)
-def test_wgmma_not_serialized(cfg):
+def _sass(cfg) -> str:
+    """The disassembly of a built config's cubin (skips the test where it is not built)."""
     cubin = CUBIN_ROOT / "sm_90a" / f"{cfg.name}.cubin"
     if not cubin.exists():
         pytest.skip(f"{cubin.name} not built (make kernels)")
-    sass = subprocess.run([str(NVDISASM), "-c", str(cubin)], capture_output=True, text=True,
+    return subprocess.run([str(NVDISASM), "-c", str(cubin)], capture_output=True, text=True,
                           check=True).stdout
+
+
+@pytest.mark.skipif(NVDISASM is None, reason="no nvdisasm (triton's wheel ships one)")
+@pytest.mark.parametrize("cfg", WGMMA, ids=lambda r: r.name)
+def test_wgmma_not_serialized(cfg):
+    sass = _sass(cfg)
     assert "HGMMA" in sass
     assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in sass, (
         f"{cfg.name}: every wgmma waits for all before it (ptxas serialized them)")
@@ -54,11 +59,7 @@ def test_state_run_wgmma_groups_not_split(cfg):
     """K2 without outputs keeps one product group in flight at a time (P in its slabs of K, U,
     the update: each waited for with DEPBAR 0x0 by design), so the serialization shows
     differently: a WARPGROUP.ARRIVE before every HGMMA instead of one per group."""
-    cubin = CUBIN_ROOT / "sm_90a" / f"{cfg.name}.cubin"
-    if not cubin.exists():
-        pytest.skip(f"{cubin.name} not built (make kernels)")
-    sass = subprocess.run([str(NVDISASM), "-c", str(cubin)], capture_output=True, text=True,
-                          check=True).stdout
+    sass = _sass(cfg)
     hgmma, arrive = sass.count("HGMMA."), sass.count("WARPGROUP.ARRIVE")
     assert hgmma >= 3 * cfg.head_dim_k // 64 + 3, sass.count("HGMMA")
     groups = max(1, cfg.head_dim_k // 128) + 2
@@ -73,10 +74,6 @@ def test_tma_loads_issued_from_uniform_registers(cfg):
     index are warp-uniform. Where ptxas cannot prove them so (a store under a thread's own
     condition inside the warp-specialised loops did it), it wraps every load in an elect loop
     (ELECT, UTMALDG, `BRA.U.ANY` back), which slowed the output-free segment runs by half."""
-    cubin = CUBIN_ROOT / "sm_90a" / f"{cfg.name}.cubin"
-    if not cubin.exists():
-        pytest.skip(f"{cubin.name} not built (make kernels)")
-    sass = subprocess.run([str(NVDISASM), "-c", str(cubin)], capture_output=True, text=True,
-                          check=True).stdout
+    sass = _sass(cfg)
     assert "UTMALDG" in sass
     assert "BRA.U.ANY" not in sass, f"{cfg.name}: TMA loads inside elect loops"
