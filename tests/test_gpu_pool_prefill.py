@@ -333,3 +333,33 @@ def test_chunk_kda_pool_form():
         kda_cute.chunk_kda(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"],
                            initial_state=pool, state_indices=kw["state_indices"],
                            cu_seqlens=inp["cu_seqlens"])
+
+
+def test_bound_pool_prefill():
+    """A pool-form forward bound once (kda_cute.bind) runs on refilled slots like fwd, and
+    reports an earlier call's bad index before launching."""
+    inp, pool, buf, read, write, hi, kw = _case(128, torch.float32, torch.int32,
+                                                seqlens=[40, 100], seed=14)
+    idx = kw["state_indices"].clone()
+    out = torch.full(inp["v"].shape, float("nan"), dtype=torch.bfloat16, device="cuda")
+    call = Call(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], out, inp["A_log"],
+                inp["dt_bias"], pool, pool, inp["cu_seqlens"], inp["scale"],
+                inp["lower_bound"], idx)
+    opts = checks.options()
+    bound = kda_cute.bind(plans.plan(checks.forward(call, opts), opts,
+                                     plans.device_info(inp["q"].device)), call)
+    before = pool.clone()
+    bound()
+    torch.cuda.synchronize()
+    got_o, got_p = out.clone(), pool.clone()
+    pool.copy_(before)
+    _fwd(inp, out, pool, pool, state_indices=idx)
+    torch.cuda.synchronize()
+    assert torch.equal(got_o.view(torch.int16), out.view(torch.int16))
+    assert torch.equal(_bits(got_p), _bits(pool))
+    idx[1] = pool.shape[0] + 3
+    bound()
+    torch.cuda.synchronize()
+    with pytest.raises(kda_cute.DeviceValueError, match="state_indices"):
+        bound()
+    kda_cute.check_errors(sync=True)
