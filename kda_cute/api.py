@@ -107,10 +107,6 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
             state_indices=state_indices, output_state_indices=output_state_indices,
             has_initial_state=has_initial_state, null_slot=null_slot)
         return out, initial_state if output_final_state else None
-    for name, t in (("output_state_indices", output_state_indices), ("null_slot", null_slot)):
-        if t is not None:
-            raise checks.err(name, "None without state_indices (the pool form)",
-                             type(t).__name__)
 
     def to_vfirst(s):
         return s if s is None or state_v_first else s.transpose(-1, -2).contiguous()
@@ -123,7 +119,8 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     fwd(q, k, v, g, beta, float(scale), out, A_log, dt_bias, lower_bound, s0, s1, cu_seqlens,
         workspace, gate=gate, qk_l2norm=use_qk_l2norm_in_kernel,
         beta_sigmoid=use_beta_sigmoid_in_kernel, precision=precision,
-        has_initial_state=has_initial_state)
+        has_initial_state=has_initial_state, output_state_indices=output_state_indices,
+        null_slot=null_slot)
     if s1 is not None and not state_v_first:
         s1 = s1.transpose(-1, -2).contiguous()
     return out, s1

@@ -117,6 +117,14 @@ def is_wide(t) -> int:
     return int(t is not None and t.dtype == torch.int64)
 
 
+def flags(name, t, n: int, dev) -> None:
+    """A contiguous bool / int8 / uint8 tensor of `n` per-row flags (has_initial_state)."""
+    tensor(name, t, (torch.bool, torch.int8, torch.uint8), 1, dev)
+    if t.numel() != n or not t.is_contiguous():
+        raise err(name, f"a contiguous tensor of {n} flags",
+                  f"shape {tuple(t.shape)}, strides {tuple(t.stride())}")
+
+
 def null_min(null_slot) -> int:
     """The least index that is not padding: 0, or 1 with null_slot=0 (vLLM's null block)."""
     if null_slot is None:
@@ -253,10 +261,7 @@ def problem(c: Call, opts: Options) -> Problem:
     if hi is not None:
         if c.initial_state is None:
             raise err("has_initial_state", "None without initial_state", "a tensor")
-        tensor("has_initial_state", hi, (torch.bool, torch.int8, torch.uint8), 1, dev)
-        if hi.numel() != N or not hi.is_contiguous():
-            raise err("has_initial_state", f"a contiguous tensor of {N} flags",
-                      f"shape {tuple(hi.shape)}, strides {tuple(hi.stride())}")
+        flags("has_initial_state", hi, N, dev)
     # the gate parameters a bounded / unbounded gate reads (zeros where not given)
     gated = opts.gate != "none"
     return Problem(

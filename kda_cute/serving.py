@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from . import errors, launch
-from .checks import INDEX_DTYPES, POOL_DTYPES, _dtype_name, err, tensor
+from .checks import INDEX_DTYPES, POOL_DTYPES, _dtype_name, err, flags, tensor
 from .checks import index_table as _index
 from .checks import index_words as _words
 from .checks import is_wide as _wide
@@ -291,11 +291,7 @@ def _decode_plan(q, k, v, g, beta, state, state_indices, out, output_state_indic
     wi = output_state_indices if output_state_indices is not None else state_indices
     w = _index("output_state_indices", wi, (B,), dev) if output_state_indices is not None else r
     if has_initial_state is not None:
-        tensor("has_initial_state", has_initial_state, (torch.bool, torch.int8, torch.uint8), 1,
-               dev)
-        if has_initial_state.numel() != B or not has_initial_state.is_contiguous():
-            raise err("has_initial_state", f"a contiguous tensor of {B} flags",
-                      tuple(has_initial_state.shape))
+        flags("has_initial_state", has_initial_state, B, dev)
     a, b = _gate_params(A_log, dt_bias, opts.gate, H, K, dev)
     scale, lb = _scalars(scale, lower_bound, opts.gate, K)
     pool = "float32" if state.dtype == torch.float32 else "bfloat16"

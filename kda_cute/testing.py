@@ -3,6 +3,8 @@ poisoned outputs, and a run of kda_cute against the float64 reference (a CUDA de
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from kda_cute import fwd
@@ -205,3 +207,33 @@ def token_rows(B, T, cu_seqlens, chunk) -> tuple[torch.Tensor, torch.Tensor]:
     empty = torch.zeros(0, dtype=torch.long)
     return (torch.cat(rows) if rows else empty,
             torch.cat(chunk_rows) if chunk_rows else empty)
+
+
+# ---------------------------------------------------------------- pools the GPU tests poison
+SENTINEL = -0.0017  # a pool value no kernel writes by chance
+GUARD = 4096  # elements of poisoned guard (777.0) on each side of a pool
+
+
+def guarded(shape, dtype, fill=SENTINEL, pad=0, device="cuda"):
+    """A tensor of `shape` filled with `fill` inside a buffer with GUARD poisoned elements on
+    each side: (tensor, buffer). pad > 0: its rows (dim 0) lie `pad` elements further apart than
+    their size (a pool's free slot stride; the gaps hold `fill` too)."""
+    per = math.prod(shape[1:])
+    n = shape[0] * (per + pad)
+    buf = torch.full((n + 2 * GUARD,), fill, dtype=dtype, device=device)
+    buf[:GUARD] = 777.0
+    buf[-GUARD:] = 777.0
+    inner = buf[GUARD:GUARD + n]
+    if not pad:
+        return inner.view(shape), buf
+    return inner.view(shape[0], per + pad)[:, :per].unflatten(-1, tuple(shape[1:])), buf
+
+
+def guards_ok(buf) -> bool:
+    """The guard regions of a `guarded` buffer are untouched."""
+    return bool((buf[:GUARD] == 777.0).all() and (buf[-GUARD:] == 777.0).all())
+
+
+def bits(x):
+    """A float tensor's bits as integers of its width (bit-for-bit comparisons, NaN included)."""
+    return x.view(torch.int16 if x.dtype == torch.bfloat16 else torch.int32)

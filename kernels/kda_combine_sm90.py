@@ -23,10 +23,8 @@ import cutlass.cute as cute
 import cutlass.utils as utils
 
 from kda_cute.specs.combine import CombineConfig
-from kda_cute.specs.recur import INDEX_POOL
+from kda_cute.specs.recur import INDEX_POOL, STATE_BF16, STATE_F32, STATE_NONE
 from kernels.common import StateSlots
-
-STATE_NONE, STATE_F32, STATE_BF16 = 0, 1, 2
 
 
 class KdaCombineSm90(StateSlots):

@@ -19,10 +19,8 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.utils as utils
 
-from kda_cute.specs.recur import INDEX_POOL, RecurConfig
+from kda_cute.specs.recur import INDEX_POOL, STATE_BF16, STATE_F32, RecurConfig
 from kernels.common import ChunkTileLoader, StateSlots
-
-STATE_NONE, STATE_F32, STATE_BF16 = 0, 1, 2
 
 
 class KdaRecurSm90(ChunkTileLoader, StateSlots):

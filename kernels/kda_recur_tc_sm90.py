@@ -51,10 +51,9 @@ from cutlass.cute.nvgpu import warp as warp_mma
 from cutlass.utils import LayoutEnum
 
 from kda_cute.abi import operand_dtype
-from kda_cute.specs.recur import RecurConfig
+from kda_cute.specs.recur import STATE_BF16, STATE_F32, RecurConfig
 from kernels.common import StateSlots, TileCopy, swizzle_bytes, tma_meta, trap
 
-STATE_NONE, STATE_F32, STATE_BF16 = 0, 1, 2
 # the longest K2 waits for one chunk's flag from a K1 running alongside it before failing
 WAIT_LIMIT_NS = 5_000_000_000
 FLAG_BATCH = 8  # flags a waiting K2 reads at once

@@ -13,34 +13,15 @@ import torch
 import kda_cute
 from kda_cute import Call, api, checks, plans
 from kda_cute.reference import rel_err
-from kda_cute.testing import cuda_ready, make_inputs, reference
+from kda_cute.testing import GUARD, SENTINEL, cuda_ready, make_inputs, reference
+from kda_cute.testing import bits as _bits
+from kda_cute.testing import guarded as _guarded
+from kda_cute.testing import guards_ok as _guards_ok
 
 ok, why = cuda_ready()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not ok, reason=why)]
 
 OUT_TOL, STATE_TOL = 3.5e-3, {torch.float32: 2.5e-3, torch.bfloat16: 6e-3}
-SENTINEL = -0.0017
-GUARD = 4096
-
-
-def _guarded(shape, dtype, pad=0):
-    """A pool [slots, H, V, K] with `pad` elements between slots, inside a buffer with GUARD
-    poisoned elements on each side, sentinel-filled: (pool, buffer)."""
-    slots, per = shape[0], shape[1] * shape[2] * shape[3]
-    n = slots * (per + pad)
-    buf = torch.full((n + 2 * GUARD,), SENTINEL, dtype=dtype, device="cuda")
-    buf[:GUARD] = 777.0
-    buf[-GUARD:] = 777.0
-    pool = buf[GUARD:GUARD + n].view(slots, per + pad)[:, :per].unflatten(-1, shape[1:])
-    return pool, buf
-
-
-def _bits(x):
-    return x.view(torch.int16 if x.dtype == torch.bfloat16 else torch.int32)
-
-
-def _guards_ok(buf):
-    return bool((buf[:GUARD] == 777.0).all() and (buf[-GUARD:] == 777.0).all())
 
 
 def _fill_gaps_ok(buf, pool):
@@ -64,7 +45,7 @@ def _case(K, dtype, idx_dtype, *, seqlens=None, B=1, T=64, H=4, pad_rows=(), nul
                       state_dtype=dtype)
     N = inp["N"]
     slots = 4 * N + 1
-    pool, buf = _guarded((slots, H, K, K), dtype, slot_pad)
+    pool, buf = _guarded((slots, H, K, K), dtype, pad=slot_pad)
     gen = torch.Generator(device="cuda").manual_seed(seed + 1)
     perm = torch.randperm(slots - 1, generator=gen, device="cuda")[:2 * N] + 1
     read, write = perm[:N].clone(), (perm[N:].clone() if out_slots else perm[:N].clone())

@@ -10,31 +10,16 @@ import torch
 
 import kda_cute
 from kda_cute.reference import preprocess, rel_err
-from kda_cute.testing import cuda_ready
+from kda_cute.testing import SENTINEL, cuda_ready
+from kda_cute.testing import bits as _bits
+from kda_cute.testing import guarded as _guarded
+from kda_cute.testing import guards_ok as _guards_ok
 
 ok, why = cuda_ready()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not ok, reason=why)]
 
 OUT_TOL = 3.5e-3  # bf16 output rounding alone is ~1.7e-3
 STATE_TOL = {torch.float32: 1e-5, torch.bfloat16: 6e-3}
-SENTINEL = -0.0017  # a pool value no step writes by chance
-GUARD = 4096  # elements of poisoned guard on each side of a pool
-
-
-def _guarded(shape, dtype, fill=SENTINEL):
-    """A tensor of `shape` inside a buffer with GUARD poisoned elements on each side: (tensor,
-    buffer)."""
-    n = 1
-    for s in shape:
-        n *= s
-    buf = torch.full((n + 2 * GUARD,), fill, dtype=dtype, device="cuda")
-    buf[:GUARD] = 777.0
-    buf[-GUARD:] = 777.0
-    return buf[GUARD:GUARD + n].view(shape), buf
-
-
-def _guards_ok(buf):
-    return bool((buf[:GUARD] == 777.0).all() and (buf[-GUARD:] == 777.0).all())
 
 
 def _tokens(R, H, K, V, gate, seed, lead=None):
@@ -122,10 +107,6 @@ def test_decode(K, dtype, gate, null):
                        before[untouched].view(torch.int16 if dtype == torch.bfloat16 else
                                               torch.int32))
     assert _guards_ok(buf)
-
-
-def _bits(x):
-    return x.view(torch.int16 if x.dtype == torch.bfloat16 else torch.int32)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])

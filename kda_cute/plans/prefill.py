@@ -12,7 +12,14 @@ from ..ladder import SEGMENT_RUNS, FwdConfig, alongside_of, combine_config
 from ..problem import Options, Problem
 from ..specs import args_for
 from ..specs.prep import GATE_MODES, K1_GRID_Y
-from ..specs.recur import INDEX_DENSE, INDEX_PAD, INDEX_POOL
+from ..specs.recur import (
+    INDEX_DENSE,
+    INDEX_PAD,
+    INDEX_POOL,
+    STATE_BF16,
+    STATE_F32,
+    STATE_NONE,
+)
 from . import schedule as sch
 from . import workspace
 from .device import DeviceInfo, resources
@@ -30,7 +37,7 @@ from .steps import (
     VarlenOffsets,
 )
 
-_STATE_CODE = {None: 0, torch.float32: 1, torch.bfloat16: 2}
+_STATE_CODE = {None: STATE_NONE, torch.float32: STATE_F32, torch.bfloat16: STATE_BF16}
 F32, BF16, I32 = torch.float32, torch.bfloat16, torch.int32
 
 

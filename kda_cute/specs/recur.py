@@ -7,6 +7,9 @@ from dataclasses import asdict, dataclass
 
 from ..abi import Arg, operand_dtype, operand_tma, scalar, tensor, tma, ws_tile
 
+# The dtype of a state K2 or the combine reads or writes (`state_in`, `state_out`): none, fp32
+# or bf16
+STATE_NONE, STATE_F32, STATE_BF16 = 0, 1, 2
 # Where a sequence's states are (K2's and the combine's `index_mode`): dense (sequence n's state
 # is row n), in a pool (row state_index[n] read, out_index[n] written), or dense with the pool's
 # index table read only for which rows are padding (the segments' last run, whose start states
