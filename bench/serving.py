@@ -194,14 +194,17 @@ def verify_case(N, T, H, dtype, fla, bw, iters, flush):
 SWEEP = [(1, 12), (8, 32), (64, 32), (256, 32), (1024, 32)]
 
 
-def sweep(bw, iters, flush) -> list[dict]:
-    """Decode at K = 128 with every built tile (ladder.STEP and STEP_VARIANTS), CUDA graph."""
-    from kda_cute.ladder import STEP, STEP_VARIANTS
+def sweep(bw, iters, flush, match=(), pools=("float32", "bfloat16"), shapes=SWEEP
+          ) -> list[dict]:
+    """Decode at K = 128 with every built tile (ladder.STEP, STEP_SINGLE and STEP_VARIANTS; those
+    whose name holds one of `match`, when given), CUDA graph."""
+    from kda_cute.ladder import step_tiles
     rows = []
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in (getattr(torch, p) for p in pools):
         pool = "float32" if dtype == torch.float32 else "bfloat16"
-        cfgs = [c for c in STEP + STEP_VARIANTS if c.head_dim_k == K and c.pool == pool]
-        for N, H in SWEEP:
+        cfgs = [c for c in step_tiles() if c.head_dim_k == K
+                and c.pool == pool and (not match or any(m in c.name for m in match))]
+        for N, H in shapes:
             x = inputs(N, 1, H, dtype, seed=5)
             idx = x["idx"][:, 0].contiguous()
             by = {}
@@ -210,7 +213,10 @@ def sweep(bw, iters, flush) -> list[dict]:
                     kda_cute.decode(x["q"], x["k"], x["v"], x["g"], x["beta"], x["pool"], idx,
                                     out=x["out"], A_log=x["A_log"], dt_bias=x["dt_bias"],
                                     lower_bound=-5.0, config=c)
-                by[c.name] = time_ms(graphed(fn), iters, flush)
+                try:
+                    by[c.name] = time_ms(graphed(fn), iters, flush)
+                except kda_cute.cubin.CubinsMissing:  # a tile not built in this cubin set
+                    continue
             ceiling = (2 * N * H * V * K * x["pool"].element_size() + tokens_bytes(N, 1, H)) \
                 / bw * 1e3
             rows.append({"N": N, "H": H, "pool": pool, "ceiling_ms": ceiling, "ms": by})
@@ -295,12 +301,20 @@ def main(argv=None):
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--out", default="bench/results/serving.json")
     ap.add_argument("--sweep", action="store_true", help="only the tile sweep")
+    ap.add_argument("--match", default="", help="the sweep: only tiles whose name holds one of "
+                    "these comma-separated parts")
+    ap.add_argument("--pools", default="float32,bfloat16", help="the sweep's pool dtypes")
+    ap.add_argument("--shapes", default="", help="the sweep's N:H shapes, comma-separated "
+                    "(default: SWEEP)")
     a = ap.parse_args(argv)
     fla = None if a.no_fla else fla_fn()
     bw = copy_bandwidth()
     flush = _flusher()
     if a.sweep:
-        res = {"versions": versions(), "copy_bandwidth": bw, "sweep": sweep(bw, a.iters, flush),
+        res = {"versions": versions(), "copy_bandwidth": bw, "sweep": sweep(
+            bw, a.iters, flush, tuple(m for m in a.match.split(",") if m),
+            tuple(a.pools.split(",")),
+            [tuple(map(int, x.split(":"))) for x in a.shapes.split(",")] if a.shapes else SWEEP),
                "host": host_times()}
         Path(a.out).write_text(json.dumps(res, indent=1) + "\n")
         print(json.dumps(res["host"]))

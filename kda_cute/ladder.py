@@ -174,13 +174,22 @@ def _step(d: int, pool: str, block_v: int = 32, unroll: int = 0) -> StepConfig:
 STEP: tuple[StepConfig, ...] = tuple(
     _step(d, p, 64, 2) if p == "bfloat16" and d <= 128 else _step(d, p)
     for d in HEAD_DIMS for p in ("float32", "bfloat16"))
-# Wide grids of a bf16 pool at K = 128: a whole head per CTA (128 rows, the row loop unrolled by
-# four): 82% of the copy ceiling at N 1024 H 32 and 75% at N 256 against 73% and 69% for 64
-# rows, equal at N 64, slower below (bench/results/serving-sweep-h200-2026-12-01-b612d11.json).
-# Single-token plans only (plans.step.step_config): a verify's fp32 keep area would hold the
-# tile to two CTAs per SM (N 256 T 2..8 ran 29-36% of the ceiling against 43-52%).
-STEP_WIDE: tuple[StepConfig, ...] = (StepConfig(128, 128, "bfloat16", 128, 16, 128, unroll=4),)
-WIDE_HEADS = 4096  # rows x heads from which select_step takes STEP_WIDE's tile
+# Single-token plans (decode; a verify keeps fp32 state between tokens and takes STEP): rows x
+# heads from which a tile is taken, and the tile. ptxas caps the registers (min_blocks) so that
+# more CTAs, and the bytes they stage, fit on an SM. Against the same tiles uncapped
+# (bench/results/serving-sweep-h200-2026-12-02-*.json, % of the copy ceiling, CUDA graph):
+# - 64 rows unrolled by four, 8 CTAs an SM (64 registers): N 64 H 32 62% against 58% (64 rows
+#   unrolled by two, STEP's tile), N 256 H 12 67% against 62%.
+# - a whole head (128 rows unrolled by four), 6 CTAs (80 registers: as many as its 32 KB of
+#   staging allows): N 1024 H 96 86% against 81% (71% for STEP's tile), N 1024 H 32 84%
+#   against 81%, N 256 H 96 83% against 79%. Only for single-token plans: a verify's fp32 keep
+#   area (96 KB at 128 rows) would hold it to two CTAs per SM.
+# fp32 pools gain nothing from a cap (40 registers, 12 CTAs: within 1-3% either way, 0.1 us
+# slower at N 1) and keep STEP's tile.
+STEP_SINGLE: tuple[tuple[int, StepConfig], ...] = (
+    (1024, StepConfig(128, 128, "bfloat16", 64, 16, 128, unroll=4, min_blocks=8)),
+    (4096, StepConfig(128, 128, "bfloat16", 128, 16, 128, unroll=4, min_blocks=6)),
+)
 
 # other tiles, built for the tile sweep (bench/serving.py --sweep): fewer and more rows per CTA
 STEP_VARIANTS: tuple[StepConfig, ...] = tuple(c for c in dict.fromkeys(
@@ -189,22 +198,36 @@ STEP_VARIANTS: tuple[StepConfig, ...] = tuple(c for c in dict.fromkeys(
     + [StepConfig(128, 128, "bfloat16", bv, 32, 128, access=8, unroll=u)
        for bv in (32, 64) for u in (0, 2)]
     # more state per CTA for bf16 pools: 128 rows, or 256 threads
-    + [StepConfig(128, 128, "bfloat16", 128, 16, 128, unroll=2)]
+    + [StepConfig(128, 128, "bfloat16", 128, 16, 128, unroll=u) for u in (2, 4)]
     + [StepConfig(128, 128, "bfloat16", 128, 32, 128, access=8, unroll=2)]
-    + [StepConfig(128, 128, "bfloat16", bv, 16, 256, unroll=2) for bv in (64, 128)])
-    if c not in STEP + STEP_WIDE)
+    + [StepConfig(128, 128, "bfloat16", bv, 16, 256, unroll=2) for bv in (64, 128)]
+    # registers capped (min_blocks) beside the shipped capped tiles
+    + [StepConfig(128, 128, "bfloat16", 128, 16, 128, unroll=2, min_blocks=6)]
+    + [StepConfig(128, 128, "bfloat16", 64, 16, 128, unroll=2, min_blocks=m) for m in (8, 10)]
+    + [StepConfig(128, 128, "float32", 32, 32, 128, min_blocks=12)])
+    if c not in STEP + tuple(c for _, c in STEP_SINGLE))
+
+
+def step_tiles() -> tuple[StepConfig, ...]:
+    """Every built token-step tile once: STEP's, STEP_SINGLE's, then the sweep's variants."""
+    return tuple(dict.fromkeys(STEP + tuple(c for _, c in STEP_SINGLE) + STEP_VARIANTS))
 
 
 def select_step(head_dim_k: int, head_dim_v: int, pool: str, heads: int = 0
                 ) -> StepConfig | None:
-    """The shipped token-step config for (K, V) and the pool's dtype name, or None; `heads`
-    (rows x heads of the call) picks STEP_WIDE's tile for wide grids where there is one."""
-    if heads >= WIDE_HEADS:
-        for cfg in STEP_WIDE:
-            if (cfg.head_dim_k, cfg.head_dim_v, cfg.pool) == (head_dim_k, head_dim_v, pool):
-                return cfg
+    """The shipped token-step config for (K, V) and the pool's dtype name, or None. `heads`
+    > 0 says the plan is single-token, with that many rows x heads: STEP_SINGLE's tile with
+    the largest threshold reached, where there is one, else STEP's."""
+    key = (head_dim_k, head_dim_v, pool)
+    best = None
+    for least, cfg in STEP_SINGLE:
+        if heads > 0 and heads >= least and (cfg.head_dim_k, cfg.head_dim_v, cfg.pool) == key:
+            if best is None or least >= best[0]:
+                best = (least, cfg)
+    if best is not None:
+        return best[1]
     for cfg in STEP:
-        if (cfg.head_dim_k, cfg.head_dim_v, cfg.pool) == (head_dim_k, head_dim_v, pool):
+        if (cfg.head_dim_k, cfg.head_dim_v, cfg.pool) == key:
             return cfg
     return None
 
@@ -227,7 +250,8 @@ def all_kernels() -> tuple:
     combines and the token steps."""
     seen, out = set(), []
     for cfg in [c for f in SHIPPED + EXPERIMENTAL + ALONGSIDE for c in (f.prep, f.recur)] + [
-            *SEGMENT_RUNS, *WY_RUNS, *COMBINE, *STEP, *STEP_WIDE, *STEP_VARIANTS]:
+            *SEGMENT_RUNS, *WY_RUNS, *COMBINE, *STEP, *(c for _, c in STEP_SINGLE),
+            *STEP_VARIANTS]:
         if cfg not in seen:
             seen.add(cfg)
             out.append(cfg)

@@ -19,8 +19,8 @@ from kda_cute.ladder import (
     SHIPPED,
     SIMT,
     STEP,
+    STEP_SINGLE,
     STEP_VARIANTS,
-    STEP_WIDE,
     TENSOR_CORE,
     WY_RUNS,
     FwdConfig,
@@ -209,7 +209,7 @@ def test_all_kernels_once_each():
     forwards = SHIPPED + EXPERIMENTAL + ALONGSIDE
     assert set(kernels) == ({f.prep for f in forwards} | {f.recur for f in forwards}
                             | set(SEGMENT_RUNS) | set(WY_RUNS) | set(COMBINE) | set(STEP)
-                            | set(STEP_WIDE) | set(STEP_VARIANTS))
+                            | {c for _, c in STEP_SINGLE} | set(STEP_VARIANTS))
     assert set(kernels[:2 * len(SHIPPED)]) == ({f.prep for f in SHIPPED}
                                                 | {f.recur for f in SHIPPED})
 

@@ -437,8 +437,8 @@ def test_bound_decode_replays():
 
 
 def _tiles():
-    from kda_cute.ladder import STEP, STEP_VARIANTS, STEP_WIDE
-    return [c for c in STEP + STEP_WIDE + STEP_VARIANTS]
+    from kda_cute.ladder import step_tiles
+    return list(step_tiles())
 
 
 @pytest.mark.parametrize("cfg", _tiles(), ids=lambda c: c.name)

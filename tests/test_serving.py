@@ -42,23 +42,39 @@ def decode_args(B=8, slots=32, dtype=torch.float32):
             torch.zeros(slots, H, K, K, dtype=dtype), torch.arange(B, dtype=torch.int32))
 
 
-def test_wide_grids_take_the_wide_tile():
-    from kda_cute.ladder import STEP_WIDE, WIDE_HEADS
-    wide = STEP_WIDE[0]
-    assert select_step(128, 128, "bfloat16", WIDE_HEADS) == wide
-    assert select_step(128, 128, "bfloat16", WIDE_HEADS - 1) != wide
-    assert select_step(128, 128, "float32", 10 ** 6) in STEP
+def test_single_token_tiles_by_width():
+    """STEP_SINGLE: from each threshold of rows x heads on, its tile; below all, STEP's."""
+    from kda_cute.ladder import STEP_SINGLE
+    by = {}
+    for least, cfg in STEP_SINGLE:
+        by.setdefault((cfg.head_dim_k, cfg.pool), []).append((least, cfg))
+    assert by, "no single-token tiles"
+    for (d, pool), tiles in by.items():
+        tiles.sort(key=lambda t: t[0])
+        plain = next(c for c in STEP if (c.head_dim_k, c.pool) == (d, pool))
+        assert select_step(d, d, pool, tiles[0][0] - 1) == plain
+        assert select_step(d, d, pool, 0) == plain  # 0: not a single-token plan
+        for i, (least, cfg) in enumerate(tiles):
+            assert select_step(d, d, pool, least) == cfg
+            top = tiles[i + 1][0] - 1 if i + 1 < len(tiles) else 10 ** 6
+            assert select_step(d, d, pool, top) == cfg
+            assert cfg.min_blocks * cfg.threads <= 2048 and supports(cfg) == (True, "")
+    # the whole-head bf16 tile: 128 rows, from 4096 rows x heads
+    assert select_step(128, 128, "bfloat16", 4096).block_v == 128
+    assert select_step(128, 128, "bfloat16", 4095).block_v == 64
 
 
-def test_wide_tile_for_single_tokens_only(planned):
-    from kda_cute.ladder import STEP_WIDE
+def test_single_token_tiles_for_single_tokens_only(planned):
+    from kda_cute.ladder import STEP_SINGLE
+    single = {c for _, c in STEP_SINGLE}
     B, slots = 4096 // H, 2 * 4096 // H
     kda_cute.decode(*decode_args(B, slots, BF), lower_bound=-5.0)
-    assert planned["plan"].launches()[0].kernel == STEP_WIDE[0]
+    assert planned["plan"].launches()[0].kernel.block_v == 128
+    assert planned["plan"].launches()[0].kernel in single
     q = tok(B, 2)
     kda_cute.verify(q, q, q, q, torch.randn(B, 2, H).to(BF), torch.zeros(slots, H, K, K, dtype=BF),
                     ssm_state_indices=torch.zeros(B, 2, dtype=torch.int32), lower_bound=-5.0)
-    assert planned["plan"].launches()[0].kernel != STEP_WIDE[0]
+    assert planned["plan"].launches()[0].kernel in STEP
 
 
 def test_shipped_step_configs_supported():

@@ -22,8 +22,9 @@ F32 = torch.float32
 def step_config(p: StepProblem, opts: StepOptions):
     if opts.config is not None:
         return opts.config
-    # the wide tile only where a row has one token: between tokens a bf16 pool keeps an fp32
-    # copy of the tile in shared memory (96 KB at 128 rows: two CTAs per SM)
+    # the single-token tiles (ladder.STEP_SINGLE) only where a row has one token: between
+    # tokens a bf16 pool keeps an fp32 copy of the tile in shared memory (96 KB at 128 rows:
+    # two CTAs per SM), and their register caps were measured on decode
     single = p.max_tokens <= 1 and not p.parent[0]
     return select_step(p.K, p.V, p.pool, p.N * p.H if single else 0)
 

@@ -45,6 +45,7 @@ class StepConfig:
     threads: int = 128
     access: int = 16  # bytes per pool access (16, or 8)
     unroll: int = 0  # the row loop's unroll (0: whole)
+    min_blocks: int = 0  # CTAs per SM that ptxas must fit (registers capped to match; 0: free)
 
     @property
     def vec(self) -> int:
@@ -66,8 +67,9 @@ class StepConfig:
         p = "f32" if self.pool == "float32" else "bf16"
         a = "" if self.access == 16 else f"_a{self.access}"
         u = "" if not self.unroll else f"_u{self.unroll}"
+        m = "" if not self.min_blocks else f"_m{self.min_blocks}"
         return (f"kda_step_k{self.head_dim_k}_v{self.head_dim_v}_{p}_bv{self.block_v}"
-                f"_r{self.tpr}_t{self.threads}{a}{u}")
+                f"_r{self.tpr}_t{self.threads}{a}{u}{m}")
 
     @property
     def block_threads(self) -> int:
@@ -89,6 +91,9 @@ def supports(cfg: StepConfig) -> tuple[bool, str]:
         return False, f"access must be 8 or 16 bytes, got {cfg.access}"
     if cfg.unroll < 0:
         return False, f"unroll must be >= 0, got {cfg.unroll}"
+    if cfg.min_blocks < 0 or cfg.min_blocks * cfg.threads > 2048:
+        return False, (f"min_blocks must be in [0, 2048 / threads], got {cfg.min_blocks} "
+                       f"at {cfg.threads} threads")
     if cfg.tpr not in (1, 2, 4, 8, 16, 32):
         return False, f"tpr must be a power of two <= 32, got {cfg.tpr}"
     if K % (cfg.tpr * cfg.vec):
