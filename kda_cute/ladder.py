@@ -175,20 +175,21 @@ STEP: tuple[StepConfig, ...] = tuple(
     _step(d, p, 64, 2) if p == "bfloat16" and d <= 128 else _step(d, p)
     for d in HEAD_DIMS for p in ("float32", "bfloat16"))
 # Single-token plans (decode; a verify keeps fp32 state between tokens and takes STEP): rows x
-# heads from which a tile is taken, and the tile. ptxas caps the registers (min_blocks) so that
-# more CTAs, and the bytes they stage, fit on an SM. Against the same tiles uncapped
-# (bench/results/serving-sweep-h200-2026-12-02-*.json, % of the copy ceiling, CUDA graph):
-# - 64 rows unrolled by four, 8 CTAs an SM (64 registers): N 64 H 32 62% against 58% (64 rows
-#   unrolled by two, STEP's tile), N 256 H 12 67% against 62%.
-# - a whole head (128 rows unrolled by four), 6 CTAs (80 registers: as many as its 32 KB of
-#   staging allows): N 1024 H 96 86% against 81% (71% for STEP's tile), N 1024 H 32 84%
-#   against 81%, N 256 H 96 83% against 79%. Only for single-token plans: a verify's fp32 keep
-#   area (96 KB at 128 rows) would hold it to two CTAs per SM.
-# fp32 pools gain nothing from a cap (40 registers, 12 CTAs: within 1-3% either way, 0.1 us
-# slower at N 1) and keep STEP's tile.
+# heads from which a tile is taken, and the tile (bench/results/serving-sweep-h200-2026-12-02-*,
+# % of the copy ceiling, CUDA graph):
+# - a persistent grid of 64-row tiles, 6 CTAs an SM (StepConfig.persist: each CTA stages its
+#   next tile while it computes the current one), the row loop unrolled by two: N 64 H 32 65%
+#   against 58% for STEP's tile, N 256 H 12 70% against 62%, N 1024 H 12 82% against 71%,
+#   N 8 H 32 33% against 32%.
+# - from 16384 rows x heads, a whole head per CTA (128 rows unrolled by four) at 6 CTAs an SM
+#   (ptxas caps its registers at 80: StepConfig.min_blocks): N 1024 H 32 86% against 83% for
+#   the persistent tile, N 1024 H 96 88% against 84%. Only for single-token plans: a verify's
+#   fp32 keep area (96 KB at 128 rows) would hold it to two CTAs per SM.
+# fp32 pools gain nothing from either (within 1-3%, persistent 2-4 points slower) and keep
+# STEP's tile.
 STEP_SINGLE: tuple[tuple[int, StepConfig], ...] = (
-    (1024, StepConfig(128, 128, "bfloat16", 64, 16, 128, unroll=4, min_blocks=8)),
-    (4096, StepConfig(128, 128, "bfloat16", 128, 16, 128, unroll=4, min_blocks=6)),
+    (1, StepConfig(128, 128, "bfloat16", 64, 16, 128, unroll=2, persist=6)),
+    (16384, StepConfig(128, 128, "bfloat16", 128, 16, 128, unroll=4, min_blocks=6)),
 )
 
 # other tiles, built for the tile sweep (bench/serving.py --sweep): fewer and more rows per CTA
@@ -203,8 +204,16 @@ STEP_VARIANTS: tuple[StepConfig, ...] = tuple(c for c in dict.fromkeys(
     + [StepConfig(128, 128, "bfloat16", bv, 16, 256, unroll=2) for bv in (64, 128)]
     # registers capped (min_blocks) beside the shipped capped tiles
     + [StepConfig(128, 128, "bfloat16", 128, 16, 128, unroll=2, min_blocks=6)]
-    + [StepConfig(128, 128, "bfloat16", 64, 16, 128, unroll=2, min_blocks=m) for m in (8, 10)]
-    + [StepConfig(128, 128, "float32", 32, 32, 128, min_blocks=12)])
+    + [StepConfig(128, 128, "bfloat16", 64, 16, 128, unroll=u, min_blocks=8) for u in (2, 4)]
+    + [StepConfig(128, 128, "bfloat16", 64, 16, 128, unroll=2, min_blocks=10)]
+    + [StepConfig(128, 128, "float32", 32, 32, 128, min_blocks=12)]
+    # persistent tiles (single-token plans): a CTA stages its next tile while it computes
+    + [StepConfig(128, 128, "bfloat16", 64, 16, 128, unroll=2, persist=4)]
+    + [StepConfig(128, 128, "bfloat16", 64, 16, 128, unroll=4, min_blocks=6, persist=6)]
+    + [StepConfig(128, 128, "bfloat16", 128, 16, 128, unroll=4, persist=3)]
+    + [StepConfig(128, 128, "bfloat16", 32, 16, 128, min_blocks=8, persist=8)]
+    + [StepConfig(128, 128, "float32", 32, 32, 128, persist=6)]
+    + [StepConfig(128, 128, "float32", 16, 32, 128, min_blocks=12, persist=12)])
     if c not in STEP + tuple(c for _, c in STEP_SINGLE))
 
 

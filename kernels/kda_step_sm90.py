@@ -90,7 +90,11 @@ class KdaStepSm90(StateSlots):
         n_el = self.BV * self.K
         pdt = self.pdt
 
-        if cutlass.const_expr(self.pdt is cutlass.Float32):
+        if cutlass.const_expr(self.cfg.persist != 0):
+            @cute.struct
+            class SharedStorage:  # two tiles' staging: the next lands while this one runs
+                stage: cute.struct.Align[cute.struct.MemRange[pdt, 2 * n_el], 128]
+        elif cutlass.const_expr(self.pdt is cutlass.Float32):
             @cute.struct
             class SharedStorage:
                 stage: cute.struct.Align[cute.struct.MemRange[pdt, n_el], 128]
@@ -102,6 +106,18 @@ class KdaStepSm90(StateSlots):
 
         self.shared_storage = SharedStorage
         self.smem_bytes = SharedStorage.size_in_bytes()
+        if cutlass.const_expr(self.cfg.persist != 0):
+            # the grid (CTAs per SM x SMs, at most one per tile) is the plan's
+            self.kernel_pipe(
+                mQ, mK, mG, mV, mBeta, mOut, mALog, mDtBias, mPool, mDst, mCu, mRIdx, mWIdx,
+                mAcc, mParent, mHasInit, mErr, num_rows, num_heads, fixed_len, cu_wide,
+                max_tokens, read_mode, r_sn, r_st, r_wide, r_mul, r_add, acc_on, acc_wide,
+                acc_base, acc_skip, max_sel, hi_on, r_null, w_null, write_mode, w_sn, w_st,
+                w_wide, w_mul, w_add, parent_on, p_sn, p_st, p_wide, gate, has_a, has_bias,
+                qk_l2norm, beta_sigmoid, scale, lower_bound,
+            ).launch(grid=(num_rows, 1, 1), block=(self.threads, 1, 1), smem=self.smem_bytes,
+                     stream=stream, **self._occupancy())
+            return
         self.kernel(
             mQ, mK, mG, mV, mBeta, mOut, mALog, mDtBias, mPool, mDst, mCu, mRIdx, mWIdx, mAcc,
             mParent, mHasInit, mErr, fixed_len, cu_wide, max_tokens, read_mode, r_sn, r_st,
@@ -140,6 +156,12 @@ class KdaStepSm90(StateSlots):
     def _stage(self, mine, src: cute.Tensor, row, h, vb, grp, sub):
         """cp.async this thread's columns of its R rows of src[row, h] into its staging area
         (one commit group)."""
+        self._stage_rows(mine, src, row, h, vb, grp, sub)
+        cute.arch.cp_async_commit_group()
+
+    @cute.jit
+    def _stage_rows(self, mine, src: cute.Tensor, row, h, vb, grp, sub):
+        """_stage's copies, committed by the caller."""
         mode = cpasync.LoadCacheMode.GLOBAL if self.cfg.access == 16 else \
             cpasync.LoadCacheMode.ALWAYS  # cp.async.cg copies 16 bytes only
         atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=mode), self.pdt,
@@ -148,7 +170,6 @@ class KdaStepSm90(StateSlots):
             vecs = self._row_vecs(src, row, h, vb * self.BV + grp + self.G * r)
             for j in cutlass.range_constexpr(self.NJ):
                 cute.copy(atom, vecs[None, sub + self.TPR * j], mine[None, j, r])
-        cute.arch.cp_async_commit_group()
 
     @cute.jit
     def _fetch(self, x, src, stage, keep, r):
@@ -167,6 +188,16 @@ class KdaStepSm90(StateSlots):
             else:
                 for e in cutlass.range_constexpr(VEC):
                     x[j * VEC + e] = cutlass.Float32(0.0)
+
+    @cute.jit
+    def _zero_stage(self, stage):
+        """Zeros over this thread's staging area, for a row that starts from zeros (each
+        thread reads back only what it wrote: no barrier)."""
+        z = cute.make_rmem_tensor((self.VEC,), self.pdt)
+        z.fill(0.0)
+        for r in cutlass.range(self.R, unroll=self.U, unroll_full=self.U == 0):
+            for j in cutlass.range_constexpr(self.NJ):
+                stage[None, j, r].store(z.load())
 
     @cute.jit
     def _put(self, x, vecs_dst, sub, dtype):
@@ -217,41 +248,14 @@ class KdaStepSm90(StateSlots):
             x = x + cute.arch.shuffle_sync_bfly(x, offset=1 << k)
         return x
 
-    @cute.kernel
-    def kernel(
-        self, mQ: cute.Tensor, mK: cute.Tensor, mG: cute.Tensor, mV: cute.Tensor,
-        mBeta: cute.Tensor, mOut: cute.Tensor, mALog: cute.Tensor, mDtBias: cute.Tensor,
-        mPool: cute.Tensor, mDst: cute.Tensor, mCu: cute.Tensor, mRIdx: cute.Tensor,
-        mWIdx: cute.Tensor, mAcc: cute.Tensor, mParent: cute.Tensor, mHasInit: cute.Tensor,
-        mErr: cute.Tensor,
-        fixed_len: cutlass.Int32, cu_wide: cutlass.Int32, max_tokens: cutlass.Int32,
-        read_mode: cutlass.Int32, r_sn: cutlass.Int32, r_st: cutlass.Int32,
-        r_wide: cutlass.Int32, r_mul: cutlass.Int32, r_add: cutlass.Int32,
-        acc_on: cutlass.Int32, acc_wide: cutlass.Int32, acc_base: cutlass.Int32,
-        acc_skip: cutlass.Int32, max_sel: cutlass.Int32,
-        hi_on: cutlass.Int32, r_null: cutlass.Int32, w_null: cutlass.Int32,
-        write_mode: cutlass.Int32, w_sn: cutlass.Int32, w_st: cutlass.Int32,
-        w_wide: cutlass.Int32, w_mul: cutlass.Int32, w_add: cutlass.Int32,
-        parent_on: cutlass.Int32, p_sn: cutlass.Int32, p_st: cutlass.Int32,
-        p_wide: cutlass.Int32,
-        gate: cutlass.Int32, has_a: cutlass.Int32, has_bias: cutlass.Int32,
-        qk_l2norm: cutlass.Int32, beta_sigmoid: cutlass.Int32,
-        scale: cutlass.Float32, lower_bound: cutlass.Float32,
-    ):
-        f32, i32 = cutlass.Float32, cutlass.Int32
-        K, V, VEC, NC, R = self.K, self.V, self.VEC, self.NC, self.R
-        tidx, _, _ = cute.arch.thread_idx()
-        vb, h, n = cute.arch.block_idx()
-        grp = tidx // self.TPR
-        sub = tidx - grp * self.TPR
-        # one thread of a batch row reports its bad values
-        lead = cutlass.Int32(0)
-        if tidx == 0 and vb == 0 and h == 0:
-            lead = cutlass.Int32(1)
-        num_tokens = mQ.shape[0]
-        slots = mPool.shape[0]
-        dst_rows = mDst.shape[0]
-
+    @cute.jit
+    def _row_setup(self, mCu: cute.Tensor, mRIdx: cute.Tensor, mAcc: cute.Tensor,
+                   mHasInit: cute.Tensor, mErr: cute.Tensor, n, lead, num_tokens, slots,
+                   fixed_len, cu_wide, max_tokens, read_mode, r_sn, r_st, r_wide, r_mul, r_add,
+                   acc_on, acc_wide, acc_base, acc_skip, max_sel, hi_on, r_null):
+        """Batch row n's tokens and read slot, its bad values flagged (by `lead`) and turned
+        into padding: (bos, length, pad, sel, slot, start)."""
+        i32 = cutlass.Int32
         # ---- the row's tokens ---------------------------------------------------------------
         bos = n * fixed_len
         length = fixed_len
@@ -296,6 +300,129 @@ class KdaStepSm90(StateSlots):
         if hi_on != 0:
             if mHasInit[n] == 0:
                 start = i32(0)
+        return bos, length, pad, sel, slot, start
+
+    @cute.jit
+    def _token_prep(self, qv, kv, dv, bias, a_exp, mQ: cute.Tensor, mK: cute.Tensor,
+                    mG: cute.Tensor, mBeta: cute.Tensor, tok, h, sub, gate, qk_l2norm,
+                    beta_sigmoid, scale, lower_bound):
+        """Token `tok`'s columns of head h: q (L2-normed, times the scale) and k (L2-normed)
+        into qv and kv, the decay exp(a) per column into dv; returns beta."""
+        f32, NC = cutlass.Float32, self.NC
+        self._head_cols(qv, mQ, tok, h, sub)
+        self._head_cols(kv, mK, tok, h, sub)
+        self._head_cols(dv, mG, tok, h, sub)
+        # q and k norms over the row's lanes; q carries the scale
+        sq = f32(0.0)
+        sk = f32(0.0)
+        for c in cutlass.range_constexpr(NC):
+            sq = sq + qv[c] * qv[c]
+            sk = sk + kv[c] * kv[c]
+        rq = scale
+        rk = f32(1.0)
+        if qk_l2norm != 0:
+            sq = self._lanes_sum(sq)
+            sk = self._lanes_sum(sk)
+            rq = scale * cute.math.rsqrt(sq + 1e-6)
+            rk = cute.math.rsqrt(sk + 1e-6)
+        for c in cutlass.range_constexpr(NC):
+            qv[c] = qv[c] * rq
+            kv[c] = kv[c] * rk
+        # the decay exp(a) per column
+        if gate == GATE_BOUNDED:
+            for c in cutlass.range_constexpr(NC):
+                y = a_exp * (dv[c] + bias[c])
+                sg = cute.arch.rcp_approx(1.0 + cute.math.exp(-y, fastmath=True))
+                dv[c] = cute.math.exp(lower_bound * sg, fastmath=True)
+        elif gate == GATE_UNBOUNDED:
+            for c in cutlass.range_constexpr(NC):
+                y = dv[c] + bias[c]
+                sp = cute.arch.fmax(y, 0.0) + cute.math.log1p(
+                    cute.math.exp(-cute.arch.fmax(y, -y)))
+                dv[c] = cute.math.exp(-a_exp * sp, fastmath=True)
+        else:
+            for c in cutlass.range_constexpr(NC):
+                dv[c] = cute.math.exp(dv[c], fastmath=True)
+        beta = mBeta[tok, h].to(f32)
+        if beta_sigmoid != 0:
+            beta = cute.arch.rcp_approx(1.0 + cute.math.exp(-beta, fastmath=True))
+        return beta
+
+    @cute.jit
+    def _update_row(self, x, qv, kv, dv, beta, mV: cute.Tensor, tok, col):
+        """One state row in registers x through token `tok` (its v: mV[tok, col]): decay,
+        delta rule; returns its output (the dot products reduced over the row's lanes)."""
+        f32, NC = cutlass.Float32, self.NC
+        p = f32(0.0)
+        for c in cutlass.range_constexpr(NC):
+            s = x[c] * dv[c]
+            x[c] = s
+            p = p + s * kv[c]
+        p = self._lanes_sum(p)
+        u = beta * (mV[tok, col].to(f32) - p)
+        o = f32(0.0)
+        for c in cutlass.range_constexpr(NC):
+            s = x[c] + u * kv[c]
+            x[c] = s
+            o = o + s * qv[c]
+        return self._lanes_sum(o)
+
+    @cute.jit
+    def _gate_consts(self, bias, mALog: cute.Tensor, mDtBias: cute.Tensor, h, sub, has_a,
+                     has_bias):
+        """Head h's gate constants: dt_bias of this thread's columns into bias; returns
+        exp(A_log[h]) (1 without A_log)."""
+        f32, K, VEC = cutlass.Float32, self.K, self.VEC
+        a_exp = f32(1.0)
+        if has_a != 0:
+            a_exp = cute.math.exp(mALog[h])
+        for j in cutlass.range_constexpr(self.NJ):
+            for e in cutlass.range_constexpr(VEC):
+                x = f32(0.0)
+                if has_bias != 0:
+                    x = mDtBias[h * K + (sub + self.TPR * j) * VEC + e]
+                bias[j * VEC + e] = x
+        return a_exp
+
+    @cute.kernel
+    def kernel(
+        self, mQ: cute.Tensor, mK: cute.Tensor, mG: cute.Tensor, mV: cute.Tensor,
+        mBeta: cute.Tensor, mOut: cute.Tensor, mALog: cute.Tensor, mDtBias: cute.Tensor,
+        mPool: cute.Tensor, mDst: cute.Tensor, mCu: cute.Tensor, mRIdx: cute.Tensor,
+        mWIdx: cute.Tensor, mAcc: cute.Tensor, mParent: cute.Tensor, mHasInit: cute.Tensor,
+        mErr: cute.Tensor,
+        fixed_len: cutlass.Int32, cu_wide: cutlass.Int32, max_tokens: cutlass.Int32,
+        read_mode: cutlass.Int32, r_sn: cutlass.Int32, r_st: cutlass.Int32,
+        r_wide: cutlass.Int32, r_mul: cutlass.Int32, r_add: cutlass.Int32,
+        acc_on: cutlass.Int32, acc_wide: cutlass.Int32, acc_base: cutlass.Int32,
+        acc_skip: cutlass.Int32, max_sel: cutlass.Int32,
+        hi_on: cutlass.Int32, r_null: cutlass.Int32, w_null: cutlass.Int32,
+        write_mode: cutlass.Int32, w_sn: cutlass.Int32, w_st: cutlass.Int32,
+        w_wide: cutlass.Int32, w_mul: cutlass.Int32, w_add: cutlass.Int32,
+        parent_on: cutlass.Int32, p_sn: cutlass.Int32, p_st: cutlass.Int32,
+        p_wide: cutlass.Int32,
+        gate: cutlass.Int32, has_a: cutlass.Int32, has_bias: cutlass.Int32,
+        qk_l2norm: cutlass.Int32, beta_sigmoid: cutlass.Int32,
+        scale: cutlass.Float32, lower_bound: cutlass.Float32,
+    ):
+        f32, i32 = cutlass.Float32, cutlass.Int32
+        K, V, NC, R = self.K, self.V, self.NC, self.R
+        tidx, _, _ = cute.arch.thread_idx()
+        vb, h, n = cute.arch.block_idx()
+        grp = tidx // self.TPR
+        sub = tidx - grp * self.TPR
+        # one thread of a batch row reports its bad values
+        lead = cutlass.Int32(0)
+        if tidx == 0 and vb == 0 and h == 0:
+            lead = cutlass.Int32(1)
+        num_tokens = mQ.shape[0]
+        slots = mPool.shape[0]
+        dst_rows = mDst.shape[0]
+
+        bos, length, pad, sel, slot, start = self._row_setup(
+            mCu, mRIdx, mAcc, mHasInit, mErr, n, lead, num_tokens, slots, fixed_len, cu_wide,
+            max_tokens, read_mode, r_sn, r_st, r_wide, r_mul, r_add, acc_on, acc_wide,
+            acc_base, acc_skip, max_sel, hi_on, r_null)
 
         smem = utils.SmemAllocator()
         shared = smem.allocate(self.shared_storage)
@@ -310,16 +437,8 @@ class KdaStepSm90(StateSlots):
             src = i32(SRC_STAGE)
 
         # ---- the gate's per-column constants ------------------------------------------------
-        a_exp = f32(1.0)
-        if has_a != 0:
-            a_exp = cute.math.exp(mALog[h])
         bias = cute.make_rmem_tensor((NC,), f32)
-        for j in cutlass.range_constexpr(self.NJ):
-            for e in cutlass.range_constexpr(VEC):
-                x = f32(0.0)
-                if has_bias != 0:
-                    x = mDtBias[h * K + (sub + self.TPR * j) * VEC + e]
-                bias[j * VEC + e] = x
+        a_exp = self._gate_consts(bias, mALog, mDtBias, h, sub, has_a, has_bias)
 
         qv = cute.make_rmem_tensor((NC,), f32)
         kv = cute.make_rmem_tensor((NC,), f32)
@@ -357,43 +476,9 @@ class KdaStepSm90(StateSlots):
                             src = i32(SRC_STAGE)
                         else:
                             src = i32(SRC_ZERO)
-                self._head_cols(qv, mQ, tok, h, sub)
-                self._head_cols(kv, mK, tok, h, sub)
-                self._head_cols(dv, mG, tok, h, sub)
-                # q and k norms over the row's lanes; q carries the scale
-                sq = f32(0.0)
-                sk = f32(0.0)
-                for c in cutlass.range_constexpr(NC):
-                    sq = sq + qv[c] * qv[c]
-                    sk = sk + kv[c] * kv[c]
-                rq = scale
-                rk = f32(1.0)
-                if qk_l2norm != 0:
-                    sq = self._lanes_sum(sq)
-                    sk = self._lanes_sum(sk)
-                    rq = scale * cute.math.rsqrt(sq + 1e-6)
-                    rk = cute.math.rsqrt(sk + 1e-6)
-                for c in cutlass.range_constexpr(NC):
-                    qv[c] = qv[c] * rq
-                    kv[c] = kv[c] * rk
-                # the decay exp(a) per column
-                if gate == GATE_BOUNDED:
-                    for c in cutlass.range_constexpr(NC):
-                        y = a_exp * (dv[c] + bias[c])
-                        sg = cute.arch.rcp_approx(1.0 + cute.math.exp(-y, fastmath=True))
-                        dv[c] = cute.math.exp(lower_bound * sg, fastmath=True)
-                elif gate == GATE_UNBOUNDED:
-                    for c in cutlass.range_constexpr(NC):
-                        y = dv[c] + bias[c]
-                        sp = cute.arch.fmax(y, 0.0) + cute.math.log1p(
-                            cute.math.exp(-cute.arch.fmax(y, -y)))
-                        dv[c] = cute.math.exp(-a_exp * sp, fastmath=True)
-                else:
-                    for c in cutlass.range_constexpr(NC):
-                        dv[c] = cute.math.exp(dv[c], fastmath=True)
-                beta = mBeta[tok, h].to(f32)
-                if beta_sigmoid != 0:
-                    beta = cute.arch.rcp_approx(1.0 + cute.math.exp(-beta, fastmath=True))
+                beta = self._token_prep(qv, kv, dv, bias, a_exp, mQ, mK, mG, mBeta, tok, h,
+                                        sub, gate, qk_l2norm, beta_sigmoid, scale,
+                                        lower_bound)
                 # where the state after this token goes (-1: nowhere)
                 wrow = i32(-1)
                 if write_mode == WRITE_ALL or (write_mode == WRITE_LAST and t == length - 1):
@@ -409,19 +494,7 @@ class KdaStepSm90(StateSlots):
                 for r in cutlass.range(self.R, unroll=self.U, unroll_full=self.U == 0):
                     v_idx = vb * self.BV + grp + self.G * r
                     self._fetch(x, src, stage, keep, r)
-                    p = f32(0.0)
-                    for c in cutlass.range_constexpr(NC):
-                        s = x[c] * dv[c]
-                        x[c] = s
-                        p = p + s * kv[c]
-                    p = self._lanes_sum(p)
-                    u = beta * (mV[tok, h * V + v_idx].to(f32) - p)
-                    o = f32(0.0)
-                    for c in cutlass.range_constexpr(NC):
-                        s = x[c] + u * kv[c]
-                        x[c] = s
-                        o = o + s * qv[c]
-                    o = self._lanes_sum(o)
+                    o = self._update_row(x, qv, kv, dv, beta, mV, tok, h * V + v_idx)
                     if sub == 0:
                         mOut[tok, h * V + v_idx] = o.to(cutlass.BFloat16)
                     if wrow >= 0:
@@ -442,3 +515,142 @@ class KdaStepSm90(StateSlots):
                     self._put(x, self._row_vecs(mDst, w * w_mul, h, vb * self.BV + grp
                                                 + self.G * r), sub, self.pdt)
         cute.arch.cp_async_wait_group(0)  # nothing in flight when the CTA exits
+
+    # ------------------------------------------------- the persistent single-token kernel
+    @cute.kernel
+    def kernel_pipe(
+        self, mQ: cute.Tensor, mK: cute.Tensor, mG: cute.Tensor, mV: cute.Tensor,
+        mBeta: cute.Tensor, mOut: cute.Tensor, mALog: cute.Tensor, mDtBias: cute.Tensor,
+        mPool: cute.Tensor, mDst: cute.Tensor, mCu: cute.Tensor, mRIdx: cute.Tensor,
+        mWIdx: cute.Tensor, mAcc: cute.Tensor, mParent: cute.Tensor, mHasInit: cute.Tensor,
+        mErr: cute.Tensor, num_rows: cutlass.Int32, num_heads: cutlass.Int32,
+        fixed_len: cutlass.Int32, cu_wide: cutlass.Int32, max_tokens: cutlass.Int32,
+        read_mode: cutlass.Int32, r_sn: cutlass.Int32, r_st: cutlass.Int32,
+        r_wide: cutlass.Int32, r_mul: cutlass.Int32, r_add: cutlass.Int32,
+        acc_on: cutlass.Int32, acc_wide: cutlass.Int32, acc_base: cutlass.Int32,
+        acc_skip: cutlass.Int32, max_sel: cutlass.Int32,
+        hi_on: cutlass.Int32, r_null: cutlass.Int32, w_null: cutlass.Int32,
+        write_mode: cutlass.Int32, w_sn: cutlass.Int32, w_st: cutlass.Int32,
+        w_wide: cutlass.Int32, w_mul: cutlass.Int32, w_add: cutlass.Int32,
+        parent_on: cutlass.Int32, p_sn: cutlass.Int32, p_st: cutlass.Int32,
+        p_wide: cutlass.Int32,  # unused: no tree parents in single-token plans
+        gate: cutlass.Int32, has_a: cutlass.Int32, has_bias: cutlass.Int32,
+        qk_l2norm: cutlass.Int32, beta_sigmoid: cutlass.Int32,
+        scale: cutlass.Float32, lower_bound: cutlass.Float32,
+    ):
+        """Single-token plans (a row has at most one token; plans.step picks this kernel for
+        no other): each CTA walks tiles bid, bid + grid, .. of the (V / BV, H, rows) tiles
+        and, before a tile's row loop, looks up the next tile's slots and issues its staging
+        into the other half of its shared memory, so its reads stay in flight while it
+        computes. Per tile, what the one-tile kernel does for its first token."""
+        f32, i32 = cutlass.Float32, cutlass.Int32
+        NVB, n_el = self.V // self.BV, self.BV * self.K
+        tidx, _, _ = cute.arch.thread_idx()
+        bid, _, _ = cute.arch.block_idx()
+        nb, _, _ = cute.arch.grid_dim()
+        grp = tidx // self.TPR
+        sub = tidx - grp * self.TPR
+        num_tokens = mQ.shape[0]
+        slots = mPool.shape[0]
+        dst_rows = mDst.shape[0]
+        tiles = NVB * num_heads * num_rows
+        smem = utils.SmemAllocator()
+        shared = smem.allocate(self.shared_storage)
+        area = shared.stage.get_tensor(cute.make_layout(2 * n_el))
+        qv = cute.make_rmem_tensor((self.NC,), f32)
+        kv = cute.make_rmem_tensor((self.NC,), f32)
+        dv = cute.make_rmem_tensor((self.NC,), f32)
+        bias = cute.make_rmem_tensor((self.NC,), f32)
+        x = cute.make_rmem_tensor((self.NC,), f32)
+
+        # the first tile's slots and staging
+        bos, length, pad, wrow = self._pipe_issue(
+            bid, i32(0), area, tiles, num_heads, mPool, mCu, mRIdx, mWIdx, mAcc, mHasInit,
+            mErr, tidx, grp, sub, num_tokens, slots, dst_rows, fixed_len, cu_wide,
+            max_tokens, read_mode, r_sn, r_st, r_wide, r_mul, r_add, acc_on, acc_wide,
+            acc_base, acc_skip, max_sel, hi_on, r_null, w_null, write_mode, w_sn, w_wide,
+            w_mul)
+        buf = i32(0)
+        for t in cutlass.range(bid, tiles, nb):
+            # the next tile's slots and staging, into the other half
+            nbos, nlength, npad, nwrow = self._pipe_issue(
+                t + nb, 1 - buf, area, tiles, num_heads, mPool, mCu, mRIdx, mWIdx, mAcc,
+                mHasInit, mErr, tidx, grp, sub, num_tokens, slots, dst_rows, fixed_len,
+                cu_wide, max_tokens, read_mode, r_sn, r_st, r_wide, r_mul, r_add, acc_on,
+                acc_wide, acc_base, acc_skip, max_sel, hi_on, r_null, w_null, write_mode,
+                w_sn, w_wide, w_mul)
+            cute.arch.cp_async_wait_group(1)  # this tile's staged rows have landed
+            vb = t % NVB
+            h = (t // NVB) % num_heads
+            if length > 0:
+                tok = bos
+                if pad != 0:
+                    for r in cutlass.range_constexpr(self.R):
+                        if sub == 0:
+                            mOut[tok, h * self.V + vb * self.BV + grp + self.G * r] = (
+                                f32(0.0).to(cutlass.BFloat16))
+                else:
+                    stage = self._mine_at(area, buf, tidx)
+                    a_exp = self._gate_consts(bias, mALog, mDtBias, h, sub, has_a, has_bias)
+                    beta = self._token_prep(qv, kv, dv, bias, a_exp, mQ, mK, mG, mBeta, tok, h,
+                                            sub, gate, qk_l2norm, beta_sigmoid, scale,
+                                            lower_bound)
+                    for r in cutlass.range(self.R, unroll=self.U, unroll_full=self.U == 0):
+                        v_idx = vb * self.BV + grp + self.G * r
+                        self._fetch(x, SRC_STAGE, stage, stage, r)
+                        o = self._update_row(x, qv, kv, dv, beta, mV, tok,
+                                             h * self.V + v_idx)
+                        if sub == 0:
+                            mOut[tok, h * self.V + v_idx] = o.to(cutlass.BFloat16)
+                        if wrow >= 0:
+                            self._put(x, self._row_vecs(mDst, wrow, h, v_idx), sub, self.pdt)
+            bos, length, pad, wrow = nbos, nlength, npad, nwrow
+            buf = 1 - buf
+        cute.arch.cp_async_wait_group(0)  # nothing in flight when the CTA exits
+
+    def _mine_at(self, area, buf, tidx):
+        """This thread's elements of half `buf` (0 or 1) of a two-tile staging area."""
+        n_el = self.BV * self.K
+        off = cute.assume(buf * n_el, divby=n_el)  # keeps the 16-byte alignment of the copies
+        return self._mine(cute.make_tensor(area.iterator + off, cute.make_layout(n_el)), tidx)
+
+    @cute.jit
+    def _pipe_issue(self, t, buf, area, tiles, num_heads, mPool: cute.Tensor,
+                    mCu: cute.Tensor, mRIdx: cute.Tensor, mWIdx: cute.Tensor,
+                    mAcc: cute.Tensor, mHasInit: cute.Tensor, mErr: cute.Tensor, tidx, grp,
+                    sub, num_tokens, slots, dst_rows, fixed_len, cu_wide, max_tokens,
+                    read_mode, r_sn, r_st, r_wide, r_mul, r_add, acc_on, acc_wide, acc_base,
+                    acc_skip, max_sel, hi_on, r_null, w_null, write_mode, w_sn, w_wide, w_mul):
+        """Tile t's row setup (nothing past the last tile), its write row (-1: none) and its
+        start state staged into half `buf` (zeros there for a row that starts from zeros);
+        one commit group either way. Returns (bos, length, pad, wrow)."""
+        i32 = cutlass.Int32
+        NVB = self.V // self.BV
+        bos, length, pad, slot, start, wrow = i32(0), i32(0), i32(1), i32(-1), i32(0), i32(-1)
+        if t < tiles:
+            vb = t % NVB
+            h = (t // NVB) % num_heads
+            n = t // (NVB * num_heads)
+            lead = i32(0)  # one thread of a batch row reports its bad values
+            if tidx == 0 and vb == 0 and h == 0:
+                lead = i32(1)
+            bos, length, pad, _, slot, start = self._row_setup(
+                mCu, mRIdx, mAcc, mHasInit, mErr, n, lead, num_tokens, slots, fixed_len,
+                cu_wide, max_tokens, read_mode, r_sn, r_st, r_wide, r_mul, r_add, acc_on,
+                acc_wide, acc_base, acc_skip, max_sel, hi_on, r_null)
+            if pad == 0 and length > 0:
+                if write_mode == WRITE_ALL or write_mode == WRITE_LAST:
+                    w, okw = self._word(mWIdx, n * w_sn, w_wide)
+                    # w < dst_rows first: w * w_mul cannot wrap around then
+                    row = cutlass.min(w, dst_rows) * w_mul
+                    if okw == 0 or (w >= w_null and (w >= dst_rows or row >= dst_rows)):
+                        self._flag(mErr, E_WRITE, lead)
+                    elif w >= w_null:
+                        wrow = row
+                stage = self._mine_at(area, buf, tidx)
+                if start != 0:
+                    self._stage_rows(stage, mPool, slot, h, vb, grp, sub)
+                else:
+                    self._zero_stage(stage)
+        cute.arch.cp_async_commit_group()
+        return bos, length, pad, wrow

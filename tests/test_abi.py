@@ -394,9 +394,12 @@ MUTATIONS = {"drop-last-param": _drop_last, "drop-first-tma": _drop_first_tma,
 
 
 def _applies(name: str, mutation: str) -> bool:
-    """The TMA mutations need a TMA argument, T-64bit a T extent (the combine has neither)."""
+    """The TMA mutations need a TMA argument, T-64bit a T extent (the combine has neither),
+    grid-arg-as-param a grid-only argument (a persistent token step has none)."""
     cfg, args_of = KERNELS[name]
     args = args_of(cfg)
+    if mutation == "grid-arg-as-param":
+        return any(a.grid_only for a in args)
     if mutation in ("drop-first-tma", "tma-as-tensor"):
         return any(a.kind == "tma" for a in args)
     if mutation == "T-64bit":

@@ -463,6 +463,10 @@ def test_every_tile(cfg):
         assert rel_err(pool[d_idx[n]], st[-1]) < STATE_TOL[dtype]
     pool.copy_(before)
     args = tuple(x.view(N, T, *x.shape[1:]) for x in (q, k, v, g, beta))
+    if cfg.persist:  # a persistent tile runs single-token plans only (tests/test_gpu_persist.py)
+        with pytest.raises(ValueError, match="config"):
+            kda_cute.verify(*args, pool, ssm_state_indices=idx, **kw)
+        return
     out = kda_cute.verify(*args, pool, ssm_state_indices=idx, **kw)
     kda_cute.check_errors(sync=True)
     for n in range(N):

@@ -59,18 +59,21 @@ def test_single_token_tiles_by_width():
             top = tiles[i + 1][0] - 1 if i + 1 < len(tiles) else 10 ** 6
             assert select_step(d, d, pool, top) == cfg
             assert cfg.min_blocks * cfg.threads <= 2048 and supports(cfg) == (True, "")
-    # the whole-head bf16 tile: 128 rows, from 4096 rows x heads
-    assert select_step(128, 128, "bfloat16", 4096).block_v == 128
-    assert select_step(128, 128, "bfloat16", 4095).block_v == 64
+    # bf16 at K = 128: a persistent 64-row tile, then a whole head from 16384 rows x heads
+    assert select_step(128, 128, "bfloat16", 16384).block_v == 128
+    assert select_step(128, 128, "bfloat16", 16383).persist
+    assert not select_step(128, 128, "bfloat16", 0).persist
 
 
 def test_single_token_tiles_for_single_tokens_only(planned):
     from kda_cute.ladder import STEP_SINGLE
     single = {c for _, c in STEP_SINGLE}
-    B, slots = 4096 // H, 2 * 4096 // H
+    B, slots = 16384 // H, 2 * 16384 // H
     kda_cute.decode(*decode_args(B, slots, BF), lower_bound=-5.0)
     assert planned["plan"].launches()[0].kernel.block_v == 128
     assert planned["plan"].launches()[0].kernel in single
+    kda_cute.decode(*decode_args(8, 16, BF), lower_bound=-5.0)
+    assert planned["plan"].launches()[0].kernel.persist
     q = tok(B, 2)
     kda_cute.verify(q, q, q, q, torch.randn(B, 2, H).to(BF), torch.zeros(slots, H, K, K, dtype=BF),
                     ssm_state_indices=torch.zeros(B, 2, dtype=torch.int32), lower_bound=-5.0)
@@ -248,3 +251,30 @@ def test_fla_call_refusals(planned):
     out, st = f(q, q, q, q, beta, initial_state=pool, ssm_state_indices=idx, state_v_first=True)
     assert st is pool and out.shape == q.shape
     assert planned["plan"].problem.form == "verify"
+
+
+def test_persistent_tile_plan(planned):
+    """A persistent tile: a grid of CTAs per SM x SMs (at most one a tile), rows and heads as
+    kernel parameters, refused by multi-token plans."""
+    from kda_cute.ladder import step_tiles
+    from kda_cute.specs.step import args as step_args
+    cfg = next(c for c in step_tiles() if c.persist and c.head_dim_k == K
+               and c.pool == "bfloat16")
+    names = [a.name for a in step_args(cfg) if not a.grid_only]
+    assert "num_rows" in names and "num_heads" in names
+    plain = next(c for c in STEP if c.head_dim_k == K and c.pool == "bfloat16")
+    assert "num_rows" not in [a.name for a in step_args(plain) if not a.grid_only]
+    assert cfg.stage_bytes == 2 * cfg.block_v * K * 2
+    for B in (8, 1000):
+        kda_cute.decode(*decode_args(B, B + 4, BF), lower_bound=-5.0, config=cfg)
+        launch = planned["plan"].launches()[0]
+        tiles = K // cfg.block_v * H * B
+        assert launch.grid == (min(tiles, 132 * cfg.persist), 1, 1)
+        assert launch.smem == cfg.stage_bytes
+        src = dict(zip(launch.args, launch.sources, strict=True))
+        assert (src["num_rows"].value, src["num_heads"].value) == (B, H)
+    q = tok(4, 2)
+    with pytest.raises(ValueError, match="config: a persistent tile"):
+        kda_cute.verify(q, q, q, q, torch.randn(4, 2, H).to(BF), torch.zeros(8, H, K, K, dtype=BF),
+                        ssm_state_indices=torch.zeros(4, 2, dtype=torch.int32),
+                        lower_bound=-5.0, config=cfg)

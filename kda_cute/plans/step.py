@@ -11,7 +11,7 @@ import torch
 
 from ..ladder import select_step
 from ..problem import StepOptions, StepProblem
-from ..specs.step import STEP_GATES
+from ..specs.step import STEP_GATES, WRITE_START
 from .device import H200, DeviceInfo
 from .prefill import _launch
 from .steps import At, Buffer, CallScalar, Errors, Plan, Role, Scalar
@@ -19,14 +19,26 @@ from .steps import At, Buffer, CallScalar, Errors, Plan, Role, Scalar
 F32 = torch.float32
 
 
+def _single(p: StepProblem) -> bool:
+    """At most one token a row and no tree parents."""
+    return p.max_tokens <= 1 and not p.parent[0]
+
+
 def step_config(p: StepProblem, opts: StepOptions):
     if opts.config is not None:
-        return opts.config
+        cfg = opts.config
+        if cfg.persist and not (_single(p) and p.max_tokens == 1
+                                and p.write[0] != WRITE_START):
+            raise ValueError(
+                f"config: a persistent tile ({cfg.name}) runs single-token steps only (decode, "
+                f"or a verify of one token a row); got {p.form} with up to {p.max_tokens} "
+                "tokens a row" + (", tree parents" if p.parent[0] else "")
+                + (", a commit" if p.write[0] == WRITE_START else ""))
+        return cfg
     # the single-token tiles (ladder.STEP_SINGLE) only where a row has one token: between
     # tokens a bf16 pool keeps an fp32 copy of the tile in shared memory (96 KB at 128 rows:
     # two CTAs per SM), and their register caps were measured on decode
-    single = p.max_tokens <= 1 and not p.parent[0]
-    return select_step(p.K, p.V, p.pool, p.N * p.H if single else 0)
+    return select_step(p.K, p.V, p.pool, p.N * p.H if _single(p) else 0)
 
 
 @functools.lru_cache(maxsize=256)
@@ -82,12 +94,16 @@ def _step_plan(p: StepProblem, opts: StepOptions, dev: DeviceInfo) -> Plan:
         "has_bias": Scalar(int(p.dt_bias)), "qk_l2norm": Scalar(int(opts.qk_l2norm)),
         "beta_sigmoid": Scalar(int(opts.beta_sigmoid)),
         "scale": CallScalar("scale"), "lower_bound": CallScalar("lower_bound"),
+        # kernel parameters of a persistent tile only (grid sizes otherwise)
+        "num_rows": Scalar(p.N), "num_heads": Scalar(H),
     }
     grid = (V // cfg.block_v, H, p.N)
+    if cfg.persist:  # as many CTAs as fit at once (cfg.persist an SM), at most one a tile
+        grid = (max(1, min(V // cfg.block_v * H * p.N, dev.sms * cfg.persist)), 1, 1)
     steps = ()
     if p.N > 0 and H > 0:
         step = _launch("step", cfg, grid, values, syms, dev)
-        if p.max_tokens <= 1 and not p.parent[0]:
+        if _single(p):
             # a row has at most one token (the kernel refuses more), so a bf16 pool's fp32
             # keep area, used only between tokens, is never touched: more CTAs fit on an SM
             step = replace(step, smem=min(step.smem, cfg.stage_bytes))

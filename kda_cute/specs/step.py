@@ -46,6 +46,7 @@ class StepConfig:
     access: int = 16  # bytes per pool access (16, or 8)
     unroll: int = 0  # the row loop's unroll (0: whole)
     min_blocks: int = 0  # CTAs per SM that ptxas must fit (registers capped to match; 0: free)
+    persist: int = 0  # > 0: a persistent grid of this many CTAs per SM, single-token plans only
 
     @property
     def vec(self) -> int:
@@ -55,8 +56,9 @@ class StepConfig:
     @property
     def stage_bytes(self) -> int:
         """Shared memory of the staged start state (a bf16 pool's fp32 keep area, for the
-        states between a row's tokens, follows it)."""
-        return self.block_v * self.head_dim_k * (4 if self.pool == "float32" else 2)
+        states between a row's tokens, follows it); a persistent tile stages two tiles."""
+        tile = self.block_v * self.head_dim_k * (4 if self.pool == "float32" else 2)
+        return 2 * tile if self.persist else tile
 
     @property
     def rows_per_thread(self) -> int:
@@ -68,8 +70,9 @@ class StepConfig:
         a = "" if self.access == 16 else f"_a{self.access}"
         u = "" if not self.unroll else f"_u{self.unroll}"
         m = "" if not self.min_blocks else f"_m{self.min_blocks}"
+        ps = "" if not self.persist else f"_p{self.persist}"
         return (f"kda_step_k{self.head_dim_k}_v{self.head_dim_v}_{p}_bv{self.block_v}"
-                f"_r{self.tpr}_t{self.threads}{a}{u}{m}")
+                f"_r{self.tpr}_t{self.threads}{a}{u}{m}{ps}")
 
     @property
     def block_threads(self) -> int:
@@ -91,6 +94,9 @@ def supports(cfg: StepConfig) -> tuple[bool, str]:
         return False, f"access must be 8 or 16 bytes, got {cfg.access}"
     if cfg.unroll < 0:
         return False, f"unroll must be >= 0, got {cfg.unroll}"
+    if cfg.persist < 0 or cfg.persist * cfg.threads > 2048:
+        return False, (f"persist must be in [0, 2048 / threads], got {cfg.persist} at "
+                       f"{cfg.threads} threads")
     if cfg.min_blocks < 0 or cfg.min_blocks * cfg.threads > 2048:
         return False, (f"min_blocks must be in [0, 2048 / threads], got {cfg.min_blocks} "
                        f"at {cfg.threads} threads")
@@ -139,8 +145,9 @@ def args(cfg: StepConfig) -> list[Arg]:
         words("parent", "NPA"),
         tensor("has_init", "int8", ("NHI",), (1,)),
         tensor("errors", "int32", (8,), (1,), dsl="mErr"),
-        scalar("num_rows", grid_only=True),
-        scalar("num_heads", grid_only=True),
+        # a persistent tile walks the (V / block_v, H, rows) tiles itself: it takes both
+        scalar("num_rows", grid_only=not cfg.persist),
+        scalar("num_heads", grid_only=not cfg.persist),
         # tokens: fixed_len >= 0 gives row n tokens n * fixed_len ..; < 0: cu_seqlens
         scalar("fixed_len"), scalar("cu_wide"), scalar("max_tokens"),
         # the read row: read_index[n * r_sn + sel * r_st] * r_mul + sel * r_add, with
