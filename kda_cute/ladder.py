@@ -222,14 +222,17 @@ def step_tiles() -> tuple[StepConfig, ...]:
     return tuple(dict.fromkeys(STEP + tuple(c for _, c in STEP_SINGLE) + STEP_VARIANTS))
 
 
-def select_step(head_dim_k: int, head_dim_v: int, pool: str, heads: int = 0
-                ) -> StepConfig | None:
+def select_step(head_dim_k: int, head_dim_v: int, pool: str, heads: int = 0,
+                persistent: bool = True) -> StepConfig | None:
     """The shipped token-step config for (K, V) and the pool's dtype name, or None. `heads`
     > 0 says the plan is single-token, with that many rows x heads: STEP_SINGLE's tile with
-    the largest threshold reached, where there is one, else STEP's."""
+    the largest threshold reached (not a persistent one unless `persistent`: a commit has no
+    token), where there is one, else STEP's."""
     key = (head_dim_k, head_dim_v, pool)
     best = None
     for least, cfg in STEP_SINGLE:
+        if cfg.persist and not persistent:
+            continue
         if heads > 0 and heads >= least and (cfg.head_dim_k, cfg.head_dim_v, cfg.pool) == key:
             if best is None or least >= best[0]:
                 best = (least, cfg)

@@ -24,11 +24,15 @@ def _single(p: StepProblem) -> bool:
     return p.max_tokens <= 1 and not p.parent[0]
 
 
+def _persistent_ok(p: StepProblem) -> bool:
+    """A persistent tile runs rows of one token (no commits, no tree parents)."""
+    return _single(p) and p.max_tokens == 1 and p.write[0] != WRITE_START
+
+
 def step_config(p: StepProblem, opts: StepOptions):
     if opts.config is not None:
         cfg = opts.config
-        if cfg.persist and not (_single(p) and p.max_tokens == 1
-                                and p.write[0] != WRITE_START):
+        if cfg.persist and not _persistent_ok(p):
             raise ValueError(
                 f"config: a persistent tile ({cfg.name}) runs single-token steps only (decode, "
                 f"or a verify of one token a row); got {p.form} with up to {p.max_tokens} "
@@ -38,7 +42,7 @@ def step_config(p: StepProblem, opts: StepOptions):
     # the single-token tiles (ladder.STEP_SINGLE) only where a row has one token: between
     # tokens a bf16 pool keeps an fp32 copy of the tile in shared memory (96 KB at 128 rows:
     # two CTAs per SM), and their register caps were measured on decode
-    return select_step(p.K, p.V, p.pool, p.N * p.H if _single(p) else 0)
+    return select_step(p.K, p.V, p.pool, p.N * p.H if _single(p) else 0, _persistent_ok(p))
 
 
 @functools.lru_cache(maxsize=256)
