@@ -176,25 +176,34 @@ STEP: tuple[StepConfig, ...] = tuple(
     for d in HEAD_DIMS for p in ("float32", "bfloat16"))
 # Single-token plans (decode; a verify keeps fp32 state between tokens and takes STEP): rows x
 # heads from which a tile is taken, and the tile (bench/results/serving-sweep-h200-2026-12-02-*,
-# % of the copy ceiling, CUDA graph):
-# - a persistent grid of 64-row tiles, 6 CTAs an SM (StepConfig.persist: each CTA stages its
-#   next tile while it computes the current one), the row loop unrolled by two: N 64 H 32 65%
-#   against 58% for STEP's tile, N 256 H 12 70% against 62%, N 1024 H 12 82% against 71%,
-#   N 8 H 32 33% against 32%.
-# - from 16384 rows x heads, a whole head per CTA (128 rows unrolled by four) at 6 CTAs an SM
-#   (ptxas caps its registers at 80: StepConfig.min_blocks): N 1024 H 32 86% against 83% for
-#   the persistent tile, N 1024 H 96 88% against 84%. Only for single-token plans: a verify's
-#   fp32 keep area (96 KB at 128 rows) would hold it to two CTAs per SM.
-# fp32 pools gain nothing from either (within 1-3%, persistent 2-4 points slower) and keep
-# STEP's tile.
+# CUDA graph):
+# - small grids are latency-bound: fewer rows per CTA, more CTAs. Below 48 rows x heads, 8 rows
+#   (N 1 H 12: 6.7 us fp32, 6.6 bf16, against 8.2 and 8.4 for the tiles below); below 192,
+#   16 rows (fp32; N 1 H 96 and N 8 H 12 10.0-10.1 us against 10.8) or 32 unrolled by two
+#   (bf16: 8.7-8.8 against 9.8-10.1).
+# - fp32 from 192: STEP's tile (a register cap or a persistent grid: within 1-3%, or 2-4
+#   points of the copy ceiling slower).
+# - bf16 from 192: a persistent grid of 64-row tiles, 6 CTAs an SM (StepConfig.persist: each CTA
+#   stages its next tile while it computes the current one), the row loop unrolled by two:
+#   N 64 H 32 65% of the ceiling against 58% for STEP's tile, N 256 H 12 70% against 62%,
+#   N 1024 H 12 82% against 71%, N 8 H 32 12.3 us against 12.4.
+# - bf16 from 16384, a whole head per CTA (128 rows unrolled by four) at 6 CTAs an SM (ptxas
+#   caps its registers at 80: StepConfig.min_blocks): N 1024 H 32 86% against 83% for the
+#   persistent tile, N 1024 H 96 88% against 84%. Only for single-token plans: a verify's fp32
+#   keep area (96 KB at 128 rows) would hold it to two CTAs per SM.
 STEP_SINGLE: tuple[tuple[int, StepConfig], ...] = (
-    (1, StepConfig(128, 128, "bfloat16", 64, 16, 128, unroll=2, persist=6)),
+    (1, _step(128, "float32", 8)),
+    (48, _step(128, "float32", 16)),
+    (192, _step(128, "float32")),
+    (1, _step(128, "bfloat16", 8)),
+    (48, _step(128, "bfloat16", 32, 2)),
+    (192, StepConfig(128, 128, "bfloat16", 64, 16, 128, unroll=2, persist=6)),
     (16384, StepConfig(128, 128, "bfloat16", 128, 16, 128, unroll=4, min_blocks=6)),
 )
 
 # other tiles, built for the tile sweep (bench/serving.py --sweep): fewer and more rows per CTA
 STEP_VARIANTS: tuple[StepConfig, ...] = tuple(c for c in dict.fromkeys(
-    [_step(128, p, bv) for p in ("float32", "bfloat16") for bv in (16, 32, 64)]
+    [_step(128, p, bv) for p in ("float32", "bfloat16") for bv in (8, 16, 32, 64)]
     + [_step(128, p, bv, 2) for p in ("float32", "bfloat16") for bv in (32, 64)]
     + [StepConfig(128, 128, "bfloat16", bv, 32, 128, access=8, unroll=u)
        for bv in (32, 64) for u in (0, 2)]

@@ -72,13 +72,15 @@ def test_single_token_tiles_for_single_tokens_only(planned):
     kda_cute.decode(*decode_args(B, slots, BF), lower_bound=-5.0)
     assert planned["plan"].launches()[0].kernel.block_v == 128
     assert planned["plan"].launches()[0].kernel in single
-    kda_cute.decode(*decode_args(8, 16, BF), lower_bound=-5.0)
+    kda_cute.decode(*decode_args(64, 128, BF), lower_bound=-5.0)
     assert planned["plan"].launches()[0].kernel.persist
+    kda_cute.decode(*decode_args(4, 8, BF), lower_bound=-5.0)  # small grids: small tiles
+    assert planned["plan"].launches()[0].kernel.block_v == 8
     # a commit (no token) never takes a persistent tile
     kda_cute.commit(torch.zeros(16, H, K, K, dtype=BF), torch.zeros(8, 2, H, K, K, dtype=BF),
                     torch.arange(8, dtype=torch.int32), torch.zeros(8, dtype=torch.int32))
     assert not planned["plan"].launches()[0].kernel.persist
-    assert select_step(128, 128, "bfloat16", 8 * H, persistent=False) in STEP
+    assert not select_step(128, 128, "bfloat16", 64 * H, persistent=False).persist
     q = tok(B, 2)
     kda_cute.verify(q, q, q, q, torch.randn(B, 2, H).to(BF), torch.zeros(slots, H, K, K, dtype=BF),
                     ssm_state_indices=torch.zeros(B, 2, dtype=torch.int32), lower_bound=-5.0)
