@@ -542,7 +542,12 @@ class KdaStepSm90(StateSlots):
         no other): each CTA walks tiles bid, bid + grid, .. of the (V / BV, H, rows) tiles
         and, before a tile's row loop, looks up the next tile's slots and issues its staging
         into the other half of its shared memory, so its reads stay in flight while it
-        computes. Per tile, what the one-tile kernel does for its first token."""
+        computes. Per tile, what the one-tile kernel does for its first token.
+
+        Each thread reads back only what it staged itself, so the halves need no barrier: the
+        next tile's copies (or zeros) go to the half the previous tile was read from, and every
+        value read from it there fed that tile's row loop, which comes before them in program
+        order (in-order issue: the reads have returned before the copies are issued)."""
         f32, i32 = cutlass.Float32, cutlass.Int32
         NVB, n_el = self.V // self.BV, self.BV * self.K
         tidx, _, _ = cute.arch.thread_idx()
