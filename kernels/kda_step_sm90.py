@@ -384,6 +384,51 @@ class KdaStepSm90(StateSlots):
                 bias[j * VEC + e] = x
         return a_exp
 
+    @cute.jit
+    def _lead(self, tidx, vb, h):
+        """1 for the one thread of a batch row that reports its bad values (thread 0 of the
+        row's first tile), else 0."""
+        lead = cutlass.Int32(0)
+        if tidx == 0 and vb == 0 and h == 0:
+            lead = cutlass.Int32(1)
+        return lead
+
+    @cute.jit
+    def _write_row(self, mWIdx: cute.Tensor, mErr: cute.Tensor, n, t, lead, dst_rows, w_sn,
+                   w_st, w_wide, w_mul, w_add, w_null):
+        """The dst row the state after token t of batch row n goes to: -1 for a padding entry,
+        and for a bad one (flagged)."""
+        wrow = cutlass.Int32(-1)
+        w, okw = self._word(mWIdx, n * w_sn + t * w_st, w_wide)
+        # w < dst_rows first: w * w_mul cannot wrap around then
+        row = cutlass.min(w, dst_rows) * w_mul + t * w_add
+        if okw == 0 or (w >= w_null and (w >= dst_rows or row >= dst_rows)):
+            self._flag(mErr, E_WRITE, lead)
+        elif w >= w_null:
+            wrow = row
+        return wrow
+
+    @cute.jit
+    def _zero_outputs(self, mOut: cute.Tensor, tok, h, vb, grp, sub):
+        """A padding row's outputs of token `tok`: zeros in this thread's rows."""
+        for r in cutlass.range_constexpr(self.R):
+            if sub == 0:
+                mOut[tok, h * self.V + vb * self.BV + grp + self.G * r] = (
+                    cutlass.Float32(0.0).to(cutlass.BFloat16))
+
+    @cute.jit
+    def _row(self, x, src, stage, keep, r, qv, kv, dv, beta, mV: cute.Tensor,
+             mOut: cute.Tensor, mDst: cute.Tensor, tok, h, vb, grp, sub, wrow):
+        """This thread's row r through token `tok`: its state into registers x (from `src`),
+        the update, its output, and the state after it to dst row `wrow` (>= 0)."""
+        v_idx = vb * self.BV + grp + self.G * r
+        self._fetch(x, src, stage, keep, r)
+        o = self._update_row(x, qv, kv, dv, beta, mV, tok, h * self.V + v_idx)
+        if sub == 0:
+            mOut[tok, h * self.V + v_idx] = o.to(cutlass.BFloat16)
+        if wrow >= 0:
+            self._put(x, self._row_vecs(mDst, wrow, h, v_idx), sub, self.pdt)
+
     @cute.kernel
     def kernel(
         self, mQ: cute.Tensor, mK: cute.Tensor, mG: cute.Tensor, mV: cute.Tensor,
@@ -406,15 +451,12 @@ class KdaStepSm90(StateSlots):
         scale: cutlass.Float32, lower_bound: cutlass.Float32,
     ):
         f32, i32 = cutlass.Float32, cutlass.Int32
-        K, V, NC, R = self.K, self.V, self.NC, self.R
+        K, NC = self.K, self.NC
         tidx, _, _ = cute.arch.thread_idx()
         vb, h, n = cute.arch.block_idx()
         grp = tidx // self.TPR
         sub = tidx - grp * self.TPR
-        # one thread of a batch row reports its bad values
-        lead = cutlass.Int32(0)
-        if tidx == 0 and vb == 0 and h == 0:
-            lead = cutlass.Int32(1)
+        lead = self._lead(tidx, vb, h)
         num_tokens = mQ.shape[0]
         slots = mPool.shape[0]
         dst_rows = mDst.shape[0]
@@ -447,10 +489,7 @@ class KdaStepSm90(StateSlots):
         for t in cutlass.range(length):
             tok = bos + t
             if pad != 0:
-                for r in cutlass.range_constexpr(R):
-                    if sub == 0:
-                        mOut[tok, h * V + vb * self.BV + grp + self.G * r] = (
-                            f32(0.0).to(cutlass.BFloat16))
+                self._zero_outputs(mOut, tok, h, vb, grp, sub)
             else:
                 # tree drafts: a token whose parent is not the previous one restarts from the
                 # start state (parent -1) or from the state after its parent, already written
@@ -482,23 +521,13 @@ class KdaStepSm90(StateSlots):
                 # where the state after this token goes (-1: nowhere)
                 wrow = i32(-1)
                 if write_mode == WRITE_ALL or (write_mode == WRITE_LAST and t == length - 1):
-                    w, okw = self._word(mWIdx, n * w_sn + t * w_st, w_wide)
-                    # w < dst_rows first: w * w_mul cannot wrap around then
-                    row = cutlass.min(w, dst_rows) * w_mul + t * w_add
-                    if okw == 0 or (w >= w_null and (w >= dst_rows or row >= dst_rows)):
-                        self._flag(mErr, E_WRITE, lead)
-                    elif w >= w_null:
-                        wrow = row
+                    wrow = self._write_row(mWIdx, mErr, n, t, lead, dst_rows, w_sn, w_st, w_wide,
+                                           w_mul, w_add, w_null)
                 more = t + 1 < length
                 cute.arch.cp_async_wait_group(0)  # this thread's staged rows have landed
                 for r in cutlass.range(self.R, unroll=self.U, unroll_full=self.U == 0):
-                    v_idx = vb * self.BV + grp + self.G * r
-                    self._fetch(x, src, stage, keep, r)
-                    o = self._update_row(x, qv, kv, dv, beta, mV, tok, h * V + v_idx)
-                    if sub == 0:
-                        mOut[tok, h * V + v_idx] = o.to(cutlass.BFloat16)
-                    if wrow >= 0:
-                        self._put(x, self._row_vecs(mDst, wrow, h, v_idx), sub, self.pdt)
+                    self._row(x, src, stage, keep, r, qv, kv, dv, beta, mV, mOut, mDst, tok, h,
+                              vb, grp, sub, wrow)
                     if more:
                         self._keep(x, keep, r)
                 src = i32(SRC_F32)
@@ -573,8 +602,8 @@ class KdaStepSm90(StateSlots):
             bid, i32(0), area, tiles, num_heads, mPool, mCu, mRIdx, mWIdx, mAcc, mHasInit,
             mErr, tidx, grp, sub, num_tokens, slots, dst_rows, fixed_len, cu_wide,
             max_tokens, read_mode, r_sn, r_st, r_wide, r_mul, r_add, acc_on, acc_wide,
-            acc_base, acc_skip, max_sel, hi_on, r_null, w_null, write_mode, w_sn, w_wide,
-            w_mul)
+            acc_base, acc_skip, max_sel, hi_on, r_null, w_null, write_mode, w_sn, w_st, w_wide,
+            w_mul, w_add)
         buf = i32(0)
         for t in cutlass.range(bid, tiles, nb):
             # the next tile's slots and staging, into the other half
@@ -583,17 +612,14 @@ class KdaStepSm90(StateSlots):
                 mHasInit, mErr, tidx, grp, sub, num_tokens, slots, dst_rows, fixed_len,
                 cu_wide, max_tokens, read_mode, r_sn, r_st, r_wide, r_mul, r_add, acc_on,
                 acc_wide, acc_base, acc_skip, max_sel, hi_on, r_null, w_null, write_mode,
-                w_sn, w_wide, w_mul)
+                w_sn, w_st, w_wide, w_mul, w_add)
             cute.arch.cp_async_wait_group(1)  # this tile's staged rows have landed
             vb = t % NVB
             h = (t // NVB) % num_heads
             if length > 0:
                 tok = bos
                 if pad != 0:
-                    for r in cutlass.range_constexpr(self.R):
-                        if sub == 0:
-                            mOut[tok, h * self.V + vb * self.BV + grp + self.G * r] = (
-                                f32(0.0).to(cutlass.BFloat16))
+                    self._zero_outputs(mOut, tok, h, vb, grp, sub)
                 else:
                     stage = self._mine_at(area, buf, tidx)
                     a_exp = self._gate_consts(bias, mALog, mDtBias, h, sub, has_a, has_bias)
@@ -601,14 +627,8 @@ class KdaStepSm90(StateSlots):
                                             sub, gate, qk_l2norm, beta_sigmoid, scale,
                                             lower_bound)
                     for r in cutlass.range(self.R, unroll=self.U, unroll_full=self.U == 0):
-                        v_idx = vb * self.BV + grp + self.G * r
-                        self._fetch(x, SRC_STAGE, stage, stage, r)
-                        o = self._update_row(x, qv, kv, dv, beta, mV, tok,
-                                             h * self.V + v_idx)
-                        if sub == 0:
-                            mOut[tok, h * self.V + v_idx] = o.to(cutlass.BFloat16)
-                        if wrow >= 0:
-                            self._put(x, self._row_vecs(mDst, wrow, h, v_idx), sub, self.pdt)
+                        self._row(x, SRC_STAGE, stage, stage, r, qv, kv, dv, beta, mV, mOut,
+                                  mDst, tok, h, vb, grp, sub, wrow)
             bos, length, pad, wrow = nbos, nlength, npad, nwrow
             buf = 1 - buf
         cute.arch.cp_async_wait_group(0)  # nothing in flight when the CTA exits
@@ -625,7 +645,8 @@ class KdaStepSm90(StateSlots):
                     mAcc: cute.Tensor, mHasInit: cute.Tensor, mErr: cute.Tensor, tidx, grp,
                     sub, num_tokens, slots, dst_rows, fixed_len, cu_wide, max_tokens,
                     read_mode, r_sn, r_st, r_wide, r_mul, r_add, acc_on, acc_wide, acc_base,
-                    acc_skip, max_sel, hi_on, r_null, w_null, write_mode, w_sn, w_wide, w_mul):
+                    acc_skip, max_sel, hi_on, r_null, w_null, write_mode, w_sn, w_st, w_wide,
+                    w_mul, w_add):
         """Tile t's row setup (nothing past the last tile), its write row (-1: none) and its
         start state staged into half `buf` (zeros there for a row that starts from zeros);
         one commit group either way. Returns (bos, length, pad, wrow)."""
@@ -636,22 +657,15 @@ class KdaStepSm90(StateSlots):
             vb = t % NVB
             h = (t // NVB) % num_heads
             n = t // (NVB * num_heads)
-            lead = i32(0)  # one thread of a batch row reports its bad values
-            if tidx == 0 and vb == 0 and h == 0:
-                lead = i32(1)
+            lead = self._lead(tidx, vb, h)
             bos, length, pad, _, slot, start = self._row_setup(
                 mCu, mRIdx, mAcc, mHasInit, mErr, n, lead, num_tokens, slots, fixed_len,
                 cu_wide, max_tokens, read_mode, r_sn, r_st, r_wide, r_mul, r_add, acc_on,
                 acc_wide, acc_base, acc_skip, max_sel, hi_on, r_null)
             if pad == 0 and length > 0:
                 if write_mode == WRITE_ALL or write_mode == WRITE_LAST:
-                    w, okw = self._word(mWIdx, n * w_sn, w_wide)
-                    # w < dst_rows first: w * w_mul cannot wrap around then
-                    row = cutlass.min(w, dst_rows) * w_mul
-                    if okw == 0 or (w >= w_null and (w >= dst_rows or row >= dst_rows)):
-                        self._flag(mErr, E_WRITE, lead)
-                    elif w >= w_null:
-                        wrow = row
+                    wrow = self._write_row(mWIdx, mErr, n, i32(0), lead, dst_rows, w_sn, w_st,
+                                           w_wide, w_mul, w_add, w_null)
                 stage = self._mine_at(area, buf, tidx)
                 if start != 0:
                     self._stage_rows(stage, mPool, slot, h, vb, grp, sub)
