@@ -9,7 +9,7 @@ import torch
 
 import kda_cute
 from kda_cute.reference import preprocess, rel_err
-from kda_cute.testing import SENTINEL, cuda_ready
+from kda_cute.testing import GUARD, SENTINEL, cuda_ready
 from kda_cute.testing import bits as _bits
 from kda_cute.testing import guarded as _guarded
 from kda_cute.testing import guards_ok as _guards_ok
@@ -89,7 +89,7 @@ def test_persistent_decode(cfg, gate):
     untouched[wi[live].long()] = False
     assert torch.equal(_bits(pool[untouched]), _bits(before[untouched]))
     assert _guards_ok(buf)
-    gaps = buf[4096:-4096].view(slots, -1)[:, H * K * K:]
+    gaps = buf[GUARD:-GUARD].view(slots, -1)[:, H * K * K:]
     assert (gaps == torch.tensor(SENTINEL, dtype=dtype)).all()
 
 
