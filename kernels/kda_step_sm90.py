@@ -349,9 +349,32 @@ class KdaStepSm90(StateSlots):
         return beta
 
     @cute.jit
-    def _update_row(self, x, qv, kv, dv, beta, mV: cute.Tensor, tok, col):
-        """One state row in registers x through token `tok` (its v: mV[tok, col]): decay,
-        delta rule; returns its output (the dot products reduced over the row's lanes)."""
+    def _v_ahead(self, mV: cute.Tensor, tok, h, vb, grp, sub):
+        """v of token `tok` for this thread's row r = sub (fp32; 0 where sub >= R): the row's
+        lanes hold the v of all its R rows between them (R <= TPR), loaded at once ahead of the
+        row loop instead of one dependent load a row; _v_of hands row r's to every lane."""
+        val = cutlass.Float32(0.0)
+        if cutlass.const_expr(self.R == self.TPR):
+            val = mV[tok, h * self.V + vb * self.BV + grp + self.G * sub].to(cutlass.Float32)
+        else:
+            if sub < self.R:
+                val = mV[tok, h * self.V + vb * self.BV + grp + self.G * sub].to(
+                    cutlass.Float32)
+        return val
+
+    @cute.jit
+    def _v_of(self, vals, r):
+        """Row r's v from the lane of this row that holds it (_v_ahead)."""
+        out = vals
+        if cutlass.const_expr(self.TPR > 1):
+            out = cute.arch.shuffle_sync(vals, offset=r,
+                                         mask_and_clamp=((32 - self.TPR) << 8) | 31)
+        return out
+
+    @cute.jit
+    def _update_row(self, x, qv, kv, dv, beta, v):
+        """One state row in registers x through a token (its v: `v`, fp32): decay, delta
+        rule; returns its output (the dot products reduced over the row's lanes)."""
         f32, NC = cutlass.Float32, self.NC
         p = f32(0.0)
         for c in cutlass.range_constexpr(NC):
@@ -359,7 +382,7 @@ class KdaStepSm90(StateSlots):
             x[c] = s
             p = p + s * kv[c]
         p = self._lanes_sum(p)
-        u = beta * (mV[tok, col].to(f32) - p)
+        u = beta * (v - p)
         o = f32(0.0)
         for c in cutlass.range_constexpr(NC):
             s = x[c] + u * kv[c]
@@ -417,13 +440,14 @@ class KdaStepSm90(StateSlots):
                     cutlass.Float32(0.0).to(cutlass.BFloat16))
 
     @cute.jit
-    def _row(self, x, src, stage, keep, r, qv, kv, dv, beta, mV: cute.Tensor,
-             mOut: cute.Tensor, mDst: cute.Tensor, tok, h, vb, grp, sub, wrow):
-        """This thread's row r through token `tok`: its state into registers x (from `src`),
-        the update, its output, and the state after it to dst row `wrow` (>= 0)."""
+    def _row(self, x, src, stage, keep, r, qv, kv, dv, beta, vals, mOut: cute.Tensor,
+             mDst: cute.Tensor, tok, h, vb, grp, sub, wrow):
+        """This thread's row r through token `tok` (its row's v values: `vals`, _v_ahead):
+        its state into registers x (from `src`), the update, its output, and the state after
+        it to dst row `wrow` (>= 0)."""
         v_idx = vb * self.BV + grp + self.G * r
         self._fetch(x, src, stage, keep, r)
-        o = self._update_row(x, qv, kv, dv, beta, mV, tok, h * self.V + v_idx)
+        o = self._update_row(x, qv, kv, dv, beta, self._v_of(vals, r))
         if sub == 0:
             mOut[tok, h * self.V + v_idx] = o.to(cutlass.BFloat16)
         if wrow >= 0:
@@ -515,6 +539,7 @@ class KdaStepSm90(StateSlots):
                             src = i32(SRC_STAGE)
                         else:
                             src = i32(SRC_ZERO)
+                vals = self._v_ahead(mV, tok, h, vb, grp, sub)
                 beta = self._token_prep(qv, kv, dv, bias, a_exp, mQ, mK, mG, mBeta, tok, h,
                                         sub, gate, qk_l2norm, beta_sigmoid, scale,
                                         lower_bound)
@@ -526,8 +551,8 @@ class KdaStepSm90(StateSlots):
                 more = t + 1 < length
                 cute.arch.cp_async_wait_group(0)  # this thread's staged rows have landed
                 for r in cutlass.range(self.R, unroll=self.U, unroll_full=self.U == 0):
-                    self._row(x, src, stage, keep, r, qv, kv, dv, beta, mV, mOut, mDst, tok, h,
-                              vb, grp, sub, wrow)
+                    self._row(x, src, stage, keep, r, qv, kv, dv, beta, vals, mOut, mDst, tok,
+                              h, vb, grp, sub, wrow)
                     if more:
                         self._keep(x, keep, r)
                 src = i32(SRC_F32)
@@ -623,11 +648,12 @@ class KdaStepSm90(StateSlots):
                 else:
                     stage = self._mine_at(area, buf, tidx)
                     a_exp = self._gate_consts(bias, mALog, mDtBias, h, sub, has_a, has_bias)
+                    vals = self._v_ahead(mV, tok, h, vb, grp, sub)
                     beta = self._token_prep(qv, kv, dv, bias, a_exp, mQ, mK, mG, mBeta, tok, h,
                                             sub, gate, qk_l2norm, beta_sigmoid, scale,
                                             lower_bound)
                     for r in cutlass.range(self.R, unroll=self.U, unroll_full=self.U == 0):
-                        self._row(x, SRC_STAGE, stage, stage, r, qv, kv, dv, beta, mV, mOut,
+                        self._row(x, SRC_STAGE, stage, stage, r, qv, kv, dv, beta, vals, mOut,
                                   mDst, tok, h, vb, grp, sub, wrow)
             bos, length, pad, wrow = nbos, nlength, npad, nwrow
             buf = 1 - buf

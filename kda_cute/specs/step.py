@@ -112,6 +112,9 @@ def supports(cfg: StepConfig) -> tuple[bool, str]:
     if cfg.block_v % groups:
         return False, (f"threads / tpr ({groups} row groups) must divide block_v "
                        f"{cfg.block_v}")
+    if cfg.rows_per_thread > cfg.tpr:  # a row's lanes hold the v of its R rows between them
+        return False, (f"rows_per_thread (block_v * tpr / threads = {cfg.rows_per_thread}) "
+                       f"must be <= tpr {cfg.tpr}")
     return True, ""
 
 
