@@ -309,6 +309,7 @@ class KdaStepSm90(StateSlots):
         """Token `tok`'s columns of head h: q (L2-normed, times the scale) and k (L2-normed)
         into qv and kv, the decay exp(a) per column into dv; returns beta."""
         f32, NC = cutlass.Float32, self.NC
+        b_raw = mBeta[tok, h]  # loaded with q, k and g: its use comes last
         self._head_cols(qv, mQ, tok, h, sub)
         self._head_cols(kv, mK, tok, h, sub)
         self._head_cols(dv, mG, tok, h, sub)
@@ -343,7 +344,7 @@ class KdaStepSm90(StateSlots):
         else:
             for c in cutlass.range_constexpr(NC):
                 dv[c] = cute.math.exp(dv[c], fastmath=True)
-        beta = mBeta[tok, h].to(f32)
+        beta = b_raw.to(f32)
         if beta_sigmoid != 0:
             beta = cute.arch.rcp_approx(1.0 + cute.math.exp(-beta, fastmath=True))
         return beta
@@ -421,8 +422,25 @@ class KdaStepSm90(StateSlots):
                    w_st, w_wide, w_mul, w_add, w_null):
         """The dst row the state after token t of batch row n goes to: -1 for a padding entry,
         and for a bad one (flagged)."""
+        lo, hi = self._write_words(mWIdx, n, t, w_sn, w_st, w_wide)
+        return self._write_row_of(lo, hi, mErr, t, lead, dst_rows, w_wide, w_mul, w_add, w_null)
+
+    @cute.jit
+    def _write_words(self, mWIdx: cute.Tensor, n, t, w_sn, w_st, w_wide):
+        """The words of batch row n's write entry of token t (low, high; an int32 table's
+        entry twice): loads only, nothing waits for them here."""
+        i = (n * w_sn + t * w_st) * (1 + w_wide)
+        return mWIdx[i], mWIdx[i + w_wide]
+
+    @cute.jit
+    def _write_row_of(self, lo, hi, mErr: cute.Tensor, t, lead, dst_rows, w_wide, w_mul,
+                      w_add, w_null):
+        """_write_row from its entry's words (_write_words)."""
         wrow = cutlass.Int32(-1)
-        w, okw = self._word(mWIdx, n * w_sn + t * w_st, w_wide)
+        w = lo
+        okw = cutlass.Int32(1)
+        if w_wide != 0 and hi != (lo >> 31):
+            okw = cutlass.Int32(0)
         # w < dst_rows first: w * w_mul cannot wrap around then
         row = cutlass.min(w, dst_rows) * w_mul + t * w_add
         if okw == 0 or (w >= w_null and (w >= dst_rows or row >= dst_rows)):
@@ -539,15 +557,22 @@ class KdaStepSm90(StateSlots):
                             src = i32(SRC_STAGE)
                         else:
                             src = i32(SRC_ZERO)
+                # the token's loads (v, its write entry, q, k, g, beta) all issued before any
+                # of them is waited for
                 vals = self._v_ahead(mV, tok, h, vb, grp, sub)
+                writes = write_mode == WRITE_ALL or (write_mode == WRITE_LAST
+                                                     and t == length - 1)
+                w_lo, w_hi = i32(-1), i32(-1)
+                if writes:
+                    w_lo, w_hi = self._write_words(mWIdx, n, t, w_sn, w_st, w_wide)
                 beta = self._token_prep(qv, kv, dv, bias, a_exp, mQ, mK, mG, mBeta, tok, h,
                                         sub, gate, qk_l2norm, beta_sigmoid, scale,
                                         lower_bound)
                 # where the state after this token goes (-1: nowhere)
                 wrow = i32(-1)
-                if write_mode == WRITE_ALL or (write_mode == WRITE_LAST and t == length - 1):
-                    wrow = self._write_row(mWIdx, mErr, n, t, lead, dst_rows, w_sn, w_st, w_wide,
-                                           w_mul, w_add, w_null)
+                if writes:
+                    wrow = self._write_row_of(w_lo, w_hi, mErr, t, lead, dst_rows, w_wide,
+                                              w_mul, w_add, w_null)
                 more = t + 1 < length
                 cute.arch.cp_async_wait_group(0)  # this thread's staged rows have landed
                 for r in cutlass.range(self.R, unroll=self.U, unroll_full=self.U == 0):
