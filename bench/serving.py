@@ -226,6 +226,44 @@ def sweep(bw, iters, flush, match=(), pools=("float32", "bfloat16"), shapes=SWEE
     return rows
 
 
+VERIFY_SWEEP = [(64, 2), (64, 8), (256, 4), (256, 8)]
+
+
+def verify_sweep(bw, iters, flush, match=(), pools=("float32", "bfloat16"),
+                 shapes=VERIFY_SWEEP, H=32) -> list[dict]:
+    """Verify (style (a), every token accepted) at K = 128 and H 32 with every built tile that
+    runs multi-token steps (not the persistent ones; those whose name holds one of `match`, when
+    given), CUDA graph."""
+    from kda_cute.ladder import step_tiles
+    rows = []
+    for dtype in (getattr(torch, p) for p in pools):
+        pool = "float32" if dtype == torch.float32 else "bfloat16"
+        cfgs = [c for c in step_tiles() if c.head_dim_k == K and c.pool == pool
+                and not c.persist and (not match or any(m in c.name for m in match))]
+        for N, T in shapes:
+            x = inputs(N, T, H, dtype, seed=9)
+            acc = torch.full((N,), T, device="cuda", dtype=torch.int32)
+            by = {}
+            for c in cfgs:
+                def fn(c=c, x=x, acc=acc):
+                    kda_cute.verify(x["q"], x["k"], x["v"], x["g"], x["beta"], x["pool"],
+                                    ssm_state_indices=x["idx"], num_accepted_tokens=acc,
+                                    out=x["out"], A_log=x["A_log"], dt_bias=x["dt_bias"],
+                                    lower_bound=-5.0, config=c)
+                try:
+                    by[c.name] = time_ms(graphed(fn), iters, flush)
+                except kda_cute.cubin.CubinsMissing:
+                    continue
+            ceiling = ((1 + T) * N * H * V * K * x["pool"].element_size()
+                       + tokens_bytes(N, T, H)) / bw * 1e3
+            rows.append({"form": "verify", "N": N, "H": H, "T": T, "pool": pool,
+                         "ceiling_ms": ceiling, "ms": by})
+            print(json.dumps(rows[-1]), flush=True)
+            x = acc = None
+            torch.cuda.empty_cache()
+    return rows
+
+
 def host_times(n_calls=300) -> dict:
     """Host time per call (us) of an eager decode and of a bound one (N 1, H 12, fp32: the GPU
     work is shorter than the host's, and 300 calls stay within the launch queue)."""
@@ -306,16 +344,19 @@ def main(argv=None):
     ap.add_argument("--pools", default="float32,bfloat16", help="the sweep's pool dtypes")
     ap.add_argument("--shapes", default="", help="the sweep's N:H shapes, comma-separated "
                     "(default: SWEEP)")
+    ap.add_argument("--verify", action="store_true", help="the sweep: verify (N:T shapes at "
+                    "H 32, default VERIFY_SWEEP) instead of decode")
     a = ap.parse_args(argv)
     fla = None if a.no_fla else fla_fn()
     bw = copy_bandwidth()
     flush = _flusher()
     if a.sweep:
-        res = {"versions": versions(), "copy_bandwidth": bw, "sweep": sweep(
+        shapes = [tuple(map(int, x.split(":"))) for x in a.shapes.split(",")] if a.shapes \
+            else (VERIFY_SWEEP if a.verify else SWEEP)
+        run = verify_sweep if a.verify else sweep
+        res = {"versions": versions(), "copy_bandwidth": bw, "sweep": run(
             bw, a.iters, flush, tuple(m for m in a.match.split(",") if m),
-            tuple(a.pools.split(",")),
-            [tuple(map(int, x.split(":"))) for x in a.shapes.split(",")] if a.shapes else SWEEP),
-               "host": host_times()}
+            tuple(a.pools.split(",")), shapes), "host": host_times()}
         Path(a.out).write_text(json.dumps(res, indent=1) + "\n")
         print(json.dumps(res["host"]))
         return

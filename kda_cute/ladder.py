@@ -222,7 +222,11 @@ STEP_VARIANTS: tuple[StepConfig, ...] = tuple(c for c in dict.fromkeys(
     + [StepConfig(128, 128, "bfloat16", 128, 16, 128, unroll=4, persist=3)]
     + [StepConfig(128, 128, "bfloat16", 32, 16, 128, min_blocks=8, persist=8)]
     + [StepConfig(128, 128, "float32", 32, 32, 128, persist=6)]
-    + [StepConfig(128, 128, "float32", 16, 32, 128, min_blocks=12, persist=12)])
+    + [StepConfig(128, 128, "float32", 16, 32, 128, min_blocks=12, persist=12)]
+    # a token's loads issued during the previous token's rows (multi-token plans)
+    + [StepConfig(128, 128, "bfloat16", bv, 16, 128, unroll=u, ahead=True)
+       for bv, u in ((64, 2), (32, 2), (32, 0), (16, 0))]
+    + [StepConfig(128, 128, "float32", bv, 32, 128, ahead=True) for bv in (32, 16)])
     if c not in STEP + tuple(c for _, c in STEP_SINGLE))
 
 

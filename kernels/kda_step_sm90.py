@@ -232,6 +232,44 @@ class KdaStepSm90(StateSlots):
             self._keep(x, keep, r)
 
     @cute.jit
+    def _head_raw(self, raw, m: cute.Tensor, tok, h, sub):
+        """This thread's columns of head h of token row `tok` of a (T, H*K) bf16 tensor, as
+        loaded (bf16, [VEC, NJ]): nothing waits for them here."""
+        vecs = cute.logical_divide(m[tok, None], cute.make_layout(self.VEC))
+        base = h * (self.K // self.VEC) + sub
+        for j in cutlass.range_constexpr(self.NJ):
+            raw[None, j].store(vecs[None, base + self.TPR * j].load())
+
+    @cute.jit
+    def _raw_cols(self, x, raw):
+        """_head_raw's columns into fp32 registers x."""
+        for j in cutlass.range_constexpr(self.NJ):
+            y = raw[None, j].load().to(cutlass.Float32)
+            for e in cutlass.range_constexpr(self.VEC):
+                x[j * self.VEC + e] = y[e]
+
+    def _raw_tensor(self):
+        return cute.make_rmem_tensor(cute.make_layout((self.VEC, self.NJ)), cutlass.BFloat16)
+
+    @cute.jit
+    def _token_loads(self, rq, rk, rg, mQ: cute.Tensor, mK: cute.Tensor, mG: cute.Tensor,
+                     mBeta: cute.Tensor, mV: cute.Tensor, mWIdx: cute.Tensor, tok, t, n, h, vb,
+                     grp, sub, writes, w_sn, w_st, w_wide):
+        """Token `tok` (the row's t-th)'s loads, none waited for: q, k and g into rq, rk, rg,
+        and (beta as loaded, this lane's v (_v_ahead), the words of its write entry where
+        `writes`, else -1)."""
+        i32 = cutlass.Int32
+        vals = self._v_ahead(mV, tok, h, vb, grp, sub)
+        w_lo, w_hi = i32(-1), i32(-1)
+        if writes:
+            w_lo, w_hi = self._write_words(mWIdx, n, t, w_sn, w_st, w_wide)
+        b_raw = mBeta[tok, h]
+        self._head_raw(rq, mQ, tok, h, sub)
+        self._head_raw(rk, mK, tok, h, sub)
+        self._head_raw(rg, mG, tok, h, sub)
+        return b_raw, vals, w_lo, w_hi
+
+    @cute.jit
     def _head_cols(self, x, m: cute.Tensor, tok, h, sub):
         """This thread's columns of head h of token row `tok` of a (T, H*K) bf16 tensor, fp32."""
         VEC = self.VEC
@@ -308,11 +346,19 @@ class KdaStepSm90(StateSlots):
                     beta_sigmoid, scale, lower_bound):
         """Token `tok`'s columns of head h: q (L2-normed, times the scale) and k (L2-normed)
         into qv and kv, the decay exp(a) per column into dv; returns beta."""
-        f32, NC = cutlass.Float32, self.NC
         b_raw = mBeta[tok, h]  # loaded with q, k and g: its use comes last
         self._head_cols(qv, mQ, tok, h, sub)
         self._head_cols(kv, mK, tok, h, sub)
         self._head_cols(dv, mG, tok, h, sub)
+        return self._token_math(qv, kv, dv, b_raw, bias, a_exp, gate, qk_l2norm, beta_sigmoid,
+                                scale, lower_bound)
+
+    @cute.jit
+    def _token_math(self, qv, kv, dv, b_raw, bias, a_exp, gate, qk_l2norm, beta_sigmoid,
+                    scale, lower_bound):
+        """_token_prep past its loads: qv, kv, dv hold the token's q, k, g columns (fp32),
+        b_raw its beta as loaded."""
+        f32, NC = cutlass.Float32, self.NC
         # q and k norms over the row's lanes; q carries the scale
         sq = f32(0.0)
         sk = f32(0.0)
@@ -407,6 +453,11 @@ class KdaStepSm90(StateSlots):
                     x = mDtBias[h * K + (sub + self.TPR * j) * VEC + e]
                 bias[j * VEC + e] = x
         return a_exp
+
+    @cute.jit
+    def _writes(self, write_mode, t, length):
+        """Whether the state after a row's t-th token (of `length`) is written."""
+        return write_mode == WRITE_ALL or (write_mode == WRITE_LAST and t == length - 1)
 
     @cute.jit
     def _lead(self, tidx, vb, h):
@@ -528,6 +579,16 @@ class KdaStepSm90(StateSlots):
         kv = cute.make_rmem_tensor((NC,), f32)
         dv = cute.make_rmem_tensor((NC,), f32)
         x = cute.make_rmem_tensor((NC,), f32)
+        # a token's loads, as loaded (cfg.ahead: issued during the previous token)
+        rq, rk, rg = self._raw_tensor(), self._raw_tensor(), self._raw_tensor()
+        b_raw = cutlass.BFloat16(0.0)
+        vals = f32(0.0)
+        w_lo, w_hi = i32(-1), i32(-1)
+        if cutlass.const_expr(self.cfg.ahead):
+            if pad == 0 and length > 0:
+                b_raw, vals, w_lo, w_hi = self._token_loads(
+                    rq, rk, rg, mQ, mK, mG, mBeta, mV, mWIdx, bos, i32(0), n, h, vb, grp, sub,
+                    self._writes(write_mode, i32(0), length), w_sn, w_st, w_wide)
         for t in cutlass.range(length):
             tok = bos + t
             if pad != 0:
@@ -559,24 +620,32 @@ class KdaStepSm90(StateSlots):
                             src = i32(SRC_ZERO)
                 # the token's loads (v, its write entry, q, k, g, beta) all issued before any
                 # of them is waited for
-                vals = self._v_ahead(mV, tok, h, vb, grp, sub)
-                writes = write_mode == WRITE_ALL or (write_mode == WRITE_LAST
-                                                     and t == length - 1)
-                w_lo, w_hi = i32(-1), i32(-1)
-                if writes:
-                    w_lo, w_hi = self._write_words(mWIdx, n, t, w_sn, w_st, w_wide)
-                beta = self._token_prep(qv, kv, dv, bias, a_exp, mQ, mK, mG, mBeta, tok, h,
-                                        sub, gate, qk_l2norm, beta_sigmoid, scale,
-                                        lower_bound)
+                writes = self._writes(write_mode, t, length)
+                if cutlass.const_expr(not self.cfg.ahead):
+                    b_raw, vals, w_lo, w_hi = self._token_loads(
+                        rq, rk, rg, mQ, mK, mG, mBeta, mV, mWIdx, tok, t, n, h, vb, grp, sub,
+                        writes, w_sn, w_st, w_wide)
+                self._raw_cols(qv, rq)
+                self._raw_cols(kv, rk)
+                self._raw_cols(dv, rg)
+                beta = self._token_math(qv, kv, dv, b_raw, bias, a_exp, gate, qk_l2norm,
+                                        beta_sigmoid, scale, lower_bound)
                 # where the state after this token goes (-1: nowhere)
                 wrow = i32(-1)
                 if writes:
                     wrow = self._write_row_of(w_lo, w_hi, mErr, t, lead, dst_rows, w_wide,
                                               w_mul, w_add, w_null)
                 more = t + 1 < length
+                v_now = vals
+                if cutlass.const_expr(self.cfg.ahead):
+                    if more:  # the next token's loads, in flight through this one's rows
+                        b_raw, vals, w_lo, w_hi = self._token_loads(
+                            rq, rk, rg, mQ, mK, mG, mBeta, mV, mWIdx, tok + 1, t + 1, n, h, vb,
+                            grp, sub, self._writes(write_mode, t + 1, length), w_sn, w_st,
+                            w_wide)
                 cute.arch.cp_async_wait_group(0)  # this thread's staged rows have landed
                 for r in cutlass.range(self.R, unroll=self.U, unroll_full=self.U == 0):
-                    self._row(x, src, stage, keep, r, qv, kv, dv, beta, vals, mOut, mDst, tok,
+                    self._row(x, src, stage, keep, r, qv, kv, dv, beta, v_now, mOut, mDst, tok,
                               h, vb, grp, sub, wrow)
                     if more:
                         self._keep(x, keep, r)

@@ -47,6 +47,7 @@ class StepConfig:
     unroll: int = 0  # the row loop's unroll (0: whole)
     min_blocks: int = 0  # CTAs per SM that ptxas must fit (registers capped to match; 0: free)
     persist: int = 0  # > 0: a persistent grid of this many CTAs per SM, single-token plans only
+    ahead: bool = False  # a token's loads issued during the previous token's rows (verify)
 
     @property
     def vec(self) -> int:
@@ -71,8 +72,9 @@ class StepConfig:
         u = "" if not self.unroll else f"_u{self.unroll}"
         m = "" if not self.min_blocks else f"_m{self.min_blocks}"
         ps = "" if not self.persist else f"_p{self.persist}"
+        ah = "_n" if self.ahead else ""
         return (f"kda_step_k{self.head_dim_k}_v{self.head_dim_v}_{p}_bv{self.block_v}"
-                f"_r{self.tpr}_t{self.threads}{a}{u}{m}{ps}")
+                f"_r{self.tpr}_t{self.threads}{a}{u}{m}{ps}{ah}")
 
     @property
     def block_threads(self) -> int:
@@ -97,6 +99,8 @@ def supports(cfg: StepConfig) -> tuple[bool, str]:
     if cfg.persist < 0 or cfg.persist * cfg.threads > 2048:
         return False, (f"persist must be in [0, 2048 / threads], got {cfg.persist} at "
                        f"{cfg.threads} threads")
+    if cfg.ahead and cfg.persist:
+        return False, "ahead is for multi-token plans; a persistent tile runs single tokens"
     if cfg.min_blocks < 0 or cfg.min_blocks * cfg.threads > 2048:
         return False, (f"min_blocks must be in [0, 2048 / threads], got {cfg.min_blocks} "
                        f"at {cfg.threads} threads")
