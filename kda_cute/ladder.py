@@ -226,7 +226,11 @@ STEP_VARIANTS: tuple[StepConfig, ...] = tuple(c for c in dict.fromkeys(
     # a token's loads issued during the previous token's rows (multi-token plans)
     + [StepConfig(128, 128, "bfloat16", bv, 16, 128, unroll=u, ahead=True)
        for bv, u in ((64, 2), (32, 2), (32, 0), (16, 0))]
-    + [StepConfig(128, 128, "float32", bv, 32, 128, ahead=True) for bv in (32, 16)])
+    + [StepConfig(128, 128, "float32", bv, 32, 128, ahead=True) for bv in (32, 16)]
+    # 8 lanes a row (16 columns a thread): one shuffle level fewer a reduction
+    + [StepConfig(128, 128, "bfloat16", bv, 8, 128, unroll=u, ahead=a)
+       for bv, u, a in ((64, 2, False), (64, 2, True), (128, 2, False), (128, 4, False),
+                        (32, 0, False))])
     if c not in STEP + tuple(c for _, c in STEP_SINGLE))
 
 

@@ -149,6 +149,16 @@ class KdaStepSm90(StateSlots):
             (VEC, NT, self.NJ, self.R), stride=(1, VEC, NT * VEC, self.NJ * NT * VEC)))
         return whole[None, tidx, None, None]
 
+    def _mine_keep(self, area, tidx):
+        """This thread's elements of a bf16 pool's fp32 keep area, as _mine's [e, j, r]: the
+        VEC (8) fp32 of an access in two 16-byte halves NT * 16 bytes apart, so that each
+        16-byte access of a warp is contiguous and conflict-free."""
+        VEC, NT = self.VEC, self.threads
+        whole = cute.make_tensor(area.iterator, cute.make_layout(
+            ((4, VEC // 4), NT, self.NJ, self.R),
+            stride=((1, 4 * NT), 4, NT * VEC, self.NJ * NT * VEC)))
+        return whole[None, tidx, None, None]
+
     def _row_vecs(self, m: cute.Tensor, row, h, v):
         return cute.logical_divide(m[row, h, v, None], cute.make_layout(self.VEC))
 
@@ -522,6 +532,17 @@ class KdaStepSm90(StateSlots):
         if wrow >= 0:
             self._put(x, self._row_vecs(mDst, wrow, h, v_idx), sub, self.pdt)
 
+    @cute.jit
+    def _rows(self, x, src: cutlass.Constexpr, stage, keep, qv, kv, dv, beta, vals,
+              mOut: cute.Tensor, mDst: cute.Tensor, tok, h, vb, grp, sub, wrow, more):
+        """Every row of this thread through token `tok`, its state from `src` (a constant);
+        the state after it kept (shared memory) where `more` tokens follow."""
+        for r in cutlass.range(self.R, unroll=self.U, unroll_full=self.U == 0):
+            self._row(x, src, stage, keep, r, qv, kv, dv, beta, vals, mOut, mDst, tok, h, vb,
+                      grp, sub, wrow)
+            if more:
+                self._keep(x, keep, r)
+
     @cute.kernel
     def kernel(
         self, mQ: cute.Tensor, mK: cute.Tensor, mG: cute.Tensor, mV: cute.Tensor,
@@ -565,7 +586,7 @@ class KdaStepSm90(StateSlots):
         stage = self._mine(shared.stage.get_tensor(cute.make_layout(n_el)), tidx)
         keep = stage  # an fp32 pool keeps its state where it was staged
         if cutlass.const_expr(self.pdt is not cutlass.Float32):
-            keep = self._mine(shared.keep.get_tensor(cute.make_layout(n_el)), tidx)
+            keep = self._mine_keep(shared.keep.get_tensor(cute.make_layout(n_el)), tidx)
         src = i32(SRC_ZERO)
         if pad == 0 and start != 0:
             self._stage(stage, mPool, slot, h, vb, grp, sub)
@@ -644,11 +665,16 @@ class KdaStepSm90(StateSlots):
                             grp, sub, self._writes(write_mode, t + 1, length), w_sn, w_st,
                             w_wide)
                 cute.arch.cp_async_wait_group(0)  # this thread's staged rows have landed
-                for r in cutlass.range(self.R, unroll=self.U, unroll_full=self.U == 0):
-                    self._row(x, src, stage, keep, r, qv, kv, dv, beta, v_now, mOut, mDst, tok,
-                              h, vb, grp, sub, wrow)
-                    if more:
-                        self._keep(x, keep, r)
+                # one row loop per state source, so that no row decides where its state is
+                if src == SRC_STAGE:
+                    self._rows(x, SRC_STAGE, stage, keep, qv, kv, dv, beta, v_now, mOut, mDst,
+                               tok, h, vb, grp, sub, wrow, more)
+                elif src == SRC_F32:
+                    self._rows(x, SRC_F32, stage, keep, qv, kv, dv, beta, v_now, mOut, mDst,
+                               tok, h, vb, grp, sub, wrow, more)
+                else:
+                    self._rows(x, SRC_ZERO, stage, keep, qv, kv, dv, beta, v_now, mOut, mDst,
+                               tok, h, vb, grp, sub, wrow, more)
                 src = i32(SRC_F32)
 
         # a commit: the start state itself to the row's write slot
