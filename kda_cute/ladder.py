@@ -181,24 +181,26 @@ STEP: tuple[StepConfig, ...] = tuple(
 #   (N 1 H 12: 6.7 us fp32, 6.6 bf16, against 8.2 and 8.4 for the tiles below); below 192,
 #   16 rows (fp32; N 1 H 96 and N 8 H 12 10.0-10.1 us against 10.8) or 32 unrolled by two
 #   (bf16: 8.7-8.8 against 9.8-10.1).
-# - fp32 from 192: STEP's tile (a register cap or a persistent grid: within 1-3%, or 2-4
-#   points of the copy ceiling slower).
+# - fp32 from 192: 32 rows unrolled by two (N 256 H 12 85.9% of the copy ceiling against 85.1
+#   for STEP's tile), from 6144 64 rows unrolled by two (N 256 H 32 91.6% against 90.9, N 1024
+#   H 32 93.9 against 92.8): serving-sweep-h200-2026-12-02-30ea2a6.json.
 # - bf16 from 192: a persistent grid of 64-row tiles, 6 CTAs an SM (StepConfig.persist: each CTA
-#   stages its next tile while it computes the current one), the row loop unrolled by two:
-#   N 64 H 32 65% of the ceiling against 58% for STEP's tile, N 256 H 12 70% against 62%,
-#   N 1024 H 12 82% against 71%, N 8 H 32 12.3 us against 12.4.
-# - bf16 from 16384, a whole head per CTA (128 rows unrolled by four) at 6 CTAs an SM (ptxas
-#   caps its registers at 80: StepConfig.min_blocks): N 1024 H 32 86% against 83% for the
-#   persistent tile, N 1024 H 96 88% against 84%. Only for single-token plans: a verify's fp32
-#   keep area (96 KB at 128 rows) would hold it to two CTAs per SM.
+#   stages its next tile while it computes the current one), the row loop unrolled by two
+#   (N 64 H 32 72.9% against 72.1 for the whole-head tile).
+# - bf16 from 3072, a whole head per CTA (128 rows unrolled by four): N 256 H 12 77.4% against
+#   75.7 for the persistent tile, N 64 H 96 85.9 against 81.2, N 256 H 32 86.4 against 82.8,
+#   N 1024 H 32 91.2 against 84.5 (serving-sweep-h200-2026-12-02-30ea2a6.json). Only for
+#   single-token plans: a verify's fp32 keep area (64 KB at 128 rows) would hold it to three
+#   CTAs per SM.
 STEP_SINGLE: tuple[tuple[int, StepConfig], ...] = (
     (1, _step(128, "float32", 8)),
     (48, _step(128, "float32", 16)),
-    (192, _step(128, "float32")),
+    (192, _step(128, "float32", 32, 2)),
+    (6144, _step(128, "float32", 64, 2)),
     (1, _step(128, "bfloat16", 8)),
     (48, _step(128, "bfloat16", 32, 2)),
     (192, StepConfig(128, 128, "bfloat16", 64, 16, 128, unroll=2, persist=6)),
-    (16384, StepConfig(128, 128, "bfloat16", 128, 16, 128, unroll=4, min_blocks=6)),
+    (3072, StepConfig(128, 128, "bfloat16", 128, 16, 128, unroll=4)),
 )
 
 # other tiles, built for the tile sweep (bench/serving.py --sweep): fewer and more rows per CTA

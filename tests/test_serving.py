@@ -10,7 +10,7 @@ from kda_cute import serving
 from kda_cute.ladder import STEP, select_step
 from kda_cute.plans.step import step_plan
 from kda_cute.plans.steps import At, Errors, Role
-from kda_cute.specs.step import WRITE_ALL, WRITE_LAST, WRITE_START, supports
+from kda_cute.specs.step import WRITE_ALL, WRITE_LAST, WRITE_START, StepConfig, supports
 
 BF = torch.bfloat16
 H, K = 4, 128
@@ -59,16 +59,16 @@ def test_single_token_tiles_by_width():
             top = tiles[i + 1][0] - 1 if i + 1 < len(tiles) else 10 ** 6
             assert select_step(d, d, pool, top) == cfg
             assert cfg.min_blocks * cfg.threads <= 2048 and supports(cfg) == (True, "")
-    # bf16 at K = 128: a persistent 64-row tile, then a whole head from 16384 rows x heads
-    assert select_step(128, 128, "bfloat16", 16384).block_v == 128
-    assert select_step(128, 128, "bfloat16", 16383).persist
+    # bf16 at K = 128: a persistent 64-row tile, then a whole head from 3072 rows x heads
+    assert select_step(128, 128, "bfloat16", 3072).block_v == 128
+    assert select_step(128, 128, "bfloat16", 3071).persist
     assert not select_step(128, 128, "bfloat16", 0).persist
 
 
 def test_single_token_tiles_for_single_tokens_only(planned):
     from kda_cute.ladder import STEP_SINGLE
     single = {c for _, c in STEP_SINGLE}
-    B, slots = 16384 // H, 2 * 16384 // H
+    B, slots = 3072 // H, 2 * 3072 // H
     kda_cute.decode(*decode_args(B, slots, BF), lower_bound=-5.0)
     assert planned["plan"].launches()[0].kernel.block_v == 128
     assert planned["plan"].launches()[0].kernel in single
@@ -285,3 +285,14 @@ def test_persistent_tile_plan(planned):
         kda_cute.verify(q, q, q, q, torch.randn(4, 2, H).to(BF), torch.zeros(8, H, K, K, dtype=BF),
                         ssm_state_indices=torch.zeros(4, 2, dtype=torch.int32),
                         lower_bound=-5.0, config=cfg)
+
+
+def test_step_config_refusals():
+    """A row's lanes hold the v of its rows between them (rows_per_thread <= tpr); the next
+    token's loads ahead are for multi-token tiles, not persistent ones."""
+    ok, why = supports(StepConfig(128, 128, "float32", 64, 2, 32))
+    assert not ok and "rows_per_thread" in why
+    ok, why = supports(StepConfig(128, 128, "bfloat16", 64, 16, 128, persist=6, ahead=True))
+    assert not ok and "ahead" in why
+    assert supports(StepConfig(128, 128, "bfloat16", 64, 16, 128, ahead=True)) == (True, "")
+    assert StepConfig(128, 128, "bfloat16", 64, 16, 128, ahead=True).name.endswith("_n")
