@@ -225,10 +225,15 @@ STEP_VARIANTS: tuple[StepConfig, ...] = tuple(c for c in dict.fromkeys(
     + [StepConfig(128, 128, "bfloat16", 32, 16, 128, min_blocks=8, persist=8)]
     + [StepConfig(128, 128, "float32", 32, 32, 128, persist=6)]
     + [StepConfig(128, 128, "float32", 16, 32, 128, min_blocks=12, persist=12)]
-    # a token's loads issued during the previous token's rows (multi-token plans)
+    + [StepConfig(128, 128, "bfloat16", 64, 16, 128, unroll=2, min_blocks=6, persist=6)]
+    + [StepConfig(128, 128, "float32", 32, 32, 128, unroll=2, min_blocks=7)]
+    # a token's loads issued a step ahead: the first token's before the slot lookup, the next
+    # token's during this one's rows
     + [StepConfig(128, 128, "bfloat16", bv, 16, 128, unroll=u, ahead=True)
-       for bv, u in ((64, 2), (32, 2), (32, 0), (16, 0))]
-    + [StepConfig(128, 128, "float32", bv, 32, 128, ahead=True) for bv in (32, 16)]
+       for bv, u in ((64, 2), (32, 2), (32, 0), (16, 0), (8, 0), (128, 2))]
+    + [StepConfig(128, 128, "float32", bv, 32, 128, ahead=True) for bv in (32, 16, 8)]
+    + [StepConfig(128, 128, "float32", bv, 32, 128, unroll=2, ahead=True) for bv in (32, 64)]
+    + [StepConfig(128, 128, "bfloat16", 64, 16, 128, unroll=2, persist=5)]
     # 8 lanes a row (16 columns a thread): one shuffle level fewer a reduction
     + [StepConfig(128, 128, "bfloat16", bv, 8, 128, unroll=u, ahead=a)
        for bv, u, a in ((64, 2, False), (64, 2, True), (128, 2, False), (128, 4, False),

@@ -9,6 +9,9 @@ dot products (and q's and k's norms) reduced over the TPR lanes of a row by butt
 
     a = gate(g);  S = S * exp(a);  u = beta (v - S kn);  S = S + u kn^T;  o = S (scale qn)
 
+(o taken as S qn + u (kn . qn) with S before the update, so that a row has one reduction of
+two values: _update_row).
+
 The kernel is a stream of state bytes, so what sets its speed is how many are in flight: the
 start state goes to shared memory by cp.async (cfg.access bytes a copy, every one of a thread's
 issued at once, none holding a register), and each thread reads back only what it copied itself,
@@ -53,6 +56,7 @@ class KdaStepSm90(StateSlots):
         self.G = cfg.threads // cfg.tpr
         self.R = cfg.block_v // self.G
         self.U = cfg.unroll  # the row loops' unroll (0: whole; fewer registers otherwise)
+        self.OUT_LANE = 1 if cfg.tpr > 1 else 0  # the lane of a row that writes its output
         self.smem_bytes = 0
         self.tma_meta = []
 
@@ -280,17 +284,6 @@ class KdaStepSm90(StateSlots):
         return b_raw, vals, w_lo, w_hi
 
     @cute.jit
-    def _head_cols(self, x, m: cute.Tensor, tok, h, sub):
-        """This thread's columns of head h of token row `tok` of a (T, H*K) bf16 tensor, fp32."""
-        VEC = self.VEC
-        vecs = cute.logical_divide(m[tok, None], cute.make_layout(VEC))
-        base = h * (self.K // VEC) + sub
-        for j in cutlass.range_constexpr(self.NJ):
-            y = vecs[None, base + self.TPR * j].load().to(cutlass.Float32)
-            for e in cutlass.range_constexpr(VEC):
-                x[j * VEC + e] = y[e]
-
-    @cute.jit
     def _lanes_sum(self, x):
         for k in cutlass.range_constexpr(self.TPR.bit_length() - 1):
             x = x + cute.arch.shuffle_sync_bfly(x, offset=1 << k)
@@ -303,8 +296,18 @@ class KdaStepSm90(StateSlots):
                    acc_on, acc_wide, acc_base, acc_skip, max_sel, hi_on, r_null):
         """Batch row n's tokens and read slot, its bad values flagged (by `lead`) and turned
         into padding: (bos, length, pad, sel, slot, start)."""
+        bos, length = self._row_tokens(mCu, mErr, n, lead, num_tokens, fixed_len, cu_wide,
+                                       max_tokens)
+        pad, sel, slot, start = self._row_slot(
+            mRIdx, mAcc, mHasInit, mErr, n, lead, slots, read_mode, r_sn, r_st, r_wide, r_mul,
+            r_add, acc_on, acc_wide, acc_base, acc_skip, max_sel, hi_on, r_null)
+        return bos, length, pad, sel, slot, start
+
+    @cute.jit
+    def _row_tokens(self, mCu: cute.Tensor, mErr: cute.Tensor, n, lead, num_tokens, fixed_len,
+                    cu_wide, max_tokens):
+        """_row_setup's first half: batch row n's tokens (bos, length)."""
         i32 = cutlass.Int32
-        # ---- the row's tokens ---------------------------------------------------------------
         bos = n * fixed_len
         length = fixed_len
         if fixed_len < 0:
@@ -319,7 +322,14 @@ class KdaStepSm90(StateSlots):
         if length > max_tokens:
             self._flag(mErr, E_LEN, lead)
             length = i32(0)
+        return bos, length
 
+    @cute.jit
+    def _row_slot(self, mRIdx: cute.Tensor, mAcc: cute.Tensor, mHasInit: cute.Tensor,
+                  mErr: cute.Tensor, n, lead, slots, read_mode, r_sn, r_st, r_wide, r_mul,
+                  r_add, acc_on, acc_wide, acc_base, acc_skip, max_sel, hi_on, r_null):
+        """_row_setup's second half: batch row n's read slot (pad, sel, slot, start)."""
+        i32 = cutlass.Int32
         # ---- the read slot: padding (< r_null), bad (flagged, then padding) -----------------
         # sel = accepted[n] - acc_base picks the read entry (and, times r_add, the row in it)
         pad = i32(0)
@@ -348,26 +358,14 @@ class KdaStepSm90(StateSlots):
         if hi_on != 0:
             if mHasInit[n] == 0:
                 start = i32(0)
-        return bos, length, pad, sel, slot, start
-
-    @cute.jit
-    def _token_prep(self, qv, kv, dv, bias, a_exp, mQ: cute.Tensor, mK: cute.Tensor,
-                    mG: cute.Tensor, mBeta: cute.Tensor, tok, h, sub, gate, qk_l2norm,
-                    beta_sigmoid, scale, lower_bound):
-        """Token `tok`'s columns of head h: q (L2-normed, times the scale) and k (L2-normed)
-        into qv and kv, the decay exp(a) per column into dv; returns beta."""
-        b_raw = mBeta[tok, h]  # loaded with q, k and g: its use comes last
-        self._head_cols(qv, mQ, tok, h, sub)
-        self._head_cols(kv, mK, tok, h, sub)
-        self._head_cols(dv, mG, tok, h, sub)
-        return self._token_math(qv, kv, dv, b_raw, bias, a_exp, gate, qk_l2norm, beta_sigmoid,
-                                scale, lower_bound)
+        return pad, sel, slot, start
 
     @cute.jit
     def _token_math(self, qv, kv, dv, b_raw, bias, a_exp, gate, qk_l2norm, beta_sigmoid,
                     scale, lower_bound):
-        """_token_prep past its loads: qv, kv, dv hold the token's q, k, g columns (fp32),
-        b_raw its beta as loaded."""
+        """A token's columns of head h past their loads (_token_loads): q (L2-normed, times
+        the scale) and k (L2-normed) in place in qv and kv, the decay exp(a) per column into
+        dv (which holds g); b_raw is its beta as loaded. Returns (beta, k . q)."""
         f32, NC = cutlass.Float32, self.NC
         # q and k norms over the row's lanes; q carries the scale
         sq = f32(0.0)
@@ -403,66 +401,75 @@ class KdaStepSm90(StateSlots):
         beta = b_raw.to(f32)
         if beta_sigmoid != 0:
             beta = cute.arch.rcp_approx(1.0 + cute.math.exp(-beta, fastmath=True))
-        return beta
+        # k . q (over the whole head), for the rows' outputs (_update_row)
+        kq = f32(0.0)
+        for c in cutlass.range_constexpr(NC):
+            kq = kq + kv[c] * qv[c]
+        return beta, self._lanes_sum(kq)
 
     @cute.jit
     def _v_ahead(self, mV: cute.Tensor, tok, h, vb, grp, sub):
-        """v of token `tok` for this thread's row r = sub (fp32; 0 where sub >= R): the row's
-        lanes hold the v of all its R rows between them (R <= TPR), loaded at once ahead of the
-        row loop instead of one dependent load a row; _v_of hands row r's to every lane."""
-        val = cutlass.Float32(0.0)
+        """v of token `tok` for this thread's row r = sub (bf16 as loaded, so that nothing
+        waits for it here; 0 where sub >= R): the row's lanes hold the v of all its R rows
+        between them (R <= TPR), loaded at once ahead of the row loop instead of one dependent
+        load a row; _update_row adds it on that lane."""
+        val = cutlass.BFloat16(0.0)
         if cutlass.const_expr(self.R == self.TPR):
-            val = mV[tok, h * self.V + vb * self.BV + grp + self.G * sub].to(cutlass.Float32)
+            val = mV[tok, h * self.V + vb * self.BV + grp + self.G * sub]
         else:
             if sub < self.R:
-                val = mV[tok, h * self.V + vb * self.BV + grp + self.G * sub].to(
-                    cutlass.Float32)
+                val = mV[tok, h * self.V + vb * self.BV + grp + self.G * sub]
         return val
 
     @cute.jit
-    def _v_of(self, vals, r):
-        """Row r's v from the lane of this row that holds it (_v_ahead)."""
-        out = vals
-        if cutlass.const_expr(self.TPR > 1):
-            out = cute.arch.shuffle_sync(vals, offset=r,
-                                         mask_and_clamp=((32 - self.TPR) << 8) | 31)
-        return out
+    def _update_row(self, x, qv, kv, dv, beta, kq, vals, r, sub):
+        """Row r of this thread, in registers x, through a token: decay, delta rule; returns
+        its output, valid on the row's lane OUT_LANE.
 
-    @cute.jit
-    def _update_row(self, x, qv, kv, dv, beta, v):
-        """One state row in registers x through a token (its v: `v`, fp32): decay, delta
-        rule; returns its output (the dot products reduced over the row's lanes)."""
+        One reduction a row: with Sd = S exp(a) and u = beta (v - Sd k), the output is
+        (Sd + u k^T) q = Sd q + u (k . q), so v - Sd k and Sd q are reduced together, before
+        the update (k . q is the token's). The lane holding the row's v (_v_ahead) adds it to
+        its share of -Sd k. The first shuffle level halves the pair: each lane of two sends
+        one value and keeps the other (even lanes keep v - Sd k, odd ones Sd q); one more
+        shuffle gives the even lanes' sum to the odd ones. TPR = 16: 5 shuffles a row."""
         f32, NC = cutlass.Float32, self.NC
-        p = f32(0.0)
+        mine = sub == r
+        a = f32(cutlass.select_(mine, vals, f32(0.0)))  # v - Sd k, this lane's share
+        b = f32(0.0)  # Sd q
         for c in cutlass.range_constexpr(NC):
             s = x[c] * dv[c]
             x[c] = s
-            p = p + s * kv[c]
-        p = self._lanes_sum(p)
-        u = beta * (v - p)
-        o = f32(0.0)
+            a = a - s * kv[c]
+            b = b + s * qv[c]
+        if cutlass.const_expr(self.TPR > 1):
+            odd = (sub & 1) != 0
+            m = f32(cutlass.select_(odd, b, a)) + cute.arch.shuffle_sync_bfly(
+                f32(cutlass.select_(odd, a, b)), offset=1)
+            for k in cutlass.range_constexpr(1, self.TPR.bit_length() - 1):
+                m = m + cute.arch.shuffle_sync_bfly(m, offset=1 << k)
+            a = f32(cutlass.select_(odd, cute.arch.shuffle_sync_bfly(m, offset=1), m))
+            b = m
+        u = beta * a
         for c in cutlass.range_constexpr(NC):
-            s = x[c] + u * kv[c]
-            x[c] = s
-            o = o + s * qv[c]
-        return self._lanes_sum(o)
+            x[c] = x[c] + u * kv[c]
+        return b + u * kq
 
     @cute.jit
     def _gate_consts(self, bias, mALog: cute.Tensor, mDtBias: cute.Tensor, h, sub, has_a,
                      has_bias):
-        """Head h's gate constants: dt_bias of this thread's columns into bias; returns
-        exp(A_log[h]) (1 without A_log)."""
+        """Head h's gate constants, loads only: dt_bias of this thread's columns into bias;
+        returns A_log[h] (0 without A_log: exp(A_log) is the gate's factor)."""
         f32, K, VEC = cutlass.Float32, self.K, self.VEC
-        a_exp = f32(1.0)
+        a_log = f32(0.0)
         if has_a != 0:
-            a_exp = cute.math.exp(mALog[h])
+            a_log = mALog[h]
         for j in cutlass.range_constexpr(self.NJ):
             for e in cutlass.range_constexpr(VEC):
                 x = f32(0.0)
                 if has_bias != 0:
                     x = mDtBias[h * K + (sub + self.TPR * j) * VEC + e]
                 bias[j * VEC + e] = x
-        return a_exp
+        return a_log
 
     @cute.jit
     def _writes(self, write_mode, t, length):
@@ -479,14 +486,6 @@ class KdaStepSm90(StateSlots):
         return lead
 
     @cute.jit
-    def _write_row(self, mWIdx: cute.Tensor, mErr: cute.Tensor, n, t, lead, dst_rows, w_sn,
-                   w_st, w_wide, w_mul, w_add, w_null):
-        """The dst row the state after token t of batch row n goes to: -1 for a padding entry,
-        and for a bad one (flagged)."""
-        lo, hi = self._write_words(mWIdx, n, t, w_sn, w_st, w_wide)
-        return self._write_row_of(lo, hi, mErr, t, lead, dst_rows, w_wide, w_mul, w_add, w_null)
-
-    @cute.jit
     def _write_words(self, mWIdx: cute.Tensor, n, t, w_sn, w_st, w_wide):
         """The words of batch row n's write entry of token t (low, high; an int32 table's
         entry twice): loads only, nothing waits for them here."""
@@ -496,7 +495,8 @@ class KdaStepSm90(StateSlots):
     @cute.jit
     def _write_row_of(self, lo, hi, mErr: cute.Tensor, t, lead, dst_rows, w_wide, w_mul,
                       w_add, w_null):
-        """_write_row from its entry's words (_write_words)."""
+        """The dst row the state after token t of a batch row goes to, from the words of its
+        write entry (_write_words): -1 for a padding entry, and for a bad one (flagged)."""
         wrow = cutlass.Int32(-1)
         w = lo
         okw = cutlass.Int32(1)
@@ -519,27 +519,27 @@ class KdaStepSm90(StateSlots):
                     cutlass.Float32(0.0).to(cutlass.BFloat16))
 
     @cute.jit
-    def _row(self, x, src, stage, keep, r, qv, kv, dv, beta, vals, mOut: cute.Tensor,
+    def _row(self, x, src, stage, keep, r, qv, kv, dv, beta, kq, vals, mOut: cute.Tensor,
              mDst: cute.Tensor, tok, h, vb, grp, sub, wrow):
         """This thread's row r through token `tok` (its row's v values: `vals`, _v_ahead):
         its state into registers x (from `src`), the update, its output, and the state after
         it to dst row `wrow` (>= 0)."""
         v_idx = vb * self.BV + grp + self.G * r
         self._fetch(x, src, stage, keep, r)
-        o = self._update_row(x, qv, kv, dv, beta, self._v_of(vals, r))
-        if sub == 0:
+        o = self._update_row(x, qv, kv, dv, beta, kq, vals, r, sub)
+        if sub == self.OUT_LANE:
             mOut[tok, h * self.V + v_idx] = o.to(cutlass.BFloat16)
         if wrow >= 0:
             self._put(x, self._row_vecs(mDst, wrow, h, v_idx), sub, self.pdt)
 
     @cute.jit
-    def _rows(self, x, src: cutlass.Constexpr, stage, keep, qv, kv, dv, beta, vals,
+    def _rows(self, x, src: cutlass.Constexpr, stage, keep, qv, kv, dv, beta, kq, vals,
               mOut: cute.Tensor, mDst: cute.Tensor, tok, h, vb, grp, sub, wrow, more):
         """Every row of this thread through token `tok`, its state from `src` (a constant);
         the state after it kept (shared memory) where `more` tokens follow."""
         for r in cutlass.range(self.R, unroll=self.U, unroll_full=self.U == 0):
-            self._row(x, src, stage, keep, r, qv, kv, dv, beta, vals, mOut, mDst, tok, h, vb,
-                      grp, sub, wrow)
+            self._row(x, src, stage, keep, r, qv, kv, dv, beta, kq, vals, mOut, mDst, tok, h,
+                      vb, grp, sub, wrow)
             if more:
                 self._keep(x, keep, r)
 
@@ -575,10 +575,11 @@ class KdaStepSm90(StateSlots):
         slots = mPool.shape[0]
         dst_rows = mDst.shape[0]
 
-        bos, length, pad, sel, slot, start = self._row_setup(
-            mCu, mRIdx, mAcc, mHasInit, mErr, n, lead, num_tokens, slots, fixed_len, cu_wide,
-            max_tokens, read_mode, r_sn, r_st, r_wide, r_mul, r_add, acc_on, acc_wide,
-            acc_base, acc_skip, max_sel, hi_on, r_null)
+        bos, length = self._row_tokens(mCu, mErr, n, lead, num_tokens, fixed_len, cu_wide,
+                                       max_tokens)
+        pad, sel, slot, start = self._row_slot(
+            mRIdx, mAcc, mHasInit, mErr, n, lead, slots, read_mode, r_sn, r_st, r_wide, r_mul,
+            r_add, acc_on, acc_wide, acc_base, acc_skip, max_sel, hi_on, r_null)
 
         smem = utils.SmemAllocator()
         shared = smem.allocate(self.shared_storage)
@@ -591,25 +592,25 @@ class KdaStepSm90(StateSlots):
         if pad == 0 and start != 0:
             self._stage(stage, mPool, slot, h, vb, grp, sub)
             src = i32(SRC_STAGE)
-
-        # ---- the gate's per-column constants ------------------------------------------------
+        # the first token's loads (q, k, g, beta, v, its write entry) and the gate's constants,
+        # in flight with the staging of the start state
+        rq, rk, rg = self._raw_tensor(), self._raw_tensor(), self._raw_tensor()
+        b_raw = cutlass.BFloat16(0.0)
+        vals = cutlass.BFloat16(0.0)
+        w_lo, w_hi = i32(-1), i32(-1)
+        if cutlass.const_expr(self.cfg.ahead):
+            if length > 0:
+                b_raw, vals, w_lo, w_hi = self._token_loads(
+                    rq, rk, rg, mQ, mK, mG, mBeta, mV, mWIdx, bos, i32(0), n, h, vb, grp, sub,
+                    self._writes(write_mode, i32(0), length), w_sn, w_st, w_wide)
         bias = cute.make_rmem_tensor((NC,), f32)
-        a_exp = self._gate_consts(bias, mALog, mDtBias, h, sub, has_a, has_bias)
+        a_log = self._gate_consts(bias, mALog, mDtBias, h, sub, has_a, has_bias)
+        a_exp = cute.math.exp(a_log)
 
         qv = cute.make_rmem_tensor((NC,), f32)
         kv = cute.make_rmem_tensor((NC,), f32)
         dv = cute.make_rmem_tensor((NC,), f32)
         x = cute.make_rmem_tensor((NC,), f32)
-        # a token's loads, as loaded (cfg.ahead: issued during the previous token)
-        rq, rk, rg = self._raw_tensor(), self._raw_tensor(), self._raw_tensor()
-        b_raw = cutlass.BFloat16(0.0)
-        vals = f32(0.0)
-        w_lo, w_hi = i32(-1), i32(-1)
-        if cutlass.const_expr(self.cfg.ahead):
-            if pad == 0 and length > 0:
-                b_raw, vals, w_lo, w_hi = self._token_loads(
-                    rq, rk, rg, mQ, mK, mG, mBeta, mV, mWIdx, bos, i32(0), n, h, vb, grp, sub,
-                    self._writes(write_mode, i32(0), length), w_sn, w_st, w_wide)
         for t in cutlass.range(length):
             tok = bos + t
             if pad != 0:
@@ -639,8 +640,9 @@ class KdaStepSm90(StateSlots):
                             src = i32(SRC_STAGE)
                         else:
                             src = i32(SRC_ZERO)
-                # the token's loads (v, its write entry, q, k, g, beta) all issued before any
-                # of them is waited for
+                # this token's loads (v, its write entry, q, k, g, beta) were issued together,
+                # before the previous token's rows (cfg.ahead, and the first token's before the
+                # slot lookup) or here
                 writes = self._writes(write_mode, t, length)
                 if cutlass.const_expr(not self.cfg.ahead):
                     b_raw, vals, w_lo, w_hi = self._token_loads(
@@ -649,15 +651,15 @@ class KdaStepSm90(StateSlots):
                 self._raw_cols(qv, rq)
                 self._raw_cols(kv, rk)
                 self._raw_cols(dv, rg)
-                beta = self._token_math(qv, kv, dv, b_raw, bias, a_exp, gate, qk_l2norm,
-                                        beta_sigmoid, scale, lower_bound)
+                v_now = vals.to(f32)
+                beta, kq = self._token_math(qv, kv, dv, b_raw, bias, a_exp, gate, qk_l2norm,
+                                            beta_sigmoid, scale, lower_bound)
                 # where the state after this token goes (-1: nowhere)
                 wrow = i32(-1)
                 if writes:
                     wrow = self._write_row_of(w_lo, w_hi, mErr, t, lead, dst_rows, w_wide,
                                               w_mul, w_add, w_null)
                 more = t + 1 < length
-                v_now = vals
                 if cutlass.const_expr(self.cfg.ahead):
                     if more:  # the next token's loads, in flight through this one's rows
                         b_raw, vals, w_lo, w_hi = self._token_loads(
@@ -667,14 +669,14 @@ class KdaStepSm90(StateSlots):
                 cute.arch.cp_async_wait_group(0)  # this thread's staged rows have landed
                 # one row loop per state source, so that no row decides where its state is
                 if src == SRC_STAGE:
-                    self._rows(x, SRC_STAGE, stage, keep, qv, kv, dv, beta, v_now, mOut, mDst,
-                               tok, h, vb, grp, sub, wrow, more)
+                    self._rows(x, SRC_STAGE, stage, keep, qv, kv, dv, beta, kq, v_now, mOut,
+                               mDst, tok, h, vb, grp, sub, wrow, more)
                 elif src == SRC_F32:
-                    self._rows(x, SRC_F32, stage, keep, qv, kv, dv, beta, v_now, mOut, mDst,
-                               tok, h, vb, grp, sub, wrow, more)
+                    self._rows(x, SRC_F32, stage, keep, qv, kv, dv, beta, kq, v_now, mOut,
+                               mDst, tok, h, vb, grp, sub, wrow, more)
                 else:
-                    self._rows(x, SRC_ZERO, stage, keep, qv, kv, dv, beta, v_now, mOut, mDst,
-                               tok, h, vb, grp, sub, wrow, more)
+                    self._rows(x, SRC_ZERO, stage, keep, qv, kv, dv, beta, kq, v_now, mOut,
+                               mDst, tok, h, vb, grp, sub, wrow, more)
                 src = i32(SRC_F32)
 
         # a commit: the start state itself to the row's write slot
@@ -742,40 +744,48 @@ class KdaStepSm90(StateSlots):
         bias = cute.make_rmem_tensor((self.NC,), f32)
         x = cute.make_rmem_tensor((self.NC,), f32)
 
-        # the first tile's slots and staging
-        bos, length, pad, wrow = self._pipe_issue(
-            bid, i32(0), area, tiles, num_heads, mPool, mCu, mRIdx, mWIdx, mAcc, mHasInit,
-            mErr, tidx, grp, sub, num_tokens, slots, dst_rows, fixed_len, cu_wide,
-            max_tokens, read_mode, r_sn, r_st, r_wide, r_mul, r_add, acc_on, acc_wide,
-            acc_base, acc_skip, max_sel, hi_on, r_null, w_null, write_mode, w_sn, w_st, w_wide,
-            w_mul, w_add)
+        rq, rk, rg = self._raw_tensor(), self._raw_tensor(), self._raw_tensor()
+
+        # the first tile's slots, staging and loads
+        bos, length, pad, wrow, b_raw, vals, a_log = self._pipe_issue(
+            bid, i32(0), area, rq, rk, rg, bias, tiles, num_heads, mQ, mK, mG, mBeta, mV,
+            mALog, mDtBias, mPool, mCu, mRIdx, mWIdx, mAcc, mHasInit, mErr, tidx, grp, sub,
+            num_tokens, slots, dst_rows, fixed_len, cu_wide, max_tokens, read_mode, r_sn, r_st,
+            r_wide, r_mul, r_add, acc_on, acc_wide, acc_base, acc_skip, max_sel, hi_on, r_null,
+            w_null, write_mode, w_sn, w_st, w_wide, w_mul, w_add, has_a, has_bias)
         buf = i32(0)
         for t in cutlass.range(bid, tiles, nb):
-            # the next tile's slots and staging, into the other half
-            nbos, nlength, npad, nwrow = self._pipe_issue(
-                t + nb, 1 - buf, area, tiles, num_heads, mPool, mCu, mRIdx, mWIdx, mAcc,
-                mHasInit, mErr, tidx, grp, sub, num_tokens, slots, dst_rows, fixed_len,
-                cu_wide, max_tokens, read_mode, r_sn, r_st, r_wide, r_mul, r_add, acc_on,
-                acc_wide, acc_base, acc_skip, max_sel, hi_on, r_null, w_null, write_mode,
-                w_sn, w_st, w_wide, w_mul, w_add)
-            cute.arch.cp_async_wait_group(1)  # this tile's staged rows have landed
             vb = t % NVB
             h = (t // NVB) % num_heads
-            if length > 0:
-                tok = bos
-                if pad != 0:
-                    self._zero_outputs(mOut, tok, h, vb, grp, sub)
-                else:
-                    stage = self._mine_at(area, buf, tidx)
-                    a_exp = self._gate_consts(bias, mALog, mDtBias, h, sub, has_a, has_bias)
-                    vals = self._v_ahead(mV, tok, h, vb, grp, sub)
-                    beta = self._token_prep(qv, kv, dv, bias, a_exp, mQ, mK, mG, mBeta, tok, h,
-                                            sub, gate, qk_l2norm, beta_sigmoid, scale,
-                                            lower_bound)
-                    for r in cutlass.range(self.R, unroll=self.U, unroll_full=self.U == 0):
-                        self._row(x, SRC_STAGE, stage, stage, r, qv, kv, dv, beta, vals, mOut,
-                                  mDst, tok, h, vb, grp, sub, wrow)
-            bos, length, pad, wrow = nbos, nlength, npad, nwrow
+            tok, live, wr = bos, length, wrow
+            if pad != 0:
+                live = i32(0)
+            # this tile's loads (issued before the previous tile's rows) into registers
+            beta, kq, v_now = f32(0.0), f32(0.0), f32(0.0)
+            if live > 0:
+                self._raw_cols(qv, rq)
+                self._raw_cols(kv, rk)
+                self._raw_cols(dv, rg)
+                v_now = vals.to(f32)
+                beta, kq = self._token_math(qv, kv, dv, b_raw, bias, cute.math.exp(a_log),
+                                            gate, qk_l2norm, beta_sigmoid, scale, lower_bound)
+            # the next tile's slots, staging (into the other half) and loads
+            zeros = length > 0 and pad != 0
+            bos, length, pad, wrow, b_raw, vals, a_log = self._pipe_issue(
+                t + nb, 1 - buf, area, rq, rk, rg, bias, tiles, num_heads, mQ, mK, mG, mBeta,
+                mV, mALog, mDtBias, mPool, mCu, mRIdx, mWIdx, mAcc, mHasInit, mErr, tidx, grp,
+                sub, num_tokens, slots, dst_rows, fixed_len, cu_wide, max_tokens, read_mode,
+                r_sn, r_st, r_wide, r_mul, r_add, acc_on, acc_wide, acc_base, acc_skip, max_sel,
+                hi_on, r_null, w_null, write_mode, w_sn, w_st, w_wide, w_mul, w_add, has_a,
+                has_bias)
+            cute.arch.cp_async_wait_group(1)  # this tile's staged rows have landed
+            if zeros:
+                self._zero_outputs(mOut, tok, h, vb, grp, sub)
+            elif live > 0:
+                stage = self._mine_at(area, buf, tidx)
+                for r in cutlass.range(self.R, unroll=self.U, unroll_full=self.U == 0):
+                    self._row(x, SRC_STAGE, stage, stage, r, qv, kv, dv, beta, kq, v_now, mOut,
+                              mDst, tok, h, vb, grp, sub, wr)
             buf = 1 - buf
         cute.arch.cp_async_wait_group(0)  # nothing in flight when the CTA exits
 
@@ -786,36 +796,48 @@ class KdaStepSm90(StateSlots):
         return self._mine(cute.make_tensor(area.iterator + off, cute.make_layout(n_el)), tidx)
 
     @cute.jit
-    def _pipe_issue(self, t, buf, area, tiles, num_heads, mPool: cute.Tensor,
+    def _pipe_issue(self, t, buf, area, rq, rk, rg, bias, tiles, num_heads, mQ: cute.Tensor,
+                    mK: cute.Tensor, mG: cute.Tensor, mBeta: cute.Tensor, mV: cute.Tensor,
+                    mALog: cute.Tensor, mDtBias: cute.Tensor, mPool: cute.Tensor,
                     mCu: cute.Tensor, mRIdx: cute.Tensor, mWIdx: cute.Tensor,
                     mAcc: cute.Tensor, mHasInit: cute.Tensor, mErr: cute.Tensor, tidx, grp,
                     sub, num_tokens, slots, dst_rows, fixed_len, cu_wide, max_tokens,
                     read_mode, r_sn, r_st, r_wide, r_mul, r_add, acc_on, acc_wide, acc_base,
                     acc_skip, max_sel, hi_on, r_null, w_null, write_mode, w_sn, w_st, w_wide,
-                    w_mul, w_add):
-        """Tile t's row setup (nothing past the last tile), its write row (-1: none) and its
-        start state staged into half `buf` (zeros there for a row that starts from zeros);
-        one commit group either way. Returns (bos, length, pad, wrow)."""
+                    w_mul, w_add, has_a, has_bias):
+        """Tile t's row setup (nothing past the last tile), its write row (-1: none), its
+        token's loads (q, k, g into rq, rk, rg, the gate's constants into bias; nothing waits
+        for them here) and its start state staged into half `buf` (zeros there for a row that
+        starts from zeros); one commit group either way. Returns (bos, length, pad, wrow,
+        beta and v as loaded, A_log)."""
         i32 = cutlass.Int32
         NVB = self.V // self.BV
         bos, length, pad, slot, start, wrow = i32(0), i32(0), i32(1), i32(-1), i32(0), i32(-1)
+        b_raw, vals, a_log = cutlass.BFloat16(0.0), cutlass.BFloat16(0.0), cutlass.Float32(0.0)
         if t < tiles:
             vb = t % NVB
             h = (t // NVB) % num_heads
             n = t // (NVB * num_heads)
             lead = self._lead(tidx, vb, h)
-            bos, length, pad, _, slot, start = self._row_setup(
-                mCu, mRIdx, mAcc, mHasInit, mErr, n, lead, num_tokens, slots, fixed_len,
-                cu_wide, max_tokens, read_mode, r_sn, r_st, r_wide, r_mul, r_add, acc_on,
-                acc_wide, acc_base, acc_skip, max_sel, hi_on, r_null)
+            bos, length = self._row_tokens(mCu, mErr, n, lead, num_tokens, fixed_len, cu_wide,
+                                           max_tokens)
+            w_lo, w_hi = i32(-1), i32(-1)
+            if length > 0:  # in flight through the slot lookup
+                b_raw, vals, w_lo, w_hi = self._token_loads(
+                    rq, rk, rg, mQ, mK, mG, mBeta, mV, mWIdx, bos, i32(0), n, h, vb, grp, sub,
+                    self._writes(write_mode, i32(0), length), w_sn, w_st, w_wide)
+                a_log = self._gate_consts(bias, mALog, mDtBias, h, sub, has_a, has_bias)
+            pad, _, slot, start = self._row_slot(
+                mRIdx, mAcc, mHasInit, mErr, n, lead, slots, read_mode, r_sn, r_st, r_wide,
+                r_mul, r_add, acc_on, acc_wide, acc_base, acc_skip, max_sel, hi_on, r_null)
             if pad == 0 and length > 0:
                 if write_mode == WRITE_ALL or write_mode == WRITE_LAST:
-                    wrow = self._write_row(mWIdx, mErr, n, i32(0), lead, dst_rows, w_sn, w_st,
-                                           w_wide, w_mul, w_add, w_null)
+                    wrow = self._write_row_of(w_lo, w_hi, mErr, i32(0), lead, dst_rows, w_wide,
+                                              w_mul, w_add, w_null)
                 stage = self._mine_at(area, buf, tidx)
                 if start != 0:
                     self._stage_rows(stage, mPool, slot, h, vb, grp, sub)
                 else:
                     self._zero_stage(stage)
         cute.arch.cp_async_commit_group()
-        return bos, length, pad, wrow
+        return bos, length, pad, wrow, b_raw, vals, a_log

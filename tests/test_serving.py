@@ -288,8 +288,9 @@ def test_persistent_tile_plan(planned):
 
 
 def test_step_config_refusals():
-    """A row's lanes hold the v of its rows between them (rows_per_thread <= tpr); the next
-    token's loads ahead are for multi-token tiles, not persistent ones."""
+    """A row's lanes hold the v of its rows between them (rows_per_thread <= tpr); loads issued
+    a step ahead (ahead) are for the one-tile kernel, not the persistent one (which issues its
+    next tile's loads anyway)."""
     ok, why = supports(StepConfig(128, 128, "float32", 64, 2, 32))
     assert not ok and "rows_per_thread" in why
     ok, why = supports(StepConfig(128, 128, "bfloat16", 64, 16, 128, persist=6, ahead=True))

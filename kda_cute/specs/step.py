@@ -47,7 +47,9 @@ class StepConfig:
     unroll: int = 0  # the row loop's unroll (0: whole)
     min_blocks: int = 0  # CTAs per SM that ptxas must fit (registers capped to match; 0: free)
     persist: int = 0  # > 0: a persistent grid of this many CTAs per SM, single-token plans only
-    ahead: bool = False  # a token's loads issued during the previous token's rows (verify)
+    # a token's loads issued a step ahead: the first token's before the slot lookup, each next
+    # one's during the previous token's rows (more registers: the loads stay live)
+    ahead: bool = False
 
     @property
     def vec(self) -> int:
@@ -100,7 +102,8 @@ def supports(cfg: StepConfig) -> tuple[bool, str]:
         return False, (f"persist must be in [0, 2048 / threads], got {cfg.persist} at "
                        f"{cfg.threads} threads")
     if cfg.ahead and cfg.persist:
-        return False, "ahead is for multi-token plans; a persistent tile runs single tokens"
+        return False, ("ahead is for the one-tile kernel; a persistent tile issues its next "
+                       "tile's loads anyway")
     if cfg.min_blocks < 0 or cfg.min_blocks * cfg.threads > 2048:
         return False, (f"min_blocks must be in [0, 2048 / threads], got {cfg.min_blocks} "
                        f"at {cfg.threads} threads")
