@@ -170,37 +170,42 @@ def _step(d: int, pool: str, block_v: int = 32, unroll: int = 0) -> StepConfig:
 
 # bf16 pools at K <= 128: 64 rows per CTA, the row loop unrolled by two (the K = 128 tile
 # sweep's fastest at N >= 64, 73% of the copy ceiling at N 1024 H 32 against 54% for 32 rows
-# unrolled whole: bench/results/serving-sweep-h200-2026-12-01-54ff339.json)
+# unrolled whole: bench/results/serving-sweep-h200-2026-12-01-54ff339.json); at K = 128 its
+# loads a step ahead (verify H 32: N 64 T 2 71.5% of the copy ceiling against 64.4, N 256 T 4
+# 77.8 against 70.8: serving-sweep-h200-2026-12-02-3c0913a-verify.json).
+# fp32 pools at K = 128: the 32-row tile unrolled by two (verify H 32 N 64 T 2: 86.1% against
+# the plain tile's 78.7%).
 STEP: tuple[StepConfig, ...] = tuple(
-    _step(d, p, 64, 2) if p == "bfloat16" and d <= 128 else _step(d, p)
+    StepConfig(128, 128, p, 64, 16, 128, unroll=2, ahead=True)
+    if p == "bfloat16" and d == 128 else _step(d, p, 64, 2) if p == "bfloat16" and d < 128
+    else _step(d, p, 32, 2) if d == 128 else _step(d, p)
     for d in HEAD_DIMS for p in ("float32", "bfloat16"))
 # Single-token plans (decode; a verify keeps fp32 state between tokens and takes STEP): rows x
-# heads from which a tile is taken, and the tile (bench/results/serving-sweep-h200-2026-12-02-*,
-# CUDA graph):
-# - small grids are latency-bound: fewer rows per CTA, more CTAs. Below 48 rows x heads, 8 rows
-#   (N 1 H 12: 6.7 us fp32, 6.6 bf16, against 8.2 and 8.4 for the tiles below); below 192,
-#   16 rows (fp32; N 1 H 96 and N 8 H 12 10.0-10.1 us against 10.8) or 32 unrolled by two
-#   (bf16: 8.7-8.8 against 9.8-10.1).
-# - fp32 from 192: 32 rows unrolled by two (N 256 H 12 85.9% of the copy ceiling against 85.1
-#   for STEP's tile), from 6144 64 rows unrolled by two (N 256 H 32 91.6% against 90.9, N 1024
-#   H 32 93.9 against 92.8): serving-sweep-h200-2026-12-02-30ea2a6.json.
-# - bf16 from 192: a persistent grid of 64-row tiles, 6 CTAs an SM (StepConfig.persist: each CTA
-#   stages its next tile while it computes the current one), the row loop unrolled by two
-#   (N 64 H 32 72.9% against 72.1 for the whole-head tile).
-# - bf16 from 3072, a whole head per CTA (128 rows unrolled by four): N 256 H 12 77.4% against
-#   75.7 for the persistent tile, N 64 H 96 85.9 against 81.2, N 256 H 32 86.4 against 82.8,
-#   N 1024 H 32 91.2 against 84.5 (serving-sweep-h200-2026-12-02-30ea2a6.json). Only for
-#   single-token plans: a verify's fp32 keep area (64 KB at 128 rows) would hold it to three
+# heads from which a tile is taken, and the tile (CUDA graph; the figures are
+# serving-sweep-h200-2026-12-02-3c0913a.json's):
+# - small grids are latency-bound: fewer rows per CTA, more CTAs. Below 48 rows x heads, 16 rows
+#   (fp32: N 1 H 12 5.9 us against 6.1 for 8 rows) or 8 rows with the loads ahead (bf16: 6.0
+#   against 6.3); below 192, 32 rows unrolled by two, loads ahead (N 1 H 96 and N 8 H 12: fp32
+#   9.0-9.2 us, bf16 7.8-7.9).
+# - fp32 from 192: 64 rows unrolled by two (N 8 H 32 14.8 us against 16.6 for 32 rows; N 256
+#   H 12 86.9% of the copy ceiling, N 256 H 32 92.3, N 1024 H 32 94.2: the sweep's best
+#   everywhere but N 64 H 12, where a persistent 32-row tile is 1% faster).
+# - bf16 from 192: a persistent grid of 64-row tiles, 5 CTAs an SM (StepConfig.persist: each CTA
+#   stages its next tile and issues its loads while it computes the current one), the row loop
+#   unrolled by two: N 64 H 32 76.5% against 73.5 for the next tile, N 256 H 12 78.8 against
+#   78.4. At 6 CTAs an SM its 96 registers leave one CTA in six waiting (N 64 H 32 at 63%).
+# - bf16 from 6144, a whole head per CTA (128 rows unrolled by two, loads ahead): N 64 H 96 87.5%
+#   against 84.7 for the persistent tile, N 256 H 32 87.8 against 85.1, N 1024 H 32 91.7. Only
+#   for single-token plans: a verify's fp32 keep area (64 KB at 128 rows) would hold it to three
 #   CTAs per SM.
 STEP_SINGLE: tuple[tuple[int, StepConfig], ...] = (
-    (1, _step(128, "float32", 8)),
-    (48, _step(128, "float32", 16)),
-    (192, _step(128, "float32", 32, 2)),
-    (6144, _step(128, "float32", 64, 2)),
-    (1, _step(128, "bfloat16", 8)),
-    (48, _step(128, "bfloat16", 32, 2)),
-    (192, StepConfig(128, 128, "bfloat16", 64, 16, 128, unroll=2, persist=6)),
-    (3072, StepConfig(128, 128, "bfloat16", 128, 16, 128, unroll=4)),
+    (1, _step(128, "float32", 16)),
+    (48, StepConfig(128, 128, "float32", 32, 32, 128, unroll=2, ahead=True)),
+    (192, _step(128, "float32", 64, 2)),
+    (1, StepConfig(128, 128, "bfloat16", 8, 16, 128, ahead=True)),
+    (48, StepConfig(128, 128, "bfloat16", 32, 16, 128, unroll=2, ahead=True)),
+    (192, StepConfig(128, 128, "bfloat16", 64, 16, 128, unroll=2, persist=5)),
+    (6144, StepConfig(128, 128, "bfloat16", 128, 16, 128, unroll=2, ahead=True)),
 )
 
 # other tiles, built for the tile sweep (bench/serving.py --sweep): fewer and more rows per CTA
@@ -233,7 +238,9 @@ STEP_VARIANTS: tuple[StepConfig, ...] = tuple(c for c in dict.fromkeys(
        for bv, u in ((64, 2), (32, 2), (32, 0), (16, 0), (8, 0), (128, 2))]
     + [StepConfig(128, 128, "float32", bv, 32, 128, ahead=True) for bv in (32, 16, 8)]
     + [StepConfig(128, 128, "float32", bv, 32, 128, unroll=2, ahead=True) for bv in (32, 64)]
-    + [StepConfig(128, 128, "bfloat16", 64, 16, 128, unroll=2, persist=5)]
+    + [StepConfig(128, 128, "bfloat16", 64, 16, 128, unroll=2, persist=6)]
+    + [StepConfig(128, 128, "bfloat16", 64, 16, 128, unroll=4, min_blocks=m, ahead=True)
+       for m in (0, 4)]
     # 8 lanes a row (16 columns a thread): one shuffle level fewer a reduction
     + [StepConfig(128, 128, "bfloat16", bv, 8, 128, unroll=u, ahead=a)
        for bv, u, a in ((64, 2, False), (64, 2, True), (128, 2, False), (128, 4, False),

@@ -59,16 +59,16 @@ def test_single_token_tiles_by_width():
             top = tiles[i + 1][0] - 1 if i + 1 < len(tiles) else 10 ** 6
             assert select_step(d, d, pool, top) == cfg
             assert cfg.min_blocks * cfg.threads <= 2048 and supports(cfg) == (True, "")
-    # bf16 at K = 128: a persistent 64-row tile, then a whole head from 3072 rows x heads
-    assert select_step(128, 128, "bfloat16", 3072).block_v == 128
-    assert select_step(128, 128, "bfloat16", 3071).persist
+    # bf16 at K = 128: a persistent 64-row tile, then a whole head from 6144 rows x heads
+    assert select_step(128, 128, "bfloat16", 6144).block_v == 128
+    assert select_step(128, 128, "bfloat16", 6143).persist
     assert not select_step(128, 128, "bfloat16", 0).persist
 
 
 def test_single_token_tiles_for_single_tokens_only(planned):
     from kda_cute.ladder import STEP_SINGLE
     single = {c for _, c in STEP_SINGLE}
-    B, slots = 3072 // H, 2 * 3072 // H
+    B, slots = 6144 // H, 2 * 6144 // H
     kda_cute.decode(*decode_args(B, slots, BF), lower_bound=-5.0)
     assert planned["plan"].launches()[0].kernel.block_v == 128
     assert planned["plan"].launches()[0].kernel in single
