@@ -184,9 +184,10 @@ STEP: tuple[StepConfig, ...] = tuple(
 # heads from which a tile is taken, and the tile (CUDA graph; the figures are
 # serving-sweep-h200-2026-12-02-3c0913a.json's):
 # - small grids are latency-bound: fewer rows per CTA, more CTAs. Below 48 rows x heads, 16 rows
-#   (fp32: N 1 H 12 5.9 us against 6.1 for 8 rows) or 8 rows with the loads ahead (bf16: 6.0
-#   against 6.3); below 192, 32 rows unrolled by two, loads ahead (N 1 H 96 and N 8 H 12: fp32
-#   9.0-9.2 us, bf16 7.8-7.9).
+#   with the loads ahead (N 1 H 12: fp32 6.08 us against 6.34 for 16 rows without, bf16 5.86
+#   against 6.08 for 8 rows ahead; N 1 H 32: 6.85 and 6.43 against 7.04 and 6.75:
+#   serving-sweep-h200-2026-12-02-f8a7bd4-small.json); below 192, 32 rows unrolled by two, loads
+#   ahead (N 1 H 96 and N 8 H 12: fp32 9.0-9.3 us, bf16 7.8-8.1).
 # - fp32 from 192: 64 rows unrolled by two (N 8 H 32 14.8 us against 16.6 for 32 rows; N 256
 #   H 12 86.9% of the copy ceiling, N 256 H 32 92.3, N 1024 H 32 94.2: the sweep's best
 #   everywhere but N 64 H 12, where a persistent 32-row tile is 1% faster).
@@ -199,10 +200,10 @@ STEP: tuple[StepConfig, ...] = tuple(
 #   for single-token plans: a verify's fp32 keep area (64 KB at 128 rows) would hold it to three
 #   CTAs per SM.
 STEP_SINGLE: tuple[tuple[int, StepConfig], ...] = (
-    (1, _step(128, "float32", 16)),
+    (1, StepConfig(128, 128, "float32", 16, 32, 128, ahead=True)),
     (48, StepConfig(128, 128, "float32", 32, 32, 128, unroll=2, ahead=True)),
     (192, _step(128, "float32", 64, 2)),
-    (1, StepConfig(128, 128, "bfloat16", 8, 16, 128, ahead=True)),
+    (1, StepConfig(128, 128, "bfloat16", 16, 16, 128, ahead=True)),
     (48, StepConfig(128, 128, "bfloat16", 32, 16, 128, unroll=2, ahead=True)),
     (192, StepConfig(128, 128, "bfloat16", 64, 16, 128, unroll=2, persist=5)),
     (6144, StepConfig(128, 128, "bfloat16", 128, 16, 128, unroll=2, ahead=True)),

@@ -75,7 +75,7 @@ def test_single_token_tiles_for_single_tokens_only(planned):
     kda_cute.decode(*decode_args(64, 128, BF), lower_bound=-5.0)
     assert planned["plan"].launches()[0].kernel.persist
     kda_cute.decode(*decode_args(4, 8, BF), lower_bound=-5.0)  # small grids: small tiles
-    assert planned["plan"].launches()[0].kernel.block_v == 8
+    assert planned["plan"].launches()[0].kernel.block_v == 16
     # a commit (no token) never takes a persistent tile
     kda_cute.commit(torch.zeros(16, H, K, K, dtype=BF), torch.zeros(8, 2, H, K, K, dtype=BF),
                     torch.arange(8, dtype=torch.int32), torch.zeros(8, dtype=torch.int32))
