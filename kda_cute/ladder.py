@@ -185,7 +185,7 @@ STEP: tuple[StepConfig, ...] = tuple(
 # serving-sweep-h200-2026-12-02-3c0913a.json's):
 # - small grids are latency-bound: fewer rows per CTA, more CTAs. Below 48 rows x heads, 16 rows
 #   with the loads ahead (N 1 H 12: fp32 6.08 us against 6.34 for 16 rows without, bf16 5.86
-#   against 6.08 for 8 rows ahead; N 1 H 32: 6.85 and 6.43 against 7.04 and 6.75:
+#   against 6.08 for 8 rows ahead; N 1 H 32: 6.85 and 6.43 against 7.23 and 6.75:
 #   serving-sweep-h200-2026-12-02-f8a7bd4-small.json); below 192, 32 rows unrolled by two, loads
 #   ahead (N 1 H 96 and N 8 H 12: fp32 9.0-9.3 us, bf16 7.8-8.1).
 # - fp32 from 192: 64 rows unrolled by two (N 8 H 32 14.8 us against 16.6 for 32 rows; N 256
@@ -233,7 +233,7 @@ STEP_VARIANTS: tuple[StepConfig, ...] = tuple(c for c in dict.fromkeys(
     + [StepConfig(128, 128, "float32", 16, 32, 128, min_blocks=12, persist=12)]
     + [StepConfig(128, 128, "bfloat16", 64, 16, 128, unroll=2, min_blocks=6, persist=6)]
     + [StepConfig(128, 128, "float32", 32, 32, 128, unroll=2, min_blocks=7)]
-    # a token's loads issued a step ahead: the first token's before the slot lookup, the next
+    # a token's loads issued a step ahead: the first token's with the staging, the next
     # token's during this one's rows
     + [StepConfig(128, 128, "bfloat16", bv, 16, 128, unroll=u, ahead=True)
        for bv, u in ((64, 2), (32, 2), (32, 0), (16, 0), (8, 0), (128, 2))]

@@ -47,7 +47,7 @@ class StepConfig:
     unroll: int = 0  # the row loop's unroll (0: whole)
     min_blocks: int = 0  # CTAs per SM that ptxas must fit (registers capped to match; 0: free)
     persist: int = 0  # > 0: a persistent grid of this many CTAs per SM, single-token plans only
-    # a token's loads issued a step ahead: the first token's before the slot lookup, each next
+    # a token's loads issued a step ahead: the first token's with the staging, each next
     # one's during the previous token's rows (more registers: the loads stay live)
     ahead: bool = False
 
