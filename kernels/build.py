@@ -5,7 +5,9 @@ manifest, each compiled from the DSL class and argument list its spec names (kda
 
 Runs on a machine without a GPU. Incremental: a config is skipped when its manifest records the
 same build key (hash of the kernel sources, the config and the DSL version). Configs compile in
-parallel worker processes (the DSL import costs ~1 s per process, compiles 1-10 s each).
+parallel worker processes (the DSL import costs ~1 s per process, compiles 1-10 s each). A build
+with no failure lists every kernel it covers in <out>/<arch>/INDEX, which a wheel build checks
+(setup.py).
 """
 
 from __future__ import annotations
@@ -184,7 +186,12 @@ def main(argv=None) -> int:
         print(f"{name:<44} FAILED   {err}")
     print(f"{len(results)} built, {len(skipped)} up to date, {len(failed)} failed "
           f"in {time.time() - t0:.1f}s -> {out_dir}")
-    return 1 if failed else 0
+    if failed:
+        return 1
+    # every kernel of this build, one name a line: what a wheel build checks it carries (setup.py)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "INDEX").write_text("".join(f"{c.name}\n" for c in ladder.all_kernels()))
+    return 0
 
 
 if __name__ == "__main__":
