@@ -175,11 +175,16 @@ def _step(d: int, pool: str, block_v: int = 32, unroll: int = 0) -> StepConfig:
 # 77.8 against 70.8: serving-sweep-h200-2026-12-02-3c0913a-verify.json).
 # fp32 pools at K = 128: the 32-row tile unrolled by two (verify H 32 N 64 T 2: 86.1% against
 # the plain tile's 78.7%).
-STEP: tuple[StepConfig, ...] = tuple(
-    StepConfig(128, 128, p, 64, 16, 128, unroll=2, ahead=True)
-    if p == "bfloat16" and d == 128 else _step(d, p, 64, 2) if p == "bfloat16" and d < 128
-    else _step(d, p, 32, 2) if d == 128 else _step(d, p)
-    for d in HEAD_DIMS for p in ("float32", "bfloat16"))
+def _step_tile(d: int, pool: str) -> StepConfig:
+    """STEP's tile for head dim d and the pool's dtype."""
+    if d == 128:
+        return (StepConfig(128, 128, pool, 64, 16, 128, unroll=2, ahead=True)
+                if pool == "bfloat16" else _step(d, pool, 32, 2))
+    return _step(d, pool, 64, 2) if pool == "bfloat16" and d < 128 else _step(d, pool)
+
+
+STEP: tuple[StepConfig, ...] = tuple(_step_tile(d, p) for d in HEAD_DIMS
+                                     for p in ("float32", "bfloat16"))
 # Single-token plans (decode; a verify keeps fp32 state between tokens and takes STEP): rows x
 # heads from which a tile is taken, and the tile (CUDA graph; the figures are
 # serving-sweep-h200-2026-12-02-3c0913a.json's):

@@ -290,23 +290,10 @@ class KdaStepSm90(StateSlots):
         return x
 
     @cute.jit
-    def _row_setup(self, mCu: cute.Tensor, mRIdx: cute.Tensor, mAcc: cute.Tensor,
-                   mHasInit: cute.Tensor, mErr: cute.Tensor, n, lead, num_tokens, slots,
-                   fixed_len, cu_wide, max_tokens, read_mode, r_sn, r_st, r_wide, r_mul, r_add,
-                   acc_on, acc_wide, acc_base, acc_skip, max_sel, hi_on, r_null):
-        """Batch row n's tokens and read slot, its bad values flagged (by `lead`) and turned
-        into padding: (bos, length, pad, sel, slot, start)."""
-        bos, length = self._row_tokens(mCu, mErr, n, lead, num_tokens, fixed_len, cu_wide,
-                                       max_tokens)
-        pad, sel, slot, start = self._row_slot(
-            mRIdx, mAcc, mHasInit, mErr, n, lead, slots, read_mode, r_sn, r_st, r_wide, r_mul,
-            r_add, acc_on, acc_wide, acc_base, acc_skip, max_sel, hi_on, r_null)
-        return bos, length, pad, sel, slot, start
-
-    @cute.jit
     def _row_tokens(self, mCu: cute.Tensor, mErr: cute.Tensor, n, lead, num_tokens, fixed_len,
                     cu_wide, max_tokens):
-        """_row_setup's first half: batch row n's tokens (bos, length)."""
+        """Batch row n's tokens, bad values flagged (by `lead`) and turned into an empty row:
+        (bos, length). Nothing here waits for the read slot (_row_slot)."""
         i32 = cutlass.Int32
         bos = n * fixed_len
         length = fixed_len
@@ -328,7 +315,8 @@ class KdaStepSm90(StateSlots):
     def _row_slot(self, mRIdx: cute.Tensor, mAcc: cute.Tensor, mHasInit: cute.Tensor,
                   mErr: cute.Tensor, n, lead, slots, read_mode, r_sn, r_st, r_wide, r_mul,
                   r_add, acc_on, acc_wide, acc_base, acc_skip, max_sel, hi_on, r_null):
-        """_row_setup's second half: batch row n's read slot (pad, sel, slot, start)."""
+        """Batch row n's read slot, bad values flagged (by `lead`) and turned into padding:
+        (pad, sel, slot, start)."""
         i32 = cutlass.Int32
         # ---- the read slot: padding (< r_null), bad (flagged, then padding) -----------------
         # sel = accepted[n] - acc_base picks the read entry (and, times r_add, the row in it)
@@ -641,8 +629,8 @@ class KdaStepSm90(StateSlots):
                         else:
                             src = i32(SRC_ZERO)
                 # this token's loads (v, its write entry, q, k, g, beta) were issued together,
-                # before the previous token's rows (cfg.ahead, and the first token's before the
-                # slot lookup) or here
+                # before the previous token's rows (cfg.ahead, the first token's with the
+                # staging) or here
                 writes = self._writes(write_mode, t, length)
                 if cutlass.const_expr(not self.cfg.ahead):
                     b_raw, vals, w_lo, w_hi = self._token_loads(
