@@ -214,6 +214,16 @@ STEP_SINGLE: tuple[tuple[int, StepConfig], ...] = (
     (6144, StepConfig(128, 128, "bfloat16", 128, 16, 128, unroll=2, ahead=True)),
 )
 
+# Multi-token plans (verify) whose rows hold at least `least` tokens, by pool: a bf16 pool's
+# tile with the CTA's row groups preparing each chunk of four tokens together (StepConfig.prep)
+# instead of every group doing each token's math itself. Verify at H 32 against STEP's tile
+# (bench/results/serving-sweep-h200-2026-12-02-prep-verify.json): N 64 T 8 0.202 against 0.213
+# ms (-5%), N 256 T 8 0.771 against 0.793 (-3%), N 256 T 4 -0.7%; at T 2 it is 1% slower, and the
+# fp32 pool's prepared tiles are within 1% of STEP's (not taken).
+STEP_MULTI: tuple[tuple[int, StepConfig], ...] = (
+    (4, StepConfig(128, 128, "bfloat16", 64, 16, 128, unroll=2, prep=4)),
+)
+
 # other tiles, built for the tile sweep (bench/serving.py --sweep): fewer and more rows per CTA
 STEP_VARIANTS: tuple[StepConfig, ...] = tuple(c for c in dict.fromkeys(
     [_step(128, p, bv) for p in ("float32", "bfloat16") for bv in (8, 16, 32, 64)]
@@ -247,25 +257,37 @@ STEP_VARIANTS: tuple[StepConfig, ...] = tuple(c for c in dict.fromkeys(
     + [StepConfig(128, 128, "bfloat16", 64, 16, 128, unroll=2, persist=6)]
     + [StepConfig(128, 128, "bfloat16", 64, 16, 128, unroll=4, min_blocks=m, ahead=True)
        for m in (0, 4)]
+    # a chunk of tokens prepared by the CTA's row groups together (StepConfig.prep)
+    + [StepConfig(128, 128, "bfloat16", bv, 16, 128, unroll=u, prep=4)
+       for bv, u in ((128, 2), (32, 2), (16, 0))]
+    + [StepConfig(128, 128, "float32", bv, 32, 128, unroll=u, prep=4)
+       for bv, u in ((32, 2), (64, 2), (16, 0))]
     # 8 lanes a row (16 columns a thread): one shuffle level fewer a reduction
     + [StepConfig(128, 128, "bfloat16", bv, 8, 128, unroll=u, ahead=a)
        for bv, u, a in ((64, 2, False), (64, 2, True), (128, 2, False), (128, 4, False),
                         (32, 0, False))])
-    if c not in STEP + tuple(c for _, c in STEP_SINGLE))
+    if c not in STEP + tuple(c for _, c in STEP_SINGLE + STEP_MULTI))
 
 
 def step_tiles() -> tuple[StepConfig, ...]:
     """Every built token-step tile once: STEP's, STEP_SINGLE's, then the sweep's variants."""
-    return tuple(dict.fromkeys(STEP + tuple(c for _, c in STEP_SINGLE) + STEP_VARIANTS))
+    return tuple(dict.fromkeys(STEP + tuple(c for _, c in STEP_SINGLE + STEP_MULTI)
+                               + STEP_VARIANTS))
 
 
 def select_step(head_dim_k: int, head_dim_v: int, pool: str, heads: int = 0,
-                persistent: bool = True) -> StepConfig | None:
+                persistent: bool = True, tokens: int = 0) -> StepConfig | None:
     """The shipped token-step config for (K, V) and the pool's dtype name, or None. `heads`
     > 0 says the plan is single-token, with that many rows x heads: STEP_SINGLE's tile with
     the largest threshold reached (not a persistent one unless `persistent`: a commit has no
-    token), where there is one, else STEP's."""
+    token), where there is one; else, for a multi-token plan of up to `tokens` tokens a row,
+    STEP_MULTI's tile with the largest threshold reached; else STEP's."""
     key = (head_dim_k, head_dim_v, pool)
+    if heads <= 0:
+        multi = [(least, c) for least, c in STEP_MULTI
+                 if tokens >= least and (c.head_dim_k, c.head_dim_v, c.pool) == key]
+        if multi:
+            return max(multi, key=lambda x: x[0])[1]
     best = None
     for least, cfg in STEP_SINGLE:
         if cfg.persist and not persistent:
@@ -299,7 +321,7 @@ def all_kernels() -> tuple:
     combines and the token steps."""
     seen, out = set(), []
     for cfg in [c for f in SHIPPED + EXPERIMENTAL + ALONGSIDE for c in (f.prep, f.recur)] + [
-            *SEGMENT_RUNS, *WY_RUNS, *COMBINE, *STEP, *(c for _, c in STEP_SINGLE),
+            *SEGMENT_RUNS, *WY_RUNS, *COMBINE, *STEP, *(c for _, c in STEP_SINGLE + STEP_MULTI),
             *STEP_VARIANTS]:
         if cfg not in seen:
             seen.add(cfg)

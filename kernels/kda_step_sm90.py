@@ -57,6 +57,8 @@ class KdaStepSm90(StateSlots):
         self.R = cfg.block_v // self.G
         self.U = cfg.unroll  # the row loops' unroll (0: whole; fewer registers otherwise)
         self.OUT_LANE = 1 if cfg.tpr > 1 else 0  # the lane of a row that writes its output
+        self.C = cfg.prep  # tokens a chunk prepared together (0: every group does its own)
+        self.NVP = -(-cfg.block_v // cfg.tpr)  # v values a lane of a preparing group loads
         self.smem_bytes = 0
         self.tma_meta = []
 
@@ -91,25 +93,8 @@ class KdaStepSm90(StateSlots):
         scale: cutlass.Float32, lower_bound: cutlass.Float32,
         stream,
     ):
-        n_el = self.BV * self.K
-        pdt = self.pdt
-
-        if cutlass.const_expr(self.cfg.persist != 0):
-            @cute.struct
-            class SharedStorage:  # two tiles' staging: the next lands while this one runs
-                stage: cute.struct.Align[cute.struct.MemRange[pdt, 2 * n_el], 128]
-        elif cutlass.const_expr(self.pdt is cutlass.Float32):
-            @cute.struct
-            class SharedStorage:
-                stage: cute.struct.Align[cute.struct.MemRange[pdt, n_el], 128]
-        else:
-            @cute.struct
-            class SharedStorage:
-                stage: cute.struct.Align[cute.struct.MemRange[pdt, n_el], 128]
-                keep: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, n_el], 128]
-
-        self.shared_storage = SharedStorage
-        self.smem_bytes = SharedStorage.size_in_bytes()
+        self.shared_storage = self._shared_storage()
+        self.smem_bytes = self.shared_storage.size_in_bytes()
         if cutlass.const_expr(self.cfg.persist != 0):
             # the grid (CTAs per SM x SMs, at most one per tile) is the plan's
             self.kernel_pipe(
@@ -131,6 +116,22 @@ class KdaStepSm90(StateSlots):
             beta_sigmoid, scale, lower_bound,
         ).launch(grid=(self.V // self.BV, num_heads, num_rows), block=(self.threads, 1, 1),
                  smem=self.smem_bytes, stream=stream, **self._occupancy())
+
+    def _shared_storage(self):
+        """The CTA's shared memory: the staging area (two tiles' for a persistent tile: the next
+        lands while this one runs), the prepared tokens' area (cfg.prep) and a bf16 pool's fp32
+        keep area, in that order (a single-token plan keeps only the part before the keep area:
+        StepConfig.stage_bytes)."""
+        A, MR, f32 = cute.struct.Align, cute.struct.MemRange, cutlass.Float32
+        n_el, C, K, BV = self.BV * self.K, self.C, self.K, self.BV
+        fields = {"stage": A[MR[self.pdt, (2 if self.cfg.persist else 1) * n_el], 128]}
+        if C:
+            fields.update(tq=A[MR[f32, C * K], 128], tk=A[MR[f32, C * K], 128],
+                          td=A[MR[f32, C * K], 128], tv=A[MR[f32, C * BV], 128],
+                          ts=A[MR[f32, 2 * C], 128], tw=A[MR[cutlass.Int32, C], 128])
+        if not self.cfg.persist and self.pdt is not f32:
+            fields["keep"] = A[MR[f32, n_el], 128]
+        return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
     def _occupancy(self) -> dict:
         """Launch options for cfg.min_blocks: ptxas caps the registers so that that many CTAs
@@ -272,8 +273,19 @@ class KdaStepSm90(StateSlots):
         """Token `tok` (the row's t-th)'s loads, none waited for: q, k and g into rq, rk, rg,
         and (beta as loaded, this lane's v (_v_ahead), the words of its write entry where
         `writes`, else -1)."""
-        i32 = cutlass.Int32
         vals = self._v_ahead(mV, tok, h, vb, grp, sub)
+        b_raw, w_lo, w_hi = self._head_loads(rq, rk, rg, mQ, mK, mG, mBeta, mWIdx, tok, t, n, h,
+                                             sub, writes, w_sn, w_st, w_wide)
+        return b_raw, vals, w_lo, w_hi
+
+    @cute.jit
+    def _head_loads(self, rq, rk, rg, mQ: cute.Tensor, mK: cute.Tensor, mG: cute.Tensor,
+                    mBeta: cute.Tensor, mWIdx: cute.Tensor, tok, t, n, h, sub, writes, w_sn,
+                    w_st, w_wide):
+        """_token_loads' and _prep_issue's common part: the words of the write entry of token
+        `tok` (the row's t-th) where `writes` (else -1), its beta, and this thread's columns of
+        q, k and g into rq, rk, rg, all as loaded. Returns (beta, w_lo, w_hi)."""
+        i32 = cutlass.Int32
         w_lo, w_hi = i32(-1), i32(-1)
         if writes:
             w_lo, w_hi = self._write_words(mWIdx, n, t, w_sn, w_st, w_wide)
@@ -281,7 +293,7 @@ class KdaStepSm90(StateSlots):
         self._head_raw(rq, mQ, tok, h, sub)
         self._head_raw(rk, mK, tok, h, sub)
         self._head_raw(rg, mG, tok, h, sub)
-        return b_raw, vals, w_lo, w_hi
+        return b_raw, w_lo, w_hi
 
     @cute.jit
     def _lanes_sum(self, x):
@@ -498,6 +510,133 @@ class KdaStepSm90(StateSlots):
             wrow = row
         return wrow
 
+    # ------------------------------------------------ prepared tokens (cfg.prep = C > 0)
+    def _tok_cols(self, area, c, sub):
+        """This thread's columns of prepared token slot c of a (C, K) fp32 area, as [e, j]
+        (_raw_cols' order): the VEC values of column block b = sub + TPR j in 16-byte quarters
+        K / 2 floats apart (VEC 8), so that a warp's 16-byte accesses are contiguous."""
+        K, VEC = self.K, self.VEC
+        off = cute.assume(c * K + sub * 4, divby=4)
+        return cute.make_tensor(area.iterator + off, cute.make_layout(
+            ((4, VEC // 4), self.NJ), stride=((1, K // 2), self.TPR * 4)))
+
+    def _tok_areas(self, shared):
+        C, K = self.C, self.K
+        return (shared.tq.get_tensor(cute.make_layout(C * K)),
+                shared.tk.get_tensor(cute.make_layout(C * K)),
+                shared.td.get_tensor(cute.make_layout(C * K)),
+                shared.tv.get_tensor(cute.make_layout(C * self.BV)),
+                shared.ts.get_tensor(cute.make_layout(2 * C)),
+                shared.tw.get_tensor(cute.make_layout(C)))
+
+    @cute.jit
+    def _tok_put(self, area, c, sub, x):
+        cols = self._tok_cols(area, c, sub)
+        frag = cute.make_rmem_tensor((self.VEC,), cutlass.Float32)
+        for j in cutlass.range_constexpr(self.NJ):
+            for e in cutlass.range_constexpr(self.VEC):
+                frag[e] = x[j * self.VEC + e]
+            cols[None, j].store(frag.load())
+
+    @cute.jit
+    def _tok_get(self, area, c, sub, x):
+        cols = self._tok_cols(area, c, sub)
+        for j in cutlass.range_constexpr(self.NJ):
+            y = cols[None, j].load()
+            for e in cutlass.range_constexpr(self.VEC):
+                x[j * self.VEC + e] = y[e]
+
+    @cute.jit
+    def _prep_issue(self, rq, rk, rg, rv, mQ: cute.Tensor, mK: cute.Tensor, mG: cute.Tensor,
+                    mBeta: cute.Tensor, mV: cute.Tensor, mWIdx: cute.Tensor, tok, t, n, h, vb,
+                    sub, writes, w_sn, w_st, w_wide):
+        """The loads of a token this thread's group prepares (`tok`, the row's t-th), none
+        waited for: q, k, g into rq, rk, rg, v of the tile's rows (sub + TPR m) into rv;
+        returns (beta as loaded, the words of its write entry where `writes`, else -1)."""
+        b_raw, w_lo, w_hi = self._head_loads(rq, rk, rg, mQ, mK, mG, mBeta, mWIdx, tok, t, n, h,
+                                             sub, writes, w_sn, w_st, w_wide)
+        for m in cutlass.range_constexpr(self.NVP):
+            i = sub + self.TPR * m
+            if cutlass.const_expr(self.BV % self.TPR == 0):
+                rv[m] = mV[tok, h * self.V + vb * self.BV + i]
+            else:
+                if i < self.BV:
+                    rv[m] = mV[tok, h * self.V + vb * self.BV + i]
+        return b_raw, w_lo, w_hi
+
+    @cute.jit
+    def _prep_store(self, areas, c, rq, rk, rg, rv, b_raw, w_lo, w_hi, qv, kv, dv, bias,
+                    a_exp, mErr: cute.Tensor, t, live, lead, sub, writes, dst_rows, w_wide,
+                    w_mul, w_add, w_null, gate, qk_l2norm, beta_sigmoid, scale, lower_bound):
+        """A prepared token (the row's t-th) from its loads (_prep_issue) into slot c, where
+        `live`: q and k normed, the decay, v, beta, k . q and its write row (-1: none)."""
+        tq, tk, td, tv, ts, tw = areas
+        self._raw_cols(qv, rq)
+        self._raw_cols(kv, rk)
+        self._raw_cols(dv, rg)
+        beta, kq = self._token_math(qv, kv, dv, b_raw, bias, a_exp, gate, qk_l2norm,
+                                    beta_sigmoid, scale, lower_bound)
+        wrow = cutlass.Int32(-1)
+        if writes:
+            wrow = self._write_row_of(w_lo, w_hi, mErr, t, lead, dst_rows, w_wide, w_mul, w_add,
+                                      w_null)
+        if live:
+            self._tok_put(tq, c, sub, qv)
+            self._tok_put(tk, c, sub, kv)
+            self._tok_put(td, c, sub, dv)
+            for m in cutlass.range_constexpr(self.NVP):
+                i = sub + self.TPR * m
+                if cutlass.const_expr(self.BV % self.TPR == 0):
+                    tv[c * self.BV + i] = rv[m].to(cutlass.Float32)
+                else:
+                    if i < self.BV:
+                        tv[c * self.BV + i] = rv[m].to(cutlass.Float32)
+            if sub == 0:
+                ts[2 * c] = beta
+                ts[2 * c + 1] = kq
+                tw[c] = wrow
+
+    @cute.jit
+    def _prep_chunk(self, areas, t0, rq, rk, rg, rv, qv, kv, dv, bias, a_exp, mQ: cute.Tensor,
+                    mK: cute.Tensor, mG: cute.Tensor, mBeta: cute.Tensor, mV: cute.Tensor,
+                    mWIdx: cute.Tensor, mErr: cute.Tensor, bos, length, n, h, vb, grp, sub,
+                    lead, write_mode, w_sn, w_st, w_wide, dst_rows, w_mul, w_add, w_null, gate,
+                    qk_l2norm, beta_sigmoid, scale, lower_bound):
+        """The chunk of the row's tokens from t0: group g prepares token t0 + g into slot g;
+        then a CTA barrier (every thread of the CTA calls this, at the same tokens).
+
+        The preparing groups fill whole warps (supports: prep * tpr is a multiple of 32) and a
+        group past the row's last token works on that token again without storing it, so that
+        every lane of a warp takes part in the math's shuffles."""
+        t = t0 + grp
+        if grp < self.C:
+            tt = cutlass.min(t, length - 1)
+            writes = self._writes(write_mode, tt, length)
+            b_raw, w_lo, w_hi = self._prep_issue(rq, rk, rg, rv, mQ, mK, mG, mBeta, mV, mWIdx,
+                                                 bos + tt, tt, n, h, vb, sub, writes, w_sn,
+                                                 w_st, w_wide)
+            self._prep_store(areas, grp, rq, rk, rg, rv, b_raw, w_lo, w_hi, qv, kv, dv, bias,
+                             a_exp, mErr, tt, t < length, lead, sub, writes, dst_rows, w_wide,
+                             w_mul, w_add, w_null, gate, qk_l2norm, beta_sigmoid, scale,
+                             lower_bound)
+        cute.arch.sync_threads()
+
+    @cute.jit
+    def _prep_read(self, areas, c, qv, kv, dv, grp, sub):
+        """Prepared token slot c: this thread's columns of q, k and the decay into qv, kv, dv;
+        returns (beta, k . q, the write row, the v of this lane's row sub (_v_ahead's))."""
+        tq, tk, td, tv, ts, tw = areas
+        self._tok_get(tq, c, sub, qv)
+        self._tok_get(tk, c, sub, kv)
+        self._tok_get(td, c, sub, dv)
+        vals = cutlass.Float32(0.0)
+        if cutlass.const_expr(self.R == self.TPR):
+            vals = tv[c * self.BV + grp + self.G * sub]
+        else:
+            if sub < self.R:
+                vals = tv[c * self.BV + grp + self.G * sub]
+        return ts[2 * c], ts[2 * c + 1], tw[c], vals
+
     @cute.jit
     def _zero_outputs(self, mOut: cute.Tensor, tok, h, vb, grp, sub):
         """A padding row's outputs of token `tok`: zeros in this thread's rows."""
@@ -599,6 +738,19 @@ class KdaStepSm90(StateSlots):
         kv = cute.make_rmem_tensor((NC,), f32)
         dv = cute.make_rmem_tensor((NC,), f32)
         x = cute.make_rmem_tensor((NC,), f32)
+        # prepared tokens (cfg.prep): group g prepares token g of each chunk of C; the first
+        # chunk while the start state is staged
+        if cutlass.const_expr(self.C != 0):
+            areas = self._tok_areas(shared)
+            rv = cute.make_rmem_tensor((self.NVP,), cutlass.BFloat16)
+            lead_p = i32(0)  # reports a prepared token's bad write entry
+            if sub == 0 and vb == 0 and h == 0:
+                lead_p = i32(1)
+            if pad == 0 and length > 0:
+                self._prep_chunk(areas, i32(0), rq, rk, rg, rv, qv, kv, dv, bias, a_exp, mQ, mK,
+                                 mG, mBeta, mV, mWIdx, mErr, bos, length, n, h, vb, grp, sub,
+                                 lead_p, write_mode, w_sn, w_st, w_wide, dst_rows, w_mul, w_add,
+                                 w_null, gate, qk_l2norm, beta_sigmoid, scale, lower_bound)
         for t in cutlass.range(length):
             tok = bos + t
             if pad != 0:
@@ -628,25 +780,36 @@ class KdaStepSm90(StateSlots):
                             src = i32(SRC_STAGE)
                         else:
                             src = i32(SRC_ZERO)
-                # this token's loads (v, its write entry, q, k, g, beta) were issued together,
-                # before the previous token's rows (cfg.ahead, the first token's with the
-                # staging) or here
-                writes = self._writes(write_mode, t, length)
-                if cutlass.const_expr(not self.cfg.ahead):
-                    b_raw, vals, w_lo, w_hi = self._token_loads(
-                        rq, rk, rg, mQ, mK, mG, mBeta, mV, mWIdx, tok, t, n, h, vb, grp, sub,
-                        writes, w_sn, w_st, w_wide)
-                self._raw_cols(qv, rq)
-                self._raw_cols(kv, rk)
-                self._raw_cols(dv, rg)
-                v_now = vals.to(f32)
-                beta, kq = self._token_math(qv, kv, dv, b_raw, bias, a_exp, gate, qk_l2norm,
-                                            beta_sigmoid, scale, lower_bound)
-                # where the state after this token goes (-1: nowhere)
-                wrow = i32(-1)
-                if writes:
-                    wrow = self._write_row_of(w_lo, w_hi, mErr, t, lead, dst_rows, w_wide,
-                                              w_mul, w_add, w_null)
+                if cutlass.const_expr(self.C != 0):
+                    c = t % self.C
+                    if c == 0 and t > 0:  # the next chunk, once every group is done with this
+                        cute.arch.sync_threads()
+                        self._prep_chunk(areas, t, rq, rk, rg, rv, qv, kv, dv, bias, a_exp, mQ,
+                                         mK, mG, mBeta, mV, mWIdx, mErr, bos, length, n, h, vb,
+                                         grp, sub, lead_p, write_mode, w_sn, w_st, w_wide,
+                                         dst_rows, w_mul, w_add, w_null, gate, qk_l2norm,
+                                         beta_sigmoid, scale, lower_bound)
+                    beta, kq, wrow, v_now = self._prep_read(areas, c, qv, kv, dv, grp, sub)
+                else:
+                    # this token's loads (v, its write entry, q, k, g, beta) were issued
+                    # together, before the previous token's rows (cfg.ahead, the first token's
+                    # with the staging) or here
+                    writes = self._writes(write_mode, t, length)
+                    if cutlass.const_expr(not self.cfg.ahead):
+                        b_raw, vals, w_lo, w_hi = self._token_loads(
+                            rq, rk, rg, mQ, mK, mG, mBeta, mV, mWIdx, tok, t, n, h, vb, grp,
+                            sub, writes, w_sn, w_st, w_wide)
+                    self._raw_cols(qv, rq)
+                    self._raw_cols(kv, rk)
+                    self._raw_cols(dv, rg)
+                    v_now = vals.to(f32)
+                    beta, kq = self._token_math(qv, kv, dv, b_raw, bias, a_exp, gate, qk_l2norm,
+                                                beta_sigmoid, scale, lower_bound)
+                    # where the state after this token goes (-1: nowhere)
+                    wrow = i32(-1)
+                    if writes:
+                        wrow = self._write_row_of(w_lo, w_hi, mErr, t, lead, dst_rows, w_wide,
+                                                  w_mul, w_add, w_null)
                 more = t + 1 < length
                 if cutlass.const_expr(self.cfg.ahead):
                     if more:  # the next token's loads, in flight through this one's rows

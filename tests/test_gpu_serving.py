@@ -144,16 +144,28 @@ def test_decode_mixed_qkv_in_place(dtype):
     assert _guards_ok(buf)
 
 
+def _prep_tile(dtype):
+    """A tile whose row groups prepare chunks of 4 tokens together (StepConfig.prep)."""
+    from kda_cute.specs.step import StepConfig
+    if dtype == torch.float32:
+        return StepConfig(128, 128, "float32", 32, 32, 128, unroll=2, prep=4)
+    return StepConfig(128, 128, "bfloat16", 64, 16, 128, unroll=2, prep=4)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("varlen", [False, True], ids=["fixed", "varlen"])
-def test_verify_slot_per_token(dtype, varlen):
+@pytest.mark.parametrize("prep", [False, True], ids=["ladder", "prep"])
+def test_verify_slot_per_token(dtype, varlen, prep):
     """Style (a): ssm_state_indices [N, 1+S], num_accepted_tokens; the start slot is one of the
     write slots (read before any write); padding entries are skipped, padding rows output
-    zeros; varlen rows of 0 .. 1+S tokens."""
-    N, S1, H, K = 10, 4, 4, 128
+    zeros; varlen rows of 0 .. 1+S tokens. `prep`: a tile that prepares chunks of 4 tokens,
+    with rows of up to 7 (two chunks)."""
+    N, S1, H, K = 10, 7 if prep else 4, 4, 128
     gate = "bounded"
     gen = torch.Generator(device="cuda").manual_seed(11)
     lens = [S1] * N if not varlen else [4, 0, 1, 3, 4, 2, 0, 4, 1, 3]
+    if varlen and prep:
+        lens = [7, 0, 1, 5, 4, 2, 0, 7, 1, 6]
     Ttot = sum(lens)
     q, k, g, v, beta, A_log, dt_bias = _tokens(Ttot, H, K, K, gate, seed=3)
     slots = 4 * N * S1
@@ -168,6 +180,7 @@ def test_verify_slot_per_token(dtype, varlen):
     idx[4, 3] = -1  # a skipped entry
     acc[4] = min(int(acc[4]), 3)
     before = pool.clone()
+    cfg = dict(config=_prep_tile(dtype)) if prep else {}
     cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32,
                       device="cuda")
     if varlen:
@@ -179,7 +192,7 @@ def test_verify_slot_per_token(dtype, varlen):
         out = torch.full((N, S1, H, K), float("nan"), dtype=torch.bfloat16, device="cuda")
         kw = {}
     kda_cute.verify(*args, pool, ssm_state_indices=idx, num_accepted_tokens=acc, out=out,
-                    **kw, **_kw(gate, A_log, dt_bias))
+                    **kw, **cfg, **_kw(gate, A_log, dt_bias))
     kda_cute.check_errors(sync=True)
     out = out.view(Ttot, H, K)
     written = set()
@@ -206,9 +219,11 @@ def test_verify_slot_per_token(dtype, varlen):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
-def test_verify_scratch_and_commit(dtype, tree):
+@pytest.mark.parametrize("prep", [False, True], ids=["ladder", "prep"])
+def test_verify_scratch_and_commit(dtype, tree, prep):
     """Style (b): the pool is read only, the state after each token goes to the scratch;
-    tree drafts start tokens from their parents; commit copies the accepted step."""
+    tree drafts start tokens from their parents; commit copies the accepted step. `prep`: a
+    tile that prepares chunks of 4 tokens (the 5 tokens a row take two)."""
     N, S, H, K = 6, 5, 2, 128
     gate = "unbounded"
     gen = torch.Generator(device="cuda").manual_seed(21)
@@ -228,9 +243,10 @@ def test_verify_scratch_and_commit(dtype, tree):
                [-1, 0, 1, 1, 3], [-1, 0, 0, 2, 2]]
         parents = torch.tensor(par, dtype=torch.int64, device="cuda")
     out = torch.full((N, S, H, K), float("nan"), dtype=torch.bfloat16, device="cuda")
+    cfg = dict(config=_prep_tile(dtype)) if prep else {}
     kda_cute.verify(q, k, v, g, beta, pool, state_indices=sidx, intermediate_states=inter,
                     intermediate_state_indices=iidx, retrieve_parent_token=parents, out=out,
-                    **_kw(gate, A_log, dt_bias))
+                    **cfg, **_kw(gate, A_log, dt_bias))
     kda_cute.check_errors(sync=True)
     assert torch.equal(_bits(pool), _bits(before))
     for n in range(N):

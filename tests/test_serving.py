@@ -87,6 +87,33 @@ def test_single_token_tiles_for_single_tokens_only(planned):
     assert planned["plan"].launches()[0].kernel in STEP
 
 
+def test_multi_token_tiles_by_tokens(planned):
+    """STEP_MULTI: a multi-token plan whose rows may hold at least its threshold of tokens
+    takes its tile (a verify of 4 tokens a row, a bf16 pool); fewer tokens, another pool or a
+    single-token plan take the others."""
+    from kda_cute.ladder import STEP_MULTI
+    assert STEP_MULTI
+    for least, cfg in STEP_MULTI:
+        d, pool = cfg.head_dim_k, cfg.pool
+        assert supports(cfg) == (True, "") and cfg.prep
+        assert select_step(d, d, pool, 0, tokens=least) == cfg
+        assert select_step(d, d, pool, 0, tokens=least - 1) in STEP
+        assert select_step(d, d, pool, 0, tokens=least - 1) != cfg
+        assert select_step(d, d, pool, 64, tokens=least) != cfg  # single-token plans
+    B, slots = 8, 64
+    for t, want in ((4, STEP_MULTI[0][1]), (3, None)):
+        q = tok(B, t)
+        kda_cute.verify(q, q, q, q, torch.randn(B, t, H).to(BF),
+                        torch.zeros(slots, H, K, K, dtype=BF),
+                        ssm_state_indices=torch.zeros(B, t, dtype=torch.int32), lower_bound=-5.0)
+        got = planned["plan"].launches()[0].kernel
+        assert got == want if want is not None else got in STEP
+    q = tok(B, 4)
+    kda_cute.verify(q, q, q, q, torch.randn(B, 4, H).to(BF), torch.zeros(slots, H, K, K),
+                    ssm_state_indices=torch.zeros(B, 4, dtype=torch.int32), lower_bound=-5.0)
+    assert planned["plan"].launches()[0].kernel in STEP  # an fp32 pool
+
+
 def test_shipped_step_configs_supported():
     for c in STEP:
         assert supports(c) == (True, ""), c.name
@@ -297,3 +324,18 @@ def test_step_config_refusals():
     assert not ok and "ahead" in why
     assert supports(StepConfig(128, 128, "bfloat16", 64, 16, 128, ahead=True)) == (True, "")
     assert StepConfig(128, 128, "bfloat16", 64, 16, 128, ahead=True).name.endswith("_n")
+
+
+def test_step_prep_config():
+    """A tile that prepares chunks of tokens (prep): one row group a token, the one-tile kernel
+    without ahead; its area sits in the part of shared memory a single-token plan keeps."""
+    c = StepConfig(128, 128, "bfloat16", 64, 16, 128, unroll=2, prep=4)
+    assert supports(c) == (True, "") and c.name.endswith("_u2_c4")
+    assert c.prep_bytes == 3 * 4 * 4 * 128 + 4 * 4 * 64 + 128 + 128
+    assert c.stage_bytes == 64 * 128 * 2 + c.prep_bytes
+    assert StepConfig(128, 128, "bfloat16", 64, 16, 128).prep_bytes == 0
+    for bad, word in ((dict(persist=5), "prep"), (dict(ahead=True), "prep"),
+                      (dict(prep=9), "prep must be in"), (dict(prep=1), "whole warps")):
+        ok, why = supports(StepConfig(128, 128, "bfloat16", 64, 16, 128,
+                                      **{"prep": 4, **bad}))
+        assert not ok and word in why, (bad, why)

@@ -42,7 +42,9 @@ def step_config(p: StepProblem, opts: StepOptions):
     # the single-token tiles (ladder.STEP_SINGLE) only where a row has one token: between
     # tokens a bf16 pool keeps an fp32 copy of the tile in shared memory (96 KB at 128 rows:
     # two CTAs per SM), and their register caps were measured on decode
-    return select_step(p.K, p.V, p.pool, p.N * p.H if _single(p) else 0, _persistent_ok(p))
+    # multi-token plans: STEP_MULTI's tile where rows may hold enough tokens
+    return select_step(p.K, p.V, p.pool, p.N * p.H if _single(p) else 0, _persistent_ok(p),
+                       p.max_tokens)
 
 
 @functools.lru_cache(maxsize=256)

@@ -50,6 +50,11 @@ class StepConfig:
     # a token's loads issued a step ahead: the first token's with the staging, each next
     # one's during the previous token's rows (more registers: the loads stay live)
     ahead: bool = False
+    # > 0: a CTA's row groups prepare this many of a row's tokens at once (q, k and the decay
+    # normed and exponentiated, beta, k . q, v and the write row), one group a token, into
+    # shared memory that every group reads (two CTA barriers per such chunk), instead of every
+    # group doing each token's math itself
+    prep: int = 0
 
     @property
     def vec(self) -> int:
@@ -58,10 +63,22 @@ class StepConfig:
 
     @property
     def stage_bytes(self) -> int:
-        """Shared memory of the staged start state (a bf16 pool's fp32 keep area, for the
-        states between a row's tokens, follows it); a persistent tile stages two tiles."""
+        """Shared memory a single-token plan uses: the staged start state (a persistent tile
+        stages two tiles) and the prepared tokens' area (prep); a bf16 pool's fp32 keep area,
+        for the states between a row's tokens, follows them."""
         tile = self.block_v * self.head_dim_k * (4 if self.pool == "float32" else 2)
-        return 2 * tile if self.persist else tile
+        return (2 * tile if self.persist else tile) + self.prep_bytes
+
+    @property
+    def prep_bytes(self) -> int:
+        """The prepared tokens' area (prep): per token q, k and the decay (K fp32 each), v (block_v
+        fp32), beta and k . q, and the write row; each part 128-byte aligned."""
+        if not self.prep:
+            return 0
+        def up(n):
+            return -(-n // 128) * 128
+        c = self.prep
+        return 3 * up(4 * c * self.head_dim_k) + up(4 * c * self.block_v) + up(8 * c) + up(4 * c)
 
     @property
     def rows_per_thread(self) -> int:
@@ -75,8 +92,9 @@ class StepConfig:
         m = "" if not self.min_blocks else f"_m{self.min_blocks}"
         ps = "" if not self.persist else f"_p{self.persist}"
         ah = "_n" if self.ahead else ""
+        pr = "" if not self.prep else f"_c{self.prep}"
         return (f"kda_step_k{self.head_dim_k}_v{self.head_dim_v}_{p}_bv{self.block_v}"
-                f"_r{self.tpr}_t{self.threads}{a}{u}{m}{ps}{ah}")
+                f"_r{self.tpr}_t{self.threads}{a}{u}{m}{ps}{ah}{pr}")
 
     @property
     def block_threads(self) -> int:
@@ -104,6 +122,15 @@ def supports(cfg: StepConfig) -> tuple[bool, str]:
     if cfg.ahead and cfg.persist:
         return False, ("ahead is for the one-tile kernel; a persistent tile issues its next "
                        "tile's loads anyway")
+    if cfg.prep and (cfg.persist or cfg.ahead):
+        return False, ("prep is for the one-tile kernel without ahead (a prepared chunk's loads "
+                       f"are issued together), got persist={cfg.persist}, ahead={cfg.ahead}")
+    if cfg.prep < 0 or cfg.prep > max(1, cfg.threads // cfg.tpr):
+        return False, (f"prep must be in [0, threads / tpr = {cfg.threads // cfg.tpr}] (one row "
+                       f"group a prepared token), got {cfg.prep}")
+    if cfg.prep * cfg.tpr % 32:  # the math's shuffles take whole warps
+        return False, (f"prep * tpr must be a multiple of 32 (the preparing groups fill whole "
+                       f"warps), got {cfg.prep} * {cfg.tpr}")
     if cfg.min_blocks < 0 or cfg.min_blocks * cfg.threads > 2048:
         return False, (f"min_blocks must be in [0, 2048 / threads], got {cfg.min_blocks} "
                        f"at {cfg.threads} threads")
