@@ -235,7 +235,7 @@ def k1_plan(p, device, config=None):
     from kda_cute.plans import device_info
 
     opts = Options(precision=PRECISION, config=config, segments=1, alongside=False)
-    return plan(p, opts, device_info(device)).only("K1")
+    return plan(p, opts, device_info(device)).only("offsets", "K1")
 
 
 def k1_runner(config=None):

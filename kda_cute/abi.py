@@ -30,6 +30,8 @@ SYM_WIDTH = {
     # the token step: pool slots and written rows, their strides, the index tables' lengths
     "P": 32, "PD": 32, "sP": 64, "sPD": 64,
     "NCU": 32, "NRI": 32, "NWI": 32, "NAC": 32, "NPA": 32, "NHI": 32,
+    # the offsets: the caller's cu_seqlens in int32 words
+    "NCW": 32,
 }
 # divisibility promised to the compiler; the launcher validates it
 SYM_DIV = {"sQ": 8, "sK": 8, "sG": 8, "sV": 8, "sO": 8, "sW": 8, "sWc": 8, "sP": 8, "sPD": 8}

@@ -20,7 +20,7 @@ from .problem import Call, Options, Problem
 
 def fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state=None,
         final_state=None, cu_seqlens=None, workspace=None, *, gate="bounded", qk_l2norm=True,
-        beta_sigmoid=True, check_seqlens=True, config=None, segments=None, precision="fast",
+        beta_sigmoid=True, check_seqlens=False, config=None, segments=None, precision="fast",
         state_indices=None, output_state_indices=None, has_initial_state=None,
         null_slot=None):
     """KDA forward, FlashKDA's low-level call: writes `out` and `final_state` in place.
@@ -30,7 +30,11 @@ def fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state
     bounded gate. gate: "bounded" (FlashKDA / Kimi-K3), "unbounded" (-exp(A_log) softplus(g +
     dt_bias), Kimi-Linear) or "none" (g is already the log-space decay). initial_state /
     final_state: [N, H, V, K] fp32 or bf16, may be the same tensor. cu_seqlens: [N+1] int64/int32
-    with B == 1. workspace: optional caller-owned uint8 CUDA tensor (see `workspace_bytes`).
+    with B == 1, non-decreasing from 0 to at most T: checked on the device (no host sync; a bad
+    batch runs no tokens and raises kda_cute.DeviceValueError by the next varlen, pool or
+    serving call, or by `kda_cute.check_errors()`); check_seqlens=True checks the values on the
+    host first too (a host sync, skipped in CUDA-graph capture). workspace: optional
+    caller-owned uint8 CUDA tensor (see `workspace_bytes`).
     config: a FwdConfig to use instead of the ladder's choice (kernel development, sweeps).
     precision: the ladder's choice between "fast" (K2's products on fp16 operands: fp32 state
     within ~4e-4 of float64, values up to ~1e4 in magnitude) and "precise" (bf16 hi/lo
@@ -56,7 +60,7 @@ def fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state
                 scale, lower_bound, state_indices, output_state_indices, has_initial_state,
                 null_slot)
     p = checks.forward(call, opts, check_seqlens)
-    if p.pool is not None:
+    if p.pool is not None or p.varlen:
         errors.raise_pending(q.device)
     launch.run(plans.plan(p, opts, device_info(q.device)), call, workspace)
 

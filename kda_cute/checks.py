@@ -5,7 +5,9 @@ names the argument, what was expected and what was got:
   devices, option values. They read no tensor memory and no device, so they run on FakeTensors
   (a torch.library fake, the fla verifier) and on CPU tensors;
 - addresses (`addresses`, `workspace`): alignment and size of the memory the kernels touch;
-- values (`seqlens`): cu_seqlens' contents, a host sync, skipped during CUDA-graph capture.
+- values (`seqlens`): cu_seqlens' contents, a host sync, only where asked (check_seqlens=True)
+  and skipped during CUDA-graph capture; the offsets kernel checks them on the device on every
+  varlen call (kda_cute.specs.offsets).
 
 `forward` runs them all in that order, then the CUDA requirement (so every input error is found
 on a CPU too); `validate` is its form with fwd's argument list.
@@ -379,10 +381,11 @@ _passed: dict[tuple, Problem] = {}
 _PASSED_MAX = 256
 
 
-def forward(c: Call, opts: Options, check_seqlens: bool = True, cuda: bool = True,
+def forward(c: Call, opts: Options, check_seqlens: bool = False, cuda: bool = True,
             config: bool = True) -> Problem:
     """Every check of a forward call, in order: the tensors' metadata, the scalars, addresses,
-    cu_seqlens' values (`check_seqlens`; not during capture), a shipped or given config for the
+    cu_seqlens' values on the host (`check_seqlens`, a host sync; not during capture: the
+    offsets kernel checks them on the device either way), a shipped or given config for the
     head dims (`config`), the CUDA requirement (`cuda`). Returns its Problem."""
     key = (opts, tuple(map(_meta, c[:11])), tuple(map(_meta, c[13:16])), c.null_slot)
     p = _passed.get(key)
@@ -407,7 +410,7 @@ def clear() -> None:
 
 
 def validate(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state,
-             final_state, cu_seqlens, gate, check_seqlens=True, cuda=True, *,
+             final_state, cu_seqlens, gate, check_seqlens=False, cuda=True, *,
              state_indices=None, output_state_indices=None, has_initial_state=None,
              null_slot=None) -> Problem:
     """`forward`'s checks with fwd's arguments (gate as fwd's keyword), head dims without a

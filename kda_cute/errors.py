@@ -1,10 +1,12 @@
 """Bad values found on the device, reported without a host sync.
 
 Index, length and count values live on the device; checking them on the host would stall the
-stream. The token-step kernel never follows a bad one (the row becomes a padding row) and sets
-the argument's error word instead: one word per argument (kda_cute.specs.step.ERRORS) in
-page-locked host memory that the kernel writes through the unified address space, so the host
-reads it without waiting for anything. Every serving call reads the words first and raises
+stream. The token-step kernel never follows a bad one (the row becomes a padding row), nor do
+K2 and the combine a bad pool slot, nor any kernel a bad prefill cu_seqlens (the offsets kernel
+turns the batch into empty sequences); each sets the argument's error word instead: one word
+per argument (kda_cute.specs.step.ERRORS) in page-locked host memory that the kernel writes
+through the unified address space, so the host reads it without waiting for anything. Every
+serving call (and every varlen or pool-form forward) reads the words first and raises
 for what an earlier call left (`raise_pending`); `check_errors()` does the same on demand
 (sync=True: after the device has finished the work queued so far). The words are made once
 per device and never freed, so a captured CUDA graph's kernels keep a valid address.
@@ -17,6 +19,7 @@ import threading
 
 import torch
 
+from .specs.offsets import E_PREFILL_CU
 from .specs.step import ERROR_WORDS, ERRORS
 
 _words: dict[int, tuple[torch.Tensor, ctypes.Array]] = {}
@@ -66,13 +69,15 @@ def raise_pending(device) -> None:
     if not any(view):
         return
     bad = [ERRORS[i] for i in range(ERROR_WORDS) if view[i]]
+    rows = any(view[i] for i in range(ERROR_WORDS) if i != E_PREFILL_CU)
     for i in range(ERROR_WORDS):
         view[i] = 0
     raise DeviceValueError(
         f"{', '.join(bad)}: expected values in range (indices < the pool's slots, offsets "
-        f"non-decreasing and within the tokens, counts within the entries per row), got out-of-"
-        f"range values in an earlier call on cuda:{d}; those rows were treated as padding "
-        f"(zero outputs, no state read or written)")
+        f"non-decreasing from 0 and within the tokens, counts within the entries per row), got "
+        f"out-of-range values in an earlier call on cuda:{d}"
+        + ("; those rows were treated as padding (zero outputs, no state read or written)"
+           if rows else ""))
 
 
 def check_errors(device=None, sync: bool = False) -> None:

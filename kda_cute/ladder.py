@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from .specs import prep, recur
 from .specs.combine import CombineConfig
+from .specs.offsets import OffsetsConfig
 from .specs.prep import PrepConfig
 from .specs.recur import RecurConfig
 from .specs.step import StepConfig
@@ -150,6 +151,8 @@ def alongside_of(cfg: FwdConfig) -> FwdConfig | None:
 
 # The segments' combine, one per head dim (the segmented K2 runs with K == V).
 COMBINE: tuple[CombineConfig, ...] = tuple(CombineConfig(d) for d in HEAD_DIMS)
+# a varlen forward's offsets (cu_seqlens checked and copied, the chunk slots), on the device
+OFFSETS = OffsetsConfig()
 
 
 def combine_config(head_dim: int) -> CombineConfig | None:
@@ -318,11 +321,11 @@ def select_config(head_dim_k: int, head_dim_v: int, varlen: bool,
 def all_kernels() -> tuple:
     """Every kernel config that is built and shipped, once each: the forwards' K1 and K2
     (shipped, experimental and alongside builds), then K2's segment runs and WY builds, the
-    combines and the token steps."""
+    combines, the token steps and the offsets."""
     seen, out = set(), []
     for cfg in [c for f in SHIPPED + EXPERIMENTAL + ALONGSIDE for c in (f.prep, f.recur)] + [
             *SEGMENT_RUNS, *WY_RUNS, *COMBINE, *STEP, *(c for _, c in STEP_SINGLE + STEP_MULTI),
-            *STEP_VARIANTS]:
+            *STEP_VARIANTS, OFFSETS]:
         if cfg not in seen:
             seen.add(cfg)
             out.append(cfg)

@@ -151,7 +151,7 @@ def prep_errors(inp, config=None) -> dict:
     plan = plans.plan(p, opts, plans.device_info(q.device))
     cfg, chunk = plan.config, plan.config.chunk
     ws = torch.full((plan.workspace_bytes,), 0xFF, dtype=torch.uint8, device=q.device)
-    launch.run(plan.only("K1"), call, ws)
+    launch.run(plan.only("offsets", "K1"), call, ws)
     w = views(ws, p, cfg)
     torch.cuda.synchronize()
     d = _as_double(inp)

@@ -196,7 +196,7 @@ SYMS = {"T": 4099, "R": 4208, "H": 5, "HK": 5 * 128, "HV": 5 * 128, "HC": 5 * 16
         "sB": 0x2_0000_0003,
         "sV": 1944, "sO": 0x3_0000_0040, "sS": 0x4_0000_2000, "sW": 640, "sWc": 80,
         "P": 1031, "PD": 1033, "sP": 0x5_0000_0008, "sPD": 0x6_0000_0010, "NCU": 9, "NRI": 11,
-        "NWI": 13, "NAC": 15, "NPA": 17, "NHI": 19}
+        "NWI": 13, "NAC": 15, "NPA": 17, "NHI": 19, "NCW": 21}
 
 
 def arg_named(args: list, name: str) -> abi.Arg:
@@ -395,7 +395,8 @@ MUTATIONS = {"drop-last-param": _drop_last, "drop-first-tma": _drop_first_tma,
 
 def _applies(name: str, mutation: str) -> bool:
     """The TMA mutations need a TMA argument, T-64bit a T extent (the combine has neither),
-    grid-arg-as-param a grid-only argument (a persistent token step has none)."""
+    H-64bit an H extent (the offsets have none), grid-arg-as-param a grid-only argument (a
+    persistent token step has none)."""
     cfg, args_of = KERNELS[name]
     args = args_of(cfg)
     if mutation == "grid-arg-as-param":
@@ -404,6 +405,8 @@ def _applies(name: str, mutation: str) -> bool:
         return any(a.kind == "tma" for a in args)
     if mutation == "T-64bit":
         return any("T" in a.shape for a in args)
+    if mutation == "H-64bit":
+        return any("H" in a.shape + a.stride for a in args)
     return True
 
 

@@ -401,8 +401,8 @@ def test_k1_runner_runs_k1_alone(monkeypatch, varlen):
     build, shared memory and grid, not programmatic), even where the forward runs K2 alongside
     K1; a varlen batch's offsets before it."""
     from kda_cute import Options, plan, plans
+    from kda_cute.ladder import OFFSETS
     from kda_cute.plans.device import resources
-    from kda_cute.plans.steps import Launch, VarlenOffsets
     from tests import launch_record
 
     # 32 chunks per sequence, 2 heads: the forward runs K2 alongside K1
@@ -411,11 +411,13 @@ def test_k1_runner_runs_k1_alone(monkeypatch, varlen):
     serial = plan(p, Options(alongside=False, segments=1), plans.H200)
     cfg = serial.config
     ops = _driver_ops(monkeypatch, bench.k1_runner(), x)
-    assert ops == [(cfg.prep.name, resources(cfg.prep, "sm_90a").smem, False)]
+    k1 = (cfg.prep.name, resources(cfg.prep, "sm_90a").smem, False)
+    assert ops == ([(OFFSETS.name, resources(OFFSETS, "sm_90a").smem, False), k1] if varlen
+                   else [k1])
     with launch_record.fake_device(monkeypatch):
         pl = bench.k1_plan(p, x["q"].device)
-    assert [type(s) for s in pl.steps] == ([VarlenOffsets, Launch] if varlen else [Launch])
-    assert pl.launches() == [serial.step("K1")]
+    assert [s.name for s in pl.steps] == (["offsets", "K1"] if varlen else ["K1"])
+    assert pl.launches()[-1] == serial.step("K1")
     assert pl.step("K1").grid == (2, plans.workspace.rows(p, cfg.chunk)[0], 1)
 
 

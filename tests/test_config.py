@@ -14,6 +14,7 @@ from kda_cute.ladder import (
     EXPERIMENTAL,
     FAST,
     HEAD_DIMS,
+    OFFSETS,
     PRECISE,
     SEGMENT_RUNS,
     SHIPPED,
@@ -210,7 +211,8 @@ def test_all_kernels_once_each():
     forwards = SHIPPED + EXPERIMENTAL + ALONGSIDE
     assert set(kernels) == ({f.prep for f in forwards} | {f.recur for f in forwards}
                             | set(SEGMENT_RUNS) | set(WY_RUNS) | set(COMBINE) | set(STEP)
-                            | {c for _, c in STEP_SINGLE + STEP_MULTI} | set(STEP_VARIANTS))
+                            | {c for _, c in STEP_SINGLE + STEP_MULTI} | set(STEP_VARIANTS)
+                            | {OFFSETS})
     assert set(kernels[:2 * len(SHIPPED)]) == ({f.prep for f in SHIPPED}
                                                 | {f.recur for f in SHIPPED})
 

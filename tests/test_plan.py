@@ -13,7 +13,7 @@ import torch
 
 import kda_cute
 from kda_cute import api, checks, plans
-from kda_cute.ladder import WY_RUNS, alongside_of, combine_config, select_config, wy_of
+from kda_cute.ladder import OFFSETS, WY_RUNS, alongside_of, combine_config, select_config, wy_of
 from kda_cute.launch import driver
 from kda_cute.plans import schedule, workspace
 from kda_cute.plans.device import Resources, resident, resident_per_sm, resources, smem_unit
@@ -28,7 +28,6 @@ from kda_cute.plans.steps import (
     Plane,
     Role,
     Scalar,
-    VarlenOffsets,
 )
 from kda_cute.problem import Call, Options, Problem
 from kda_cute.specs import args_for
@@ -148,11 +147,12 @@ def _spec_options(spec: dict) -> Options:
 @needs_manifests
 def test_only_keeps_the_named_launches():
     """Plan.only: the named launches and memsets, the torch-side steps kept (a probe's K2 alone
-    over its zeroed flags)."""
+    over its zeroed flags; K1 of a varlen batch after its offsets)."""
     pl = _plan(T=512)
     assert _names(pl.only("zero flags", "K2")) == ["zero flags", "K2"]
     var = _plan(seqlens=[30, 10])
-    assert _names(var.only("K1")) == ["offsets", "K1"]
+    assert _names(var.only("K1")) == ["K1"]
+    assert _names(var.only("offsets", "K1")) == ["offsets", "K1"]
 
 
 # -------------------------------------------------------------------------------- segments
@@ -497,8 +497,11 @@ def test_k1_seq_len_is_the_fixed_length_or_zero(varlen):
     assert k1.source("seq_len") == Scalar(0 if varlen else 37)
     assert k1.source("num_seqs") == Scalar(3 if varlen else 1)
     if varlen:
-        assert isinstance(pl.steps[0], VarlenOffsets) and pl.steps[0].name == "offsets"
-        assert k1.source("cu_chunks") == At(pl.steps[0].cc)
+        offs = pl.steps[0]
+        assert isinstance(offs, Launch) and offs.name == "offsets"
+        assert offs.kernel == OFFSETS and offs.grid == (1, 1, 1)
+        assert k1.source("cu_chunks") == offs.source("cu_chunks")
+        assert k1.source("cu_seqlens") == offs.source("cu_seqlens")
 
 
 # ------------------------------------------------------------------------------------- WY

@@ -23,9 +23,9 @@ import pytest
 import torch
 
 import kda_cute
-from kda_cute import checks, launch, plans
+from kda_cute import checks, ladder, launch, plans
 from kda_cute.launch import buffers, driver, streams
-from kda_cute.plans.steps import At, Buffer, Copy, VarlenOffsets
+from kda_cute.plans.steps import At, Buffer, Copy, Scalar
 from kda_cute.problem import Call, Options
 from kda_cute.specs import args_for
 from tests.launch_record import CUBIN_DIR, FakeDriver, counting, fake_device, make_call
@@ -365,50 +365,52 @@ def test_a_bound_call_makes_the_calls_run_made(drv, monkeypatch, schedule):
 
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32], ids=["i64", "i32"])
 def test_a_bound_varlen_plan_refills_the_offsets(drv, dtype):
-    """A bound varlen plan recomputes its chunk offsets from the bound cu_seqlens' values
-    (changed in place here) into the tensors its launches read, and checks those values as a
-    forward's checks do."""
+    """A bound varlen plan launches the offsets kernel first each call: it reads the bound
+    cu_seqlens (as int32 words, two an entry for int64) and writes the checked copy and the
+    chunk slots that K1 and K2 read (never the caller's tensor); with check_seqlens=True the
+    values are checked on the host too, and a bad one launches nothing."""
     x = _x(seqlens=[17, 23], cu32=dtype == torch.int32)
     assert x["cu_seqlens"].dtype == dtype
     pl = _plan(x)
     offs = pl.step("offsets")
-    assert isinstance(offs, VarlenOffsets) and (offs.cs is None) == (dtype == torch.int32)
-    k1 = pl.step("K1")
+    assert pl.steps[0] is offs and offs.kernel == ladder.OFFSETS
+    assert offs.source("wide") == Scalar(int(dtype == torch.int64))
+    assert offs.source("entries") == Scalar(3) and offs.source("tokens") == Scalar(40)
+    assert offs.source("chunk_shift") == Scalar(pl.config.chunk.bit_length() - 1)
+    assert dict(offs.syms)["NCW"] == (6 if dtype == torch.int64 else 3)
+    k1, k2 = pl.step("K1"), pl.step("K2")
     bound = launch.bind(pl, _call(x), x["workspace"], check_seqlens=True)
     bound()
     first = list(drv.ops)
-    k1_op = _launches(first)[0]
-    cc = buffers.get(offs.cc, CPU, 0)
-    assert _pointer(k1_op, k1.kernel, "cu_chunks") == cc.data_ptr()
-    assert cc.tolist() == [0, 2, 4]  # s // 16 + s
+    ops = _launches(first)
+    assert len(ops) == len(pl.launches())
+    assert _pointer(ops[0], offs.kernel, "cu_in") == x["cu_seqlens"].data_ptr()
+    cs = buffers.get(offs.source("cu_seqlens").buffer, CPU, 0)
+    cc = buffers.get(offs.source("cu_chunks").buffer, CPU, 0)
+    assert cs.dtype == cc.dtype == torch.int32 and cs.numel() == cc.numel() == 3
+    for op, launch_ in ((ops[1], k1), (ops[-1], k2)):
+        assert _pointer(op, launch_.kernel, "cu_seqlens") == cs.data_ptr()
+        assert _pointer(op, launch_.kernel, "cu_chunks") == cc.data_ptr()
+    assert _pointer(ops[0], offs.kernel, "cu_seqlens") == cs.data_ptr()
+    assert _pointer(ops[0], offs.kernel, "cu_chunks") == cc.data_ptr()
     x["cu_seqlens"].copy_(torch.tensor([0, 3, 40]))
     bound()
     assert drv.ops[len(first):] == first  # the same pointers: refilled in place
-    assert cc.tolist() == [0, 1, 4]
-    if offs.cs is None:
-        assert _pointer(k1_op, k1.kernel, "cu_seqlens") == x["cu_seqlens"].data_ptr()
-    else:
-        cs = buffers.get(offs.cs, CPU, 0)
-        assert _pointer(k1_op, k1.kernel, "cu_seqlens") == cs.data_ptr()
-        assert cs.dtype == torch.int32 and cs.tolist() == [0, 3, 40]
     n = len(drv.ops)
     x["cu_seqlens"].copy_(torch.tensor([0, 30, 20]))
     with pytest.raises(ValueError, match="cu_seqlens"):
         bound()
     assert len(drv.ops) == n  # nothing launched
-    unchecked = launch.bind(pl, _call(x), x["workspace"], check_seqlens=False)
+    unchecked = launch.bind(pl, _call(x), x["workspace"])  # the default: the device checks
     unchecked()
-    assert len(drv.ops) == n + len(first)  # not checked: launched
-    assert cc.tolist() == [0, 2, 3]
+    assert len(drv.ops) == n + len(first)
 
 
 def _buffers_of(pl) -> set:
     """Every launcher Buffer a plan's steps read or write."""
     out = set()
     for s in pl.steps:
-        if isinstance(s, VarlenOffsets):
-            out |= {b for b in (s.cs, s.cc, s.ramp) if b is not None}
-        elif isinstance(s, Copy):
+        if isinstance(s, Copy):
             out |= {b for b in (s.src, s.dst) if isinstance(b, Buffer)}
         elif hasattr(s, "sources"):
             out |= {src.buffer for src in s.sources if isinstance(src, At)}

@@ -203,14 +203,19 @@ ERRORS = {
                          ValueError, "cu_seqlens", f"{(1, N_VARLEN + 1)}"),
     "cu_seqlens-batch2": (inputs, lambda d: d.update(cu_seqlens=cu(0, 10, T)), ValueError, "q",
                           f"batch size {B}"),
-    "cu_seqlens-decreasing": (varlen, lambda d: d.update(cu_seqlens=cu(0, 10, 5, T)),
-                              ValueError, "cu_seqlens", f"[0, 10, 5, {T}]"),
-    "cu_seqlens-nonzero-start": (varlen, lambda d: d.update(cu_seqlens=cu(3, 10, T)),
-                                 ValueError, "cu_seqlens", f"[3, 10, {T}]"),
-    "cu_seqlens-past-T": (varlen, lambda d: d.update(cu_seqlens=cu(0, 10, T + 1)), ValueError,
+    # the host check of the values (check_seqlens=True; by default the device checks them)
+    "cu_seqlens-decreasing": (varlen, lambda d: d.update(cu_seqlens=cu(0, 10, 5, T),
+                                                         check_seqlens=True), ValueError,
+                              "cu_seqlens", f"[0, 10, 5, {T}]"),
+    "cu_seqlens-nonzero-start": (varlen, lambda d: d.update(cu_seqlens=cu(3, 10, T),
+                                                            check_seqlens=True), ValueError,
+                                 "cu_seqlens", f"[3, 10, {T}]"),
+    "cu_seqlens-past-T": (varlen, lambda d: d.update(cu_seqlens=cu(0, 10, T + 1),
+                                                         check_seqlens=True), ValueError,
                           "cu_seqlens", f"[0, 10, {T + 1}]"),
     "cu_seqlens-past-T-int32": (varlen, lambda d: d.update(cu_seqlens=cu(0, T + 8,
-                                                                        dtype=torch.int32)),
+                                                                        dtype=torch.int32),
+                                                                 check_seqlens=True),
                                 ValueError, "cu_seqlens", f"[0, {T + 8}]"),
     "cu_seqlens-strided": (varlen, lambda d: d.update(cu_seqlens=torch.stack(
         [d["cu_seqlens"], d["cu_seqlens"]], 1).flatten()[::2]), ValueError, "cu_seqlens",
@@ -331,15 +336,18 @@ def test_valid_problem(case_id):
     assert sizes(validate(**make())) == sizes(expected)
 
 
-def test_unchecked_seqlens_skip_the_host_sync(monkeypatch):
-    """check_seqlens=False is the no-sync path: cu_seqlens' values are not read on the host."""
+@pytest.mark.parametrize("explicit", [False, True], ids=["default", "check_seqlens-False"])
+def test_unchecked_seqlens_skip_the_host_sync(monkeypatch, explicit):
+    """The default (and check_seqlens=False) is the no-sync path: cu_seqlens' values are not
+    read on the host (the offsets kernel checks them on the device)."""
     kw = {**varlen(), "cu_seqlens": cu(0, 10, 5, T)}
 
     def no_sync(self):
         raise AssertionError("cu_seqlens was copied to the host")
 
     monkeypatch.setattr(torch.Tensor, "cpu", no_sync)
-    assert sizes(validate(**kw, check_seqlens=False)) == sizes(Problem(1, T, H, K, V, 3, True))
+    extra = {"check_seqlens": False} if explicit else {}
+    assert sizes(validate(**kw, **extra)) == sizes(Problem(1, T, H, K, V, 3, True))
 
 
 # ------------------------------------------------------------------- head dims without a config

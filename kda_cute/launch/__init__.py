@@ -20,9 +20,8 @@ from ..plans.steps import (
     Plane,
     Role,
     Scalar,
-    VarlenOffsets,
 )
-from ..plans.workspace import ALIGN, chunk_slots
+from ..plans.workspace import ALIGN
 from . import buffers, driver
 from .streams import alongside_order
 
@@ -78,9 +77,6 @@ def _ops(plan, call, workspace, dev, device: int, stream: int) -> tuple[list, _S
         elif isinstance(s, Memset):
             ops.append((driver.memset_d32, (src.value(s.target), s.value, s.count, stream),
                         False))
-        elif isinstance(s, VarlenOffsets):
-            cs = None if s.cs is None else src.tensor(s.cs)
-            ops.append((_offsets, (cs, s.chunk, src.tensor(s.ramp), src.tensor(s.cc)), True))
         elif isinstance(s, Copy):
             ops.append((_copy, (_late(src, s.dst), _late(src, s.src)), True))
         else:
@@ -91,12 +87,6 @@ def _ops(plan, call, workspace, dev, device: int, stream: int) -> tuple[list, _S
 def _late(src: _Sources, x):
     """A Copy end: a Role's name (the call's tensor, taken when the step runs) or a buffer."""
     return x.name if isinstance(x, Role) else src.tensor(x)
-
-
-def _offsets(call, cs, chunk, ramp, cc) -> None:
-    if cs is not None:
-        cs.copy_(call.cu_seqlens)
-    chunk_slots(call.cu_seqlens if cs is None else cs, chunk, ramp, out=cc)
 
 
 def _copy(call, dst, src) -> None:
@@ -188,11 +178,12 @@ def _on(stream):
 class Bound:
     """A plan bound to one call's tensors, workspace and stream: each call launches the plan's
     steps again with everything resolved, packed and loaded at bind time, without checking or
-    choosing anything. Refill the bound tensors between calls; a varlen plan recomputes its
-    chunk offsets from the bound cu_seqlens' values each call, and checks them first (a host
-    sync) unless bound with check_seqlens=False."""
+    choosing anything. Refill the bound tensors between calls; a varlen plan checks the bound
+    cu_seqlens' values and recomputes its chunk offsets from them on the device each call (a
+    bad value raises by the next call: kda_cute.errors), and with check_seqlens=True checks
+    them on the host first too (a host sync)."""
 
-    def __init__(self, plan, call, workspace=None, stream=None, check_seqlens: bool = True):
+    def __init__(self, plan, call, workspace=None, stream=None, check_seqlens: bool = False):
         dev = device_of(call)
         with torch.cuda.device(dev):
             dev, device, s = _where(call, stream)
@@ -200,11 +191,12 @@ class Bound:
             self._ops, src = _ops(plan, call, self.workspace, dev, device, s.cuda_stream)
         self.plan, self.call, self.stream = plan, call, s
         self._held = list(src.held.values())  # the buffers its launches read
-        self._torch = any(isinstance(x, (VarlenOffsets, Copy)) for x in plan.steps)
+        self._torch = any(isinstance(x, Copy) for x in plan.steps)
         self._device = device
         self._check = check_seqlens and getattr(plan.problem, "varlen", False)
-        # a serving step and a pool-form forward report bad values
-        self._errors = hasattr(plan.problem, "form") or bool(getattr(plan.problem, "pool", None))
+        # a serving step, a pool-form and a varlen forward report bad values
+        self._errors = (hasattr(plan.problem, "form") or bool(getattr(plan.problem, "pool", None))
+                        or getattr(plan.problem, "varlen", False))
 
     def _capturing(self) -> bool:
         with torch.cuda.device(self._device):
@@ -222,7 +214,7 @@ class Bound:
             _execute(self._ops, self.call)
 
 
-def bind(plan, call, workspace=None, stream=None, check_seqlens: bool = True) -> Bound:
+def bind(plan, call, workspace=None, stream=None, check_seqlens: bool = False) -> Bound:
     """`plan` bound to `call`, `workspace` (None: one allocated and kept) and `stream` (None:
     the current one): see Bound."""
     return Bound(plan, call, workspace, stream, check_seqlens)

@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import torch
 
-from ..ladder import SEGMENT_RUNS, FwdConfig, alongside_of, combine_config
+from ..ladder import OFFSETS, SEGMENT_RUNS, FwdConfig, alongside_of, combine_config
 from ..problem import Options, Problem
 from ..specs import args_for
 from ..specs.prep import GATE_MODES, K1_GRID_Y
@@ -34,7 +34,6 @@ from .steps import (
     Plane,
     Role,
     Scalar,
-    VarlenOffsets,
 )
 
 _STATE_CODE = {None: STATE_NONE, torch.float32: STATE_F32, torch.bfloat16: STATE_BF16}
@@ -94,10 +93,18 @@ def forward_plan(p: Problem, opts: Options, cfg: FwdConfig, dev: DeviceInfo) -> 
     ws = {name: Plane(name, off) for name, off in workspace.operand_offsets(p, cfg).items()}
     steps = []
     if p.varlen:
+        # cu_seqlens checked and copied on the device, and the chunk slots from it: the
+        # kernels read only the checked copy (a bad batch runs as empty sequences and sets
+        # the error word), so no value of the caller's is followed and nothing syncs
+        cs = Buffer("scratch", (p.N + 1,), I32, ("cu_seqlens",))
         cc = Buffer("scratch", (p.N + 1,), I32, ("cu_chunks",))
-        cs = Buffer("scratch", (p.N + 1,), I32, ("cu_seqlens",)) if p.cu_int64 else None
-        steps.append(VarlenOffsets("offsets", C, cs, cc, Buffer("ramp", (p.N + 1,), I32)))
-        offs = (At(cs) if cs is not None else Role("cu_seqlens"), At(cc))
+        steps.append(_launch(
+            "offsets", OFFSETS, (1, 1, 1),
+            {"cu_in": Role("cu_seqlens"), "cu_seqlens": At(cs), "cu_chunks": At(cc),
+             "errors": Errors(), "wide": Scalar(int(p.cu_int64)), "entries": Scalar(p.N + 1),
+             "tokens": Scalar(Tt), "chunk_shift": Scalar(C.bit_length() - 1)},
+            {"NCW": (p.N + 1) * (2 if p.cu_int64 else 1), "N1": p.N + 1}, dev))
+        offs = (At(cs), At(cc))
     else:
         offs = _segment_offsets(p.B, p.T, C, 1)
     a_log = Role("A_log") if p.A_log else At(Buffer("zeros", (H,), F32))

@@ -105,19 +105,6 @@ class Memset:
 
 
 @dataclass(frozen=True)
-class VarlenOffsets:
-    """A varlen batch's int32 cu_seqlens (into `cs`, copied from an int64 one; None: the
-    caller's int32 one is read as it is) and cu_chunks (into `cc`: cu_seqlens // chunk + ramp,
-    workspace.chunk_slots), recomputed on the stream from each call's cu_seqlens."""
-
-    name: str
-    chunk: int
-    cs: Buffer | None
-    cc: Buffer
-    ramp: Buffer
-
-
-@dataclass(frozen=True)
 class Copy:
     """dst.copy_(src) on the stream, each a Role or a Buffer (a bf16 state through an fp32
     buffer)."""

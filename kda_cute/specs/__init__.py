@@ -12,8 +12,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..abi import Arg
-from . import combine, prep, recur, step
+from . import combine, offsets, prep, recur, step
 from .combine import CombineConfig
+from .offsets import OffsetsConfig
 from .prep import PrepConfig
 from .recur import RecurConfig
 from .step import StepConfig
@@ -31,12 +32,14 @@ class KernelSpec:
 SPECS: tuple[KernelSpec, ...] = tuple(
     KernelSpec(name, m_cfg, m.supports, m.args, m.dsl_class)
     for name, m_cfg, m in (("prep", PrepConfig, prep), ("recur", RecurConfig, recur),
-                           ("combine", CombineConfig, combine), ("step", StepConfig, step)))
+                           ("combine", CombineConfig, combine), ("step", StepConfig, step),
+                           ("offsets", OffsetsConfig, offsets)))
 _BY_TYPE = {s.config: s for s in SPECS}
 
 
 def spec_of(cfg) -> KernelSpec:
-    """The spec of a kernel config (PrepConfig, RecurConfig, CombineConfig or StepConfig)."""
+    """The spec of a kernel config (PrepConfig, RecurConfig, CombineConfig, StepConfig or
+    OffsetsConfig)."""
     try:
         return _BY_TYPE[type(cfg)]
     except KeyError:
@@ -48,5 +51,5 @@ def args_for(cfg) -> list[Arg]:
     return spec_of(cfg).args(cfg)
 
 
-__all__ = ["SPECS", "CombineConfig", "KernelSpec", "PrepConfig", "RecurConfig", "StepConfig",
-           "args_for", "spec_of"]
+__all__ = ["SPECS", "CombineConfig", "KernelSpec", "OffsetsConfig", "PrepConfig", "RecurConfig",
+           "StepConfig", "args_for", "spec_of"]

@@ -21,7 +21,9 @@ ERRORS = ("cu_seqlens", "cu_seqlens (tokens per row past the entries or scratch 
           "num_accepted_tokens / accepted_step",
           "state_indices / ssm_state_indices / intermediate_state_indices (the read slot)",
           "output_state_indices / ssm_state_indices / intermediate_state_indices / "
-          "state_indices (a write slot)", "retrieve_parent_token", "unused", "unused")
+          "state_indices (a write slot)", "retrieve_parent_token",
+          "cu_seqlens (a prefill's: non-decreasing from 0 to at most T; the call ran no tokens, "
+          "its outputs were not written and its final states are its initial ones)", "unused")
 ERROR_WORDS = len(ERRORS)
 
 # write modes: nothing, the state after a row's last token, the state after every token, the

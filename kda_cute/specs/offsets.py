@@ -1,0 +1,63 @@
+"""A varlen forward's offsets (kernels/kda_offsets_sm90.py): cu_seqlens checked and copied on the
+device, and the workspace's chunk slots from them, with no host sync. Its config, constraints and
+argument list; no DSL import here."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from ..abi import Arg, scalar, tensor
+from .step import ERRORS
+
+# the error word a bad prefill cu_seqlens sets (kda_cute.errors)
+E_PREFILL_CU = 6
+assert ERRORS[E_PREFILL_CU].startswith("cu_seqlens (a prefill")
+
+
+@dataclass(frozen=True)
+class OffsetsConfig:
+    """One CTA of `threads` threads over the N + 1 entries of cu_seqlens: each entry checked
+    (0 first, non-decreasing, at most T; an int64 one within int32's range), copied as int32
+    into `cu_seqlens` and its sequence's first workspace chunk slot, cu_seqlens[s] // chunk + s,
+    into `cu_chunks` (kda_cute.plans.workspace.chunk_slots). A batch with any bad entry runs as
+    N empty sequences (every entry 0, the slots 0, 1, ..., N) and sets the error word."""
+
+    threads: int = 256
+
+    @property
+    def name(self) -> str:
+        return f"kda_offsets_t{self.threads}"
+
+    @property
+    def block_threads(self) -> int:
+        return self.threads
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def supports(cfg: OffsetsConfig) -> tuple[bool, str]:
+    if cfg.threads % 32 or not 32 <= cfg.threads <= 1024:
+        return False, f"threads must be a multiple of 32 in [32, 1024], got {cfg.threads}"
+    return True, ""
+
+
+def args(cfg: OffsetsConfig) -> list[Arg]:
+    """The kernel's `__call__` arguments: the caller's cu_seqlens as int32 words (NCW: N + 1,
+    or 2 (N + 1) for an int64 one, `wide`), the int32 cu_seqlens and cu_chunks it writes (N1 =
+    N + 1 entries), the error words (kda_cute.errors); the entries, the tokens T and log2 of
+    the chunk."""
+    return [
+        tensor("cu_in", "int32", ("NCW",), (1,), dsl="mCuIn"),
+        tensor("cu_seqlens", "int32", ("N1",), (1,), dsl="mCuSeq"),
+        tensor("cu_chunks", "int32", ("N1",), (1,), dsl="mCuChunk"),
+        tensor("errors", "int32", (8,), (1,), dsl="mErr"),
+        scalar("wide"),
+        scalar("entries"),
+        scalar("tokens"),
+        scalar("chunk_shift"),
+    ]
+
+
+def dsl_class(cfg: OffsetsConfig) -> str:
+    return "kernels.kda_offsets_sm90:KdaOffsetsSm90"
