@@ -3,7 +3,9 @@ q, k, v, g ~ N(0,1) bf16, beta logits ~ N(0,1), A_log, dt_bias ~ U(0,1), lower_b
 states in and out; and slowly decaying states (a constant log-space decay per token, gate
 "none"). Also the long single sequence (T = 262144) for NaN/Inf and error growth.
 
-    python bench/accuracy.py [--out bench/results/accuracy.json] [--long]
+    python bench/accuracy.py [--out bench/results/accuracy.json] [--long] [--precise]
+
+--precise: each case also at precision="precise" (its errors beside the default's).
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ CASES = [
     # where the bf16 operands' rounding accumulates (the cases above forget within a chunk)
     ("T4096 H8 slow decay -0.02", dict(B=1, T=4096, H=8, gate="none", decay=-0.02)),
     ("T4096 H8 slow decay -0.005", dict(B=1, T=4096, H=8, gate="none", decay=-0.005)),
+    # the raw gate shifted by -6 through the bounded gate: slowly decaying too
+    ("T2048 H8 bounded g-6", dict(B=1, T=2048, H=8, g_shift=-6.0)),
 ]
 LONG = ("T262144 H1 bounded", dict(B=1, T=262144, H=1))
 
@@ -53,6 +57,8 @@ def main(argv=None):
     ap.add_argument("--cases", default="",
                     help="only the cases whose name contains this text (e.g. 'slow decay'); "
                          "each keeps its seed")
+    ap.add_argument("--precise", action="store_true",
+                    help="each case at precision='precise' too")
     a = ap.parse_args(argv)
     rows = []
     for index, (name, kw) in enumerate(CASES + ([LONG] if a.long else [])):
@@ -65,6 +71,8 @@ def main(argv=None):
         if decay is not None:
             inp["g"] = torch.full_like(inp["g"], decay)
         res = errors(inp)
+        if a.precise:
+            res.update({f"precise_{n}": x for n, x in errors(inp, precision="precise").items()})
         if a.fla and name != LONG[0]:
             res.update(fla_errors(inp))
         ladder = select_config(kw["K"], kw.get("V") or kw["K"], "seqlens" in kw)
@@ -101,14 +109,17 @@ def markdown(doc):
     bar = doc["bar"]
     lines = [f"Accuracy on {doc['device']} (commit {doc['commit']}, torch {doc['torch']}); "
              f"bar: output <= {bar['out']}, fp32 state <= {bar['state']}.", "",
-             "| case | config (K1, K2) | out err | state err | finite | fla out / state err |",
-             "|---|---|---:|---:|---|---:|"]
+             "| case | config (K1, K2) | out err | state err | finite | precise out / state err "
+             "| fla out / state err |",
+             "|---|---|---:|---:|---|---:|---:|"]
     for r in doc["rows"]:
         fin = r["out_finite"] and r["state_finite"]
         fla = (f"{r['fla_out_err']:.2e} / {r['fla_state_err']:.2e}" if "fla_out_err" in r
                else r.get("fla_error", "-"))
+        pre = (f"{r['precise_out_err']:.2e} / {r['precise_state_err']:.2e}"
+               if "precise_out_err" in r else "-")
         lines.append(f"| {r['case']} | {', '.join(r['config'])} | {r['out_err']:.2e} | "
-                     f"{r['state_err']:.2e} | {fin} | {fla} |")
+                     f"{r['state_err']:.2e} | {fin} | {pre} | {fla} |")
     return "\n".join(lines) + "\n"
 
 

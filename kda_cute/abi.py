@@ -71,6 +71,12 @@ def operand_dtype(f16: bool) -> str:
     return "float16" if f16 else "bfloat16"
 
 
+# qg and kg (the gated q and k: |entries| <= 1 for unit-norm keys and queries, decays <= 1) are
+# fp16 in every tensor-core build: P = S kg^T and Pq = S qg^T run on fp16 operands, the
+# precise builds' S scaled per row by a power of two into fp16's range
+QK_DTYPE = "float16"
+
+
 def tma(name, dtype, shape, stride, box, swizzle=0, dsl=""):
     """A TMA-loaded (or stored) argument: a rank-2 tile view with one mode of stride 1."""
     return Arg(name, "tma", dtype, shape, stride, box, swizzle, align=16, dsl=dsl)

@@ -75,10 +75,11 @@ def _tc_fwd(k: int, v: int, chunk: int = 16, stages: int = 4, f16: bool = False)
 
 
 # The tensor-core forwards: what the ladder picks. "fast" (the default): every K2 product one
-# fp16 warpgroup MMA, K1's operands fp16; "precise": the products on bf16 hi/lo splits (three
-# MMAs each), the fp32 state at ~5e-6 instead of ~3.5e-4 against float64
-# (docs/notes/precision.md), and bf16's range for the values (fp16's overflows past ~6.5e4:
-# README, limits).
+# fp16 warpgroup MMA, K1's operands fp16; "precise": P = S kg^T and Pq = S qg^T on fp16 (qg, kg
+# fp16; S's fp16 copy scaled row by row by a power of two each chunk), the other products on
+# bf16 hi/lo splits (three MMAs each): the fp32 state at ~5e-6 instead of ~3.5e-4 against
+# float64, never less accurate than fast (docs/notes/precision.md), and bf16's range for the
+# values (fp16's overflows past ~6.5e4: README, limits).
 FAST: tuple[FwdConfig, ...] = tuple(_tc_fwd(d, d, f16=True) for d in HEAD_DIMS)
 PRECISE: tuple[FwdConfig, ...] = tuple(_tc_fwd(d, d) for d in HEAD_DIMS)
 TENSOR_CORE: tuple[FwdConfig, ...] = FAST + PRECISE

@@ -173,12 +173,14 @@ def prep_errors(inp, config=None) -> dict:
     for name in ("qg", "kg", "kd", "aw", "mq"):
         r = ref[name.replace("aw", "Aw").replace("mq", "Mq")].reshape(B * T, H, -1)
         x = w[name]
+        fp16 = x.dtype == torch.float16
         if cfg.prep.operands == "bf16" and name in ("kd", "aw", "mq"):
             # hi + lo; the f16 configs write the hi plane only, in fp16
             x = x[0].double() if cfg.prep.f16 else x[0].double() + x[1].double()
-        if cfg.prep.f16:
-            # what an fp16 output can hold: the reference rounded to fp16 (values below fp16's
-            # normal range, e.g. under strong decay, keep only its absolute spacing)
+        if fp16:
+            # what an fp16 output can hold (the f16 configs' every plane, qg and kg in every
+            # tensor-core config): the reference rounded to fp16 (values below fp16's normal
+            # range, e.g. under strong decay, keep only its absolute spacing)
             r = r.to(torch.float16).double()
         res[name] = rel_err(x[rows], r)
         # the padding rows of each sequence's last chunk: K1 writes them as zeros (K2 reads them)

@@ -210,6 +210,13 @@ def bits_f32(x, *, loc=None, ip=None) -> cutlass.Float32:
 
 
 @dsl_user_op
+def f32_bits(x, *, loc=None, ip=None) -> cutlass.Int32:
+    """An fp32 value's bits as an int32 (no conversion)."""
+    v = cutlass.Float32(x).ir_value(loc=loc, ip=ip)
+    return cutlass.Int32(llvm.bitcast(T.i32(), v, loc=loc, ip=ip))
+
+
+@dsl_user_op
 def pack_bf16x2(a, b, *, loc=None, ip=None) -> cutlass.Int32:
     """bf16(a) in the low half and bf16(b) in the high half of one word (round to nearest
     even): one cvt.rn.bf16x2.f32 for the two."""
@@ -217,6 +224,18 @@ def pack_bf16x2(a, b, *, loc=None, ip=None) -> cutlass.Int32:
     vb = cutlass.Float32(b).ir_value(loc=loc, ip=ip)
     return cutlass.Int32(llvm.inline_asm(
         T.i32(), [va, vb], "cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,f,f",
+        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc, ip=ip))
+
+
+@dsl_user_op
+def absmax_bf16x2(a, b, *, loc=None, ip=None) -> cutlass.Int32:
+    """Lane by lane max(|a|, |b|) of two bf16 pairs (the sign bits xored: mask them off for the
+    magnitude): one max.xorsign.abs.bf16x2."""
+    va = cutlass.Int32(a).ir_value(loc=loc, ip=ip)
+    vb = cutlass.Int32(b).ir_value(loc=loc, ip=ip)
+    return cutlass.Int32(llvm.inline_asm(
+        T.i32(), [va, vb], "max.xorsign.abs.bf16x2 $0, $1, $2;", "=r,r,r",
         has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
         loc=loc, ip=ip))
 

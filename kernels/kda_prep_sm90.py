@@ -18,8 +18,9 @@ Phases:
      e^(G_i - G_j) from the difference on the CUDA cores, so no factor exceeds 1.
   C  thread per column j: forward substitution for Aw = (I + L)^-1 diag(beta).
 Outputs (config `operands`): "f32" writes fp32 tensors for the SIMT K2; "bf16" writes the
-tensor-core K2's operands: bf16 qg and kg; kd, Aw and Mq as bf16 hi + lo planes (x = hi + lo to
-~16 bits); fp32 gl. Constraints: K % 32 == 0, K <= 256, chunk 16 or 32 (specs.prep.supports).
+tensor-core K2's operands: fp16 qg and kg (|x| <= 1 for unit-norm rows: kda_cute.abi.QK_DTYPE);
+kd, Aw and Mq as bf16 hi + lo planes (x = hi + lo to ~16 bits); fp32 gl. Constraints: K % 32 ==
+0, K <= 256, chunk 16 or 32 (specs.prep.supports).
 The workspace holds whole chunks: chunk b's rows are b*C .. b*C + C - 1, and rows past the
 sequence's length are written as zeros (so K2 needs no tail masking of its operands).
 bf16 outputs: qg and kg overwrite the q and k tiles in place (each thread rewrites only the
@@ -39,7 +40,7 @@ import cutlass.utils as utils
 from cutlass.cute.nvgpu import cpasync
 from cutlass.cute.nvgpu import warp as warp_mma
 
-from kda_cute.abi import operand_dtype
+from kda_cute.abi import QK_DTYPE
 from kda_cute.specs.prep import (
     GATE_BOUNDED,
     GATE_UNBOUNDED,
@@ -97,6 +98,9 @@ class KdaPrepSm90(TileCopy):
         # single planes (cfg.f16: the lo planes are not written)
         self.f16 = cfg.f16
         self.out_dtype = cutlass.Float16 if cfg.f16 else cutlass.BFloat16
+        # qg and kg: fp16 in every tensor-core build (abi.QK_DTYPE), written in place of the
+        # q and k tiles through an fp16 view of their bytes
+        self.qk_dtype = cutlass.Float16
         self.split = cfg.operands == "bf16"  # outputs as bf16 (hi + lo planes for kd and Aw)
         self.smem_bytes = 0
         self.tma_meta = []
@@ -323,7 +327,7 @@ class KdaPrepSm90(TileCopy):
                 # qg and kg leave now; phases B and C run while the stores drain
                 if warp == 0:
                     for (tma, tX), sX in ((st_qg, sQ), (st_kg, sK)):
-                        self._tile_store(tma, tX, sX, (row0, h * K), (C, K))
+                        self._tile_store(tma, tX, self._as_qk(sX), (row0, h * K), (C, K))
                     cute.arch.cp_async_bulk_commit_group()
 
             # ---- phase B: L and Mqk ------------------------------------------------------
@@ -652,14 +656,14 @@ class KdaPrepSm90(TileCopy):
 
     @cute.jit
     def _store_row_pair(self, vQ, vK, kd_planes, row0, h, i, pair, qs2, ke2, kd2):
-        """Columns 2 pair, 2 pair + 1 of row i: qg and kg as bf16 (fp16: cfg.f16) pairs in place
+        """Columns 2 pair, 2 pair + 1 of row i: qg and kg as fp16 pairs in place
         of the q and k tiles (only this thread reads them), for the TMA stores; kd's hi and lo
         planes (fp16: its one plane) straight to the workspace (a warp writes 128 contiguous
         bytes of a row)."""
         f32, io = cutlass.Float32, self.out_dtype
         mKdh, mKdl = kd_planes
-        self._as_out(vQ)[i, (None, pair)].store(qs2.load().to(io))
-        self._as_out(vK)[i, (None, pair)].store(ke2.load().to(io))
+        self._as_qk(vQ)[i, (None, pair)].store(qs2.load().to(self.qk_dtype))
+        self._as_qk(vK)[i, (None, pair)].store(ke2.load().to(self.qk_dtype))
         x = kd2.load()
         kh = x.to(io)
         pairs_g = cute.make_layout((2, self.K // 2), stride=(1, 2))
@@ -668,12 +672,10 @@ class KdaPrepSm90(TileCopy):
             cute.make_tensor(mKdl[row0 + i, h, None].iterator, pairs_g)[None, pair].store(
                 (x - kh.to(f32)).to(io))
 
-    def _as_out(self, t):
-        """A bf16 smem tile (the q and k input tiles, which take qg and kg in place) as the
-        output dtype: itself, or an fp16 view of its bytes (cfg.f16)."""
-        if not self.f16:
-            return t
-        return cute.make_tensor(cute.recast_ptr(t.iterator, dtype=cutlass.Float16), t.layout)
+    def _as_qk(self, t):
+        """A bf16 smem tile (the q and k input tiles, which take qg and kg in place) as qg's
+        and kg's dtype: an fp16 view of its bytes."""
+        return cute.make_tensor(cute.recast_ptr(t.iterator, dtype=self.qk_dtype), t.layout)
 
     @cute.jit
     def _phase_b_ksplit(self, fA, fB, fG, sL, sBeta, mMq, sMq, row0, h, tidx, warp, lane,
@@ -946,7 +948,7 @@ class KdaPrepSm90Split(KdaPrepSm90):
         for name, m in (("qg", mQg), ("kg", mKg)):
             atom, tX = cpasync.make_tiled_tma_atom(op, m, s_tile, (C, K))
             stores += [atom, tX]
-            self.tma_meta.append(tma_meta(name, atom, operand_dtype(self.f16)))
+            self.tma_meta.append(tma_meta(name, atom, QK_DTYPE))
         self._launch((*loads, mBeta, mALog, mDtBias, mCuSeq, mCuChunk, *stores, mKdh, mKdl,
                       mAwh, mAwl, mMqh, mMql, mGl, mFlags, num_seqs, seq_len,
                       scale, lower_bound, gate_mode, qk_l2norm, beta_sigmoid, s_tile),
@@ -1058,7 +1060,7 @@ class KdaPrepSm90Split(KdaPrepSm90):
                     # qg and kg leave now; the final sums and phase C run while they drain
                     if warp == 0:
                         for (tma, tX), sX in ((st_qg, sQ), (st_kg, sK)):
-                            self._tile_store(tma, tX, self._as_out(sX), (row0, h * K), (C, K))
+                            self._tile_store(tma, tX, self._as_qk(sX), (row0, h * K), (C, K))
                         cute.arch.cp_async_bulk_commit_group()
                 for bb in cutlass.range_constexpr(BPW):
                     c0 = (warp * BPW + bb) * 16

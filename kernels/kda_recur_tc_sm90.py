@@ -10,8 +10,8 @@ Every product has the 64-row side wgmma needs (M = 64) and takes its A operand f
 (the previous product's accumulator, converted to bf16), its B operand from swizzled smem that
 TMA fills straight from K1's bf16 workspace (no conversion pass, no S round trip through smem):
 
-  P   = S kg^T            M 64, N chunk, reduction K     A = bf16(S)
-  Pq  = S qg^T            M 64, N chunk, reduction K     A = bf16(S)
+  P   = S kg^T            M 64, N chunk, reduction K     A = fp16(sigma S), B = kg fp16
+  Pq  = S qg^T            M 64, N chunk, reduction K     A = fp16(sigma S), B = qg fp16
   W^T = v^T - P           registers; token columns past the chunk's length are zero
   U^T = W^T Aw^T          M 64, N chunk, reduction chunk A = W hi/lo, B = Aw hi/lo (3 products)
   O^T = Pq + U^T Mq^T     M 64, N chunk, reduction chunk A = U hi/lo, B = Mq hi/lo (3 products)
@@ -19,7 +19,9 @@ TMA fills straight from K1's bf16 workspace (no conversion pass, no S round trip
 
 x hi/lo is the pair (bf16(x), bf16(x - bf16(x))): hi*hi + hi*lo + lo*hi carries ~16 mantissa
 bits, which keeps the fp32 final state at fp32-level accuracy (docs/notes/precision.md: bf16 U
-and kd puts the state error at the 2.5e-3 bar; the output tolerates bf16 operands).
+and kd puts the state error at the 2.5e-3 bar). sigma is a power of two per state row, chosen
+each chunk from the row's largest |S| so that the fp16 copy neither overflows nor underflows
+(_row_scales; P and Pq are scaled back exactly): fp16's 10 mantissa bits with fp32's range.
 kd is read as an MN-major B operand (a transposed TMA view), so nothing is transposed on chip.
 K1's workspace holds whole chunks with zero rows past each sequence's end, so the operands need
 no masking; only v's rows past the length (another sequence's, or zero-filled) are masked in W.
@@ -50,9 +52,32 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cute.nvgpu import warp as warp_mma
 from cutlass.utils import LayoutEnum
 
-from kda_cute.abi import operand_dtype
+from kda_cute.abi import QK_DTYPE, operand_dtype
 from kda_cute.specs.recur import STATE_BF16, STATE_F32, RecurConfig
-from kernels.common import StateSlots, TileCopy, swizzle_bytes, tma_meta, trap
+from kernels.common import (
+    StateSlots,
+    TileCopy,
+    absmax_bf16x2,
+    bf16x2_hi,
+    bf16x2_lo,
+    bits_f32,
+    f32_bits,
+    pack_bf16x2,
+    swizzle_bytes,
+    tma_meta,
+    trap,
+)
+
+
+def _tree(xs: list, op):
+    """xs reduced by op pairwise, as a balanced tree (plain Python at trace time)."""
+    while len(xs) > 1:
+        nxt = [op(xs[i], xs[i + 1]) for i in range(0, len(xs) - 1, 2)]
+        if len(xs) % 2:
+            nxt.append(xs[-1])
+        xs = nxt
+    return xs[0]
+
 
 # the longest K2 waits for one chunk's flag from a K1 running alongside it before failing
 WAIT_LIMIT_NS = 5_000_000_000
@@ -138,7 +163,13 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
         mma_s = sm90_utils.make_trivial_tiled_mma(
             odt, odt, k_major, LayoutEnum.COL_MAJOR.sm90_mma_major_mode(), cutlass.Float32,
             (1, 1, 1), tiler_mn=(BV, K), a_source=rmem)
-        l_ck = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (BV, C, K), odt, S)
+        # P = S kg^T and Pq = S qg^T on fp16 operands (qg, kg fp16: abi.QK_DTYPE); the f16
+        # builds' mma_p itself
+        qdt = cutlass.Float16
+        mma_q = mma_p if self.f16 else sm90_utils.make_trivial_tiled_mma(
+            qdt, qdt, k_major, k_major, cutlass.Float32, (1, 1, 1), tiler_mn=(BV, C),
+            a_source=rmem)
+        l_ck = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (BV, C, K), qdt, S)
         l_cc = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (BV, C, C), odt, S)
         l_kc = sm90_utils.make_smem_layout_b(LayoutEnum.COL_MAJOR, (BV, K, C), odt, S)
         l_gl = cute.make_layout((1, K, S), stride=(K, 1, K))
@@ -154,8 +185,8 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
                 ("mqh", mMqh, l_cc, (C, C), None), ("mql", mMql, l_cc, (C, C), None)):
             atom, tX = cpasync.make_tiled_tma_atom(op, m, cute.slice_(layout, one), tile)
             atoms += [atom, tX]
-            self.tma_meta.append(tma_meta(name, atom, operand_dtype(self.f16),
-                                          swizzle_bytes(layout),
+            dtype = QK_DTYPE if name in ("kg", "qg") else operand_dtype(self.f16)
+            self.tma_meta.append(tma_meta(name, atom, dtype, swizzle_bytes(layout),
                                           inner_mode=inner))
         for name, m, layout, tile, dtype in (("gl", mGl, l_gl, (1, K), "float32"),
                                              ("v", mV, l_v, (C, BV), "bfloat16")):
@@ -181,8 +212,8 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
             # the WY form: stage s's kgw = -Aw kg written (by the producer warp, in place of
             # kg) and visible to the async proxy
             ready: buf[cutlass.Int64, S if self.wy else 1]
-            sKg: align[buf[odt, cute.cosize(l_ck)], 1024]
-            sQg: align[buf[odt, cute.cosize(l_ck)], 1024]
+            sKg: align[buf[qdt, cute.cosize(l_ck)], 1024]
+            sQg: align[buf[qdt, cute.cosize(l_ck)], 1024]
             sKdh: align[buf[odt, cute.cosize(l_kc)], 1024]
             sKdl: align[buf[odt, lo_kc], 1024]
             sAwh: align[buf[odt, cute.cosize(l_cc)], 1024]
@@ -200,8 +231,8 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
         self.kernel(
             *atoms, mOut, tma_o, tO, mS0f, mS0h, mS1f, mS1h, mCuSeq, mCuChunk, mFlags,
             mRIdx, mWIdx, mHasInit, mErr, state_in, state_out, ordered, index_mode, row_div,
-            slots, r_sn, r_wide, w_on, w_sn, w_wide, hi_on, null_min, mma_p, mma_s, l_ck, l_cc,
-            l_kc, l_gl, l_v, l_o, l_slab,
+            slots, r_sn, r_wide, w_on, w_sn, w_wide, hi_on, null_min, mma_p, mma_s, mma_q, l_ck,
+            l_cc, l_kc, l_gl, l_v, l_o, l_slab,
         ).launch(
             grid=(self.V // BV, num_heads, num_seqs), block=(self.threads, 1, 1),
             smem=self.smem_bytes, stream=stream,
@@ -235,7 +266,7 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
         index_mode: cutlass.Int32, row_div: cutlass.Int32, slots: cutlass.Int32,
         r_sn: cutlass.Int32, r_wide: cutlass.Int32, w_on: cutlass.Int32, w_sn: cutlass.Int32,
         w_wide: cutlass.Int32, hi_on: cutlass.Int32, null_min: cutlass.Int32,
-        mma_p: cute.TiledMma, mma_s: cute.TiledMma,
+        mma_p: cute.TiledMma, mma_s: cute.TiledMma, mma_q: cute.TiledMma,
         l_ck: cute.ComposedLayout, l_cc: cute.ComposedLayout, l_kc: cute.ComposedLayout,
         l_gl: cute.Layout, l_v: cute.Layout, l_o: cute.Layout, l_slab: cute.Layout,
     ):
@@ -336,7 +367,7 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
         else:
             self._consume(pipe, sKg, sQg, sKdh, sKdl, sAwh, sAwl, sMqh, sMql, sGl, sV, sO,
                           l_slab, mOut, (tma_o, tO), mS0f, mS0h, mS1f, mS1h, state_in,
-                          state_out, mma_p, mma_s, tidx, warp, h, vb, mCuSeq,
+                          state_out, (mma_p, mma_q), mma_s, tidx, warp, h, vb, mCuSeq,
                           (z, num_seqs, nz), ready, (mRIdx, mWIdx, mHasInit, mErr), idx)
 
     @cute.jit
@@ -432,16 +463,18 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
     @cute.jit
     def _consume(self, pipe, sKg, sQg, sKdh, sKdl, sAwh, sAwl, sMqh, sMql, sGl, sV, sO,
                  l_slab, mOut, store_o, mS0f, mS0h, mS1f, mS1h, state_in, state_out,
-                 mma_p: cute.TiledMma, mma_s: cute.TiledMma, tidx, warp, h, vb,
+                 mmas, mma_s: cute.TiledMma, tidx, warp, h, vb,
                  mCuSeq: cute.Tensor, seqs, ready, tables, idx):
         C, K, BV = self.C, self.K, self.BV
         v0 = vb * BV
         bf16, f32 = cutlass.BFloat16, cutlass.Float32
+        mma_p, mma_q = mmas
         thr_p = mma_p.get_slice(tidx)
+        thr_q = mma_q.get_slice(tidx)
         thr_s = mma_s.get_slice(tidx)
         # B operands: smem descriptors per stage, (MMA, N, k-blocks, stages)
-        bKg = mma_p.make_fragment_B(thr_p.partition_B(sKg))
-        bQg = mma_p.make_fragment_B(thr_p.partition_B(sQg))
+        bKg = mma_q.make_fragment_B(thr_q.partition_B(sKg))
+        bQg = mma_q.make_fragment_B(thr_q.partition_B(sQg))
         bAwh = mma_p.make_fragment_B(thr_p.partition_B(sAwh))
         bAwl = mma_p.make_fragment_B(thr_p.partition_B(sAwl))
         bMqh = mma_p.make_fragment_B(thr_p.partition_B(sMqh))
@@ -457,7 +490,7 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
         cP = thr_p.partition_C(cute.make_identity_tensor((BV, C)))
         # A operands in registers: views of the accumulators, converted to bf16
         vS, vW, vU = acc_as_operand_a(acc_s), acc_as_operand_a(acc_p), acc_as_operand_a(acc_u)
-        aS = thr_p.make_fragment_A(thr_p.partition_shape_A((BV, K // self.nsplit)))
+        aS = thr_q.make_fragment_A(thr_q.partition_shape_A((BV, K // self.nsplit)))
         gl_r = cute.make_rmem_tensor_like(acc_s, f32)  # per element; equal d's share registers
         aWh = cute.make_rmem_tensor_like(vW, self.op)
         aWl = cute.make_rmem_tensor_like(vW, bf16)
@@ -503,7 +536,7 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
                                    (aWh, aWl, aUh, aUl), (bKg, bQg, bAwh), sGl, sV, cS, cP, s,
                                    length)
                 else:
-                    self._chunk_pw(mma_p, acc_s, acc_p, acc_o, acc_u, vS, vW, vU, aS, gl_r,
+                    self._chunk_pw((mma_p, mma_q), acc_s, acc_p, acc_o, acc_u, vS, vW, vU, aS, gl_r,
                                      (aWh, aWl, aUh, aUl), (bKg, bQg, bAwh, bAwl), sGl, sV, cS,
                                      cP, s, length)
 
@@ -576,44 +609,95 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
 
     @cute.jit
     def _state_slab(self, aS, vS, part):
-        """Slab `part` of S (self.nsplit slabs) as the products' A operand: the op dtype's
-        copy, so S stays writable."""
+        """Slab `part` of S (self.nsplit slabs) as P's and Pq's A operand: an fp16 copy, so S
+        stays writable."""
         kb_slab = cute.size(aS, mode=[2])
         for kb in cutlass.range_constexpr(kb_slab):
-            aS[None, None, kb].store(vS[None, None, part * kb_slab + kb].load().to(self.op))
+            aS[None, None, kb].store(
+                vS[None, None, part * kb_slab + kb].load().to(cutlass.Float16))
 
     @cute.jit
-    def _decay_state(self, acc_s, gl_r, sGl, cS, s):
-        """S diag(gl): factors from registers (one slab: _decay_factors) or from smem."""
+    def _row_scales(self, acc_s):
+        """The precise builds' per-row powers of two for S's fp16 copy: (sigma, 1 / sigma) for
+        each of the thread's two rows (accumulator elements e with (e // 2) % 2 = 0, 1: rows r
+        and r + 8 of the warp's 16), sigma putting the row's largest |S| in [2^13, 2^15) (inside
+        fp16's range, every scaled product exact to undo), at most 2^60 for a zero row. The
+        maxima on bf16 pairs (one packed max a pair of pairs, a tree per row: half the
+        instructions of fp32 ones); bf16's rounding moves a maximum's exponent up by one at
+        most, never down, so the scaled row stays below 2^15."""
+        f32, i32 = cutlass.Float32, cutlass.Int32
+        n = cute.size(acc_s)
+        # element pairs (e, e + 1) share a row: leaves per row, then a tree
+        leaves = [[], []]
+        for e in cutlass.range_constexpr(0, n, 2):
+            leaves[(e // 2) % 2].append(pack_bf16x2(acc_s[e], acc_s[e + 1]))
+        m = []
+        for r in cutlass.range_constexpr(2):
+            w = _tree(leaves[r], absmax_bf16x2) & 0x7FFF7FFF  # the magnitudes
+            m.append(cute.arch.fmax(bf16x2_lo(w), bf16x2_hi(w)))
+        out = cute.make_rmem_tensor((4,), f32)
+        for r in cutlass.range_constexpr(2):
+            y = m[r]
+            # the four lanes of a row (lanes 4j .. 4j + 3) hold its columns
+            y = cute.arch.fmax(y, cute.arch.shuffle_sync_bfly(y, offset=1))
+            y = cute.arch.fmax(y, cute.arch.shuffle_sync_bfly(y, offset=2))
+            k = i32(141) - ((f32_bits(y) >> 23) & 255)
+            k = cutlass.max(cutlass.min(k, i32(60)), i32(-100))
+            out[r] = bits_f32((127 + k) << 23)
+            out[2 + r] = bits_f32((127 - k) << 23)
+        return out
+
+    @cute.jit
+    def _scale_rows(self, acc, s0, s1):
+        """acc's elements of the thread's first row times s0, of its second times s1."""
+        for e in cutlass.range_constexpr(cute.size(acc)):
+            if cutlass.const_expr((e // 2) % 2 == 0):
+                acc[e] = acc[e] * s0
+            else:
+                acc[e] = acc[e] * s1
+
+    @cute.jit
+    def _decay_state(self, acc_s, gl_r, sGl, cS, s, rows=None):
+        """S diag(gl): factors from registers (one slab: _decay_factors) or from smem; `rows`
+        (the precise builds): S was scaled by _row_scales' sigma, undone here (exactly)."""
         for e in cutlass.range_constexpr(cute.size(acc_s)):
             _, d = cS[e]
+            x = acc_s[e]
+            if cutlass.const_expr(rows is not None):
+                x = x * rows[2 + (e // 2) % 2]
             if cutlass.const_expr(self.nsplit == 1):
-                acc_s[e] = acc_s[e] * gl_r[e]
+                acc_s[e] = x * gl_r[e]
             else:
-                acc_s[e] = acc_s[e] * sGl[0, d, s]
+                acc_s[e] = x * sGl[0, d, s]
 
     @cute.jit
-    def _chunk_pw(self, mma_p: cute.TiledMma, acc_s, acc_p, acc_o, acc_u, vS, vW, vU, aS,
+    def _chunk_pw(self, mmas, acc_s, acc_p, acc_o, acc_u, vS, vW, vU, aS,
                     gl_r, regs, smem_b, sGl, sV, cS, cP, s, length):
         """A chunk up to U: P = S kg^T, W^T = v^T - P, U^T = W^T Aw^T (hi/lo products, or
-        fp16 ones for cfg.f16). Leaves what _chunk_wy leaves."""
+        fp16 ones for cfg.f16; P and Pq on fp16 operands either way, the precise builds' S
+        scaled per row into fp16's range: _row_scales). Leaves what _chunk_wy leaves."""
         K = self.K
         bf16, f32 = cutlass.BFloat16, cutlass.Float32
+        mma_p, mma_q = mmas
         aWh, aWl, aUh, aUl = regs
         bKg, bQg, bAwh, bAwl = smem_b
         nsplit = self.nsplit
         kb_slab = K // 16 // nsplit
-        # ---- P = S kg^T, Pq = S qg^T (A: the op dtype's copy of S, so S stays writable) ---
+        # ---- P = S kg^T, Pq = S qg^T (A: an fp16 copy of S, so S stays writable) ---------
         self._decay_factors(acc_s, gl_r, sGl, cS, s)
+        rows = None
+        if cutlass.const_expr(not self.f16):
+            rows = self._row_scales(acc_s)
+            self._scale_rows(acc_s, rows[0], rows[1])  # undone by _decay_state
         for part in cutlass.range_constexpr(nsplit):
             if part > 0:
                 warpgroup.wait_group(0)  # the previous slab's products still read aS
             self._state_slab(aS, vS, part)
-            self._gemm(mma_p, acc_p, aS, bKg[None, None, None, s], part == 0,
+            self._gemm(mma_q, acc_p, aS, bKg[None, None, None, s], part == 0,
                        part * kb_slab)
             warpgroup.commit_group()
             if cutlass.const_expr(self.outputs):
-                self._gemm(mma_p, acc_o, aS, bQg[None, None, None, s], part == 0,
+                self._gemm(mma_q, acc_o, aS, bQg[None, None, None, s], part == 0,
                            part * kb_slab)
                 warpgroup.commit_group()
         # while they run: this thread's v^T entries (widened after the wait, so the
@@ -628,8 +712,11 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
         for e in cutlass.range_constexpr(cute.size(acc_p)):
             _, i = cP[e]
             w = f32(0.0)
+            p = acc_p[e]
+            if cutlass.const_expr(not self.f16):
+                p = p * rows[2 + (e // 2) % 2]
             if i < length:
-                w = vT[e].to(f32) - acc_p[e]
+                w = vT[e].to(f32) - p
             acc_p[e] = w
         self._operand(vW, aWh, aWl)
 
@@ -637,8 +724,11 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
         self._product(mma_p, acc_u, aWh, aWl, bAwh[None, None, None, s],
                       bAwl[None, None, None, s], True)
         warpgroup.commit_group()
-        self._decay_state(acc_s, gl_r, sGl, cS, s)  # S diag(gl), while the products run
+        # S diag(gl) (the row scales undone), while the products run
+        self._decay_state(acc_s, gl_r, sGl, cS, s, rows)
         warpgroup.wait_group(0)
+        if cutlass.const_expr(self.outputs and not self.f16):
+            self._scale_rows(acc_o, rows[2], rows[3])  # Pq's row scales, before O adds to it
         self._operand(vU, aUh, aUl)  # rows past the length: zero (Aw's are, W's are)
 
     @cute.jit

@@ -113,9 +113,12 @@ def test_accuracy_markdown():
                      "state_err": 5e-6, "out_finite": True, "state_finite": False}]}
     lines = accuracy.markdown(doc).splitlines()
     assert "commit abc" in lines[0] and "output <= 0.0035" in lines[0]
-    assert lines[-1] == "| T512 | k1, k2 | 1.70e-03 | 5.00e-06 | False | - |"
+    assert lines[-1] == "| T512 | k1, k2 | 1.70e-03 | 5.00e-06 | False | - | - |"
     doc["rows"][0].update(fla_out_err=4.1e-3, fla_state_err=2.8e-3)
-    assert accuracy.markdown(doc).splitlines()[-1].endswith("| 4.10e-03 / 2.80e-03 |")
+    assert accuracy.markdown(doc).splitlines()[-1].endswith("| - | 4.10e-03 / 2.80e-03 |")
+    doc["rows"][0].update(precise_out_err=1.6e-3, precise_state_err=4e-6)
+    assert accuracy.markdown(doc).splitlines()[-1].endswith(
+        "| 1.60e-03 / 4.00e-06 | 4.10e-03 / 2.80e-03 |")
 
 
 @pytest.mark.parametrize("gate, expected", [

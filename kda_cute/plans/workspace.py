@@ -25,7 +25,8 @@ def rows(p: Problem, chunk: int) -> tuple[int, int]:
 
 def layout(p: Problem, cfg: FwdConfig) -> list[tuple[str, tuple, torch.dtype]]:
     """K1's outputs, in workspace order: fp32 for the SIMT K2; for the tensor-core K2 its 16-bit
-    operands, kd, Aw and Mq as (hi, lo) planes (one plane each in the f16 configs)."""
+    operands: qg and kg fp16, kd, Aw and Mq as bf16 (hi, lo) planes (one fp16 plane each in
+    the f16 configs)."""
     C, H, K = cfg.chunk, p.H, p.K
     nch, R = rows(p, C)
     f32, bf16 = torch.float32, torch.bfloat16
@@ -34,7 +35,9 @@ def layout(p: Problem, cfg: FwdConfig) -> list[tuple[str, tuple, torch.dtype]]:
     flags = ("flags", (nch * H,), torch.int32)
     if cfg.prep.operands == "bf16":
         h, planes = (torch.float16, 1) if cfg.prep.f16 else (bf16, 2)
-        return [("qg", (R, H, K), h), ("kg", (R, H, K), h), ("kd", (planes, R, H, K), h),
+        # qg and kg fp16 in every tensor-core config (abi.QK_DTYPE)
+        f16 = torch.float16
+        return [("qg", (R, H, K), f16), ("kg", (R, H, K), f16), ("kd", (planes, R, H, K), h),
                 ("gl", (nch, H, K), f32), ("aw", (planes, R, H, C), h),
                 ("mq", (planes, R, H, C), h), flags]
     return [("qg", (R, H, K), f32), ("kg", (R, H, K), f32), ("kd", (R, H, K), f32),

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from ..abi import Arg, operand_dtype, scalar, tensor, tma, ws_rows, ws_tile
+from ..abi import QK_DTYPE, Arg, operand_dtype, scalar, tensor, tma, ws_rows, ws_tile
 
 # gate_mode values passed to K1 at run time (one cubin serves all three forms)
 GATE_NONE, GATE_BOUNDED, GATE_UNBOUNDED = 0, 1, 2
@@ -78,10 +78,11 @@ def args(cfg: PrepConfig) -> list[Arg]:
     K, C = cfg.head_dim_k, cfg.chunk
     gl = tensor("gl", "float32", ("NCH", "H", K), ("sW", K, 1), 16)
     if cfg.operands == "bf16":
-        # TMA stores from smem: (C, K) tiles of qg and kg; kd's, Aw's and Mq's planes by the
-        # threads (fp16 throughout for the f16 configs, which write no lo planes)
+        # TMA stores from smem: (C, K) tiles of qg and kg (fp16: abi.QK_DTYPE); kd's, Aw's and
+        # Mq's planes by the threads (fp16 throughout for the f16 configs, which write no lo
+        # planes)
         dt = operand_dtype(cfg.f16)
-        outs = [ws_tile("qg", dt, "HK", (K, C)), ws_tile("kg", dt, "HK", (K, C)),
+        outs = [ws_tile("qg", QK_DTYPE, "HK", (K, C)), ws_tile("kg", QK_DTYPE, "HK", (K, C)),
                 *(ws_rows(n, dt, K, "sW") for n in ("kdh", "kdl")),
                 *(ws_rows(n, dt, C, "sWc") for n in ("awh", "awl", "mqh", "mql")), gl]
     else:

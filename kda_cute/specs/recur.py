@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from ..abi import Arg, operand_dtype, operand_tma, scalar, tensor, tma, ws_tile
+from ..abi import QK_DTYPE, Arg, operand_dtype, operand_tma, scalar, tensor, tma, ws_tile
 
 # The dtype of a state K2 or the combine reads or writes (`state_in`, `state_out`): none, fp32
 # or bf16
@@ -128,8 +128,8 @@ def args(cfg: RecurConfig) -> list[Arg]:
     if cfg.mma == "wgmma":
         dt = operand_dtype(cfg.f16)
         return [
-            operand_tma("kg", "HK", C, K, dtype=dt),
-            operand_tma("qg", "HK", C, K, dtype=dt),
+            operand_tma("kg", "HK", C, K, dtype=QK_DTYPE),
+            operand_tma("qg", "HK", C, K, dtype=QK_DTYPE),
             operand_tma("kdh", "HK", C, K, mn_major=True, dtype=dt),
             operand_tma("kdl", "HK", C, K, mn_major=True, dtype=dt),
             operand_tma("awh", "HC", C, C, dtype=dt),
@@ -139,6 +139,8 @@ def args(cfg: RecurConfig) -> list[Arg]:
             *_common(cfg),
             Arg("mma_p", "mma", kernel_only=True),
             Arg("mma_s", "mma", kernel_only=True),
+            # P and Pq on fp16 operands (the f16 builds: mma_p itself)
+            Arg("mma_q", "mma", kernel_only=True),
         ]
     return [
         ws_tile("kg", "float32", "HK", (K, C)),
