@@ -31,15 +31,18 @@ def fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state
     dt_bias), Kimi-Linear) or "none" (g is already the log-space decay). initial_state /
     final_state: [N, H, V, K] fp32 or bf16, may be the same tensor. cu_seqlens: [N+1] int64/int32
     with B == 1, non-decreasing from 0 to at most T: checked on the device (no host sync; a bad
-    batch runs no tokens and raises kda_cute.DeviceValueError by the next varlen, pool or
-    serving call, or by `kda_cute.check_errors()`); check_seqlens=True checks the values on the
+    batch runs no tokens and raises kda_cute.DeviceValueError by the next forward or serving
+    call, or by `kda_cute.check_errors()`); check_seqlens=True checks the values on the
     host first too (a host sync, skipped in CUDA-graph capture). workspace: optional
     caller-owned uint8 CUDA tensor (see `workspace_bytes`).
     config: a FwdConfig to use instead of the ladder's choice (kernel development, sweeps).
     precision: the ladder's choice between "fast" (K2's products on fp16 operands: fp32 state
     within ~4e-4 of float64, values up to ~1e4 in magnitude) and "precise" (the state's
     products on fp16 operands with the state scaled per row, the rest on bf16 hi/lo: no less
-    accurate than fast anywhere, ~5e-6 state error, bf16's range; ~1.35x fast's time).
+    accurate than fast anywhere, ~5e-6 state error, bf16's range; ~1.35x fast's time). A
+    forward whose state becomes non-finite (fast's fp16 operands overflowed, or inf / NaN
+    inputs) is reported: DeviceValueError naming `precision` by the next forward or serving
+    call, or by `kda_cute.check_errors()`.
     segments: K2's segments per sequence (kda_cute.segments; fixed-length batches, K == V);
     None chooses from the grid's size, 1 turns them off. Where K2's grid is small and not
     split, K2 runs alongside K1 (`describe`; KDA_CUTE_ALONGSIDE=0 turns that off).
@@ -61,8 +64,7 @@ def fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state
                 scale, lower_bound, state_indices, output_state_indices, has_initial_state,
                 null_slot)
     p = checks.forward(call, opts, check_seqlens)
-    if p.pool is not None or p.varlen:
-        errors.raise_pending(q.device)
+    errors.raise_pending(q.device)
     launch.run(plans.plan(p, opts, device_info(q.device)), call, workspace)
 
 

@@ -6,7 +6,7 @@ K2 and the combine a bad pool slot, nor any kernel a bad prefill cu_seqlens (the
 turns the batch into empty sequences); each sets the argument's error word instead: one word
 per argument (kda_cute.specs.step.ERRORS) in page-locked host memory that the kernel writes
 through the unified address space, so the host reads it without waiting for anything. Every
-serving call (and every varlen or pool-form forward) reads the words first and raises
+serving call and every forward reads the words first and raises
 for what an earlier call left (`raise_pending`); `check_errors()` does the same on demand
 (sync=True: after the device has finished the work queued so far). The words are made once
 per device and never freed, so a captured CUDA graph's kernels keep a valid address.
@@ -21,6 +21,9 @@ import torch
 
 from .specs.offsets import E_PREFILL_CU
 from .specs.step import ERROR_WORDS, ERRORS
+
+E_NONFINITE = 7  # a forward's state became non-finite (kernels.common.E_NONFINITE)
+assert ERRORS[E_NONFINITE].startswith("precision")
 
 _words: dict[int, tuple[torch.Tensor, ctypes.Array]] = {}
 _lock = threading.Lock()
@@ -69,9 +72,12 @@ def raise_pending(device) -> None:
     if not any(view):
         return
     bad = [ERRORS[i] for i in range(ERROR_WORDS) if view[i]]
-    rows = any(view[i] for i in range(ERROR_WORDS) if i != E_PREFILL_CU)
+    rows = any(view[i] for i in range(ERROR_WORDS) if i not in (E_PREFILL_CU, E_NONFINITE))
+    values = any(view[i] for i in range(ERROR_WORDS) if i != E_NONFINITE)
     for i in range(ERROR_WORDS):
         view[i] = 0
+    if not values:
+        raise DeviceValueError(f"{bad[0]}, in an earlier forward on cuda:{d}")
     raise DeviceValueError(
         f"{', '.join(bad)}: expected values in range (indices < the pool's slots, offsets "
         f"non-decreasing from 0 and within the tokens, counts within the entries per row), got "

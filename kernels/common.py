@@ -12,6 +12,8 @@ from kda_cute.specs.recur import INDEX_DENSE, INDEX_POOL
 from kda_cute.specs.step import ERRORS
 
 E_READ, E_WRITE = 3, 4  # the error words of a bad read / write slot (specs.step.ERRORS)
+E_NONFINITE = 7  # a forward's state became non-finite (K2)
+assert ERRORS[E_NONFINITE].startswith("precision")
 assert ERRORS[E_READ].startswith("state_indices") and ERRORS[E_WRITE].startswith("output")
 
 LOG2E = 1.4426950408889634  # log2(e): K1's column passes carry G in base 2

@@ -55,6 +55,7 @@ from cutlass.utils import LayoutEnum
 from kda_cute.abi import QK_DTYPE, operand_dtype
 from kda_cute.specs.recur import STATE_BF16, STATE_F32, RecurConfig
 from kernels.common import (
+    E_NONFINITE,
     StateSlots,
     TileCopy,
     absmax_bf16x2,
@@ -584,6 +585,15 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
             cute.arch.cp_async_bulk_wait_group(0, read=True)  # smem outlives every warp's stores
 
             # ---- final state ------------------------------------------------------------------
+            # a non-finite state (an fp16 operand overflowed, or the inputs held inf or NaN:
+            # either leaves inf or NaN in the state for good) is reported, never passed on
+            # silently: the sum of the thread's entries, inf or NaN iff one of them is
+            entries = []
+            for e in cutlass.range_constexpr(cute.size(acc_s)):
+                entries.append(acc_s[e])
+            total = _tree(entries, lambda a, b: a + b)
+            if (f32_bits(total) >> 23) & 255 == 255:
+                mErr[E_NONFINITE] = cutlass.Int32(1)
             s_out = state_out
             if live == 0:
                 s_out = cutlass.Int32(0)

@@ -339,3 +339,26 @@ def test_step_prep_config():
         ok, why = supports(StepConfig(128, 128, "bfloat16", 64, 16, 128,
                                       **{"prep": 4, **bad}))
         assert not ok and word in why, (bad, why)
+
+
+def test_error_words_name_the_argument_and_clear():
+    """kda_cute.errors: a word set by a kernel is raised once, naming its argument; a
+    forward's non-finite state is named `precision` without the bad-index wording."""
+    from kda_cute import errors
+    from kda_cute.specs.offsets import E_PREFILL_CU
+
+    _, view = errors.words(0)
+    for i in range(len(view)):
+        view[i] = 0
+    errors.raise_pending(0)  # nothing set: no error
+    view[errors.E_NONFINITE] = 1
+    with pytest.raises(errors.DeviceValueError) as info:
+        errors.raise_pending(0)
+    msg = str(info.value)
+    assert msg.startswith("precision") and "out-of-range" not in msg
+    errors.raise_pending(0)  # cleared
+    view[E_PREFILL_CU] = 1
+    with pytest.raises(errors.DeviceValueError) as info:
+        errors.raise_pending(0)
+    msg = str(info.value)
+    assert msg.startswith("cu_seqlens (a prefill") and "padding" not in msg

@@ -194,17 +194,14 @@ class Bound:
         self._torch = any(isinstance(x, Copy) for x in plan.steps)
         self._device = device
         self._check = check_seqlens and getattr(plan.problem, "varlen", False)
-        # a serving step, a pool-form and a varlen forward report bad values
-        self._errors = (hasattr(plan.problem, "form") or bool(getattr(plan.problem, "pool", None))
-                        or getattr(plan.problem, "varlen", False))
 
     def _capturing(self) -> bool:
         with torch.cuda.device(self._device):
             return torch.cuda.is_current_stream_capturing()
 
     def __call__(self) -> None:
-        if self._errors:
-            errors.raise_pending(self._device)
+        # what an earlier call's kernels reported (bad values; a forward's non-finite state)
+        errors.raise_pending(self._device)
         capturing = (self._check or self.plan.alongside) and self._capturing()
         if self._check and not capturing:
             checks.seqlens(self.call.cu_seqlens, self.plan.problem.T)

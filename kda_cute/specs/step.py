@@ -23,7 +23,10 @@ ERRORS = ("cu_seqlens", "cu_seqlens (tokens per row past the entries or scratch 
           "output_state_indices / ssm_state_indices / intermediate_state_indices / "
           "state_indices (a write slot)", "retrieve_parent_token",
           "cu_seqlens (a prefill's: non-decreasing from 0 to at most T; the call ran no tokens, "
-          "its outputs were not written and its final states are its initial ones)", "unused")
+          "its outputs were not written and its final states are its initial ones)",
+          "precision (a forward's state became non-finite: an fp16 operand of precision='fast' "
+          "overflowed, |values| past ~1e4, or the inputs held inf or NaN; precision='precise' "
+          "holds bf16's range)")
 ERROR_WORDS = len(ERRORS)
 
 # write modes: nothing, the state after a row's last token, the state after every token, the
