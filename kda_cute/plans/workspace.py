@@ -91,12 +91,12 @@ def operand_offsets(p: Problem, cfg: FwdConfig) -> dict[str, int]:
     return out
 
 
-def chunk_slots(cu_seqlens: torch.Tensor, chunk: int, ramp: torch.Tensor,
-                out: torch.Tensor | None = None) -> torch.Tensor:
+def chunk_slots(cu_seqlens: torch.Tensor, chunk: int, ramp: torch.Tensor) -> torch.Tensor:
     """Each varlen sequence's first workspace chunk slot (cu_chunks), cu_seqlens[s] // chunk +
-    s (`ramp` = 0, 1, ..., N): no prefix sum over the lengths, so two small kernels, and every
-    sequence's slots begin past the previous one's last chunk (floor((a + n) / C) - floor(a / C)
-    + 1 >= ceil(n / C) slots for n tokens). The slots between (at most one a sequence) hold no
-    tokens: K1 skips them, K2 never reads them. A fixed-length batch packs its chunks instead
-    (the segment offsets). `out`: an int32 tensor [N + 1] to write them into."""
-    return torch.div(cu_seqlens, chunk, rounding_mode="floor", out=out).add_(ramp)
+    s (`ramp` = 0, 1, ..., N): no prefix sum over the lengths, and every sequence's slots begin
+    past the previous one's last chunk (floor((a + n) / C) - floor(a / C) + 1 >= ceil(n / C)
+    slots for n tokens). The slots between (at most one a sequence) hold no tokens: K1 skips
+    them, K2 never reads them. A fixed-length batch packs its chunks instead (the segment
+    offsets). The offsets kernel (kernels/kda_offsets_sm90.py) computes the same on the device;
+    this is its host-side reference (tests, kda_cute.testing)."""
+    return torch.div(cu_seqlens, chunk, rounding_mode="floor").add_(ramp)
