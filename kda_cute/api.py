@@ -22,7 +22,8 @@ def fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state
         final_state=None, cu_seqlens=None, workspace=None, *, gate="bounded", qk_l2norm=True,
         beta_sigmoid=True, check_seqlens=False, config=None, segments=None, precision="fast",
         state_indices=None, output_state_indices=None, has_initial_state=None,
-        null_slot=None):
+        null_slot=None, checkpoint_state=None, checkpoint_offsets=None, checkpoint_slots=None,
+        checkpoint_every=None, checkpoint_first=None):
     """KDA forward, FlashKDA's low-level call: writes `out` and `final_state` in place.
 
     q, k, g: [B, T, H, K] bf16; v, out: [B, T, H, V] bf16; beta: [B, T, H] bf16 (logits when
@@ -56,13 +57,23 @@ def fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state
     writes no state and its outputs are zeros. An index past the pool is never followed (the
     sequence is treated as padding) and raised as kda_cute.DeviceValueError by the next pool or
     serving call, or by `kda_cute.check_errors()`.
+    Checkpoints (docs/serving.md): the state after given tokens of each sequence, written by the
+    same forward, each equal to the final state of a forward of that prefix alone (bit for bit
+    where both run the same schedule). checkpoint_offsets [N, C] (int32 / int64; an offset
+    outside 1..len, -1 say, is unused) writes checkpoint_state [N, C, H, V, K] (fp32 or bf16;
+    unused ones untouched); or checkpoint_slots [N, M] with checkpoint_every (a multiple of 64)
+    writes the state every checkpoint_every tokens, from offset checkpoint_first[n] (default
+    checkpoint_every) on, the i-th into pool slot checkpoint_slots[n, i] of checkpoint_state
+    [slots, H, V, K] (-1 skips; a slot past the pool is never written and is raised like a bad
+    state index). A padding row writes none. Tensor-core forwards only.
     A repeated call with tensors of the same metadata reuses the checks and the plan; `bind`
     skips the rest too.
     """
     opts = checks.options(gate, qk_l2norm, beta_sigmoid, segments, config, precision)
     call = Call(q, k, v, g, beta, out, A_log, dt_bias, initial_state, final_state, cu_seqlens,
                 scale, lower_bound, state_indices, output_state_indices, has_initial_state,
-                null_slot)
+                null_slot, checkpoint_state, checkpoint_offsets, checkpoint_slots,
+                checkpoint_every, checkpoint_first)
     p = checks.forward(call, opts, check_seqlens)
     errors.raise_pending(q.device)
     launch.run(plans.plan(p, opts, device_info(q.device)), call, workspace)

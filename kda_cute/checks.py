@@ -22,7 +22,8 @@ import torch
 
 from .abi import SYM_DIV
 from .ladder import PRECISIONS, FwdConfig, select_config, supports
-from .problem import STATE_DTYPES, WY_MODES, Call, Options, Problem
+from .problem import STATE_DTYPES, WY_MODES, Call, Checkpoints, Options, Problem
+from .specs.checkpoints import MAX_ENTRIES
 from .specs.prep import GATE_MODES
 
 
@@ -264,6 +265,7 @@ def problem(c: Call, opts: Options) -> Problem:
         if c.initial_state is None:
             raise err("has_initial_state", "None without initial_state", "a tensor")
         flags("has_initial_state", hi, N, dev)
+    ckpt = _checkpoints(c, N, H, V, K, dev)
     # the gate parameters a bounded / unbounded gate reads (zeros where not given)
     gated = opts.gate != "none"
     return Problem(
@@ -274,7 +276,70 @@ def problem(c: Call, opts: Options) -> Problem:
         state_out=None if c.final_state is None else c.final_state.dtype,
         A_log=gated and c.A_log is not None, dt_bias=gated and c.dt_bias is not None,
         cu_int64=cu is not None and cu.dtype == torch.int64, pool=pool,
-        has_init=hi is not None)
+        has_init=hi is not None, ckpt=ckpt)
+
+
+CHECKPOINT_ARGS = ("checkpoint_offsets", "checkpoint_slots", "checkpoint_every",
+                   "checkpoint_first")
+
+
+def _checkpoints(c: Call, N: int, H: int, V: int, K: int, dev) -> Checkpoints | None:
+    """The checkpoints' checks (kda_cute.specs.checkpoints): checkpoint_state with exactly one
+    of checkpoint_offsets [N, C] (the state after each offset, into checkpoint_state [N, C, H,
+    V, K]) and checkpoint_slots [N, M] with checkpoint_every (a multiple of 64: the state every
+    that many tokens from checkpoint_first[n], default checkpoint_every, the i-th into pool slot
+    checkpoint_slots[n, i] of checkpoint_state [slots, H, V, K]). Returns Problem.ckpt."""
+    cs = c.checkpoint_state
+    given = {n: getattr(c, n) for n in CHECKPOINT_ARGS}
+    if cs is None:
+        for name, t in given.items():
+            if t is not None:
+                raise err(name, "None without checkpoint_state", type(t).__name__)
+        return None
+    offs, slots = c.checkpoint_offsets, c.checkpoint_slots
+    if (offs is None) == (slots is None):
+        raise err("checkpoint_offsets / checkpoint_slots", "exactly one with checkpoint_state "
+                  "(offsets [N, C] into checkpoint_state [N, C, H, V, K], or slots [N, M] "
+                  "with checkpoint_every into a pool)", "both" if offs is not None else "neither")
+    if offs is not None:
+        for name in ("checkpoint_every", "checkpoint_first"):
+            if given[name] is not None:
+                raise err(name, "None with checkpoint_offsets (checkpoint_slots' form)",
+                          type(given[name]).__name__)
+        sn, se = index_table("checkpoint_offsets", offs, (N, None), dev)
+        E = offs.shape[1]
+        if not 1 <= E <= MAX_ENTRIES:
+            raise err("checkpoint_offsets", f"1 to {MAX_ENTRIES} checkpoints per sequence", E)
+        tensor("checkpoint_state", cs, STATE_DTYPES, 5, dev)
+        _shape("checkpoint_state", cs, (N, E, H, V, K))
+        st = cs.stride()
+        if st[2:] != (V * K, K, 1):
+            raise err("checkpoint_state", f"each checkpoint's [H, V, K] dense (strides (..., "
+                      f"{V * K}, {K}, 1))", f"strides {st}")
+        row = st[1] if E > 1 else st[0] if N > 1 else H * V * K
+        if row % 8 or row < H * V * K or (N > 1 and E > 1 and st[0] != E * st[1]):
+            raise err("checkpoint_state", f"a checkpoint stride >= H*V*K = {H * V * K}, a "
+                      "multiple of 8 elements, and the sequence stride C times it",
+                      f"strides {st}")
+        return Checkpoints(0, E, N * E, row, cs.dtype, sn, se, is_wide(offs), index_words(offs))
+    every = c.checkpoint_every
+    if isinstance(every, bool) or not isinstance(every, int) or every < 64 or every % 64:
+        raise err("checkpoint_every", "a multiple of 64 (tokens) with checkpoint_slots",
+                  repr(every))
+    sn, se = index_table("checkpoint_slots", slots, (N, None), dev)
+    E = slots.shape[1]
+    if not 1 <= E <= MAX_ENTRIES:
+        raise err("checkpoint_slots", f"1 to {MAX_ENTRIES} checkpoints per sequence", E)
+    stride = pool("checkpoint_state", cs, H, V, K, dev)
+    if not 1 <= cs.shape[0] < 2 ** 31:
+        raise err("checkpoint_state", "a pool of 1 to 2^31 - 1 slots", cs.shape[0])
+    first = c.checkpoint_first
+    f_sn = 0
+    if first is not None:
+        f_sn = index_table("checkpoint_first", first, (N,), dev)[0]
+    return Checkpoints(every, E, cs.shape[0], stride, cs.dtype, sn, se, is_wide(slots),
+                       index_words(slots), int(first is not None), f_sn, is_wide(first),
+                       index_words(first), null_min(c.null_slot))
 
 
 def _pool_form(c: Call, N: int, H: int, V: int, K: int, dev) -> tuple:
@@ -387,7 +452,8 @@ def forward(c: Call, opts: Options, check_seqlens: bool = False, cuda: bool = Tr
     cu_seqlens' values on the host (`check_seqlens`, a host sync; not during capture: the
     offsets kernel checks them on the device either way), a shipped or given config for the
     head dims (`config`), the CUDA requirement (`cuda`). Returns its Problem."""
-    key = (opts, tuple(map(_meta, c[:11])), tuple(map(_meta, c[13:16])), c.null_slot)
+    key = (opts, tuple(map(_meta, c[:11])), tuple(map(_meta, c[13:16])), c.null_slot,
+           tuple(map(_meta, c[17:])), c.checkpoint_every)
     p = _passed.get(key)
     if p is None:
         p = problem(c, opts)
@@ -399,7 +465,9 @@ def forward(c: Call, opts: Options, check_seqlens: bool = False, cuda: bool = Tr
     if check_seqlens and c.cu_seqlens is not None and not capturing(c.q.device):
         seqlens(c.cu_seqlens, p.T)
     if config:
-        config_for(p, opts)
+        cfg = config_for(p, opts)
+        if p.ckpt is not None and cfg.recur.mma != "wgmma":
+            raise err("config", "a tensor-core forward with checkpoints", cfg.recur.name)
     if cuda:
         require_cuda(c)
     return p
@@ -412,11 +480,14 @@ def clear() -> None:
 def validate(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state,
              final_state, cu_seqlens, gate, check_seqlens=False, cuda=True, *,
              state_indices=None, output_state_indices=None, has_initial_state=None,
-             null_slot=None) -> Problem:
+             null_slot=None, checkpoint_state=None, checkpoint_offsets=None,
+             checkpoint_slots=None, checkpoint_every=None, checkpoint_first=None) -> Problem:
     """`forward`'s checks with fwd's arguments (gate as fwd's keyword), head dims without a
     config aside: the Problem they describe. cuda=False: tensors on any device (the checks on a
     CPU)."""
     return forward(Call(q, k, v, g, beta, out, A_log, dt_bias, initial_state, final_state,
                         cu_seqlens, scale, lower_bound, state_indices, output_state_indices,
-                        has_initial_state, null_slot), options(gate), check_seqlens, cuda,
+                        has_initial_state, null_slot, checkpoint_state, checkpoint_offsets,
+                        checkpoint_slots, checkpoint_every, checkpoint_first), options(gate),
+                   check_seqlens, cuda,
                    config=False)

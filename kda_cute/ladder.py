@@ -13,6 +13,7 @@ import functools
 from dataclasses import dataclass
 
 from .specs import prep, recur
+from .specs.checkpoints import CheckpointsConfig
 from .specs.combine import CombineConfig
 from .specs.offsets import OffsetsConfig
 from .specs.prep import PrepConfig
@@ -150,10 +151,28 @@ def alongside_of(cfg: FwdConfig) -> FwdConfig | None:
     return None
 
 
+# K2 storing checkpoints (RecurConfig.checkpoints): the main K2 of a forward asked for them, a
+# twin of each tensor-core K2 a forward's schedule runs (serial, WY, alongside; the segments'
+# last run); the others carry no checkpoint code, so a forward without them runs as before.
+CHECKPOINT_RUNS: tuple[RecurConfig, ...] = tuple(
+    dataclasses.replace(r, checkpoints=True)
+    for r in dict.fromkeys([f.recur for f in TENSOR_CORE] + list(WY_RUNS)
+                           + [f.recur for f in ALONGSIDE]))
+
+
+@functools.lru_cache(maxsize=64)
+def checkpoints_of(recur: RecurConfig) -> RecurConfig | None:
+    """The checkpoints build of a shipped K2 (CHECKPOINT_RUNS), or None."""
+    c = dataclasses.replace(recur, checkpoints=True)
+    return c if c in CHECKPOINT_RUNS else None
+
+
 # The segments' combine, one per head dim (the segmented K2 runs with K == V).
 COMBINE: tuple[CombineConfig, ...] = tuple(CombineConfig(d) for d in HEAD_DIMS)
 # a varlen forward's offsets (cu_seqlens checked and copied, the chunk slots), on the device
 OFFSETS = OffsetsConfig()
+# a prefill's checkpoints: K2's tables and the side slots (kda_cute.specs.checkpoints)
+CHECKPOINTS = CheckpointsConfig()
 
 
 def combine_config(head_dim: int) -> CombineConfig | None:
@@ -321,12 +340,12 @@ def select_config(head_dim_k: int, head_dim_v: int, varlen: bool,
 
 def all_kernels() -> tuple:
     """Every kernel config that is built and shipped, once each: the forwards' K1 and K2
-    (shipped, experimental and alongside builds), then K2's segment runs and WY builds, the
-    combines, the token steps and the offsets."""
+    (shipped, experimental and alongside builds), then K2's segment runs, WY and checkpoints
+    builds, the combines, the token steps, the offsets and the checkpoints kernel."""
     seen, out = set(), []
     for cfg in [c for f in SHIPPED + EXPERIMENTAL + ALONGSIDE for c in (f.prep, f.recur)] + [
-            *SEGMENT_RUNS, *WY_RUNS, *COMBINE, *STEP, *(c for _, c in STEP_SINGLE + STEP_MULTI),
-            *STEP_VARIANTS, OFFSETS]:
+            *SEGMENT_RUNS, *WY_RUNS, *CHECKPOINT_RUNS, *COMBINE, *STEP,
+            *(c for _, c in STEP_SINGLE + STEP_MULTI), *STEP_VARIANTS, OFFSETS, CHECKPOINTS]:
         if cfg not in seen:
             seen.add(cfg)
             out.append(cfg)

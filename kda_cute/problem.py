@@ -32,6 +32,38 @@ ENV_WY = _env_wy()
 
 
 @dataclass(frozen=True)
+class Checkpoints:
+    """A prefill's checkpoints (kda_cute.specs.checkpoints), as metadata. every 0: the
+    offsets form (checkpoint_state [N, per_row, H, V, K], row n * per_row + e for
+    checkpoint_offsets[n, e]); every > 0: boundaries every `every` tokens from each row's first
+    (checkpoint_first[n], or `every`), the i-th written to pool slot checkpoint_slots[n, i] of
+    checkpoint_state [slots, H, V, K]. dest_rows / dest_stride: the destination's rows and row
+    stride (elements); the entries' and first table's row and entry strides (elements), int64
+    flags and int32 words; dest_min: slots below are skipped (null_slot=0: 1)."""
+
+    every: int
+    per_row: int
+    dest_rows: int
+    dest_stride: int
+    dtype: torch.dtype
+    e_sn: int
+    e_se: int
+    e_wide: int
+    e_words: int
+    first_on: int = 0
+    f_sn: int = 0
+    f_wide: int = 0
+    f_words: int = 0
+    dest_min: int = 0
+
+    @property
+    def aligned(self) -> bool:
+        """Every boundary ends a chunk (the every-n form from its default first boundary, n a
+        multiple of 64): no partial chunk, so no side slots or side runs."""
+        return self.every > 0 and not self.first_on
+
+
+@dataclass(frozen=True)
 class Problem:
     """A forward's metadata. B, T, H: batch, tokens per sequence row, heads; K, V: head dims; N:
     sequences (B, or len(cu_seqlens) - 1 with varlen). The rest, with defaults for a problem
@@ -41,7 +73,8 @@ class Problem:
     kernels). pool: None for dense states ([N, H, V, K], row n sequence n's), or the pool form's
     (slots, slot stride in elements, state_indices' entry stride and int64 flag, whether
     output_state_indices is given, its entry stride and int64 flag, the least index that is not
-    padding, the two tables' int32 words); has_init: has_initial_state is given."""
+    padding, the two tables' int32 words); has_init: has_initial_state is given; ckpt: the
+    checkpoints asked for (None: none)."""
 
     B: int
     T: int
@@ -58,6 +91,7 @@ class Problem:
     cu_int64: bool = False
     pool: tuple[int, int, int, int, int, int, int, int, int, int] | None = None
     has_init: bool = False
+    ckpt: Checkpoints | None = None
 
     def token_strides(self) -> tuple[int, int, int, int, int, int]:
         """(q, k, g, v, out, beta) token strides in elements."""
@@ -108,6 +142,13 @@ class Call(NamedTuple):
     output_state_indices: torch.Tensor | None = None
     has_initial_state: torch.Tensor | None = None
     null_slot: int | None = None
+    # checkpoints (kda_cute.specs.checkpoints): the destination, and the offsets form's
+    # offsets or the every-n form's slots, spacing and first boundaries
+    checkpoint_state: torch.Tensor | None = None
+    checkpoint_offsets: torch.Tensor | None = None
+    checkpoint_slots: torch.Tensor | None = None
+    checkpoint_every: int | None = None
+    checkpoint_first: torch.Tensor | None = None
 
 
 # ------------------------------------------------------------------------ serving steps

@@ -242,6 +242,20 @@ def absmax_bf16x2(a, b, *, loc=None, ip=None) -> cutlass.Int32:
         loc=loc, ip=ip))
 
 
+@dsl_user_op
+def bulk_store(gaddr, saddr, nbytes, *, loc=None, ip=None):
+    """`nbytes` (a multiple of 16, both addresses 16-byte aligned) from shared memory at saddr to
+    global memory at gaddr, by the bulk copy engine into the calling thread's current bulk
+    async-group (cp.async.bulk; commit and wait are the caller's)."""
+    g = cutlass.Int64(gaddr).ir_value(loc=loc, ip=ip)
+    sa = cutlass.Int32(saddr).ir_value(loc=loc, ip=ip)
+    n = cutlass.Int32(nbytes).ir_value(loc=loc, ip=ip)
+    llvm.inline_asm(None, [g, sa, n],
+                    "cp.async.bulk.global.shared::cta.bulk_group [$0], [$1], $2;", "l,r,r",
+                    has_side_effects=True, is_align_stack=False,
+                    asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
 def bf16x2_lo(w) -> cutlass.Float32:
     """The low bf16 of a word, as fp32 (exact: a shift)."""
     return bits_f32(w << 16)

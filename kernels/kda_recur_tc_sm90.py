@@ -62,6 +62,7 @@ from kernels.common import (
     bf16x2_hi,
     bf16x2_lo,
     bits_f32,
+    bulk_store,
     f32_bits,
     pack_bf16x2,
     swizzle_bytes,
@@ -86,6 +87,8 @@ FLAG_BATCH = 8  # flags a waiting K2 reads at once
 # the WY form: the producer warp turns a chunk's kg into kgw this many chunks after issuing
 # its loads (< stages, so the consumer's releases never wait on it)
 WY_LAG = 2
+# a checkpoint slab's row padding, in fp32 elements (bf16 rows: twice as many elements)
+CK_PAD = 8
 
 
 def acc_as_operand_a(acc: cute.Tensor) -> cute.Tensor:
@@ -117,6 +120,7 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
         # hi planes; the lo planes are neither written nor loaded)
         self.f16 = cfg.f16
         self.wy = cfg.wy  # the WY form (producer-formed kgw; config.WY_RUNS)
+        self.checkpoints = cfg.checkpoints  # stores the checkpoints of its table
         self.op = cutlass.Float16 if cfg.f16 else cutlass.BFloat16
         # the state's operand copy in `nsplit` slabs of K (two at K = 256, which keeps it inside
         # 255 registers)
@@ -149,6 +153,11 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
         index_mode: cutlass.Int32, row_div: cutlass.Int32, slots: cutlass.Int32,
         r_sn: cutlass.Int32, r_wide: cutlass.Int32, w_on: cutlass.Int32, w_sn: cutlass.Int32,
         w_wide: cutlass.Int32, hi_on: cutlass.Int32, null_min: cutlass.Int32,
+        # checkpoints (kda_cute.specs.checkpoints): the table (ck_rows words a sequence, 0:
+        # none), the destination (fp32 / bf16 views, ck_dtype) and the scratch rows
+        mCkAt: cute.Tensor, mCkTo: cute.Tensor, mCkF: cute.Tensor, mCkH: cute.Tensor,
+        mCkS: cute.Tensor, ck_rows: cutlass.Int32, ck_dtype: cutlass.Int32,
+        side: cutlass.Int32,  # 1: the side run (sequence z's tokens at 2z, 2z + 1; no outputs)
         stream,
     ):
         C, K, BV, S = self.C, self.K, self.BV, self.stages
@@ -206,6 +215,7 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
         align = cute.struct.Align
         # the lo planes' tiles: none in the f16 builds (one element each, never read or loaded)
         lo_kc, lo_cc = self._lo_sizes(cute.cosize(l_kc), cute.cosize(l_cc))
+        ck_elems = BV * (K + CK_PAD) if self.checkpoints else 1
 
         @cute.struct
         class SharedStorage:
@@ -226,14 +236,18 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
             sO: align[buf[bf16, cute.cosize(l_o)], 128]
             # `ordered`: cu_seqlens (at most `threads` entries), then the CTA's sequence
             sOrd: buf[cutlass.Int32, self.threads + 1]
+            # the checkpoints builds: each warp's 16 state rows on their way out (rows padded
+            # by 32 bytes: the accumulator's row pairs land in distinct banks)
+            sCk: align[buf[cutlass.Float32, ck_elems], 128]
 
         self.shared_storage = SharedStorage
         self.smem_bytes = SharedStorage.size_in_bytes()
         self.kernel(
             *atoms, mOut, tma_o, tO, mS0f, mS0h, mS1f, mS1h, mCuSeq, mCuChunk, mFlags,
             mRIdx, mWIdx, mHasInit, mErr, state_in, state_out, ordered, index_mode, row_div,
-            slots, r_sn, r_wide, w_on, w_sn, w_wide, hi_on, null_min, mma_p, mma_s, mma_q, l_ck,
-            l_cc, l_kc, l_gl, l_v, l_o, l_slab,
+            slots, r_sn, r_wide, w_on, w_sn, w_wide, hi_on, null_min,
+            (mCkAt, mCkTo, mCkF, mCkH, mCkS, ck_rows, ck_dtype), side, mma_p, mma_s, mma_q,
+            l_ck, l_cc, l_kc, l_gl, l_v, l_o, l_slab,
         ).launch(
             grid=(self.V // BV, num_heads, num_seqs), block=(self.threads, 1, 1),
             smem=self.smem_bytes, stream=stream,
@@ -267,6 +281,7 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
         index_mode: cutlass.Int32, row_div: cutlass.Int32, slots: cutlass.Int32,
         r_sn: cutlass.Int32, r_wide: cutlass.Int32, w_on: cutlass.Int32, w_sn: cutlass.Int32,
         w_wide: cutlass.Int32, hi_on: cutlass.Int32, null_min: cutlass.Int32,
+        ckpt, side: cutlass.Int32,
         mma_p: cute.TiledMma, mma_s: cute.TiledMma, mma_q: cute.TiledMma,
         l_ck: cute.ComposedLayout, l_cc: cute.ComposedLayout, l_kc: cute.ComposedLayout,
         l_gl: cute.Layout, l_v: cute.Layout, l_o: cute.Layout, l_slab: cute.Layout,
@@ -275,7 +290,13 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
         tidx, _, _ = cute.arch.thread_idx()
         vb, h, z = cute.arch.block_idx()
         _, nh, nz = cute.arch.grid_dim()
-        num_seqs = cute.size(mCuSeq) - 1  # this CTA runs sequences z, z + nz, ...
+        # this CTA runs sequences z, z + nz, ...; the side run's count is on the device (the
+        # table's last word) and its sequences' bounds are pairs
+        num_seqs = cutlass.Int32(cute.size(mCuSeq) - 1)
+        step = cutlass.Int32(1)
+        if side != 0:
+            num_seqs = mCuSeq[num_seqs]
+            step = cutlass.Int32(2)
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         v0 = vb * BV
         if cutlass.const_expr(self.alongside):
@@ -300,6 +321,7 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
         sGl = st.sGl.get_tensor(l_gl)  # (1, K, S)
         sV = st.sV.get_tensor(l_v)  # (C, BV, S)
         sO = st.sO.get_tensor(l_o)  # (C, BV, 2)
+        sCk = st.sCk.get_tensor(cute.make_layout(1))  # (its base: the slabs' views are made there)
 
         ready = st.ready.data_ptr()
         if cutlass.const_expr(self.wy):
@@ -330,12 +352,12 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
             issued = cutlass.Int32(0)
             # the next sequence's first chunks load while the consumer finishes this one's
             for seq in cutlass.range(z, num_seqs, nz):
-                bos = mCuSeq[seq]
+                bos = mCuSeq[seq * step]
                 chunk0 = mCuChunk[seq]
                 # a padding row runs no chunk (the consumers agree: _slots)
                 live, _, _, _ = self._slots(mRIdx, mWIdx, mHasInit, mErr, seq, idx,
                                             cutlass.Int32(0))
-                nch = (mCuSeq[seq + 1] - bos + C - 1) // C * live
+                nch = (mCuSeq[seq * step + 1] - bos + C - 1) // C * live
                 flagged = cutlass.Int32(-1)  # chunks 0 .. flagged known written (K1 alongside)
                 for c in cutlass.range(nch):
                     pipe.producer_acquire(state)
@@ -369,7 +391,8 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
             self._consume(pipe, sKg, sQg, sKdh, sKdl, sAwh, sAwl, sMqh, sMql, sGl, sV, sO,
                           l_slab, mOut, (tma_o, tO), mS0f, mS0h, mS1f, mS1h, state_in,
                           state_out, (mma_p, mma_q), mma_s, tidx, warp, h, vb, mCuSeq,
-                          (z, num_seqs, nz), ready, (mRIdx, mWIdx, mHasInit, mErr), idx)
+                          (z, num_seqs, nz, step), ready, (mRIdx, mWIdx, mHasInit, mErr), idx,
+                          ckpt, side, sCk)
 
     @cute.jit
     def _wy_operand(self, pipe, wstate, sKg, sAwh, ready):
@@ -465,7 +488,7 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
     def _consume(self, pipe, sKg, sQg, sKdh, sKdl, sAwh, sAwl, sMqh, sMql, sGl, sV, sO,
                  l_slab, mOut, store_o, mS0f, mS0h, mS1f, mS1h, state_in, state_out,
                  mmas, mma_s: cute.TiledMma, tidx, warp, h, vb,
-                 mCuSeq: cute.Tensor, seqs, ready, tables, idx):
+                 mCuSeq: cute.Tensor, seqs, ready, tables, idx, ckpt, side, sCk):
         C, K, BV = self.C, self.K, self.BV
         v0 = vb * BV
         bf16, f32 = cutlass.BFloat16, cutlass.Float32
@@ -499,18 +522,21 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
         aUl = cute.make_rmem_tensor_like(vU, bf16)
 
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-        z, num_seqs, nz = seqs
+        z, num_seqs, nz, step = seqs
         mRIdx, mWIdx, mHasInit, mErr = tables
+        mCkAt, mCkTo, mCkF, mCkH, mCkS, ck_rows, ck_dtype = ckpt
+        # the side run stores no output (its partial chunks' outputs are the forward's)
+        keep = 1 - side
         for seq in cutlass.range(z, num_seqs, nz):
-            bos = mCuSeq[seq]
-            eos = mCuSeq[seq + 1]
+            bos = mCuSeq[seq * step]
+            eos = mCuSeq[seq * step + 1]
             # the rows of the state read and written; a padding row neither reads nor writes,
             # runs no chunk (the producer loads none) and its outputs are zeros
             live, rs, ws, init = self._slots(mRIdx, mWIdx, mHasInit, mErr, seq, idx,
                                              cutlass.Int32(0))
             num_chunks = (eos - bos + C - 1) // C * live
             if cutlass.const_expr(self.outputs):
-                if live == 0:
+                if live == 0 and side == 0:
                     self._zero_rows(mOut, bos, eos, h, v0, tidx, self.mma_threads)
             s_in = state_in
             if live == 0 or init == 0:
@@ -522,65 +548,95 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
                 acc_s.store(thr_s.partition_C(self._state_rows(mS0h, rs, h, vb)).load().to(f32))
             else:
                 acc_s.fill(0.0)
+            # the sequence's checkpoints: the next one's chunk count (-1: none) and destination,
+            # the one after it (read a checkpoint ahead, so no table load waits at a store),
+            # and the table entry to read next
+            ck = (cutlass.Int32(seq * ck_rows + 2), cutlass.Int32(-1), cutlass.Int32(0),
+                  cutlass.Int32(-1), cutlass.Int32(0))
+            if cutlass.const_expr(self.checkpoints):
+                if ck_rows * live != 0:
+                    e0 = seq * ck_rows
+                    ck = (e0 + 2, mCkAt[e0], mCkTo[e0], mCkAt[e0 + 1], mCkTo[e0 + 1])
+                    if ck[1] == 0:
+                        ck = self._checkpoints(ckpt, ck, cutlass.Int32(0), acc_s, cS, sCk, h,
+                                               vb, warp)
 
-            for c in cutlass.range(num_chunks):
-                pipe.consumer_wait(state)
-                s = state.index
-                if cutlass.const_expr(self.wy):
-                    cute.arch.mbarrier_wait(ready + s, state.phase)
-                t0 = bos + c * C
-                length = cutlass.min(C, eos - t0)
+            # the chunks run between checkpoints (one run without): the chunk loop itself
+            # carries no checkpoint test
+            c0 = cutlass.Int32(0)
+            while c0 < num_chunks:
+                stop = num_chunks
+                if ck[1] > c0:
+                    stop = cutlass.min(ck[1], num_chunks)
+                for c in cutlass.range(c0, stop):
+                    pipe.consumer_wait(state)
+                    s = state.index
+                    if cutlass.const_expr(self.wy):
+                        cute.arch.mbarrier_wait(ready + s, state.phase)
+                    t0 = bos + c * C
+                    length = cutlass.min(C, eos - t0)
+                    out_len = length * keep  # the tokens whose outputs are stored
 
-                if cutlass.const_expr(self.wy):
-                    # the WY form: the producer turned kg's tile into kgw = -Aw kg
-                    self._chunk_wy(mma_p, acc_s, acc_p, acc_o, acc_u, vS, vW, vU, aS, gl_r,
-                                   (aWh, aWl, aUh, aUl), (bKg, bQg, bAwh), sGl, sV, cS, cP, s,
-                                   length)
-                else:
-                    self._chunk_pw((mma_p, mma_q), acc_s, acc_p, acc_o, acc_u, vS, vW, vU, aS, gl_r,
-                                     (aWh, aWl, aUh, aUl), (bKg, bQg, bAwh, bAwl), sGl, sV, cS,
-                                     cP, s, length)
+                    if cutlass.const_expr(self.wy):
+                        # the WY form: the producer turned kg's tile into kgw = -Aw kg
+                        self._chunk_wy(mma_p, acc_s, acc_p, acc_o, acc_u, vS, vW, vU, aS, gl_r,
+                                       (aWh, aWl, aUh, aUl), (bKg, bQg, bAwh), sGl, sV, cS, cP, s,
+                                       length)
+                    else:
+                        self._chunk_pw((mma_p, mma_q), acc_s, acc_p, acc_o, acc_u, vS, vW, vU,
+                                       aS, gl_r, (aWh, aWl, aUh, aUl), (bKg, bQg, bAwh, bAwl),
+                                       sGl, sV, cS, cP, s, length)
 
-                # ---- O^T = Pq + U^T Mq^T ---------------------------------------------------------
-                # (WY form: U^T Mq^T into acc_p, added to Pq at the store: Pq may still be in
-                # flight, and a product accumulating onto it would make ptxas wait for it here)
-                if cutlass.const_expr(self.outputs):
-                    self._product(mma_p, acc_p if self.wy else acc_o, aUh, aUl,
-                                  bMqh[None, None, None, s], bMql[None, None, None, s], self.wy)
+                    # ---- O^T = Pq + U^T Mq^T -----------------------------------------------------
+                    # (WY form: U^T Mq^T into acc_p, added to Pq at the store: Pq may still be in
+                    # flight, and a product accumulating onto it would make ptxas wait for it here)
+                    if cutlass.const_expr(self.outputs):
+                        self._product(mma_p, acc_p if self.wy else acc_o, aUh, aUl,
+                                      bMqh[None, None, None, s], bMql[None, None, None, s], self.wy)
+                        warpgroup.commit_group()
+
+                    # ---- S = S diag(gl) + U^T kd -------------------------------------------------
+                    self._product(mma_s, acc_s, aUh, aUl, bKdh[None, None, None, s],
+                                  bKdl[None, None, None, s], False)
                     warpgroup.commit_group()
 
-                # ---- S = S diag(gl) + U^T kd -----------------------------------------------------
-                self._product(mma_s, acc_s, aUh, aUl, bKdh[None, None, None, s],
-                              bKdl[None, None, None, s], False)
-                warpgroup.commit_group()
-
-                if cutlass.const_expr(self.outputs):
-                    # O done; the update runs on while the output is stored
-                    warpgroup.wait_group(1)
-                    if length == C:
-                        # whole chunk: each warp its 16 rows, through its slab of smem buffer
-                        # c % 2 and one TMA store (no barrier across the warpgroup)
-                        b = c % 2
-                        # the store two chunks back has read this buffer (one back: long since)
-                        cute.arch.cp_async_bulk_wait_group(0, read=True)
-                        cute.arch.sync_warp()
-                        for e in cutlass.range_constexpr(cute.size(acc_o)):
-                            r, i = cP[e]
-                            sO[i, r, b] = self._out(acc_o, acc_p, e).to(bf16)
-                        cute.arch.fence_proxy("async.shared", space="cta")
-                        cute.arch.sync_warp()
-                        slab = cute.make_tensor(sO.iterator + b * C * BV + warp * C * 16, l_slab)
-                        self._tile_store(store_o[0], store_o[1], slab,
-                                         (t0, h * self.V + v0 + warp * 16), (C, 16))
-                        cute.arch.cp_async_bulk_commit_group()
-                    else:
-                        for e in cutlass.range_constexpr(cute.size(acc_o)):
-                            r, i = cP[e]
-                            if i < length:
-                                mOut[t0 + i, h, v0 + r] = self._out(acc_o, acc_p, e).to(bf16)
-                warpgroup.wait_group(0)
-                pipe.consumer_release(state)
-                state.advance()
+                    if cutlass.const_expr(self.outputs):
+                        # O done; the update runs on while the output is stored
+                        warpgroup.wait_group(1)
+                        if out_len == C:
+                            # whole chunk: each warp its 16 rows, through its slab of smem buffer
+                            # c % 2 and one TMA store (no barrier across the warpgroup)
+                            b = c % 2
+                            # the store two chunks back has read this buffer (one back: long
+                            # since); the checkpoints builds' lanes 16-31 hold checkpoint copies
+                            if cutlass.const_expr(self.checkpoints):
+                                if cute.arch.lane_idx() < 16:
+                                    cute.arch.cp_async_bulk_wait_group(0, read=True)
+                            else:
+                                cute.arch.cp_async_bulk_wait_group(0, read=True)
+                            cute.arch.sync_warp()
+                            for e in cutlass.range_constexpr(cute.size(acc_o)):
+                                r, i = cP[e]
+                                sO[i, r, b] = self._out(acc_o, acc_p, e).to(bf16)
+                            cute.arch.fence_proxy("async.shared", space="cta")
+                            cute.arch.sync_warp()
+                            slab = cute.make_tensor(sO.iterator + b * C * BV + warp * C * 16,
+                                                    l_slab)
+                            self._tile_store(store_o[0], store_o[1], slab,
+                                             (t0, h * self.V + v0 + warp * 16), (C, 16))
+                            cute.arch.cp_async_bulk_commit_group()
+                        else:
+                            for e in cutlass.range_constexpr(cute.size(acc_o)):
+                                r, i = cP[e]
+                                if i < out_len:
+                                    mOut[t0 + i, h, v0 + r] = self._out(acc_o, acc_p, e).to(bf16)
+                    warpgroup.wait_group(0)
+                    pipe.consumer_release(state)
+                    state.advance()
+                c0 = stop
+                if cutlass.const_expr(self.checkpoints):
+                    if ck[1] == c0:
+                        ck = self._checkpoints(ckpt, ck, c0, acc_s, cS, sCk, h, vb, warp)
 
             cute.arch.cp_async_bulk_wait_group(0, read=True)  # smem outlives every warp's stores
 
@@ -601,6 +657,63 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
                 thr_s.partition_C(self._state_rows(mS1f, ws, h, vb)).store(acc_s.load())
             elif s_out == STATE_BF16:
                 thr_s.partition_C(self._state_rows(mS1h, ws, h, vb)).store(acc_s.load().to(bf16))
+
+    @cute.jit
+    def _checkpoints(self, ckpt, ck, done, acc_s, cS, sCk, h, vb, warp):
+        """Store S (after `done` chunks) for every checkpoint due: into its destination row
+        (fp32 or bf16: ck_dtype) or, for a code < 0, scratch row -code - 1 in fp32 (a mid-chunk
+        checkpoint, finished by the side run). Each warp writes its 16 rows to its smem slab and
+        lanes 16-31 hand one row each to the bulk copy engine, so the stores drain while the
+        chunks run on: the slab is reused once those lanes' copies have read it, and the lane
+        that stores the outputs (an elected one of the low half) never waits on them. ck = (next
+        entry to read, the due one's chunk count and code, the following one's); returns it
+        moved on past the stores."""
+        mCkAt, mCkTo, mCkF, mCkH, mCkS, _, ck_dtype = ckpt
+        K = self.K
+        e, at, to, nat, nto = ck
+        lane = cute.arch.lane_idx()
+        r0 = warp * 16
+        base = sCk.iterator + r0 * (K + CK_PAD)
+        slab = cute.make_tensor(base, cute.make_layout((16, K), stride=(K + CK_PAD, 1)))
+        slab_h = cute.make_tensor(cute.recast_ptr(base, dtype=cutlass.BFloat16),
+                                  cute.make_layout((16, K), stride=(K + 2 * CK_PAD, 1)))
+        while at == done:
+            half = cutlass.Int32(0)
+            if to >= 0:
+                if ck_dtype == STATE_BF16:
+                    half = cutlass.Int32(1)
+            if lane >= 16:  # the slab's last copies have read it
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+            cute.arch.sync_warp()
+            if half != 0:
+                for i in cutlass.range_constexpr(cute.size(acc_s)):
+                    r, d = cS[i]
+                    slab_h[r - r0, d] = acc_s[i].to(cutlass.BFloat16)
+            else:
+                for i in cutlass.range_constexpr(cute.size(acc_s)):
+                    r, d = cS[i]
+                    slab[r - r0, d] = acc_s[i]
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.sync_warp()
+            if lane >= 16:
+                i = lane - 16
+                row = r0 + i
+                if to < 0:
+                    g = self._state_rows(mCkS, -to - 1, h, vb)[row, None].iterator.toint()
+                    bulk_store(g, slab[i, None].iterator.toint(), K * 4)
+                elif half != 0:
+                    g = self._state_rows(mCkH, to, h, vb)[row, None].iterator.toint()
+                    bulk_store(g, slab_h[i, None].iterator.toint(), K * 2)
+                else:
+                    g = self._state_rows(mCkF, to, h, vb)[row, None].iterator.toint()
+                    bulk_store(g, slab[i, None].iterator.toint(), K * 4)
+                cute.arch.cp_async_bulk_commit_group()
+            at = nat
+            to = nto
+            nat = mCkAt[e]
+            nto = mCkTo[e]
+            e = e + 1
+        return e, at, to, nat, nto
 
     def _out(self, acc_o, acc_p, e):
         """Output element e: Pq + U^T Mq^T, summed in acc_o or (WY form) across acc_o and acc_p."""

@@ -31,8 +31,9 @@ GOLDEN = Path(__file__).parent / "golden" / "launches.json"
 BF16, F32 = torch.bfloat16, torch.float32
 CUBIN_DIR = Path(__file__).resolve().parent.parent / "kda_cute" / "_cubins" / "sm_90a"
 ROLES = ("q", "k", "v", "g", "beta", "out", "A_log", "dt_bias", "initial_state", "final_state",
-         "cu_seqlens", "state_indices", "output_state_indices", "has_initial_state", "workspace",
-         "errors")
+         "cu_seqlens", "state_indices", "output_state_indices", "has_initial_state",
+         "checkpoint_state", "checkpoint_offsets", "checkpoint_slots", "checkpoint_first",
+         "workspace", "errors")
 
 
 # ------------------------------------------------------------------------------ the problems
@@ -92,6 +93,22 @@ def make_call(spec: dict) -> dict:
         extra["null_slot"] = pool.get("null_slot")
     if spec.get("has_init"):
         extra["has_initial_state"] = torch.arange(N) % 2 == 0
+    ck = spec.get("ckpt")
+    if ck is not None:
+        # checkpoints: offsets [N, C] into [N, C, H, V, K], or every n tokens into pool slots
+        cdt = sdt[ck.get("dtype", "f32")]
+        idt = torch.int64 if ck.get("idx64") else torch.int32
+        if "every" in ck:
+            M = ck["per_row"]
+            extra.update(checkpoint_state=torch.empty(ck["slots"], H, V, K, dtype=cdt),
+                         checkpoint_slots=torch.arange(N * M, dtype=idt).view(N, M),
+                         checkpoint_every=ck["every"],
+                         checkpoint_first=torch.full((N,), 30, dtype=idt)
+                         if ck.get("first") else None)
+        else:
+            C = ck["offsets"]
+            extra.update(checkpoint_state=torch.empty(N, C, H, V, K, dtype=cdt),
+                         checkpoint_offsets=torch.arange(1, N * C + 1, dtype=idt).view(N, C))
     cu = None
     if seqlens is not None:
         offs = [0]
@@ -167,6 +184,17 @@ PROBLEMS = {
     "k128-pool-simt": dict(B=2, T=64, H=4, K=128, config=("SIMT", 128), pool=dict(slots=3)),
     "k128-dense-has-init": dict(B=3, T=64, H=4, K=128, has_init=True),
     "k64-k1-grid-z": dict(B=1, T=16 * 70000, H=1, K=64),
+    # checkpoints: both forms, every schedule
+    "k128-ckpt-offsets-serial": dict(B=2, T=300, H=64, K=128, ckpt=dict(offsets=3)),
+    "k128-ckpt-offsets-bf16-alongside": dict(B=1, T=8192, H=32, K=128,
+                                             ckpt=dict(offsets=2, dtype="bf16", idx64=True)),
+    "k128-ckpt-offsets-segments": dict(B=1, T=8192, H=16, K=128, ckpt=dict(offsets=4)),
+    "k64-ckpt-every-pool-varlen": dict(seqlens=[300, 0, 1700, 5], H=4, K=64,
+                                       pool=dict(slots=9, null_slot=0),
+                                       ckpt=dict(every=64, per_row=30, slots=130, first=True,
+                                                 dtype="bf16")),
+    "k256-ckpt-every-precise": dict(B=2, T=256, H=8, K=256, precision="precise",
+                                    ckpt=dict(every=128, per_row=2, slots=4, idx64=True)),
 }
 
 

@@ -10,6 +10,8 @@ import pytest
 from kda_cute.cubin import CubinsMissing, load_manifest
 from kda_cute.ladder import (
     ALONGSIDE,
+    CHECKPOINT_RUNS,
+    CHECKPOINTS,
     COMBINE,
     EXPERIMENTAL,
     FAST,
@@ -210,9 +212,10 @@ def test_all_kernels_once_each():
     assert len(set(kernels)) == len(kernels)
     forwards = SHIPPED + EXPERIMENTAL + ALONGSIDE
     assert set(kernels) == ({f.prep for f in forwards} | {f.recur for f in forwards}
-                            | set(SEGMENT_RUNS) | set(WY_RUNS) | set(COMBINE) | set(STEP)
+                            | set(SEGMENT_RUNS) | set(WY_RUNS) | set(CHECKPOINT_RUNS)
+                            | set(COMBINE) | set(STEP)
                             | {c for _, c in STEP_SINGLE + STEP_MULTI} | set(STEP_VARIANTS)
-                            | {OFFSETS})
+                            | {OFFSETS, CHECKPOINTS})
     assert set(kernels[:2 * len(SHIPPED)]) == ({f.prep for f in SHIPPED}
                                                 | {f.recur for f in SHIPPED})
 

@@ -8,7 +8,15 @@ from dataclasses import replace
 
 import torch
 
-from ..ladder import OFFSETS, SEGMENT_RUNS, FwdConfig, alongside_of, combine_config
+from ..ladder import (
+    CHECKPOINTS,
+    OFFSETS,
+    SEGMENT_RUNS,
+    FwdConfig,
+    alongside_of,
+    checkpoints_of,
+    combine_config,
+)
 from ..problem import Options, Problem
 from ..specs import args_for
 from ..specs.prep import GATE_MODES, K1_GRID_Y
@@ -80,6 +88,127 @@ def _index_syms(p: Problem) -> dict:
     return {"NRI": max(1, nri), "NWI": max(1, nwi), "NHI": max(1, p.N if p.has_init else 0)}
 
 
+# K2 without checkpoints: no table (ck_rows 0; the error words stand in for its tensors)
+_NO_CHECKPOINTS = {"ck_at": Errors(), "ck_to": Errors(), "ck_f": Errors(), "ck_h": Errors(),
+                   "ck_s": Errors(), "ck_rows": Scalar(0), "ck_dtype": Scalar(STATE_NONE),
+                   "side": Scalar(0)}
+_NO_CHECKPOINTS_SYMS = {"NCT": 1, "NCK": 1, "NSK": 1}
+
+
+def _stores(recur, ck):
+    """The main K2 of a forward: its checkpoints build where the forward stores checkpoints
+    (`ck`), the plain one otherwise."""
+    if not ck:
+        return recur
+    twin = checkpoints_of(recur)
+    if twin is None:
+        raise ValueError(f"config: expected a forward with a checkpoints build of its K2 "
+                         f"(ladder.CHECKPOINT_RUNS) with checkpoints, got {recur.name}")
+    return twin
+
+
+class _Checkpoints:
+    """A forward's checkpoints (kda_cute.specs.checkpoints): the steps before K1 (the side
+    tables zeroed, the checkpoints kernel, K1's side run), K2's table arguments, and K2's side
+    run after the forward."""
+
+    def __init__(self, p: Problem, cfg: FwdConfig, sched, offs, vals1: dict, syms: dict,
+                 dev: DeviceInfo):
+        self.p, self.cfg, self.dev, self.vals1, self.syms = p, cfg, dev, vals1, syms
+        ck = p.ckpt
+        self.E = ck.per_row
+        self.S = S = p.N * ck.per_row  # side slots: one an entry
+        self.P = P = sched.segments if sched.kind == "segments" else 1
+        self.rows = p.N * P  # K2's rows: the sequences, or their segments
+        # K2's rows' token offsets: the checked cu_seqlens, or the fixed-length rows' segments
+        self.cu = offs[0] if p.varlen else _segment_offsets(p.B, p.T, cfg.chunk, P)[0]
+        self.in_place = ck.dtype == F32
+        scratch = (lambda use, n, dt=I32: At(Buffer("scratch", (n,), dt, ("checkpoints", use))))
+        # (K2 reads up to two entries past a row's end mark, a checkpoint ahead)
+        self.at = scratch("at", self.rows * (self.E + 1) + 2)
+        self.to = scratch("to", self.rows * (self.E + 1) + 2)
+        self.side_cu = scratch("side cu", 2 * S + 1)
+        self.k1_chunks = scratch("k1 chunks", 2 * S + 1)
+        self.side_chunk = scratch("side chunk", 2 * S + 1)
+        self.side_read = scratch("side read", S)
+        self.side_write = scratch("side write", S)
+        # a bf16 destination's mid-chunk states wait in fp32 scratch rows (its row stride)
+        self.states = (Role("checkpoint_state") if self.in_place
+                       else scratch("states", S * ck.dest_stride, F32))
+
+    def prepare(self) -> list:
+        p, ck, S, C = self.p, self.p.ckpt, self.S, self.cfg.chunk
+        entries = Role("checkpoint_slots" if ck.every else "checkpoint_offsets")
+        vals = {"cu_seqlens": self.cu, "entries": entries,
+                "first": Role("checkpoint_first") if ck.first_on else Errors(),
+                "ck_at": self.at, "ck_to": self.to, "side_cu": self.side_cu,
+                "k1_chunks": self.k1_chunks, "side_chunk": self.side_chunk,
+                "side_read": self.side_read, "side_write": self.side_write,
+                **_index_values(p, p.N),
+                "row_segments": Scalar(self.P), "per_row": Scalar(self.E),
+                "e_sn": Scalar(ck.e_sn), "e_se": Scalar(ck.e_se), "e_wide": Scalar(ck.e_wide),
+                "every": Scalar(ck.every), "first_on": Scalar(ck.first_on),
+                "f_sn": Scalar(ck.f_sn), "f_wide": Scalar(ck.f_wide),
+                "dest_rows": Scalar(ck.dest_rows), "dest_min": Scalar(ck.dest_min),
+                "side_slots": Scalar(S),
+                "side_base": Scalar(workspace.main_slots(p, C)),
+                "chunk_shift": Scalar(C.bit_length() - 1),
+                "in_place": Scalar(int(self.in_place))}
+        syms = {"N1": self.rows + 1, "NCE": max(1, ck.e_words), "NCF": max(1, ck.f_words),
+                "NCT": self.rows * (self.E + 1) + 2, "NSC": 2 * S + 1, **_index_syms(p)}
+        launch = _launch("checkpoints", CHECKPOINTS, (p.N, 1, 1), vals, syms, self.dev)
+        if ck.aligned:  # no partial chunks: no side slots, no side runs
+            return [launch]
+        steps = [Memset("zero side slots", self.side_cu, 0, 2 * S + 1), launch]
+        # K1 on the side slots: slot k the partial chunk side_cu[2k] .. side_cu[2k + 1] (a
+        # varlen batch of pairs, k at 2k: the sequences between hold no chunk)
+        side_planes = {name: Plane(name, off)
+                       for name, off in workspace.side_offsets(p, self.cfg).items()}
+        vals1 = {**self.vals1, **side_planes, "cu_seqlens": self.side_cu,
+                 "cu_chunks": self.k1_chunks, "num_seqs": Scalar(2 * S - 1),
+                 "seq_len": Scalar(0)}
+        syms1 = {**self.syms, "NCH": S, "R": S * C, "N1": 2 * S}
+        steps.append(_launch("K1 side", self.cfg.prep,
+                             (p.H, min(S, K1_GRID_Y), -(-S // K1_GRID_Y)), vals1, syms1,
+                             self.dev))
+        return steps
+
+    def k2_values(self) -> dict:
+        ck = self.p.ckpt
+        dest = Role("checkpoint_state")
+        return {"ck_at": self.at, "ck_to": self.to, "ck_f": dest, "ck_h": dest,
+                "ck_s": self.states, "ck_rows": Scalar(self.E + 1),
+                "ck_dtype": Scalar(_STATE_CODE[ck.dtype]), "side": Scalar(0)}
+
+    def k2_syms(self) -> dict:
+        ck = self.p.ckpt
+        return {"NCT": self.rows * (self.E + 1) + 2, "NCK": ck.dest_rows, "sCK": ck.dest_stride,
+                "NSK": self.S}
+
+    def side_run(self, k2, vals2: dict, syms: dict) -> Launch:
+        """K2 over the side slots used (their count on the device): each from its scratch row
+        (the state before its chunk) through its partial chunk into its destination."""
+        p, ck, S, dev = self.p, self.p.ckpt, self.S, self.dev
+        blocks = p.V // k2.block_v * p.H
+        z = min(S, max(1, -(-2 * dev.sms // blocks)))
+        rows = max(S, ck.dest_rows)
+        vals = {**vals2, **_NO_CHECKPOINTS, "side": Scalar(1),
+                "cu_seqlens": self.side_cu, "cu_chunks": self.side_chunk,
+                "s0f": self.states, "s0h": self.states,
+                "s1f": Role("checkpoint_state"), "s1h": Role("checkpoint_state"),
+                "state_in": Scalar(STATE_F32), "state_out": Scalar(_STATE_CODE[ck.dtype]),
+                "ordered": Scalar(0),
+                "state_index": self.side_read, "out_index": self.side_write,
+                "has_init": Errors(), "errors": Errors(),
+                "index_mode": Scalar(INDEX_POOL), "row_div": Scalar(1), "slots": Scalar(rows),
+                "r_sn": Scalar(1), "r_wide": Scalar(0), "w_on": Scalar(1), "w_sn": Scalar(1),
+                "w_wide": Scalar(0), "hi_on": Scalar(0), "null_min": Scalar(0)}
+        side_syms = {**syms, **_NO_CHECKPOINTS_SYMS, "N1": 2 * S + 1, "NS": rows,
+                     "sS": ck.dest_stride, "NRI": S, "NWI": S, "NHI": 1}
+        return _launch("K2 side", replace(k2, alongside=False), (p.V // k2.block_v, p.H, z),
+                       vals, side_syms, dev)
+
+
 def _segment_offsets(B: int, T: int, C: int, P: int) -> tuple[At, At]:
     """cu_seqlens and cu_chunks of a fixed-length batch as B * P segments."""
     return tuple(At(Buffer("segments", (B * P + 1,), I32, (B, T, C, P, which)))
@@ -90,6 +219,7 @@ def forward_plan(p: Problem, opts: Options, cfg: FwdConfig, dev: DeviceInfo) -> 
     C, H, K, V = cfg.chunk, p.H, p.K, p.V
     Tt = p.B * p.T
     nch, R = workspace.rows(p, C)
+    nmain = workspace.main_slots(p, C)  # K1's main run: the sequences' own chunks
     ws = {name: Plane(name, off) for name, off in workspace.operand_offsets(p, cfg).items()}
     steps = []
     if p.varlen:
@@ -115,7 +245,7 @@ def forward_plan(p: Problem, opts: Options, cfg: FwdConfig, dev: DeviceInfo) -> 
             "sO": so, "sW": H * K, "sWc": H * C, "FL": nch * H,
             # the states' rows: the sequences', or the pool's slots
             "NS": p.pool[0] if p.pool else p.N, "sS": p.pool[1] if p.pool else H * V * K,
-            **_index_syms(p)}
+            **_index_syms(p), **_NO_CHECKPOINTS_SYMS, "sCK": H * V * K}
     sched = sch.decide(p, opts, cfg, dev)
     vals1 = {"q": Role("q"), "k": Role("k"), "g": Role("g"), "beta": Role("beta"),
              "A_log": a_log, "dt_bias": dt_bias, "cu_seqlens": offs[0], "cu_chunks": offs[1],
@@ -124,7 +254,11 @@ def forward_plan(p: Problem, opts: Options, cfg: FwdConfig, dev: DeviceInfo) -> 
              "gate_mode": Scalar(GATE_MODES[opts.gate]),
              "qk_l2norm": Scalar(int(bool(opts.qk_l2norm))),
              "beta_sigmoid": Scalar(int(bool(opts.beta_sigmoid)))}
-    k1_grid = (H, min(nch, K1_GRID_Y), -(-nch // K1_GRID_Y))  # heads fastest; chunks on y, z
+    k1_grid = (H, min(nmain, K1_GRID_Y), -(-nmain // K1_GRID_Y))  # heads fastest; chunks y, z
+    ck = None
+    if p.ckpt is not None and sched.k2_grid is not None:
+        ck = _Checkpoints(p, cfg, sched, offs, vals1, syms, dev)
+        steps += ck.prepare()
     if sched.kind != "alongside" and Tt > 0 and H > 0:
         steps.append(_launch("K1", cfg.prep, k1_grid, vals1, syms, dev))
     s_in = Role("initial_state") if p.state_in is not None else Role("out")
@@ -135,7 +269,9 @@ def forward_plan(p: Problem, opts: Options, cfg: FwdConfig, dev: DeviceInfo) -> 
              "state_in": Scalar(_STATE_CODE[p.state_in]),
              "state_out": Scalar(_STATE_CODE[p.state_out]),
              "ordered": Scalar(int(sch.longest_first(p, cfg, sched.k2_grid, dev))),
-             **_index_values(p, p.N)}
+             **_index_values(p, p.N), **(ck.k2_values() if ck else _NO_CHECKPOINTS)}
+    if ck:
+        syms.update(ck.k2_syms())
     notes = []
     grid = sched.k2_grid
     if sched.kind == "alongside":
@@ -146,17 +282,24 @@ def forward_plan(p: Problem, opts: Options, cfg: FwdConfig, dev: DeviceInfo) -> 
         ctas = sch.k1_alongside_ctas(p, math.prod(grid), dev, resources(acfg.prep, dev.arch))
         notes.append(f"K1 held to {ctas} CTAs per SM")
         steps.append(Memset("zero flags", ws["flags"], 0, nch * H))
-        steps.append(_launch("K2", acfg.recur, grid, vals2, syms, dev, dev.smem_per_block))
+        steps.append(_launch("K2", _stores(acfg.recur, ck), grid, vals2, syms, dev,
+                             dev.smem_per_block))
         # always K1 work here (alongside needs 32 chunks a sequence): K2 waits on its flags
         steps.append(_launch("K1", acfg.prep, k1_grid, vals1, syms, dev,
                              sch.k1_alongside_smem(dev, ctas), programmatic=True))
+        k2 = cfg.recur  # (the side run's: the same steps as the alongside build's)
     elif sched.kind == "segments":
         steps += _segments(p, cfg, sched.segments, vals2, syms, dev)
+        k2 = cfg.recur
     elif grid is not None:
         k2 = sch.k2_serial(opts, cfg, grid, dev)
         if k2.wy:
             notes.append("K2 in its WY form")
-        steps.append(_launch("K2", k2, grid, vals2, syms, dev))
+        steps.append(_launch("K2", _stores(k2, ck), grid, vals2, syms, dev))
+    if ck and not p.ckpt.aligned:
+        steps.append(ck.side_run(k2, vals2, syms))
+        notes.append(f"checkpoints: {p.ckpt.per_row} a sequence, "
+                     + (f"every {p.ckpt.every} tokens" if p.ckpt.every else "at offsets"))
     return Plan(p, opts, cfg, dev, sched, workspace.workspace_bytes(p, cfg), tuple(steps),
                 alongside=sched.kind == "alongside", notes=tuple(notes))
 
@@ -196,10 +339,12 @@ def _segments(p: Problem, cfg: FwdConfig, P: int, vals2: dict, syms: dict,
     syms_i = {**syms_v, "HV": H * K, "sV": H * K, "sO": H * K}
     steps = [
         _launch("K2 from zero", quiet if quiet_built else cfg.recur, (V // bv, H, N),
-                {**vals2, **seg, **dense, "state_in": Scalar(0), "state_out": Scalar(1),
+                {**vals2, **seg, **dense, **_NO_CHECKPOINTS, "state_in": Scalar(0),
+                 "state_out": Scalar(1),
                  "s1f": ends, "s1h": ends}, syms_v, dev),
         _launch("K2 identity", ident_quiet if quiet_built else ident, (K // bv, H, N),
-                {**vals2, **seg, **dense, "v": zeros, "out": scratch, "out_tma": scratch,
+                {**vals2, **seg, **dense, **_NO_CHECKPOINTS, "v": zeros, "out": scratch,
+                 "out_tma": scratch,
                  "state_in": Scalar(1), "s0f": eye, "s0h": eye, "state_out": Scalar(1),
                  "s1f": maps, "s1h": maps}, syms_i, dev),
     ]
@@ -218,7 +363,8 @@ def _segments(p: Problem, cfg: FwdConfig, P: int, vals2: dict, syms: dict,
          **_index_syms(p)}, dev))
     # the value rows from each segment's start state; in the pool form the index table says
     # which rows are padding (zero outputs)
-    steps.append(_launch("K2 from starts", cfg.recur, (V // bv, H, N),
+    steps.append(_launch("K2 from starts", _stores(cfg.recur, vals2["ck_rows"].value),
+                         (V // bv, H, N),
                          {**vals2, **seg, **_index_values(
                              p, N, INDEX_PAD if p.pool else INDEX_DENSE, P, has_init=False),
                           "state_in": Scalar(1), "s0f": starts, "s0h": starts,

@@ -9,17 +9,28 @@ import math
 import torch
 
 from ..ladder import FwdConfig
-from ..problem import Problem
+from ..problem import Checkpoints, Problem
 
 _ELEM = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2, torch.int32: 4}
 ALIGN = 256
 
 
+def main_slots(p: Problem, chunk: int) -> int:
+    """The chunk slots of the sequences' own chunks: B*T // chunk + N (a sequence's last chunk
+    padded to `chunk` rows, which K1 writes as zeros); a varlen batch's sequence s starts at
+    slot cu_seqlens[s] // chunk + s (`chunk_slots`)."""
+    return p.B * p.T // chunk + p.N
+
+
+def side_slots(p: Problem) -> int:
+    """The chunk slots after the main ones for mid-chunk checkpoints' partial chunks (one per
+    checkpoint entry: kda_cute.specs.checkpoints)."""
+    return p.N * p.ckpt.per_row if p.ckpt is not None and not p.ckpt.aligned else 0
+
+
 def rows(p: Problem, chunk: int) -> tuple[int, int]:
-    """(chunks, rows) the workspace holds: every sequence's chunks, whole (a sequence's last
-    chunk padded to `chunk` rows, which K1 writes as zeros), B*T // chunk + N slots: a varlen
-    batch's sequence s starts at slot cu_seqlens[s] // chunk + s (`chunk_slots`)."""
-    nch = p.B * p.T // chunk + p.N
+    """(chunks, rows) the workspace holds: the main slots, then the side slots."""
+    nch = main_slots(p, chunk) + side_slots(p)
     return nch, nch * chunk
 
 
@@ -63,7 +74,13 @@ def _planes(p: Problem, cfg: FwdConfig) -> tuple[tuple, int]:
 def _sized(p: Problem) -> Problem:
     """The fields the workspace depends on (so problems differing elsewhere share a cache
     entry)."""
-    return Problem(p.B, p.T, p.H, p.K, p.V, p.N, p.varlen)
+    return Problem(p.B, p.T, p.H, p.K, p.V, p.N, p.varlen,
+                   ckpt=None if not side_slots(p) else _side_only(p.ckpt.per_row))
+
+
+def _side_only(per_row: int) -> Checkpoints:
+    """A stand-in ckpt with the same side slots (the workspace depends on nothing else)."""
+    return Checkpoints(0, per_row, 0, 0, torch.float32, 0, 0, 0, 0)
 
 
 def workspace_bytes(p: Problem, cfg: FwdConfig) -> int:
@@ -76,6 +93,25 @@ def views(workspace: torch.Tensor, p: Problem, cfg: FwdConfig) -> dict:
     base = (-workspace.data_ptr()) % ALIGN
     return {name: workspace[base + off:base + off + n].view(dtype).view(shape)
             for name, off, n, shape, dtype in planes(p, cfg)[0]}
+
+
+def side_offsets(p: Problem, cfg: FwdConfig) -> dict[str, int]:
+    """operand_offsets moved on to the side slots: each plane's first side row (K1's side run
+    writes its chunk k at slot k of these)."""
+    C = cfg.chunk
+    first = main_slots(p, C)
+    out = {}
+    shapes = {name: (shape, dtype) for name, _, _, shape, dtype in planes(p, cfg)[0]}
+    for name, off in operand_offsets(p, cfg).items():
+        base = name[:-1] if name[:-1] in ("kd", "aw", "mq") else name
+        shape, dtype = shapes[base]
+        if base == "flags":
+            out[name] = off
+            continue
+        # a plane's rows: (R, H, X), (planes, R, H, X), or gl's (chunks, H, K)
+        row = math.prod(shape[-2:]) * _ELEM[dtype]
+        out[name] = off + first * (1 if base == "gl" else C) * row
+    return out
 
 
 def operand_offsets(p: Problem, cfg: FwdConfig) -> dict[str, int]:

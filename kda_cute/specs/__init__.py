@@ -12,7 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..abi import Arg
-from . import combine, offsets, prep, recur, step
+from . import checkpoints, combine, offsets, prep, recur, step
+from .checkpoints import CheckpointsConfig
 from .combine import CombineConfig
 from .offsets import OffsetsConfig
 from .prep import PrepConfig
@@ -33,13 +34,14 @@ SPECS: tuple[KernelSpec, ...] = tuple(
     KernelSpec(name, m_cfg, m.supports, m.args, m.dsl_class)
     for name, m_cfg, m in (("prep", PrepConfig, prep), ("recur", RecurConfig, recur),
                            ("combine", CombineConfig, combine), ("step", StepConfig, step),
-                           ("offsets", OffsetsConfig, offsets)))
+                           ("offsets", OffsetsConfig, offsets),
+                           ("checkpoints", CheckpointsConfig, checkpoints)))
 _BY_TYPE = {s.config: s for s in SPECS}
 
 
 def spec_of(cfg) -> KernelSpec:
-    """The spec of a kernel config (PrepConfig, RecurConfig, CombineConfig, StepConfig or
-    OffsetsConfig)."""
+    """The spec of a kernel config (PrepConfig, RecurConfig, CombineConfig, StepConfig,
+    OffsetsConfig or CheckpointsConfig)."""
     try:
         return _BY_TYPE[type(cfg)]
     except KeyError:
@@ -51,5 +53,5 @@ def args_for(cfg) -> list[Arg]:
     return spec_of(cfg).args(cfg)
 
 
-__all__ = ["SPECS", "CombineConfig", "KernelSpec", "OffsetsConfig", "PrepConfig", "RecurConfig",
-           "StepConfig", "args_for", "spec_of"]
+__all__ = ["SPECS", "CheckpointsConfig", "CombineConfig", "KernelSpec", "OffsetsConfig",
+           "PrepConfig", "RecurConfig", "StepConfig", "args_for", "spec_of"]

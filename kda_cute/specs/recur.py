@@ -62,6 +62,10 @@ class RecurConfig:
     # producer warp from each landed stage (no P = S kg^T before U on the serial chain); the
     # launcher takes it where each K2 CTA has its SM to itself (ladder.WY_RUNS)
     wy: bool = False
+    # True (wgmma, outputs): stores the state at the checkpoints of its table (checkpoint_args)
+    # through a shared-memory slab and bulk copies; the builds without carry none of that code
+    # (ladder.CHECKPOINT_RUNS: the main K2 of a forward with checkpoints)
+    checkpoints: bool = False
 
     @property
     def name(self) -> str:
@@ -70,8 +74,9 @@ class RecurConfig:
         al = "_al" if self.alongside else ""
         f16 = "_f16" if self.f16 else ""
         wy = "_wy" if self.wy else ""
+        ck = "_ck" if self.checkpoints else ""
         return (f"kda_recur{tag}_k{self.head_dim_k}_v{self.head_dim_v}_c{self.chunk}"
-                f"_bv{self.block_v}_t{self.threads}_s{self.stages}{f16}{wy}{no}{al}")
+                f"_bv{self.block_v}_t{self.threads}_s{self.stages}{f16}{wy}{no}{al}{ck}")
 
     @property
     def block_threads(self) -> int:
@@ -110,6 +115,9 @@ def supports(cfg: RecurConfig) -> tuple[bool, str]:
     if cfg.wy and not (cfg.f16 and cfg.outputs and not cfg.alongside and cfg.chunk == 16):
         return False, (f"wy needs f16, outputs, chunk 16 and no alongside, got f16={cfg.f16}, "
                        f"outputs={cfg.outputs}, chunk={cfg.chunk}, alongside={cfg.alongside}")
+    if cfg.checkpoints and (cfg.mma != "wgmma" or not cfg.outputs):
+        return False, (f"checkpoints needs mma 'wgmma' with outputs, got {cfg.mma!r}, "
+                       f"outputs={cfg.outputs}")
     if cfg.alongside and (cfg.mma != "wgmma" or not cfg.outputs):
         return False, (f"alongside needs mma 'wgmma' with outputs, got {cfg.mma!r}, "
                        f"outputs={cfg.outputs}")
@@ -137,6 +145,7 @@ def args(cfg: RecurConfig) -> list[Arg]:
             operand_tma("mqh", "HC", C, C, dtype=dt),
             operand_tma("mql", "HC", C, C, dtype=dt),
             *_common(cfg),
+            *checkpoint_args(cfg),
             Arg("mma_p", "mma", kernel_only=True),
             Arg("mma_s", "mma", kernel_only=True),
             # P and Pq on fp16 operands (the f16 builds: mma_p itself)
@@ -149,6 +158,28 @@ def args(cfg: RecurConfig) -> list[Arg]:
         ws_tile("aw", "float32", "HC", (C, C)),
         ws_tile("mq", "float32", "HC", (C, C)),
         *_common(cfg),
+    ]
+
+
+def checkpoint_args(cfg: RecurConfig) -> list[Arg]:
+    """The tensor-core K2's checkpoints (kda_cute.specs.checkpoints; stored by the
+    `checkpoints` builds, every build takes the arguments): its table (ck_rows
+    int32 words a sequence: the chunks done before each store, ascending, -1 after the last;
+    and where to: a destination row, or for a code < 0 scratch row -code - 1), the destination
+    as fp32 and bf16 views ([rows, H, V, K], row stride sCK; ck_dtype says which), the fp32
+    scratch rows (the same stride); `side` 1 for the side run, which finishes each mid-chunk
+    checkpoint from its scratch row (sequence z's tokens at cu_seqlens[2z], [2z + 1], their
+    count the table's last word; no outputs stored)."""
+    K, V = cfg.head_dim_k, cfg.head_dim_v
+    return [
+        tensor("ck_at", "int32", ("NCT",), (1,), dsl="mCkAt"),
+        tensor("ck_to", "int32", ("NCT",), (1,), dsl="mCkTo"),
+        tensor("ck_f", "float32", ("NCK", "H", V, K), ("sCK", V * K, K, 1), dsl="mCkF"),
+        tensor("ck_h", "bfloat16", ("NCK", "H", V, K), ("sCK", V * K, K, 1), dsl="mCkH"),
+        tensor("ck_s", "float32", ("NSK", "H", V, K), ("sCK", V * K, K, 1), dsl="mCkS"),
+        scalar("ck_rows"),
+        scalar("ck_dtype"),
+        scalar("side"),
     ]
 
 

@@ -21,7 +21,7 @@ ERRORS = ("cu_seqlens", "cu_seqlens (tokens per row past the entries or scratch 
           "num_accepted_tokens / accepted_step",
           "state_indices / ssm_state_indices / intermediate_state_indices (the read slot)",
           "output_state_indices / ssm_state_indices / intermediate_state_indices / "
-          "state_indices (a write slot)", "retrieve_parent_token",
+          "state_indices / checkpoint_slots (a write slot)", "retrieve_parent_token",
           "cu_seqlens (a prefill's: non-decreasing from 0 to at most T; the call ran no tokens, "
           "its outputs were not written and its final states are its initial ones)",
           "precision (a forward's state became non-finite: an fp16 operand of precision='fast' "

@@ -1,0 +1,164 @@
+"""A forward's cost of writing checkpoints: `fwd` with and without them, timed in one process
+(CUDA events, warm-up, median of --iters, input sets rotated for a cold L2; eager and replayed
+as a CUDA graph), K = V = 128.
+
+Modes: one fp32 checkpoint per 1024 tokens (checkpoint_offsets at 1024, 2048, ... of each
+sequence); one per 64 tokens into a pool (checkpoint_slots with checkpoint_every=64, fp32 and
+bf16), on chunk boundaries (first 64) and mid-chunk (first 40: every one a partial chunk for
+the side runs). The extra bytes each mode writes are reported beside the forward's compulsory
+ones.
+
+    python3 bench/probes/checkpoints_probe.py [--iters N] [--out JSON]
+    python3 bench/probes/checkpoints_probe.py --table JSON --out PREFIX   (.md and .png)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+CASES = ("B1 T8192 H64", "varlen mix H64")
+# name -> (dtype, every, first) for the slots form; "offsets 1024": the offsets form
+MODES = ("none", "offsets 1024 fp32", "every 64 fp32", "every 64 bf16",
+         "every 64 fp32 mid-chunk", "every 64 bf16 mid-chunk")
+
+
+def _imports():
+    sys.path.insert(0, str(ROOT))
+    if str(ROOT / "bench") not in sys.path:
+        sys.path.append(str(ROOT / "bench"))
+    import bench
+    return bench
+
+
+def lengths(x) -> list[int]:
+    cu = x["cu_seqlens"]
+    if cu is None:
+        B, T = x["q"].shape[:2]
+        return [T] * B
+    return [int(b - a) for a, b in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True)]
+
+
+def checkpoint_args(x, mode: str) -> tuple[dict, int]:
+    """fwd's checkpoint arguments for `mode` and the bytes they write."""
+    import torch
+
+    if mode == "none":
+        return {}, 0
+    lens = lengths(x)
+    N, H, V, K = len(lens), x["v"].shape[2], x["v"].shape[3], x["q"].shape[3]
+    dev = x["q"].device
+    if mode.startswith("offsets"):
+        C = max(1, max(n // 1024 for n in lens))
+        offs = torch.full((N, C), -1, dtype=torch.int32)
+        used = 0
+        for n, L in enumerate(lens):
+            for c in range(L // 1024):
+                offs[n, c] = 1024 * (c + 1)
+                used += 1
+        cs = torch.empty(N, C, H, V, K, dtype=torch.float32, device=dev)
+        return {"checkpoint_state": cs, "checkpoint_offsets": offs.to(dev)}, used * H * V * K * 4
+    dtype = torch.float32 if "fp32" in mode else torch.bfloat16
+    first = 40 if "mid-chunk" in mode else 64
+    M = max(1, max((L - first) // 64 + 1 for L in lens))
+    used = sum(max(0, (L - first) // 64 + 1) for L in lens)
+    pool = torch.empty(N * M, H, V, K, dtype=dtype, device=dev)
+    slots = torch.arange(N * M, dtype=torch.int32, device=dev).view(N, M)
+    return ({"checkpoint_state": pool, "checkpoint_slots": slots, "checkpoint_every": 64,
+             "checkpoint_first": torch.full((N,), first, dtype=torch.int32, device=dev)},
+            used * H * V * K * dtype.itemsize)
+
+
+def runner(kw: dict):
+    from kda_cute import fwd
+
+    def run(x):
+        fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], x["scale"], x["out"], x["A_log"],
+            x["dt_bias"], x["lower_bound"], x["initial_state"], x["final_state"],
+            x["cu_seqlens"], x["ck_workspace"], **kw)
+    return run
+
+
+def table(res: dict, prefix: str) -> None:
+    lines = ["| case | mode | eager ms | vs none | graph ms | vs none | checkpoint MB | "
+             "compulsory MB |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for row in res["rows"]:
+        base = row["modes"]["none"]
+        for mode, r in row["modes"].items():
+            lines.append(f"| {row['case']} | {mode} | {r['eager']:.3f} | "
+                         f"{r['eager'] / base['eager'] - 1:+.1%} | {r['graph']:.3f} | "
+                         f"{r['graph'] / base['graph'] - 1:+.1%} | {r['bytes'] / 1e6:.0f} | "
+                         f"{row['compulsory'] / 1e6:.0f} |")
+    Path(prefix + ".md").write_text(
+        "Checkpoint cost, ms (median of CUDA-event-timed calls, cold L2), K = V = 128, fast "
+        "precision; `vs none`: against the same forward without checkpoints in the same run\n\n"
+        + "\n".join(lines) + "\n")
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(10, 4))
+    rows = res["rows"]
+    width = 0.8 / len(MODES)
+    for j, mode in enumerate(MODES):
+        ax.bar([i + j * width - 0.4 for i in range(len(rows))],
+               [r["modes"][mode]["graph"] for r in rows], width, label=mode)
+    ax.set_xticks(range(len(rows)), [r["case"] for r in rows])
+    ax.set_ylabel("ms (CUDA graph)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(prefix + ".png", dpi=120)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--iters", type=int, default=100)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--table", default=None)
+    a = ap.parse_args(argv)
+    if a.table:
+        table(json.loads(Path(a.table).read_text()), a.out)
+        return
+    bench = _imports()
+    import torch
+
+    from kda_cute import api
+
+    rows = []
+    for name in CASES:
+        sets = bench.input_sets(bench.CASES[name], 128, workspace=False)
+        args = {m: checkpoint_args(sets[0], m) for m in MODES}
+        need = 0
+        for m in MODES:
+            x = sets[0]
+            p = api.validate(x["q"], x["k"], x["v"], x["g"], x["beta"], x["scale"], x["out"],
+                             x["A_log"], x["dt_bias"], x["lower_bound"], x["initial_state"],
+                             x["final_state"], x["cu_seqlens"], "bounded", **args[m][0])
+            need = max(need, api.workspace_bytes(p, api.config_for(p)))
+        for x in sets:
+            x["ck_workspace"] = torch.empty(need, dtype=torch.uint8, device="cuda")
+        row = {"case": name, "compulsory": bench.compulsory_bytes(sets[0]), "modes": {}}
+        for m in MODES:
+            kw, nbytes = args[m]
+            run = runner(kw)
+            row["modes"][m] = {"eager": bench.time_fn(run, sets, a.iters),
+                               "graph": bench.time_fn(bench.graph_runner(run, sets), sets,
+                                                      a.iters),
+                               "bytes": nbytes}
+            torch.cuda.synchronize()
+            print(name, m, json.dumps(row["modes"][m]), flush=True)
+        rows.append(row)
+        del sets, args
+        torch.cuda.empty_cache()
+    res = {"versions": bench.versions(), "rows": rows}
+    if a.out:
+        Path(a.out).write_text(json.dumps(res, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

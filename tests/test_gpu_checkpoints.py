@@ -1,0 +1,276 @@
+"""Prefill checkpoints on the H200 (skips without a Hopper GPU + cubins): each checkpoint equals
+the final state of a forward of that prefix alone, bit for bit where both run the same K2 build,
+within 1e-5 (fp32) where the schedules differ (alongside, segments); within the accuracy bar of
+float64; every destination row or slot not asked for untouched (poisoned before each launch).
+
+Both forms: checkpoint_offsets [N, C] into checkpoint_state [N, C, H, V, K], and checkpoint_slots
+[N, M] with checkpoint_every (from checkpoint_first[n]) into a pool. Offsets cut chunks anywhere:
+1, 15, 16, 17, mid-sequence, the length itself, and unused ones (-1, 0, past the length)."""
+
+import pytest
+import torch
+
+import kda_cute
+from kda_cute import Call, checks, launch, plans
+from kda_cute.reference import rel_err
+from kda_cute.testing import SENTINEL, cuda_ready, make_inputs, reference
+from kda_cute.testing import bits as _bits
+
+ok, why = cuda_ready()
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not ok, reason=why)]
+
+STATE_TOL = {torch.float32: 2.5e-3, torch.bfloat16: 6e-3}
+# the schedules' K2 builds: plain serial, WY everywhere it is built
+SERIAL = dict(alongside=False, wy="off", segments=1)
+WY = dict(alongside=False, wy="force", segments=1)
+
+
+def _opts(inp, precision="fast", **kw):
+    return checks.options(gate=inp["gate"], precision=precision, **kw)
+
+
+def _run(inp, out, s0, s1, opts, cu=None, rows=None, ws=None, **kw):
+    """The forward with explicit options (schedules chosen by the test); rows: a token slice;
+    ws: a caller workspace."""
+    q, k, v, g, beta = (inp[n] for n in ("q", "k", "v", "g", "beta"))
+    if rows is not None:
+        q, k, v, g, beta = (x[:, rows] for x in (q, k, v, g, beta))
+    call = Call(q, k, v, g, beta, out, inp["A_log"], inp["dt_bias"], s0, s1, cu, inp["scale"],
+                inp["lower_bound"], **kw)
+    p = checks.forward(call, opts)
+    pl = plans.plan(p, opts, plans.device_info(q.device))
+    launch.run(pl, call, ws)
+    return pl
+
+
+def _bounds(inp):
+    cu, N, T = inp["cu_seqlens"], inp["N"], inp["q"].shape[1]
+    if cu is not None:
+        return [(int(cu[n]), int(cu[n + 1])) for n in range(N)]
+    return [(n * T, (n + 1) * T) for n in range(N)]
+
+
+def _prefix(inp, n, o, s0, dtype, opts):
+    """The final state of a forward of sequence n's first o tokens alone, from s0."""
+    b, _ = _bounds(inp)[n]
+    flat = {x: inp[x].flatten(0, 1)[None] for x in ("q", "k", "v", "g", "beta")}
+    sub = dict(inp, **flat)
+    H, V, K = inp["v"].shape[2], inp["v"].shape[3], inp["q"].shape[3]
+    out = torch.empty(1, o, H, V, dtype=torch.bfloat16, device="cuda")
+    final = torch.full((1, H, V, K), float("nan"), dtype=dtype, device="cuda")
+    _run(sub, out, None if s0 is None else s0[None].clone(), final, opts,
+         rows=slice(b, b + o))
+    return final[0]
+
+
+def _ref_state(inp, n, o, s0):
+    b, _ = _bounds(inp)[n]
+    flat = {x: inp[x].flatten(0, 1)[None, b:b + o] for x in ("q", "k", "v", "g", "beta")}
+    sub = dict(inp, **flat, cu_seqlens=None,
+               initial_state=None if s0 is None else s0[None].float())
+    return reference(sub)[1][0]
+
+
+def _same(a, b):
+    return torch.equal(_bits(a), _bits(b))
+
+
+def _close(a, b, tol=1e-5):
+    return float((a.float() - b.float()).abs().max()) <= tol * float(b.float().abs().max())
+
+
+OFFSETS = [1, 15, 16, 17, 100, 255, 256, 299, 300, -1, 0, 301, 17]
+
+
+def _offsets_case(inp, C, seed):
+    """checkpoint_offsets [N, C]: every row a mix of chunk cuts, its length and unused ones."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = []
+    for b, e in _bounds(inp):
+        L = e - b
+        pool = [o for o in OFFSETS if o <= L] + [L, L + 1, -1, max(1, L // 2), max(1, L - 5)]
+        rows.append([pool[int(i)] for i in torch.randint(len(pool), (C,), generator=gen)])
+    return torch.tensor(rows, dtype=torch.int64, device="cuda")
+
+
+def _check_offsets(inp, offs, cs, s0, opts, prefix_opts, exact=True):
+    """Every used checkpoint against the prefix alone (and float64); unused rows untouched."""
+    dtype = cs.dtype
+    for n, (b, e) in enumerate(_bounds(inp)):
+        for c in range(offs.shape[1]):
+            o = int(offs[n, c])
+            if not 1 <= o <= e - b:
+                assert bool((_bits(cs[n, c]) == _bits(torch.full_like(cs[n, c], SENTINEL))
+                             ).all()), f"unused checkpoint ({n}, {c}) written"
+                continue
+            want = _prefix(inp, n, o, None if s0 is None else s0[n], dtype, prefix_opts)
+            got = cs[n, c]
+            assert not bool(torch.isnan(got.float()).any()), (n, c, o)
+            if exact:
+                assert _same(got, want), (n, c, o, float((got.float() - want.float()).abs()
+                                                         .max()))
+            else:
+                assert _close(got, want), (n, c, o)
+            ref = _ref_state(inp, n, o, None if s0 is None else s0[n])
+            assert rel_err(got, ref) < STATE_TOL[dtype], (n, c, o)
+
+
+@pytest.mark.parametrize("K", [64, 128, 256])
+@pytest.mark.parametrize("precision", ["fast", "precise"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_offsets_fixed_length(K, precision, dtype):
+    inp = make_inputs(B=2, T=300, H=2, K=K, seed=K + 7)
+    offs = _offsets_case(inp, 6, K)
+    H = 2
+    cs = torch.full((2, 6, H, K, K), SENTINEL, dtype=dtype, device="cuda")
+    out = torch.empty_like(inp["v"])
+    final = torch.empty(2, H, K, K, device="cuda")
+    opts = _opts(inp, precision, **SERIAL)
+    _run(inp, out, inp["initial_state"], final, opts, checkpoint_state=cs,
+         checkpoint_offsets=offs)
+    torch.cuda.synchronize()
+    kda_cute.check_errors(sync=True)
+    _check_offsets(inp, offs, cs, inp["initial_state"], opts, opts)
+    # the forward itself unchanged by its checkpoints
+    out2, final2 = torch.empty_like(out), torch.empty_like(final)
+    _run(inp, out2, inp["initial_state"], final2, opts)
+    torch.cuda.synchronize()
+    assert _same(out, out2) and _same(final, final2)
+
+
+@pytest.mark.parametrize("K", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("wy", ["off", "force"])
+def test_offsets_varlen_int32(K, dtype, wy):
+    inp = make_inputs(seqlens=[37, 0, 130, 1, 64, 300], H=2, K=K, seed=K)
+    offs = _offsets_case(inp, 4, K + 1).to(torch.int32)
+    cs = torch.full((6, 4, 2, K, K), SENTINEL, dtype=dtype, device="cuda")
+    out = torch.empty_like(inp["v"])
+    opts = _opts(inp, **dict(SERIAL, wy=wy))
+    _run(inp, out, inp["initial_state"], None, opts, cu=inp["cu_seqlens"],
+         checkpoint_state=cs, checkpoint_offsets=offs)
+    torch.cuda.synchronize()
+    kda_cute.check_errors(sync=True)
+    _check_offsets(inp, offs, cs, inp["initial_state"], opts, opts)
+
+
+def _pool_case(inp, dtype, slots, pad_rows=()):
+    N, H, V, K = inp["N"], inp["v"].shape[2], inp["v"].shape[3], inp["q"].shape[3]
+    pool = torch.full((slots, H, V, K), SENTINEL, dtype=dtype, device="cuda")
+    read = torch.arange(N, device="cuda") * 3 + 1
+    pool[read] = inp["initial_state"].to(dtype)
+    for n in pad_rows:
+        read[n] = -1
+    return pool, read
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("precision", ["fast", "precise"])
+@pytest.mark.parametrize("with_first", [True, False], ids=["first", "aligned"])
+def test_every_into_pool(dtype, precision, with_first):
+    """Form (b): a state every 64 tokens from each row's first boundary (64, a mid-chunk one,
+    1, past the row; or the default, 64: every one on a chunk boundary, no side runs) into the
+    pool the forward reads and writes; -1 slots skipped; a padding row writes none."""
+    seqlens = [200, 0, 130, 300, 64, 90]
+    inp = make_inputs(seqlens=seqlens, H=2, K=128, seed=3)
+    N, M = len(seqlens), 5
+    pool, read = _pool_case(inp, dtype, 64, pad_rows=(5,))
+    first = torch.tensor([64, 30, 1, 17, 64, 10], dtype=torch.int32, device="cuda")
+    if not with_first:
+        first.fill_(64)
+    slots = torch.arange(N * M, device="cuda").view(N, M) + 24
+    slots[0, 1] = -1
+    slots = slots.to(torch.int64)
+    before = pool.clone()
+    out = torch.empty_like(inp["v"])
+    opts = _opts(inp, precision, **SERIAL)
+    _run(inp, out, pool, pool, opts, cu=inp["cu_seqlens"], state_indices=read,
+         checkpoint_state=pool, checkpoint_slots=slots, checkpoint_every=64,
+         checkpoint_first=first if with_first else None)
+    torch.cuda.synchronize()
+    kda_cute.check_errors(sync=True)
+    written = set()
+    for n, (b, e) in enumerate(_bounds(inp)):
+        if n != 5:
+            written.add(int(read[n]))
+        for i in range(M):
+            o = int(first[n]) + 64 * i
+            s = int(slots[n, i])
+            if n == 5 or s < 0 or not 1 <= o <= e - b:
+                continue
+            written.add(s)
+            want = _prefix(inp, n, o, before[read[n]], dtype, opts)
+            assert _same(pool[s], want), (n, i, o)
+            assert rel_err(pool[s], _ref_state(inp, n, o, before[read[n]])) < STATE_TOL[dtype]
+    rest = [s for s in range(pool.shape[0]) if s not in written]
+    assert _same(pool[rest], before[rest])
+
+
+def test_every_bad_slot_raises():
+    inp = make_inputs(seqlens=[130, 70], H=2, K=64, seed=5)
+    pool, read = _pool_case(inp, torch.float32, 16)
+    slots = torch.tensor([[9, 10], [99, 11]], dtype=torch.int32, device="cuda")
+    before = pool.clone()
+    out = torch.empty_like(inp["v"])
+    kda_cute.fwd(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], inp["scale"], out,
+                 inp["A_log"], inp["dt_bias"], inp["lower_bound"], pool, pool,
+                 inp["cu_seqlens"], state_indices=read, checkpoint_state=pool,
+                 checkpoint_slots=slots, checkpoint_every=64)
+    with pytest.raises(kda_cute.DeviceValueError, match="checkpoint_slots"):
+        kda_cute.check_errors(sync=True)
+    # the good ones written (row 0 at 64 and 128; row 1's 128 is past its length), nothing
+    # past the pool followed, the rest untouched
+    assert not _same(pool[9], before[9]) and not _same(pool[10], before[10])
+    untouched = [s for s in range(16) if s not in (1, 4, 9, 10)]
+    assert _same(pool[untouched], before[untouched])
+
+
+@pytest.mark.parametrize("K", [128, 256])
+def test_offsets_segments_and_alongside(K):
+    """Schedules whose prefix runs differ: segments (B1, few heads) and alongside: within 1e-5
+    of the prefix alone (fp32)."""
+    inp = make_inputs(B=1, T=2048, H=1, K=K, seed=11)
+    offs = torch.tensor([[17, 512, 1000, 1024, 2047, 2048, 33, 1537]], device="cuda")
+    for kw in (dict(segments=4, alongside=False, wy="off"),
+               dict(segments=1, alongside=True, wy="off")):
+        cs = torch.full((1, 8, 1, K, K), SENTINEL, device="cuda")
+        out = torch.empty_like(inp["v"])
+        opts = _opts(inp, **kw)
+        pl = plans.plan(checks.forward(Call(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"],
+                                            out, inp["A_log"], inp["dt_bias"],
+                                            inp["initial_state"], None, None, inp["scale"],
+                                            inp["lower_bound"], checkpoint_state=cs,
+                                            checkpoint_offsets=offs), opts),
+                        opts, plans.device_info(0))
+        assert str(pl.schedule) == ("segments 4" if kw["segments"] == 4 else "alongside")
+        _run(inp, out, inp["initial_state"], None, opts, checkpoint_state=cs,
+             checkpoint_offsets=offs)
+        torch.cuda.synchronize()
+        _check_offsets(inp, offs, cs, inp["initial_state"], opts, _opts(inp, **SERIAL),
+                       exact=False)
+
+
+def test_checkpoints_in_a_cuda_graph():
+    """Captured once, replayed with new offsets and new inputs: the checkpoints follow."""
+    inp = make_inputs(seqlens=[100, 260], H=2, K=128, seed=21)
+    offs = torch.tensor([[16, 50], [1, 259]], dtype=torch.int32, device="cuda")
+    cs = torch.full((2, 2, 2, 128, 128), SENTINEL, device="cuda")
+    out = torch.empty_like(inp["v"])
+    opts = _opts(inp, **SERIAL)
+    kw = dict(cu=inp["cu_seqlens"], checkpoint_state=cs, checkpoint_offsets=offs)
+    pl = _run(inp, out, inp["initial_state"], None, opts, **kw)
+    ws = torch.empty(pl.workspace_bytes, dtype=torch.uint8, device="cuda")
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        _run(inp, out, inp["initial_state"], None, opts, ws=ws, **kw)
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _run(inp, out, inp["initial_state"], None, opts, ws=ws, **kw)
+    offs.copy_(torch.tensor([[99, 100], [17, 128]], device="cuda"))
+    cs.fill_(SENTINEL)
+    graph.replay()
+    torch.cuda.synchronize()
+    _check_offsets(inp, offs, cs, inp["initial_state"], opts, opts)
