@@ -323,9 +323,10 @@ def _checkpoints(c: Call, N: int, H: int, V: int, K: int, dev) -> Checkpoints | 
                       f"strides {st}")
         return Checkpoints(0, E, N * E, row, cs.dtype, sn, se, is_wide(offs), index_words(offs))
     every = c.checkpoint_every
-    if isinstance(every, bool) or not isinstance(every, int) or every < 64 or every % 64:
-        raise err("checkpoint_every", "a multiple of 64 (tokens) with checkpoint_slots",
-                  repr(every))
+    if (isinstance(every, bool) or not isinstance(every, int) or every < 64 or every % 64
+            or every >= 2 ** 24):
+        raise err("checkpoint_every", "a multiple of 64 (tokens) below 2^24 with "
+                  "checkpoint_slots", repr(every))
     sn, se = index_table("checkpoint_slots", slots, (N, None), dev)
     E = slots.shape[1]
     if not 1 <= E <= MAX_ENTRIES:
@@ -395,12 +396,16 @@ def metadata(c: Call, opts: Options) -> Problem:
 
 
 def addresses(c: Call) -> None:
-    """The TMA-read and -written tensors' bases are 16-byte aligned."""
+    """The TMA-read and -written tensors' bases are 16-byte aligned, and checkpoint_state's
+    (its rows leave by bulk copies)."""
     for name in ("out", "q", "k", "g", "v"):
         t = getattr(c, name)
         if t.data_ptr() % 16:
             raise err(name, _tma_rows(SYM_DIV["s" + name[0].upper()]),
                       f"address {t.data_ptr()}")
+    cs = c.checkpoint_state
+    if cs is not None and cs.data_ptr() % 16:
+        raise err("checkpoint_state", "a 16-byte aligned base", f"address {cs.data_ptr()}")
 
 
 def require_cuda(c: Call) -> None:

@@ -68,6 +68,7 @@ BAD = {
     "first with offsets": (dict(**_offsets(), checkpoint_first=torch.ones(1, dtype=torch.int32)),
                            "checkpoint_first"),
     "every not a multiple of 64": (_slots(every=48), "checkpoint_every: expected a multiple"),
+    "every too large": (_slots(every=2 ** 24), "checkpoint_every: expected a multiple"),
     "every missing": (dict(_slots(), checkpoint_every=None), "checkpoint_every"),
     "every a bool": (dict(_slots(), checkpoint_every=True), "checkpoint_every"),
     "offsets float": (dict(_offsets(), checkpoint_offsets=torch.ones(1, 3)),
@@ -187,3 +188,11 @@ def test_aligned_every_form_runs_no_side():
     with_first = _plan(_call(seqlens=[300, 0, 1700, 5], H=4,
                              **_slots(N=4, M=30, dtype=F32, slots=130, first=True)))
     assert "K2 side" in [s.name for s in with_first.steps]
+
+
+def test_checkpoint_state_must_be_aligned():
+    buf = torch.empty(1 * 3 * 4 * 128 * 128 + 1)
+    cs = buf[1:].view(1, 3, 4, 128, 128)  # 4 bytes past an aligned base
+    with pytest.raises(ValueError, match="checkpoint_state: expected a 16-byte aligned base"):
+        _problem(_call(checkpoint_state=cs,
+                       checkpoint_offsets=torch.ones(1, 3, dtype=torch.int32)))
