@@ -35,6 +35,8 @@ SYM_WIDTH = {
     # checkpoints: K2's table, the destination's rows and row stride, the scratch rows; the
     # caller's entries and first offsets (int32 words), the side tables
     "NCT": 32, "NCK": 32, "sCK": 64, "NSK": 32, "NCE": 32, "NCF": 32, "NSC": 32,
+    # the rescale words of K2 (kda_cute.specs.recur.rescale_args)
+    "NFX": 32,
 }
 # divisibility promised to the compiler; the launcher validates it
 SYM_DIV = {"sQ": 8, "sK": 8, "sG": 8, "sV": 8, "sO": 8, "sW": 8, "sWc": 8, "sP": 8, "sPD": 8}

@@ -38,12 +38,13 @@ def fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state
     caller-owned uint8 CUDA tensor (see `workspace_bytes`).
     config: a FwdConfig to use instead of the ladder's choice (kernel development, sweeps).
     precision: the ladder's choice between "fast" (K2's products on fp16 operands: fp32 state
-    within ~4e-4 of float64, values up to ~1e4 in magnitude) and "precise" (the state's
-    products on fp16 operands with the state scaled per row, the rest on bf16 hi/lo: no less
-    accurate than fast anywhere, ~5e-6 state error, bf16's range; ~1.35x fast's time). A
-    forward whose state becomes non-finite (fast's fp16 operands overflowed, or inf / NaN
-    inputs) is reported: DeviceValueError naming `precision` by the next forward or serving
-    call, or by `kda_cute.check_errors()`.
+    within ~4e-4 of float64; where values or states of ~4e4 and more overflow them, the state
+    rows that did are redone on the device with each row scaled by a power of two per chunk,
+    so any finite bf16 values are in range) and "precise" (the state's products on fp16
+    operands with the state scaled per row, the rest on bf16 hi/lo: no less accurate than
+    fast anywhere, ~5e-6 state error, bf16's range; ~1.35x fast's time). A forward whose
+    state becomes non-finite all the same (inf / NaN inputs) is reported: DeviceValueError
+    naming `precision` by the next forward or serving call, or by `kda_cute.check_errors()`.
     segments: K2's segments per sequence (kda_cute.segments; fixed-length batches, K == V);
     None chooses from the grid's size, 1 turns them off. Where K2's grid is small and not
     split, K2 runs alongside K1 (`describe`; KDA_CUTE_ALONGSIDE=0 turns that off).

@@ -168,6 +168,26 @@ def checkpoints_of(recur: RecurConfig) -> RecurConfig | None:
 
 
 # The segments' combine, one per head dim (the segmented K2 runs with K == V).
+# The rescale runs (RecurConfig.rescale): one per head dim, after every K2 of a fast forward
+# (the checkpoints build's code, so it redoes a checkpointed forward's stores too)
+RESCALE_RUNS: tuple[RecurConfig, ...] = tuple(
+    dataclasses.replace(f.recur, checkpoints=True, rescale=True) for f in FAST)
+
+
+@functools.lru_cache(maxsize=64)
+def rescale_of(recur: RecurConfig) -> RecurConfig | None:
+    """The rescale run after a K2 of the fast forward of its head dim (any of its builds:
+    serial, WY, alongside, checkpoints, output-free), or None (precise and SIMT K2s: their
+    overflow is reported, not redone)."""
+    if not recur.f16 or recur.mma != "wgmma":
+        return None
+    for r in RESCALE_RUNS:
+        if (r.head_dim_k, r.head_dim_v, r.chunk) == (recur.head_dim_k, recur.head_dim_v,
+                                                     recur.chunk):
+            return r
+    return None
+
+
 COMBINE: tuple[CombineConfig, ...] = tuple(CombineConfig(d) for d in HEAD_DIMS)
 # a varlen forward's offsets (cu_seqlens checked and copied, the chunk slots), on the device
 OFFSETS = OffsetsConfig()
@@ -341,10 +361,11 @@ def select_config(head_dim_k: int, head_dim_v: int, varlen: bool,
 def all_kernels() -> tuple:
     """Every kernel config that is built and shipped, once each: the forwards' K1 and K2
     (shipped, experimental and alongside builds), then K2's segment runs, WY and checkpoints
-    builds, the combines, the token steps, the offsets and the checkpoints kernel."""
+    builds, the rescale runs, the combines, the token steps, the offsets and the checkpoints
+    kernel."""
     seen, out = set(), []
     for cfg in [c for f in SHIPPED + EXPERIMENTAL + ALONGSIDE for c in (f.prep, f.recur)] + [
-            *SEGMENT_RUNS, *WY_RUNS, *CHECKPOINT_RUNS, *COMBINE, *STEP,
+            *SEGMENT_RUNS, *WY_RUNS, *CHECKPOINT_RUNS, *RESCALE_RUNS, *COMBINE, *STEP,
             *(c for _, c in STEP_SINGLE + STEP_MULTI), *STEP_VARIANTS, OFFSETS, CHECKPOINTS]:
         if cfg not in seen:
             seen.add(cfg)

@@ -243,6 +243,19 @@ def absmax_bf16x2(a, b, *, loc=None, ip=None) -> cutlass.Int32:
 
 
 @dsl_user_op
+def sync_threads_or(x, *, loc=None, ip=None) -> cutlass.Int32:
+    """A barrier over the whole CTA (barrier 0, every thread arriving) that returns 1 in every
+    thread if x != 0 in any of them, else 0 (bar.red.or)."""
+    v = cutlass.Int32(x).ir_value(loc=loc, ip=ip)
+    return cutlass.Int32(llvm.inline_asm(
+        T.i32(), [v],
+        "{ .reg .pred p, q; setp.ne.s32 p, $1, 0; bar.red.or.pred q, 0, p; "
+        "selp.s32 $0, 1, 0, q; }", "=r,r",
+        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc, ip=ip))
+
+
+@dsl_user_op
 def bulk_store(gaddr, saddr, nbytes, *, loc=None, ip=None):
     """`nbytes` (a multiple of 16, both addresses 16-byte aligned) from shared memory at saddr to
     global memory at gaddr, by the bulk copy engine into the calling thread's current bulk

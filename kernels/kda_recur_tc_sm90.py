@@ -66,6 +66,7 @@ from kernels.common import (
     f32_bits,
     pack_bf16x2,
     swizzle_bytes,
+    sync_threads_or,
     tma_meta,
     trap,
 )
@@ -89,6 +90,10 @@ FLAG_BATCH = 8  # flags a waiting K2 reads at once
 WY_LAG = 2
 # a checkpoint slab's row padding, in fp32 elements (bf16 rows: twice as many elements)
 CK_PAD = 8
+# a fast forward's K2 flags a warp for its rescale run where every thread's mean |S| at a
+# sequence's end is below this (fp16's least normal, 2^-14): values and states that small run
+# on subnormal fp16 operands (bench/probes/rescale_probe.py --range)
+TINY = 2.0 ** -14
 
 
 def acc_as_operand_a(acc: cute.Tensor) -> cute.Tensor:
@@ -121,6 +126,8 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
         self.f16 = cfg.f16
         self.wy = cfg.wy  # the WY form (producer-formed kgw; config.WY_RUNS)
         self.checkpoints = cfg.checkpoints  # stores the checkpoints of its table
+        # the rescale run: redoes what a forward's K2 flagged, its state scaled row by row
+        self.rescale = cfg.rescale
         self.op = cutlass.Float16 if cfg.f16 else cutlass.BFloat16
         # the state's operand copy in `nsplit` slabs of K (two at K = 256, which keeps it inside
         # 255 registers)
@@ -158,6 +165,9 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
         mCkAt: cute.Tensor, mCkTo: cute.Tensor, mCkF: cute.Tensor, mCkH: cute.Tensor,
         mCkS: cute.Tensor, ck_rows: cutlass.Int32, ck_dtype: cutlass.Int32,
         side: cutlass.Int32,  # 1: the side run (sequence z's tokens at 2z, 2z + 1; no outputs)
+        # the rescale run (kda_cute.specs.recur.rescale_args): four words per (sequence, head,
+        # block of state rows), one a warp; fix_on 1: an overflowed warp writes no state
+        mFix: cute.Tensor, fix_on: cutlass.Int32,
         stream,
     ):
         C, K, BV, S = self.C, self.K, self.BV, self.stages
@@ -246,7 +256,8 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
             *atoms, mOut, tma_o, tO, mS0f, mS0h, mS1f, mS1h, mCuSeq, mCuChunk, mFlags,
             mRIdx, mWIdx, mHasInit, mErr, state_in, state_out, ordered, index_mode, row_div,
             slots, r_sn, r_wide, w_on, w_sn, w_wide, hi_on, null_min,
-            (mCkAt, mCkTo, mCkF, mCkH, mCkS, ck_rows, ck_dtype), side, mma_p, mma_s, mma_q,
+            (mCkAt, mCkTo, mCkF, mCkH, mCkS, ck_rows, ck_dtype), side, mFix, fix_on,
+            mma_p, mma_s, mma_q,
             l_ck, l_cc, l_kc, l_gl, l_v, l_o, l_slab,
         ).launch(
             grid=(self.V // BV, num_heads, num_seqs), block=(self.threads, 1, 1),
@@ -281,7 +292,7 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
         index_mode: cutlass.Int32, row_div: cutlass.Int32, slots: cutlass.Int32,
         r_sn: cutlass.Int32, r_wide: cutlass.Int32, w_on: cutlass.Int32, w_sn: cutlass.Int32,
         w_wide: cutlass.Int32, hi_on: cutlass.Int32, null_min: cutlass.Int32,
-        ckpt, side: cutlass.Int32,
+        ckpt, side: cutlass.Int32, mFix: cute.Tensor, fix_on: cutlass.Int32,
         mma_p: cute.TiledMma, mma_s: cute.TiledMma, mma_q: cute.TiledMma,
         l_ck: cute.ComposedLayout, l_cc: cute.ComposedLayout, l_kc: cute.ComposedLayout,
         l_gl: cute.Layout, l_v: cute.Layout, l_o: cute.Layout, l_slab: cute.Layout,
@@ -299,6 +310,11 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
             step = cutlass.Int32(2)
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         v0 = vb * BV
+        if cutlass.const_expr(self.rescale):
+            # nearly always nothing to redo: the CTA's words read at once, one a thread, and
+            # without a flagged one no sequence is run (the loops below run none)
+            if self._any_fixed(mFix, z, num_seqs, nz, nh, h, vb, tidx) == 0:
+                num_seqs = z
         if cutlass.const_expr(self.alongside):
             # K1, launched as this grid's programmatic dependent (api: K2 first, K1 alongside
             # on the SMs K2 leaves free), may start once every CTA of this grid is resident
@@ -336,8 +352,9 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
             tx_count=self.tx_bytes)
 
         idx = (index_mode, row_div, slots, r_sn, r_wide, w_on, w_sn, w_wide, hi_on, null_min)
-        if tidx == 0 and vb == 0 and h == 0:  # one thread of a sequence reports its bad indices
-            self._report(mRIdx, mWIdx, mHasInit, mErr, (z, num_seqs, nz), idx)
+        if cutlass.const_expr(not self.rescale):  # (the rescale run's K2 reported them)
+            if tidx == 0 and vb == 0 and h == 0:  # one thread of a sequence reports its bad
+                self._report(mRIdx, mWIdx, mHasInit, mErr, (z, num_seqs, nz), idx)
         if warp == self.producer_warp:
             # ---- producer: one chunk's tiles per stage -----------------------------------
             loads = ((tma_kg, tKg, sKg, (C, K), False), (tma_qg, tQg, sQg, (C, K), False),
@@ -357,6 +374,8 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
                 # a padding row runs no chunk (the consumers agree: _slots)
                 live, _, _, _ = self._slots(mRIdx, mWIdx, mHasInit, mErr, seq, idx,
                                             cutlass.Int32(0))
+                if cutlass.const_expr(self.rescale):  # only the items a warp of overflowed
+                    live = live * self._fixes(mFix, seq, nh, h, vb)[0]
                 nch = (mCuSeq[seq * step + 1] - bos + C - 1) // C * live
                 flagged = cutlass.Int32(-1)  # chunks 0 .. flagged known written (K1 alongside)
                 for c in cutlass.range(nch):
@@ -392,7 +411,7 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
                           l_slab, mOut, (tma_o, tO), mS0f, mS0h, mS1f, mS1h, state_in,
                           state_out, (mma_p, mma_q), mma_s, tidx, warp, h, vb, mCuSeq,
                           (z, num_seqs, nz, step), ready, (mRIdx, mWIdx, mHasInit, mErr), idx,
-                          ckpt, side, sCk)
+                          ckpt, side, sCk, (mFix, fix_on, nh))
 
     @cute.jit
     def _wy_operand(self, pipe, wstate, sKg, sAwh, ready):
@@ -488,7 +507,7 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
     def _consume(self, pipe, sKg, sQg, sKdh, sKdl, sAwh, sAwl, sMqh, sMql, sGl, sV, sO,
                  l_slab, mOut, store_o, mS0f, mS0h, mS1f, mS1h, state_in, state_out,
                  mmas, mma_s: cute.TiledMma, tidx, warp, h, vb,
-                 mCuSeq: cute.Tensor, seqs, ready, tables, idx, ckpt, side, sCk):
+                 mCuSeq: cute.Tensor, seqs, ready, tables, idx, ckpt, side, sCk, fix):
         C, K, BV = self.C, self.K, self.BV
         v0 = vb * BV
         bf16, f32 = cutlass.BFloat16, cutlass.Float32
@@ -525,6 +544,11 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
         z, num_seqs, nz, step = seqs
         mRIdx, mWIdx, mHasInit, mErr = tables
         mCkAt, mCkTo, mCkF, mCkH, mCkS, ck_rows, ck_dtype = ckpt
+        mFix, fix_on, nh = fix
+        lane = cute.arch.lane_idx()
+        # the rescale builds: the state scaled row by row (sig: the thread's two rows' powers
+        # of two, then their inverses; _rescale)
+        sig = cute.make_rmem_tensor((4,), f32) if self.rescale else None
         # the side run stores no output (its partial chunks' outputs are the forward's)
         keep = 1 - side
         for seq in cutlass.range(z, num_seqs, nz):
@@ -534,8 +558,16 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
             # runs no chunk (the producer loads none) and its outputs are zeros
             live, rs, ws, init = self._slots(mRIdx, mWIdx, mHasInit, mErr, seq, idx,
                                              cutlass.Int32(0))
+            # mine: this warp's rows are to be written (all but a rescale build's unflagged)
+            mine = cutlass.Int32(1)
+            if cutlass.const_expr(self.rescale):
+                # only the items a warp of overflowed, and of those only the warps' rows that
+                # did (the rest were written: their state rows read here are not the initial)
+                anyf, mine = self._fixes(mFix, seq, nh, h, vb, warp)
+                live = live * anyf
+                sig.fill(1.0)
             num_chunks = (eos - bos + C - 1) // C * live
-            if cutlass.const_expr(self.outputs):
+            if cutlass.const_expr(self.outputs and not self.rescale):
                 if live == 0 and side == 0:
                     self._zero_rows(mOut, bos, eos, h, v0, tidx, self.mma_threads)
             s_in = state_in
@@ -559,7 +591,7 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
                     ck = (e0 + 2, mCkAt[e0], mCkTo[e0], mCkAt[e0 + 1], mCkTo[e0 + 1])
                     if ck[1] == 0:
                         ck = self._checkpoints(ckpt, ck, cutlass.Int32(0), acc_s, cS, sCk, h,
-                                               vb, warp)
+                                               vb, warp, sig, mine)
 
             # the chunks run between checkpoints (one run without): the chunk loop itself
             # carries no checkpoint test
@@ -576,6 +608,8 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
                     t0 = bos + c * C
                     length = cutlass.min(C, eos - t0)
                     out_len = length * keep  # the tokens whose outputs are stored
+                    if cutlass.const_expr(self.rescale):
+                        out_len = out_len * mine
 
                     if cutlass.const_expr(self.wy):
                         # the WY form: the producer turned kg's tile into kgw = -Aw kg
@@ -585,7 +619,7 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
                     else:
                         self._chunk_pw((mma_p, mma_q), acc_s, acc_p, acc_o, acc_u, vS, vW, vU,
                                        aS, gl_r, (aWh, aWl, aUh, aUl), (bKg, bQg, bAwh, bAwl),
-                                       sGl, sV, cS, cP, s, length)
+                                       sGl, sV, cS, cP, s, length, sig)
 
                     # ---- O^T = Pq + U^T Mq^T -----------------------------------------------------
                     # (WY form: U^T Mq^T into acc_p, added to Pq at the store: Pq may still be in
@@ -617,7 +651,7 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
                             cute.arch.sync_warp()
                             for e in cutlass.range_constexpr(cute.size(acc_o)):
                                 r, i = cP[e]
-                                sO[i, r, b] = self._out(acc_o, acc_p, e).to(bf16)
+                                sO[i, r, b] = self._out(acc_o, acc_p, e, sig).to(bf16)
                             cute.arch.fence_proxy("async.shared", space="cta")
                             cute.arch.sync_warp()
                             slab = cute.make_tensor(sO.iterator + b * C * BV + warp * C * 16,
@@ -629,37 +663,63 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
                             for e in cutlass.range_constexpr(cute.size(acc_o)):
                                 r, i = cP[e]
                                 if i < out_len:
-                                    mOut[t0 + i, h, v0 + r] = self._out(acc_o, acc_p, e).to(bf16)
+                                    mOut[t0 + i, h, v0 + r] = self._out(
+                                        acc_o, acc_p, e, sig).to(bf16)
                     warpgroup.wait_group(0)
                     pipe.consumer_release(state)
                     state.advance()
                 c0 = stop
                 if cutlass.const_expr(self.checkpoints):
                     if ck[1] == c0:
-                        ck = self._checkpoints(ckpt, ck, c0, acc_s, cS, sCk, h, vb, warp)
+                        ck = self._checkpoints(ckpt, ck, c0, acc_s, cS, sCk, h, vb, warp, sig,
+                                               mine)
 
             cute.arch.cp_async_bulk_wait_group(0, read=True)  # smem outlives every warp's stores
 
             # ---- final state ------------------------------------------------------------------
             # a non-finite state (an fp16 operand overflowed, or the inputs held inf or NaN:
-            # either leaves inf or NaN in the state for good) is reported, never passed on
-            # silently: the sum of the thread's entries, inf or NaN iff one of them is
+            # either leaves inf or NaN in the state for good) is never passed on silently: the
+            # sum of the magnitudes of the thread's entries is inf or NaN iff one of them is
+            # (the rescale builds': of its scaled state, whose sum stays in range)
             entries = []
             for e in cutlass.range_constexpr(cute.size(acc_s)):
-                entries.append(acc_s[e])
+                entries.append(cute.math.absf(acc_s[e]))
             total = _tree(entries, lambda a, b: a + b)
-            if (f32_bits(total) >> 23) & 255 == 255:
-                mErr[E_NONFINITE] = cutlass.Int32(1)
+            bad = (f32_bits(total) >> 23) & 255 == 255
+            if cutlass.const_expr(self.rescale):
+                self._scale_rows(acc_s, sig[2], sig[3])  # the row scales undone
             s_out = state_out
             if live == 0:
                 s_out = cutlass.Int32(0)
+            if cutlass.const_expr(self.rescale):
+                if mine == 0:
+                    s_out = cutlass.Int32(0)
+                elif bad:
+                    mErr[E_NONFINITE] = cutlass.Int32(1)  # rescaled and still non-finite
+            else:
+                if fix_on != 0:
+                    # the rescale run redoes the warp's rows where their state turned
+                    # non-finite, or all but vanished (every thread's mean |S| under fp16's
+                    # least normal, not all zero: the fp16 operands ran on subnormals); the
+                    # state stays unwritten (the initial one, which that run reads) and the
+                    # warp's word says so (every sequence's words written: none needs zeroing)
+                    tiny = cutlass.Int32(cute.arch.vote_all_sync(
+                        total < cutlass.Float32(TINY * cute.size(acc_s))))
+                    some = cutlass.Int32(cute.arch.vote_any_sync(total > cutlass.Float32(0.0)))
+                    badw = cutlass.Int32(cute.arch.vote_any_sync(bad)) | (tiny & some)
+                    if lane == 0:
+                        mFix[self._fix_base(seq, nh, h, vb) + warp] = badw
+                    if badw != 0:
+                        s_out = cutlass.Int32(0)
+                elif bad:
+                    mErr[E_NONFINITE] = cutlass.Int32(1)
             if s_out == STATE_F32:
                 thr_s.partition_C(self._state_rows(mS1f, ws, h, vb)).store(acc_s.load())
             elif s_out == STATE_BF16:
                 thr_s.partition_C(self._state_rows(mS1h, ws, h, vb)).store(acc_s.load().to(bf16))
 
     @cute.jit
-    def _checkpoints(self, ckpt, ck, done, acc_s, cS, sCk, h, vb, warp):
+    def _checkpoints(self, ckpt, ck, done, acc_s, cS, sCk, h, vb, warp, sig, mine):
         """Store S (after `done` chunks) for every checkpoint due: into its destination row
         (fp32 or bf16: ck_dtype) or, for a code < 0, scratch row -code - 1 in fp32 (a mid-chunk
         checkpoint, finished by the side run). Each warp writes its 16 rows to its smem slab and
@@ -667,11 +727,16 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
         chunks run on: the slab is reused once those lanes' copies have read it, and the lane
         that stores the outputs (an elected one of the low half) never waits on them. ck = (next
         entry to read, the due one's chunk count and code, the following one's); returns it
-        moved on past the stores."""
+        moved on past the stores. The rescale builds store S with its row scales (sig) undone,
+        and only the warps whose rows they redo (mine)."""
         mCkAt, mCkTo, mCkF, mCkH, mCkS, _, ck_dtype = ckpt
         K = self.K
         e, at, to, nat, nto = ck
         lane = cute.arch.lane_idx()
+        lo = cutlass.Int32(16)  # the lanes that store: 16-31 (none: a warp the run does not redo)
+        if cutlass.const_expr(self.rescale):
+            if mine == 0:
+                lo = cutlass.Int32(32)
         r0 = warp * 16
         base = sCk.iterator + r0 * (K + CK_PAD)
         slab = cute.make_tensor(base, cute.make_layout((16, K), stride=(K + CK_PAD, 1)))
@@ -688,14 +753,14 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
             if half != 0:
                 for i in cutlass.range_constexpr(cute.size(acc_s)):
                     r, d = cS[i]
-                    slab_h[r - r0, d] = acc_s[i].to(cutlass.BFloat16)
+                    slab_h[r - r0, d] = self._unscaled(acc_s, i, sig).to(cutlass.BFloat16)
             else:
                 for i in cutlass.range_constexpr(cute.size(acc_s)):
                     r, d = cS[i]
-                    slab[r - r0, d] = acc_s[i]
+                    slab[r - r0, d] = self._unscaled(acc_s, i, sig)
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.sync_warp()
-            if lane >= 16:
+            if lane >= lo:
                 i = lane - 16
                 row = r0 + i
                 if to < 0:
@@ -715,11 +780,77 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
             e = e + 1
         return e, at, to, nat, nto
 
-    def _out(self, acc_o, acc_p, e):
-        """Output element e: Pq + U^T Mq^T, summed in acc_o or (WY form) across acc_o and acc_p."""
+    def _out(self, acc_o, acc_p, e, sig):
+        """Output element e: Pq + U^T Mq^T, summed in acc_o or (WY form) across acc_o and acc_p;
+        the rescale builds' with its row's scale undone."""
         if self.wy:
             return acc_o[e] + acc_p[e]
-        return acc_o[e]
+        return self._unscaled(acc_o, e, sig)
+
+    def _unscaled(self, acc, e, sig):
+        """Element e of an accumulator (rows of the state: S, O, P, U), the rescale builds'
+        times its row's 1 / sigma (exact: a power of two)."""
+        if self.rescale:
+            return acc[e] * sig[2 + (e // 2) % 2]
+        return acc[e]
+
+    @cute.jit
+    def _fix_base(self, seq, nh, h, vb):
+        """The first of the four rescale words of (sequence, head, block of state rows)."""
+        return ((seq * nh + h) * (self.V // self.BV) + vb) * 4
+
+    @cute.jit
+    def _fixes(self, mFix: cute.Tensor, seq, nh, h, vb, warp=None):
+        """The rescale run's (any warp of the item flagged, warp `warp`'s word): words of 0 or
+        1, written by the forward's K2 at the sequence's end."""
+        b = self._fix_base(seq, nh, h, vb)
+        w = (mFix[b], mFix[b + 1], mFix[b + 2], mFix[b + 3])
+        mine = cutlass.Int32(0)
+        if cutlass.const_expr(warp is not None):
+            mine = mFix[b + warp]
+        return (w[0] | w[1]) | (w[2] | w[3]), mine
+
+    @cute.jit
+    def _any_fixed(self, mFix: cute.Tensor, z, num_seqs, nz, nh, h, vb, tidx):
+        """1 in every thread if any rescale word of the CTA's sequences z, z + nz, ... is set:
+        the words spread over the threads (one load each, mostly), then one barrier with an
+        or-reduction."""
+        n = (num_seqs - z + nz - 1) // nz * 4
+        acc = cutlass.Int32(0)
+        for j in cutlass.range(tidx, n, self.threads):
+            acc = acc | mFix[self._fix_base(z + (j // 4) * nz, nh, h, vb) + j % 4]
+        return sync_threads_or(acc)
+
+    @cute.jit
+    def _rescale(self, acc_s, vR, sig):
+        """The rescale builds' row scales, each chunk: the largest |x| of each state row over
+        its state (unscaled) and the chunk's values (vR: v^T, fp32) sets the row's power of two
+        sigma so that sigma x is in [2^4, 2^5) (the fp16 operands' room: S kg^T adds up K
+        such entries, U = Aw W another chunk's); S (kept as sigma S) moves to the new sigma,
+        exactly. Clamped to 2^-120 .. 2^120: a zero row stays zero, inf or NaN stay."""
+        i32 = cutlass.Int32
+
+        def mag(x):
+            return bits_f32(f32_bits(x) & 0x7FFFFFFF)
+
+        for r in cutlass.range_constexpr(2):
+            m_s = _tree([mag(acc_s[e]) for e in range(cute.size(acc_s)) if (e // 2) % 2 == r],
+                        cute.arch.fmax)
+            m_v = _tree([mag(vR[e]) for e in range(cute.size(vR)) if (e // 2) % 2 == r],
+                        cute.arch.fmax)
+            y = cute.arch.fmax(m_s * sig[2 + r], m_v)
+            # the four lanes of a row (lanes 4j .. 4j + 3) hold its columns
+            y = cute.arch.fmax(y, cute.arch.shuffle_sync_bfly(y, offset=1))
+            y = cute.arch.fmax(y, cute.arch.shuffle_sync_bfly(y, offset=2))
+            k = i32(131) - ((f32_bits(y) >> 23) & 255)
+            k = cutlass.max(cutlass.min(k, i32(120)), i32(-120))
+            new = bits_f32((127 + k) << 23)
+            old = sig[2 + r]
+            for e in cutlass.range_constexpr(cute.size(acc_s)):
+                if cutlass.const_expr((e // 2) % 2 == r):
+                    acc_s[e] = acc_s[e] * old * new
+            sig[r] = new
+            sig[2 + r] = bits_f32((127 - k) << 23)
 
     @cute.jit
     def _decay_factors(self, acc_s, gl_r, sGl, cS, s):
@@ -795,10 +926,11 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
 
     @cute.jit
     def _chunk_pw(self, mmas, acc_s, acc_p, acc_o, acc_u, vS, vW, vU, aS,
-                    gl_r, regs, smem_b, sGl, sV, cS, cP, s, length):
+                    gl_r, regs, smem_b, sGl, sV, cS, cP, s, length, sig):
         """A chunk up to U: P = S kg^T, W^T = v^T - P, U^T = W^T Aw^T (hi/lo products, or
         fp16 ones for cfg.f16; P and Pq on fp16 operands either way, the precise builds' S
-        scaled per row into fp16's range: _row_scales). Leaves what _chunk_wy leaves."""
+        scaled per row into fp16's range: _row_scales; the rescale builds' whole state and values:
+        _rescale). Leaves what _chunk_wy leaves."""
         K = self.K
         bf16, f32 = cutlass.BFloat16, cutlass.Float32
         mma_p, mma_q = mmas
@@ -806,6 +938,17 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
         bKg, bQg, bAwh, bAwl = smem_b
         nsplit = self.nsplit
         kb_slab = K // 16 // nsplit
+        vR = None
+        if cutlass.const_expr(self.rescale):
+            # v^T first (tokens past the length zero): its rows' scales move S before P
+            vR = cute.make_rmem_tensor_like(acc_p, f32)
+            for e in cutlass.range_constexpr(cute.size(acc_p)):
+                r, i = cP[e]
+                x = f32(0.0)
+                if i < length:
+                    x = sV[i, r, s].to(f32)
+                vR[e] = x
+            self._rescale(acc_s, vR, sig)
         # ---- P = S kg^T, Pq = S qg^T (A: an fp16 copy of S, so S stays writable) ---------
         self._decay_factors(acc_s, gl_r, sGl, cS, s)
         rows = None
@@ -826,9 +969,10 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
         # while they run: this thread's v^T entries (widened after the wait, so the
         # loads' latency hides behind the products)
         vT = cute.make_rmem_tensor_like(acc_p, bf16)
-        for e in cutlass.range_constexpr(cute.size(acc_p)):
-            r, i = cP[e]
-            vT[e] = sV[i, r, s]
+        if cutlass.const_expr(not self.rescale):
+            for e in cutlass.range_constexpr(cute.size(acc_p)):
+                r, i = cP[e]
+                vT[e] = sV[i, r, s]
         warpgroup.wait_group(1 if self.outputs else 0)
 
         # ---- W^T = v^T - P; tokens past the chunk's length are zero ---------------
@@ -839,7 +983,10 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
             if cutlass.const_expr(not self.f16):
                 p = p * rows[2 + (e // 2) % 2]
             if i < length:
-                w = vT[e].to(f32) - p
+                if cutlass.const_expr(self.rescale):
+                    w = vR[e] * sig[(e // 2) % 2] - p
+                else:
+                    w = vT[e].to(f32) - p
             acc_p[e] = w
         self._operand(vW, aWh, aWl)
 

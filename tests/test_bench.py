@@ -282,16 +282,17 @@ def probes(monkeypatch):
 
 
 @pytest.mark.parametrize("mode,expect", [
-    ("serial", [("K1", "prep"), ("K2", "recur")]),
-    ("alongside", [("zero flags", 0), ("K2", "recur"), ("K1", "prep")]),
-    ("preset", [("zero flags", 1), ("K2", "recur"), ("K1", "prep")]),
+    ("serial", [("K1", "prep"), ("K2", "recur"), ("K2 rescale", "rescale")]),
+    ("alongside", [("zero flags", 0), ("K2", "recur"), ("K1", "prep"),
+                   ("K2 rescale", "rescale")]),
+    ("preset", [("zero flags", 1), ("K2", "recur"), ("K1", "prep"), ("K2 rescale", "rescale")]),
     ("k2-only", [("zero flags", 1), ("K2", "recur")])])
 def test_alongside_probe_schedules(probes, monkeypatch, mode, expect):
     """bench/probes/alongside_probe.py's four schedules are the plans its docstring says (the
     steps, their kinds and kernels, the flags memset's value), the driver is handed just that,
     and the launcher's own plan is left as it was."""
     from kda_cute import Options, plan, plans
-    from kda_cute.ladder import alongside_of
+    from kda_cute.ladder import alongside_of, rescale_of
     from kda_cute.plans.steps import Launch, Memset
 
     probe = probes("alongside_probe")
@@ -301,7 +302,7 @@ def test_alongside_probe_schedules(probes, monkeypatch, mode, expect):
     assert str(own.schedule) == "alongside"
     pl = probe.schedules(p, plans.H200)[mode]
     cfg = own.config if mode == "serial" else alongside_of(own.config)
-    kernels = {"prep": cfg.prep, "recur": cfg.recur}
+    kernels = {"prep": cfg.prep, "recur": cfg.recur, "rescale": rescale_of(cfg.recur)}
     want = [(name, Memset, e) if isinstance(e, int) else (name, Launch, kernels[e])
             for name, e in expect]
     assert [(s.name, type(s), s.value if isinstance(s, Memset) else s.kernel)
@@ -370,7 +371,8 @@ def test_alongside_probe_shared_forces_alongside(probes, monkeypatch):
         pl = modes["alongside"]
         assert str(pl.schedule) == "alongside" and pl.device == plans.H200
         assert [(s.name, type(s).__name__) for s in pl.steps] == [
-            ("zero flags", "Memset"), ("K2", "Launch"), ("K1", "Launch")]
+            ("zero flags", "Memset"), ("K2", "Launch"), ("K1", "Launch"),
+            ("K2 rescale", "Launch")]
         k2, k1 = pl.step("K2"), pl.step("K1")
         assert (k2.kernel, k1.kernel) == (acfg.recur, acfg.prep)
         assert k2.grid == own.step("K2").grid == (1, 67, 1) and k2.smem == k2_own
@@ -381,8 +383,9 @@ def test_alongside_probe_shared_forces_alongside(probes, monkeypatch):
         assert flags.value == 0 and modes["k2-only"].steps == (
             Memset("zero flags", flags.target, 1, flags.count), k2)
     ops = _driver_ops(monkeypatch, probe.bench.plan_runner(pl), x)  # --k1-ctas 2's
+    rs = pl.step("K2 rescale").kernel
     assert ops == [("memset", 0), (acfg.recur.name, k2_own, False),
-                   (acfg.prep.name, k1.smem, True)]
+                   (acfg.prep.name, k1.smem, True), (rs.name, resources(rs, "sm_90a").smem, False)]
     # a varlen batch whose K2 grid takes more than one wave of an H200: K2 takes its sequences
     # longest first, as the launcher's plan has it (one planned for more SMs would not)
     pv = Problem(1, 16 * 512, 64, 64, 64, 16, True, state_in=torch.float32,
@@ -467,3 +470,19 @@ def test_probes_and_studies_import_and_take_help(probes, capsys, name):
     with pytest.raises(SystemExit) as e:
         mod.main(["--help"])
     assert e.value.code == 0 and "usage:" in capsys.readouterr().out
+
+
+def test_rescale_probe_scales_exactly(probes):
+    """bench/probes/rescale_probe.py's modes scale v and the initial state by 2^16 (exact in
+    bf16 and fp32) in one head or everywhere, and leave the ordinary mode's inputs alone."""
+    probe = probes("rescale_probe")
+    for mode in probe.MODES:
+        x, _ = _cpu_inputs(B=1, T=64, H=3, K=64, seed=4)
+        v0, s0 = x["v"].float().clone(), x["initial_state"].clone()
+        probe.scaled(x, mode)
+        heads = [] if mode == "ordinary" else [1] if mode.startswith("one head") else [0, 1, 2]
+        for h in range(3):
+            f = 2.0 ** 16 if h in heads else 1.0
+            assert torch.equal(x["v"][:, :, h].float(), v0[:, :, h] * f), (mode, h)
+            assert torch.equal(x["initial_state"][:, h], s0[:, h] * f), (mode, h)
+    assert probe.EXPONENTS[0] < -14 < 16 < probe.EXPONENTS[-1]

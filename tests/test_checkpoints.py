@@ -125,7 +125,12 @@ def test_plans_carry_the_checkpoints(schedule, kw):
     assert str(pl.schedule) == schedule == str(plain.schedule)
     names = [s.name for s in pl.steps]
     assert names[names.index("checkpoints") - 1] == "zero side slots"
-    assert names.index("K1 side") < names.index("K1") and names[-1] == "K2 side"
+    # the side run last, then its rescale run (a fast forward's K2s each have one after them)
+    assert names.index("K1 side") < names.index("K1") and names[-2:] == ["K2 side",
+                                                                          "K2 side rescale"]
+    assert [n for n in names if n.endswith(" rescale")] == [
+        n + " rescale" for n in names if n.startswith("K2") and n != "K2 identity"
+        and not n.endswith(" rescale")]
     # the main K1 covers the same chunks; the workspace grows by one chunk slot an entry
     assert pl.step("K1").grid == plain.step("K1").grid
     p = pl.problem

@@ -18,6 +18,7 @@ from kda_cute.ladder import (
     HEAD_DIMS,
     OFFSETS,
     PRECISE,
+    RESCALE_RUNS,
     SEGMENT_RUNS,
     SHIPPED,
     SIMT,
@@ -213,7 +214,7 @@ def test_all_kernels_once_each():
     forwards = SHIPPED + EXPERIMENTAL + ALONGSIDE
     assert set(kernels) == ({f.prep for f in forwards} | {f.recur for f in forwards}
                             | set(SEGMENT_RUNS) | set(WY_RUNS) | set(CHECKPOINT_RUNS)
-                            | set(COMBINE) | set(STEP)
+                            | set(RESCALE_RUNS) | set(COMBINE) | set(STEP)
                             | {c for _, c in STEP_SINGLE + STEP_MULTI} | set(STEP_VARIANTS)
                             | {OFFSETS, CHECKPOINTS})
     assert set(kernels[:2 * len(SHIPPED)]) == ({f.prep for f in SHIPPED}

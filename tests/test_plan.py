@@ -13,7 +13,15 @@ import torch
 
 import kda_cute
 from kda_cute import api, checks, plans
-from kda_cute.ladder import OFFSETS, WY_RUNS, alongside_of, combine_config, select_config, wy_of
+from kda_cute.ladder import (
+    OFFSETS,
+    WY_RUNS,
+    alongside_of,
+    combine_config,
+    rescale_of,
+    select_config,
+    wy_of,
+)
 from kda_cute.launch import driver
 from kda_cute.plans import schedule, workspace
 from kda_cute.plans.device import Resources, resident, resident_per_sm, resources, smem_unit
@@ -61,6 +69,11 @@ def _names(pl) -> list[str]:
 
 def _kernels(pl) -> list[str]:
     return [s.kernel.name for s in pl.launches()]
+
+
+def _without_rescale(pl):
+    """The plan without its rescale runs (a fast forward's K2s each have one after them)."""
+    return pl.only(*(s.name for s in pl.steps if not s.name.endswith(" rescale")))
 
 
 def _with(**kw) -> Options:
@@ -165,7 +178,9 @@ def test_segmented_launches():
     K2 runs' outputs are not used: they run K2 without outputs."""
     pl = _plan(_with(segments=3))
     assert str(pl.schedule) == "segments 3"
-    assert _names(pl) == ["K1", "K2 from zero", "K2 identity", "combine", "K2 from starts"]
+    assert _names(pl) == ["K1", "K2 from zero", "K2 from zero rescale", "K2 identity",
+                          "combine", "K2 from starts", "K2 from starts rescale"]
+    pl = _without_rescale(pl)
     names = _kernels(pl)
     launches = pl.launches()
     grids = [s.grid for s in launches]
@@ -219,8 +234,8 @@ def test_segmented_combine_states(initial, final):
 def test_precision_picks_the_kernels(precision, f16):
     """The two ladders launch their own K1 and K2 (K = 64 here)."""
     pl = _plan(_with(precision=precision))
-    assert _names(pl) == ["K1", "K2"]
-    k1, k2 = _kernels(pl)
+    assert _names(pl) == ["K1", "K2"] + (["K2 rescale"] if f16 else [])
+    k1, k2 = _kernels(pl)[:2]
     assert k1.endswith("_f16") == f16 and ("_f16" in k2) == f16
     assert pl.config == select_config(64, 64, False, precision)
 
@@ -352,8 +367,9 @@ def test_k2_alongside_k1_when_its_grid_takes_at_most_half_the_sms():
     pl = plans.plan(p, OPTS, H200)
     cfg = pl.config
     assert pl.alongside and str(pl.schedule) == "alongside"
-    memset, k2, k1 = pl.steps
-    assert (memset.name, k2.name, k1.name) == ("zero flags", "K2", "K1")
+    memset, k2, k1, rescale = pl.steps
+    assert (memset.name, k2.name, k1.name, rescale.name) == ("zero flags", "K2", "K1",
+                                                             "K2 rescale")
     assert isinstance(memset, Memset) and isinstance(k2, Launch) and isinstance(k1, Launch)
     nch = workspace.rows(p, cfg.chunk)[0]
     assert memset.value == 0 and memset.count == nch * p.H
@@ -410,11 +426,11 @@ def test_schedule_names_what_the_launch_does(H, T, segments, expect):
     names = _kernels(pl)
     if expect == "alongside":
         acfg = alongside_of(cfg)
-        assert _names(pl) == ["zero flags", "K2", "K1"]
-        assert names == [acfg.recur.name, acfg.prep.name]
+        assert _names(pl) == ["zero flags", "K2", "K1", "K2 rescale"]
+        assert names == [acfg.recur.name, acfg.prep.name, rescale_of(cfg.recur).name]
     elif expect == "serial":
-        assert _names(pl) == ["K1", "K2"]
-        assert names == [cfg.prep.name, cfg.recur.name]
+        assert _names(pl) == ["K1", "K2", "K2 rescale"]
+        assert names == [cfg.prep.name, cfg.recur.name, rescale_of(cfg.recur).name]
     else:
         assert names[0] == cfg.prep.name and any(n.startswith("kda_combine") for n in names)
         assert pl.schedule.segments == 3
@@ -517,15 +533,15 @@ def test_k1_seq_len_is_the_fixed_length_or_zero(varlen):
 def test_serial_k2_takes_the_wy_build_where_each_cta_has_its_sm(K, H, expect_wy):
     pl = _plan(_with(alongside=False), H=H, T=64, K=K)
     cfg = pl.config
-    assert _names(pl) == ["K1", "K2"]
+    assert _names(pl) == ["K1", "K2", "K2 rescale"]
     assert _kernels(pl)[0] == cfg.prep.name
     w = wy_of(cfg.recur)
-    assert _kernels(pl)[1:] == [w.name if expect_wy else cfg.recur.name]
+    assert _kernels(pl)[1:2] == [w.name if expect_wy else cfg.recur.name]
     assert ("K2 in its WY form" in pl.notes) == expect_wy
     if expect_wy:
         assert w in WY_RUNS and w.f16 and cfg.recur.f16
     off = _plan(_with(alongside=False, wy="off"), H=H, T=64, K=K)
-    assert _kernels(off)[1:] == [cfg.recur.name]
+    assert _kernels(off)[1:2] == [cfg.recur.name]
 
 
 @needs_manifests
@@ -533,7 +549,7 @@ def test_wy_force_takes_the_wy_build_on_any_grid():
     # 192 K2 CTAs (K = 128, H = 96): two share an SM, so the plan keeps the plain K2, unless
     # wy="force" (for measuring the WY form there)
     pl = _plan(_with(alongside=False, wy="force"), H=96, T=64, K=128)
-    assert _kernels(pl)[1:] == [wy_of(pl.config.recur).name]
+    assert _kernels(pl)[1:2] == [wy_of(pl.config.recur).name]
 
 
 # ---------------------------------------------------------------------- argument validation
@@ -564,3 +580,61 @@ def test_the_argument_tables_are_valid_otherwise(monkeypatch):
             kda_cute.fwd(**_fwd_args(), **kw)
     assert planned == []
 
+
+
+# --------------------------------------------------------------------------- rescale runs
+@needs_manifests
+@pytest.mark.parametrize("spec,expect", [
+    (dict(B=2, T=64, H=64, K=128), "serial"), (dict(B=1, T=32 * 16, H=2), "alongside"),
+    (dict(B=1, T=40, H=2, segments=3), "segments 3")], ids=["serial", "alongside", "segments"])
+def test_fast_k2s_have_rescale_runs(spec, expect):
+    """A fast forward runs each K2 of its value rows with fix_on 1, followed (after K1 where K1
+    runs alongside it) by its rescale run: ladder.rescale_of's build for the head dim, the same
+    arguments (the rescale words among them) but `ordered` 0, the same x and y grid and a z
+    cut to about two CTAs an SM. The identity run keeps fix_on 0; precise forwards run none."""
+    seg = spec.pop("segments", None)
+    opts = _with(segments=seg)
+    pl = plans.plan(_problem(opts, **spec), opts, H200)
+    assert str(pl.schedule) == expect
+    names = _names(pl)
+    mains = [n for n in names if n.startswith("K2") and not n.endswith(" rescale")]
+    for m in mains:
+        k2 = pl.step(m)
+        if m == "K2 identity":
+            assert k2.source("fix_on") == Scalar(0) and m + " rescale" not in names
+            continue
+        r = pl.step(m + " rescale")
+        assert names.index(m + " rescale") == (names.index(m) + (2 if expect == "alongside"
+                                                                  else 1))
+        assert r.kernel == rescale_of(k2.kernel) and r.kernel.rescale and r.kernel.checkpoints
+        assert not (r.kernel.wy or r.kernel.alongside) and r.kernel.f16
+        assert k2.source("fix_on") == r.source("fix_on") == Scalar(1)
+        assert r.source("fixes") == k2.source("fixes")
+        assert r.source("ordered") == Scalar(0)
+        assert all(r.source(a) == k2.source(a) for a in r.args if a not in ("ordered",))
+        assert r.grid[:2] == k2.grid[:2]
+        assert r.grid[2] == min(k2.grid[2], max(1, -(-2 * H200.sms // (r.grid[0] * r.grid[1]))))
+        assert not r.programmatic
+    # the words: 4 per (K2 row, head, block of 64 state rows)
+    (buf,) = {pl.step(m).source("fixes").buffer for m in mains if m != "K2 identity"}
+    rows = pl.problem.N * (pl.schedule.segments if expect.startswith("segments") else 1)
+    assert buf.shape == (rows * pl.problem.H * pl.problem.V // 64 * 4,)
+    assert dict(pl.step(mains[0]).syms)["NFX"] == buf.shape[0]
+    precise = plans.plan(_problem(_with(segments=seg, precision="precise"), **spec),
+                         _with(segments=seg, precision="precise"), H200)
+    assert not any(n.endswith(" rescale") for n in _names(precise))
+    assert all(s.source("fix_on") == Scalar(0) for s in precise.launches()
+               if "fix_on" in s.args)
+
+
+def test_rescale_runs_are_built_for_every_fast_head_dim():
+    from kda_cute.ladder import FAST, PRECISE, RESCALE_RUNS, SIMT
+
+    assert {r.head_dim_k for r in RESCALE_RUNS} == {64, 128, 256}
+    for f in FAST:
+        r = rescale_of(f.recur)
+        assert r in RESCALE_RUNS and r.name.endswith("_ck_rs")
+        assert rescale_of(dataclasses.replace(f.recur, wy=True)) == r
+        assert rescale_of(dataclasses.replace(f.recur, outputs=False)) == r
+    for f in PRECISE + SIMT:
+        assert rescale_of(f.recur) is None

@@ -161,15 +161,17 @@ def test_repeated_run_reuses_the_packed_block(drv, monkeypatch):
     x = _x()
     packed = counting(monkeypatch, driver, "pack_params")
     _run(x)
-    assert len(packed) == 2
+    assert len(packed) == 3  # K1, K2 and K2's rescale run
     n_maps = len(drv.maps)
     _run(x)
-    assert len(packed) == 2  # nothing packed again
-    k1a, k2a, k1b, k2b = _launches(drv.ops)
-    assert [k1a["kernel"], k2a["kernel"]] == [k1b["kernel"], k2b["kernel"]]
+    assert len(packed) == 3  # nothing packed again
+    k1a, k2a, ra, k1b, k2b, rb = _launches(drv.ops)
+    assert [k1a["kernel"], k2a["kernel"], ra["kernel"]] == [k1b["kernel"], k2b["kernel"],
+                                                            rb["kernel"]]
     assert k1a["params"] == k1b["params"] and k2a["params"] == k2b["params"]
     assert k1a["addr"] == k1b["addr"] and k2a["addr"] == k2b["addr"]  # the same cached array
-    assert k1a["addr"] != k2a["addr"]
+    assert ra["addr"] == rb["addr"]
+    assert len({k1a["addr"], k2a["addr"], ra["addr"]}) == 3
     assert len(drv.maps) == n_maps  # no descriptor encoded again
 
 
@@ -185,7 +187,7 @@ def test_cached_block_equals_a_fresh_packing(drv):
     driver.clear()
     plans.clear()
     _run(x)
-    fresh = [_decoded(drv, o) for o in _launches(drv.ops)[2:]]
+    fresh = [_decoded(drv, o) for o in _launches(drv.ops)[len(cached):]]
     assert len(drv.maps) == 2 * n_maps
     assert cached == fresh
 
@@ -208,7 +210,7 @@ def test_any_change_repacks(drv, change):
     CHANGES[change](x)
     _run(x)
     launches = _launches(drv.ops)
-    before, after = launches[:2], launches[2:]
+    before, after = launches[:len(launches) // 2], launches[len(launches) // 2:]
     assert [o["kernel"] for o in before] == [o["kernel"] for o in after]
     assert any(_decoded(drv, b) != _decoded(drv, a)
                for b, a in zip(before, after, strict=True)), change
@@ -221,7 +223,7 @@ def test_token_stride_changes_the_block(drv):
     wide = torch.randn(1, T, H * K + 64).to(BF16)[..., :H * K].view(1, T, H, K)
     x["q"] = wide
     _run(x)
-    k1a, _, k1b, _ = _launches(drv.ops)
+    k1a, _, _, k1b, _, _ = _launches(drv.ops)
     # K1 reads q through its row stride
     assert _decoded(drv, k1a) != _decoded(drv, k1b)
     i = _index(pl.step("K1").kernel, "q")
@@ -243,12 +245,12 @@ def test_a_short_workspace_is_refused(drv):
         launch.bind(pl, _call(x), x["workspace"])
     assert drv.ops == []
     launch.run(_plan(x), _call(x), x["workspace"])  # the fast one fits
-    assert len(_launches(drv.ops)) == 2
+    assert len(_launches(drv.ops)) == 3
 
 
 # ----------------------------------------------------------------------------- streams
 def test_alongside_forwards_on_two_streams_are_ordered_by_one_event(drv, monkeypatch):
-    """Each alongside forward records one event after its K1; one launched on another stream
+    """Each alongside forward records one event at its end; one launched on another stream
     than the last waits for that event before it zeroes its flags (two K2 grids at once could
     leave K1 no SMs). On the same stream, no wait: the stream orders them."""
     x = _x(T=32 * 16)
@@ -259,7 +261,7 @@ def test_alongside_forwards_on_two_streams_are_ordered_by_one_event(drv, monkeyp
     _run(x)
     _run(x)
     ops = [o["op"] for o in drv.ops]
-    forward = ["memset_d32", "launch", "launch", "event_record"]
+    forward = ["memset_d32", "launch", "launch", "launch", "event_record"]  # + the rescale run
     assert ops == forward * 2 + ["event_wait"] + forward * 2
     assert ops.count("event_wait") == 1
     w = ops.index("event_wait")
@@ -268,7 +270,7 @@ def test_alongside_forwards_on_two_streams_are_ordered_by_one_event(drv, monkeyp
     assert drv.ops[w]["stream"] == 7  # stream 7 waits on stream 0's last forward
     assert ops[w + 1] == "memset_d32" and drv.ops[w + 1]["stream"] == 7
     assert ops[:w].count("memset_d32") == 2
-    # one event, recorded after each forward's K1, on the stream it ran on
+    # one event, recorded after each forward's last launch, on the stream it ran on
     records = [(o["stream"], o["event"]) for o in drv.ops if o["op"] == "event_record"]
     assert records == [(0, event)] * 2 + [(7, event)] * 2
 
@@ -280,8 +282,8 @@ def test_no_stream_ordering_for_serial_forwards(drv, monkeypatch):
     _run(x)
     _on_stream(monkeypatch, 7)
     _run(x)
-    assert [o["op"] for o in drv.ops] == ["launch"] * 4
-    assert [o["stream"] for o in drv.ops] == [0, 0, 7, 7]
+    assert [o["op"] for o in drv.ops] == ["launch"] * 6
+    assert [o["stream"] for o in drv.ops] == [0, 0, 0, 7, 7, 7]
     assert drv.events_made == 0
 
 
@@ -302,13 +304,14 @@ def test_alongside_order_is_off_while_capturing(drv, monkeypatch, entry):
         for handle in (0, 7):
             _on_stream(monkeypatch, handle)
             launch.bind(pl, _call(x), x["workspace"])()
-    assert [o["op"] for o in drv.ops] == ["memset_d32", "launch", "launch"] * 2
+    assert [o["op"] for o in drv.ops] == ["memset_d32", "launch", "launch", "launch"] * 2
     assert drv.events_made == 0
     # once the capture ends, the next alongside forward is ordered again (the first of its
     # kind since: an event recorded, nothing to wait for)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     _run(x)
-    assert [o["op"] for o in drv.ops[6:]] == ["memset_d32", "launch", "launch", "event_record"]
+    assert [o["op"] for o in drv.ops[8:]] == ["memset_d32", "launch", "launch", "launch",
+                                              "event_record"]
     assert drv.events_made == 1
 
 
@@ -325,7 +328,7 @@ def test_a_new_driver_gets_its_own_kernels(monkeypatch):
             _run(x)
         with driver.substitute(b):
             _run(x)
-        assert [o["kernel"] for o in _launches(b.ops[2:])] == [
+        assert [o["kernel"] for o in _launches(b.ops[3:])] == [
             o["kernel"] for o in _launches(a.ops)]
     kda_cute.clear_caches()
 
@@ -357,7 +360,7 @@ def test_a_bound_call_makes_the_calls_run_made(drv, monkeypatch, schedule):
     assert all(c == [] for c in counts.values()) and planned == []
     assert any(o["op"] == "memset_d32" for o in first) == (schedule == "alongside")
     if schedule == "segments":
-        assert len(_launches(first)) == 5
+        assert len(_launches(first)) == 7  # with the value runs' two rescale runs
     if schedule == "no-gate-params":
         k1 = pl.step("K1")
         assert isinstance(k1.source("A_log"), At) and isinstance(k1.source("dt_bias"), At)
@@ -428,10 +431,10 @@ def test_a_bound_plan_keeps_what_it_reads(drv):
     bound()
     first = list(drv.ops)
     made = sorted(_buffers_of(pl), key=repr)
-    # the states; zeros for v, A_log and dt_bias, the identities; K1's and the segments'
-    # offsets (two tensors each)
-    assert len(made) == 9
-    assert sorted(b.kind for b in made) == ["eye", "scratch", "segments", "segments",
+    # the states and the rescale words; zeros for v, A_log and dt_bias, the identities; K1's
+    # and the segments' offsets (two tensors each)
+    assert len(made) == 10
+    assert sorted(b.kind for b in made) == ["eye", "scratch", "scratch", "segments", "segments",
                                             "segments", "segments", "zeros", "zeros", "zeros"]
     refs = [weakref.ref(buffers.get(b, CPU, 0)) for b in made]
     kda_cute.clear_caches()

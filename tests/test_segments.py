@@ -145,9 +145,11 @@ def test_plans_read_the_device_offsets(B, T, P):
     pl = plan(Problem(B, T, 2, 128, 128, B, False), Options(segments=P))
     assert str(pl.schedule) == (f"segments {P}" if P > 1 else "serial")
     runs = [s for s in pl.launches() if "cu_seqlens" in s.args]
+    # (each K2 of the value rows followed by its rescale run, on the same offsets)
     assert [s.name for s in runs] == (
-        ["K1", "K2 from zero", "K2 identity", "K2 from starts"] if P > 1
-        else ["K2"] if T == 0 else ["K1", "K2"])
+        ["K1", "K2 from zero", "K2 from zero rescale", "K2 identity", "K2 from starts",
+         "K2 from starts rescale"] if P > 1
+        else ["K2", "K2 rescale"] if T == 0 else ["K1", "K2", "K2 rescale"])
     for s in runs:
         cu, cc = _offsets_buffers(B, T, pl.config.chunk, 1 if s.name == "K1" else P)
         assert (s.source("cu_seqlens"), s.source("cu_chunks")) == (At(cu), At(cc)), s.name

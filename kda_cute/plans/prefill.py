@@ -16,6 +16,7 @@ from ..ladder import (
     alongside_of,
     checkpoints_of,
     combine_config,
+    rescale_of,
 )
 from ..problem import Options, Problem
 from ..specs import args_for
@@ -93,6 +94,18 @@ _NO_CHECKPOINTS = {"ck_at": Errors(), "ck_to": Errors(), "ck_f": Errors(), "ck_h
                    "ck_s": Errors(), "ck_rows": Scalar(0), "ck_dtype": Scalar(STATE_NONE),
                    "side": Scalar(0)}
 _NO_CHECKPOINTS_SYMS = {"NCT": 1, "NCK": 1, "NSK": 1}
+
+
+def _rescale_run(name: str, k2, grid, vals: dict, syms: dict, dev: DeviceInfo) -> list:
+    """The rescale run after K2 launch `name` (kernel k2, grid, arguments `vals`): the same
+    arguments, its grid's z cut to about two CTAs an SM (it loops over the rows: nearly every
+    CTA only reads its rows' words and leaves); none where `vals` has fix_on 0."""
+    rs = rescale_of(k2)
+    if rs is None or not vals["fix_on"].value:
+        return []
+    z = min(grid[2], max(1, -(-2 * dev.sms // (grid[0] * grid[1]))))
+    return [_launch(name + " rescale", rs, (grid[0], grid[1], z),
+                    {**vals, "ordered": Scalar(0)}, syms, dev)]
 
 
 def _stores(recur, ck):
@@ -187,7 +200,8 @@ class _Checkpoints:
 
     def side_run(self, k2, vals2: dict, syms: dict) -> Launch:
         """K2 over the side slots used (their count on the device): each from its scratch row
-        (the state before its chunk) through its partial chunk into its destination."""
+        (the state before its chunk) through its partial chunk into its destination; then its
+        rescale run where the forward has one."""
         p, ck, S, dev = self.p, self.p.ckpt, self.S, self.dev
         blocks = p.V // k2.block_v * p.H
         z = min(S, max(1, -(-2 * dev.sms // blocks)))
@@ -205,8 +219,11 @@ class _Checkpoints:
                 "w_wide": Scalar(0), "hi_on": Scalar(0), "null_min": Scalar(0)}
         side_syms = {**syms, **_NO_CHECKPOINTS_SYMS, "N1": 2 * S + 1, "NS": rows,
                      "sS": ck.dest_stride, "NRI": S, "NWI": S, "NHI": 1}
-        return _launch("K2 side", replace(k2, alongside=False), (p.V // k2.block_v, p.H, z),
-                       vals, side_syms, dev)
+        k2 = replace(k2, alongside=False)
+        grid = (p.V // k2.block_v, p.H, z)
+        # (a fast forward's: its rescale run after it, from the same scratch rows)
+        return [_launch("K2 side", k2, grid, vals, side_syms, dev),
+                *_rescale_run("K2 side", k2, grid, vals, side_syms, dev)]
 
 
 def _segment_offsets(B: int, T: int, C: int, P: int) -> tuple[At, At]:
@@ -247,6 +264,14 @@ def forward_plan(p: Problem, opts: Options, cfg: FwdConfig, dev: DeviceInfo) -> 
             "NS": p.pool[0] if p.pool else p.N, "sS": p.pool[1] if p.pool else H * V * K,
             **_index_syms(p), **_NO_CHECKPOINTS_SYMS, "sCK": H * V * K}
     sched = sch.decide(p, opts, cfg, dev)
+    # the rescale words: 4 per (K2 row, head, block of state rows); a fast forward's K2s flag
+    # the warps whose state overflowed and the rescale run after each redoes them
+    fix_on = int(rescale_of(cfg.recur) is not None)
+    rows2 = max(p.N * (sched.segments if sched.kind == "segments" else 1),
+                workspace.side_slots(p) if sched.k2_grid is not None else 0)
+    nfx = rows2 * H * (V // cfg.recur.block_v) * 4 if fix_on else 0
+    fixes = At(Buffer("scratch", (nfx,), I32, ("rescale",))) if nfx else Errors()
+    syms["NFX"] = max(1, nfx)
     vals1 = {"q": Role("q"), "k": Role("k"), "g": Role("g"), "beta": Role("beta"),
              "A_log": a_log, "dt_bias": dt_bias, "cu_seqlens": offs[0], "cu_chunks": offs[1],
              **ws, "num_seqs": Scalar(p.N), "seq_len": Scalar(0 if p.varlen else p.T),
@@ -269,7 +294,8 @@ def forward_plan(p: Problem, opts: Options, cfg: FwdConfig, dev: DeviceInfo) -> 
              "state_in": Scalar(_STATE_CODE[p.state_in]),
              "state_out": Scalar(_STATE_CODE[p.state_out]),
              "ordered": Scalar(int(sch.longest_first(p, cfg, sched.k2_grid, dev))),
-             **_index_values(p, p.N), **(ck.k2_values() if ck else _NO_CHECKPOINTS)}
+             **_index_values(p, p.N), **(ck.k2_values() if ck else _NO_CHECKPOINTS),
+             "fixes": fixes, "fix_on": Scalar(fix_on)}
     if ck:
         syms.update(ck.k2_syms())
     notes = []
@@ -287,6 +313,7 @@ def forward_plan(p: Problem, opts: Options, cfg: FwdConfig, dev: DeviceInfo) -> 
         # always K1 work here (alongside needs 32 chunks a sequence): K2 waits on its flags
         steps.append(_launch("K1", acfg.prep, k1_grid, vals1, syms, dev,
                              sch.k1_alongside_smem(dev, ctas), programmatic=True))
+        steps += _rescale_run("K2", acfg.recur, grid, vals2, syms, dev)
         k2 = cfg.recur  # (the side run's: the same steps as the alongside build's)
     elif sched.kind == "segments":
         steps += _segments(p, cfg, sched.segments, vals2, syms, dev)
@@ -296,8 +323,9 @@ def forward_plan(p: Problem, opts: Options, cfg: FwdConfig, dev: DeviceInfo) -> 
         if k2.wy:
             notes.append("K2 in its WY form")
         steps.append(_launch("K2", _stores(k2, ck), grid, vals2, syms, dev))
+        steps += _rescale_run("K2", k2, grid, vals2, syms, dev)
     if ck and not p.ckpt.aligned:
-        steps.append(ck.side_run(k2, vals2, syms))
+        steps += ck.side_run(k2, vals2, syms)
         notes.append(f"checkpoints: {p.ckpt.per_row} a sequence, "
                      + (f"every {p.ckpt.every} tokens" if p.ckpt.every else "at offsets"))
     return Plan(p, opts, cfg, dev, sched, workspace.workspace_bytes(p, cfg), tuple(steps),
@@ -337,16 +365,19 @@ def _segments(p: Problem, cfg: FwdConfig, P: int, vals2: dict, syms: dict,
     dense = _index_values(p, N, INDEX_DENSE, has_init=False)
     syms_v = {**syms, "N1": N + 1, "NS": N, "sS": H * K * K}
     syms_i = {**syms_v, "HV": H * K, "sV": H * K, "sO": H * K}
+    # (a fast forward's rescale runs redo what overflowed in the value rows; the identity
+    # rows, v = 0 from the identity, stay in range)
+    zero_vals = {**vals2, **seg, **dense, **_NO_CHECKPOINTS, "state_in": Scalar(0),
+                 "state_out": Scalar(1), "s1f": ends, "s1h": ends}
     steps = [
         _launch("K2 from zero", quiet if quiet_built else cfg.recur, (V // bv, H, N),
-                {**vals2, **seg, **dense, **_NO_CHECKPOINTS, "state_in": Scalar(0),
-                 "state_out": Scalar(1),
-                 "s1f": ends, "s1h": ends}, syms_v, dev),
+                zero_vals, syms_v, dev),
+        *_rescale_run("K2 from zero", cfg.recur, (V // bv, H, N), zero_vals, syms_v, dev),
         _launch("K2 identity", ident_quiet if quiet_built else ident, (K // bv, H, N),
                 {**vals2, **seg, **dense, **_NO_CHECKPOINTS, "v": zeros, "out": scratch,
                  "out_tma": scratch,
                  "state_in": Scalar(1), "s0f": eye, "s0h": eye, "state_out": Scalar(1),
-                 "s1f": maps, "s1h": maps}, syms_i, dev),
+                 "s1f": maps, "s1h": maps, "fix_on": Scalar(0)}, syms_i, dev),
     ]
     # the combine reads the initial state and writes the final one (fp32 or bf16, dense or
     # at the pool's slots); the start states and the maps are fp32 scratch
@@ -363,10 +394,11 @@ def _segments(p: Problem, cfg: FwdConfig, P: int, vals2: dict, syms: dict,
          **_index_syms(p)}, dev))
     # the value rows from each segment's start state; in the pool form the index table says
     # which rows are padding (zero outputs)
+    start_vals = {**vals2, **seg, **_index_values(
+        p, N, INDEX_PAD if p.pool else INDEX_DENSE, P, has_init=False),
+        "state_in": Scalar(1), "s0f": starts, "s0h": starts, "state_out": Scalar(0)}
     steps.append(_launch("K2 from starts", _stores(cfg.recur, vals2["ck_rows"].value),
-                         (V // bv, H, N),
-                         {**vals2, **seg, **_index_values(
-                             p, N, INDEX_PAD if p.pool else INDEX_DENSE, P, has_init=False),
-                          "state_in": Scalar(1), "s0f": starts, "s0h": starts,
-                          "state_out": Scalar(0)}, syms_v, dev))
+                         (V // bv, H, N), start_vals, syms_v, dev))
+    steps += _rescale_run("K2 from starts", cfg.recur, (V // bv, H, N), start_vals, syms_v,
+                          dev)
     return steps

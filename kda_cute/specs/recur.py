@@ -66,6 +66,12 @@ class RecurConfig:
     # through a shared-memory slab and bulk copies; the builds without carry none of that code
     # (ladder.CHECKPOINT_RUNS: the main K2 of a forward with checkpoints)
     checkpoints: bool = False
+    # True (f16, outputs, not wy or alongside): the rescale run after a fast forward's K2. That
+    # K2 leaves the state rows of a warp whose state turned non-finite (an fp16 operand past
+    # 65504: values of ~4e4 and more) unwritten and flags them (rescale_args); this build
+    # redoes only those, each state row and its values scaled by a power of two per chunk into
+    # fp16's room, the outputs, checkpoints and final state unscaled exactly (ladder.RESCALE_RUNS)
+    rescale: bool = False
 
     @property
     def name(self) -> str:
@@ -75,8 +81,9 @@ class RecurConfig:
         f16 = "_f16" if self.f16 else ""
         wy = "_wy" if self.wy else ""
         ck = "_ck" if self.checkpoints else ""
+        rs = "_rs" if self.rescale else ""
         return (f"kda_recur{tag}_k{self.head_dim_k}_v{self.head_dim_v}_c{self.chunk}"
-                f"_bv{self.block_v}_t{self.threads}_s{self.stages}{f16}{wy}{no}{al}{ck}")
+                f"_bv{self.block_v}_t{self.threads}_s{self.stages}{f16}{wy}{no}{al}{ck}{rs}")
 
     @property
     def block_threads(self) -> int:
@@ -118,6 +125,10 @@ def supports(cfg: RecurConfig) -> tuple[bool, str]:
     if cfg.checkpoints and (cfg.mma != "wgmma" or not cfg.outputs):
         return False, (f"checkpoints needs mma 'wgmma' with outputs, got {cfg.mma!r}, "
                        f"outputs={cfg.outputs}")
+    if cfg.rescale and not (cfg.f16 and cfg.outputs and not cfg.wy and not cfg.alongside):
+        return False, (f"rescale needs f16 and outputs, neither wy nor alongside, got "
+                       f"f16={cfg.f16}, outputs={cfg.outputs}, wy={cfg.wy}, "
+                       f"alongside={cfg.alongside}")
     if cfg.alongside and (cfg.mma != "wgmma" or not cfg.outputs):
         return False, (f"alongside needs mma 'wgmma' with outputs, got {cfg.mma!r}, "
                        f"outputs={cfg.outputs}")
@@ -146,6 +157,7 @@ def args(cfg: RecurConfig) -> list[Arg]:
             operand_tma("mql", "HC", C, C, dtype=dt),
             *_common(cfg),
             *checkpoint_args(cfg),
+            *rescale_args(),
             Arg("mma_p", "mma", kernel_only=True),
             Arg("mma_s", "mma", kernel_only=True),
             # P and Pq on fp16 operands (the f16 builds: mma_p itself)
@@ -181,6 +193,17 @@ def checkpoint_args(cfg: RecurConfig) -> list[Arg]:
         scalar("ck_dtype"),
         scalar("side"),
     ]
+
+
+def rescale_args() -> list[Arg]:
+    """The tensor-core K2's rescale words (every build takes them): four int32 words per (row
+    of the launch's sequences, head, block of 64 state rows), one per warp of 16 rows, at
+    ((row * H + head) * (V / 64) + block) * 4 + warp. With fix_on 1 a forward's K2 writes each
+    (1: that warp's state turned non-finite, and its state rows were left as they were) and
+    the `rescale` build run next with the same arguments redoes the flagged ones; fix_on 0 (the
+    precise builds, the side and identity runs) writes none and reports a non-finite state in
+    the error words instead."""
+    return [tensor("fixes", "int32", ("NFX",), (1,), dsl="mFix"), scalar("fix_on")]
 
 
 def _common(cfg: RecurConfig) -> list[Arg]:

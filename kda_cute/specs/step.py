@@ -24,9 +24,9 @@ ERRORS = ("cu_seqlens", "cu_seqlens (tokens per row past the entries or scratch 
           "state_indices / checkpoint_slots (a write slot)", "retrieve_parent_token",
           "cu_seqlens (a prefill's: non-decreasing from 0 to at most T; the call ran no tokens, "
           "its outputs were not written and its final states are its initial ones)",
-          "precision (a forward's state became non-finite: an fp16 operand of precision='fast' "
-          "overflowed, |values| past ~1e4, or the inputs held inf or NaN; precision='precise' "
-          "holds bf16's range)")
+          "precision (a forward's state became non-finite: the inputs or the initial state held "
+          "inf or NaN, or values so large that the float64 result leaves bf16's range; fast "
+          "precision redoes what overflowed its fp16 operands with its rows rescaled)")
 ERROR_WORDS = len(ERRORS)
 
 # write modes: nothing, the state after a row's last token, the state after every token, the
