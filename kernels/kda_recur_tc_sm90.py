@@ -942,12 +942,7 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
         if cutlass.const_expr(self.rescale):
             # v^T first (tokens past the length zero): its rows' scales move S before P
             vR = cute.make_rmem_tensor_like(acc_p, f32)
-            for e in cutlass.range_constexpr(cute.size(acc_p)):
-                r, i = cP[e]
-                x = f32(0.0)
-                if i < length:
-                    x = sV[i, r, s].to(f32)
-                vR[e] = x
+            self._values_t(vR, sV, cP, s, length)
             self._rescale(acc_s, vR, sig)
         # ---- P = S kg^T, Pq = S qg^T (A: an fp16 copy of S, so S stays writable) ---------
         self._decay_factors(acc_s, gl_r, sGl, cS, s)
@@ -1010,7 +1005,6 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
         aUh = fp16(U) (rows past the length zero: Aw's are), S scaled by diag(gl), and Pq =
         S qg^T issued (its group still open) when built with outputs."""
         K = self.K
-        f32 = cutlass.Float32
         aWh, aWl, aUh, aUl = regs
         bKg, bQg, bAwh = smem_b
         nsplit = self.nsplit
@@ -1018,12 +1012,7 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
         # v^T (tokens past the length zero) as the first product's A operand, and every other
         # register operand, before any product is issued: a register written between two
         # wgmmas in flight makes ptxas wait for them all
-        for e in cutlass.range_constexpr(cute.size(acc_p)):
-            r, i = cP[e]
-            w = f32(0.0)
-            if i < length:
-                w = sV[i, r, s].to(f32)
-            acc_p[e] = w
+        self._values_t(acc_p, sV, cP, s, length)
         self._operand(vW, aWh, aWl)
         self._decay_factors(acc_s, gl_r, sGl, cS, s)
         for part in cutlass.range_constexpr(nsplit):
@@ -1047,6 +1036,17 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
         self._decay_state(acc_s, gl_r, sGl, cS, s)  # S diag(gl), while the products run
         warpgroup.wait_group(1 if self.outputs else 0)
         self._operand(vU, aUh, aUl)
+
+    @cute.jit
+    def _values_t(self, dst, sV, cP, s, length):
+        """This thread's v^T entries of stage s into dst (an m64 x chunk fp32 fragment, cP its
+        (row, token) coordinates), tokens past the chunk's length zero."""
+        for e in cutlass.range_constexpr(cute.size(dst)):
+            r, i = cP[e]
+            x = cutlass.Float32(0.0)
+            if i < length:
+                x = sV[i, r, s].to(cutlass.Float32)
+            dst[e] = x
 
     @cute.jit
     def _state_rows(self, m: cute.Tensor, row, h, vb) -> cute.Tensor:
