@@ -158,23 +158,30 @@ def pack_tensor(arg: Arg, ptr: int, syms: dict) -> bytes:
     return s.bytes(8)
 
 
-def param_sizes(args: list[Arg]) -> list[int]:
-    """Sizes of the kernel parameters the list produces, in order (all syms set to 0)."""
+def params(args: list[Arg]) -> list[tuple[str, str, int]]:
+    """The kernel parameters the list produces, in order: (argument, role, size in bytes), the
+    role one of "tma_descriptor", "tma_coordinates", "tensor", "mma_flag", "i32", "f32"."""
     zeros = dict.fromkeys(SYM_WIDTH, 0)
-    sizes = []
+    out = []
     for a in args:
         if a.grid_only:
             continue
         if a.kind == "tma":
-            sizes += [128, len(pack_dynamic(a.shape, zeros))]
+            out.append((a.name, "tma_descriptor", 128))
+            out.append((a.name, "tma_coordinates", len(pack_dynamic(a.shape, zeros))))
         elif a.kind == "tensor":
-            sizes.append(len(pack_tensor(a, 0, zeros)))
+            out.append((a.name, "tensor", len(pack_tensor(a, 0, zeros))))
         elif a.kind == "mma":
-            sizes.append(1)
+            out.append((a.name, "mma_flag", 1))
         else:
-            sizes.append(4)
+            out.append((a.name, a.kind, 4))
     # a TMA coordinate tensor without dynamic entries produces no parameter
-    return [s for s in sizes if s]
+    return [p for p in out if p[2]]
+
+
+def param_sizes(args: list[Arg]) -> list[int]:
+    """Sizes of the kernel parameters the list produces, in order (all syms set to 0)."""
+    return [size for _, _, size in params(args)]
 
 
 def pack_scalar(arg: Arg, value) -> bytes:

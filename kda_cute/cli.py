@@ -20,8 +20,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from . import cubin
-from .abi import Arg
+from . import abi, cubin
 from .ladder import all_kernels, select_config
 from .specs import args_for, spec_of
 
@@ -48,7 +47,7 @@ class CliError(Exception):
 def _why_not(arch: str, kernels) -> str:
     """Why kernels cannot be exported for `arch`, naming them."""
     wgmma = [c.name for c in kernels if getattr(c, "mma", "") == "wgmma"]
-    rest = [c.name for c in kernels if c.name not in set(wgmma)]
+    rest = [c.name for c in kernels if getattr(c, "mma", "") != "wgmma"]
     lines = [f"--arch {arch}: the kernels are built and tested for {', '.join(SUPPORTED_ARCHS)}"
              f" only."]
     if wgmma:
@@ -69,28 +68,6 @@ def selected(ops: str) -> list:
                        f"{ops!r}")
     kinds = {k for o in names for k in OPS[o]}
     return [c for c in all_kernels() if spec_of(c).family in kinds]
-
-
-def param_names(args: list[Arg]) -> list[tuple[str, str]]:
-    """(argument, role) of each kernel parameter, in order: a TMA argument gives its 128-byte
-    descriptor and (where its shape has dynamic entries) its coordinate tensor, a tensor one
-    struct {pointer, dynamic shape, dynamic strides}, a TiledMma its 1-byte accumulate flag
-    (abi's rules)."""
-    out = []
-    for a in args:
-        if a.grid_only:
-            continue
-        if a.kind == "tma":
-            out.append((a.name, "tma_descriptor"))
-            if any(isinstance(e, str) for e in a.shape):
-                out.append((a.name, "tma_coordinates"))
-        elif a.kind == "tensor":
-            out.append((a.name, "tensor"))
-        elif a.kind == "mma":
-            out.append((a.name, "mma_flag"))
-        else:
-            out.append((a.name, a.kind))
-    return out
 
 
 def _c_ident(name: str) -> str:
@@ -124,13 +101,13 @@ def header(entries: list[tuple[object, dict]], arch: str) -> str:
     table = []
     for cfg, man in entries:
         ident = _c_ident(man["name"])
-        names = param_names(args_for(cfg))
+        spec = abi.params(args_for(cfg))
         params = man["params"]
-        if len(names) != len(params):
-            raise CliError(f"{man['name']}: {len(params)} parameters in its cubin, "
-                           f"{len(names)} in its spec: rebuild the cubins")
+        if [s for _, _, s in spec] != [size for _, _, size in params]:
+            raise CliError(f"{man['name']}: its cubin's parameter sizes are not its spec's: "
+                           f"rebuild the cubins")
         out.append(f"static const kda_param {ident}_params[] = {{")
-        for (arg, role), (_, offset, size) in zip(names, params, strict=True):
+        for (arg, role, _), (_, offset, size) in zip(spec, params, strict=True):
             out.append(f'  {{"{arg}", {roles[role]}, {offset}, {size}}},')
         out.append("};")
         tma = man.get("tma", [])

@@ -98,8 +98,8 @@ _NO_CHECKPOINTS_SYMS = {"NCT": 1, "NCK": 1, "NSK": 1}
 
 def _rescale_run(name: str, k2, grid, vals: dict, syms: dict, dev: DeviceInfo) -> list:
     """The rescale run after K2 launch `name` (kernel k2, grid, arguments `vals`): the same
-    arguments, its grid's z cut to about two CTAs an SM (it loops over the rows: nearly every
-    CTA only reads its rows' words and leaves); none where `vals` has fix_on 0."""
+    arguments, its grid's z cut to about two CTAs an SM (each CTA reads its rows' words at
+    once and, nearly always, leaves); none where `vals` has fix_on 0."""
     rs = rescale_of(k2)
     if rs is None or not vals["fix_on"].value:
         return []

@@ -68,7 +68,8 @@ class RecurConfig:
     checkpoints: bool = False
     # True (f16, outputs, not wy or alongside): the rescale run after a fast forward's K2. That
     # K2 leaves the state rows of a warp whose state turned non-finite (an fp16 operand past
-    # 65504: values of ~4e4 and more) unwritten and flags them (rescale_args); this build
+    # 65504: values of ~4e4 and more) or all but vanished (mean |S| under 2^-14: subnormal
+    # fp16 operands) unwritten and flags them (rescale_args); this build
     # redoes only those, each state row and its values scaled by a power of two per chunk into
     # fp16's room, the outputs, checkpoints and final state unscaled exactly (ladder.RESCALE_RUNS)
     rescale: bool = False
@@ -199,7 +200,8 @@ def rescale_args() -> list[Arg]:
     """The tensor-core K2's rescale words (every build takes them): four int32 words per (row
     of the launch's sequences, head, block of 64 state rows), one per warp of 16 rows, at
     ((row * H + head) * (V / 64) + block) * 4 + warp. With fix_on 1 a forward's K2 writes each
-    (1: that warp's state turned non-finite, and its state rows were left as they were) and
+    (1: that warp's state turned non-finite or all but vanished, and its state rows were left
+    as they were) and
     the `rescale` build run next with the same arguments redoes the flagged ones; fix_on 0 (the
     precise builds, the side and identity runs) writes none and reports a non-finite state in
     the error words instead."""
