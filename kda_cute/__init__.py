@@ -1,6 +1,8 @@
 """kda-cute: Kimi Delta Attention kernels for Hopper (prefill, decode, verify against a state
 pool), CuTe DSL compiled ahead of time."""
 
+import os
+
 from .api import chunk_kda, clear_caches, describe, fwd, validate, workspace_bytes
 from .errors import DeviceValueError, check_errors
 from .ladder import SHIPPED, FwdConfig, select_config
@@ -18,3 +20,9 @@ __all__ = [
     "verify", "workspace_bytes",
 ]
 __version__ = "0.1.0"
+
+if os.environ.get("KDA_CUTE_FLA", "0") != "0":
+    # fla's chunk_kda and fused_recurrent_kda_fwd dispatch to kda-cute (needs fla-core >= 0.6)
+    from .integrations import fla as _fla
+
+    _fla.register()

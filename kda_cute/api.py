@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from . import checks, errors, launch, plans, serving
+from . import checks, errors, launch, library, plans, serving
 from .checks import validate
 from .ladder import FwdConfig
 from .plans import device_info, workspace_bytes
@@ -70,6 +70,19 @@ def fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state
     A repeated call with tensors of the same metadata reuses the checks and the plan; `bind`
     skips the rest too.
     """
+    if torch.compiler.is_compiling():  # traced: one torch.library op (kda_cute.library)
+        return library.fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound,
+                           initial_state, final_state, cu_seqlens, workspace, gate=gate,
+                           qk_l2norm=qk_l2norm, beta_sigmoid=beta_sigmoid,
+                           check_seqlens=check_seqlens, config=config, segments=segments,
+                           precision=precision, state_indices=state_indices,
+                           output_state_indices=output_state_indices,
+                           has_initial_state=has_initial_state, null_slot=null_slot,
+                           checkpoint_state=checkpoint_state,
+                           checkpoint_offsets=checkpoint_offsets,
+                           checkpoint_slots=checkpoint_slots,
+                           checkpoint_every=checkpoint_every,
+                           checkpoint_first=checkpoint_first)
     opts = checks.options(gate, qk_l2norm, beta_sigmoid, segments, config, precision)
     call = Call(q, k, v, g, beta, out, A_log, dt_bias, initial_state, final_state, cu_seqlens,
                 scale, lower_bound, state_indices, output_state_indices, has_initial_state,

@@ -452,11 +452,12 @@ _PASSED_MAX = 256
 
 
 def forward(c: Call, opts: Options, check_seqlens: bool = False, cuda: bool = True,
-            config: bool = True) -> Problem:
-    """Every check of a forward call, in order: the tensors' metadata, the scalars, addresses,
-    cu_seqlens' values on the host (`check_seqlens`, a host sync; not during capture: the
-    offsets kernel checks them on the device either way), a shipped or given config for the
-    head dims (`config`), the CUDA requirement (`cuda`). Returns its Problem."""
+            config: bool = True, memory: bool = True) -> Problem:
+    """Every check of a forward call, in order: the tensors' metadata, the scalars, addresses
+    (`memory`; False for FakeTensors, which have none), cu_seqlens' values on the host
+    (`check_seqlens`, a host sync; not during capture: the offsets kernel checks them on the
+    device either way), a shipped or given config for the head dims (`config`), the CUDA
+    requirement (`cuda`). Returns its Problem."""
     key = (opts, tuple(map(_meta, c[:11])), tuple(map(_meta, c[13:16])), c.null_slot,
            tuple(map(_meta, c[17:])), c.checkpoint_every)
     p = _passed.get(key)
@@ -466,7 +467,8 @@ def forward(c: Call, opts: Options, check_seqlens: bool = False, cuda: bool = Tr
             _passed.clear()
         _passed[key] = p
     scalars(c, opts)
-    addresses(c)
+    if memory:
+        addresses(c)
     if check_seqlens and c.cu_seqlens is not None and not capturing(c.q.device):
         seqlens(c.cu_seqlens, p.T)
     if config:

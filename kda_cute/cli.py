@@ -2,6 +2,9 @@
 
     kda-cute export --out DIR [--arch sm_90a] [--ops prefill,decode] [--list]
     kda-cute info [--head-dim K] [--varlen] [--precision fast|precise]
+    kda-cute check [--json FILE]       the GPU self-test against the float64 reference
+    kda-cute bench [--json FILE]       a short timing of prefill and decode on this GPU
+    kda-cute plan --out DIR --B .. --T .. --H .. --K ..   one forward's launches as a C header
 
 `export` copies each selected kernel's cubin and manifest into DIR and writes one C header,
 `kda_cute_kernels.h`, that describes every kernel it copied: the entry name, the block and
@@ -189,7 +192,21 @@ def main(argv=None) -> int:
     inf.add_argument("--head-dim", type=int, default=None)
     inf.add_argument("--varlen", action="store_true")
     inf.add_argument("--precision", choices=("fast", "precise"), default="fast")
+    for name, what in (("check", "the GPU self-test: each kernel family against the float64 "
+                                  "reference"),
+                       ("bench", "a short timing of prefill and decode (cold L2, medians)")):
+        c = sub.add_parser(name, help=what)
+        c.add_argument("--json", default=None, help="also write the results to this file")
+    sub.add_parser("plan", add_help=False,
+                   help="kda_cute_plan.h: one forward's launches for a C++ runtime "
+                        "(kda-cute plan --help; examples/cpp)")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["plan"]:
+        from . import plan_export
+        return plan_export.main(argv[1:])
     a = ap.parse_args(argv)
+    if a.cmd in ("check", "bench"):
+        return _gpu(a.cmd, a.json)
     try:
         if a.cmd == "export":
             names = export(a.out, a.arch, a.ops, a.list)
@@ -203,6 +220,31 @@ def main(argv=None) -> int:
         print(f"kda-cute {a.cmd}: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def _gpu(cmd: str, json_path: str | None) -> int:
+    import json
+
+    from . import selftest
+    lines: list[str] = []
+
+    def echo(line):
+        lines.append(line)
+        print(line, flush=True)
+
+    if cmd == "check":
+        good = selftest.check(echo)
+        result = {"passed": good, "lines": lines}
+    else:
+        rows = selftest.bench(echo)
+        good = bool(rows)
+        result = {"rows": rows}
+    if json_path:
+        import torch
+        result["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+        result["torch"] = torch.__version__
+        Path(json_path).write_text(json.dumps(result, indent=1))
+    return 0 if good else 1
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from . import errors, launch
+from . import errors, launch, library
 from .checks import INDEX_DTYPES, POOL_DTYPES, _dtype_name, err, flags, tensor
 from .checks import index_table as _index
 from .checks import index_words as _words
@@ -167,12 +167,13 @@ def _config(p: StepProblem, opts: StepOptions):
     return cfg
 
 
-def _planned(p: StepProblem, opts: StepOptions, dev, what="q"):
-    """The step's plan, once its config and device are checked."""
+def _planned(p: StepProblem, opts: StepOptions, dev, what="q", dry=False):
+    """The step's plan, once its config and device are checked (dry: the checks alone, for a
+    torch.library fake: no plan, no device query)."""
     _config(p, opts)
-    if dev.type != "cuda":
+    if dev.type != "cuda" and not (dry and dev.type == "meta"):  # meta: a fake's stand-ins
         raise err(what, "a CUDA tensor", f"one on {dev}")
-    return step_plan(p, opts, device_info(dev))
+    return None if dry else step_plan(p, opts, device_info(dev))
 
 
 def _scratch(inter, state, H, V, K, dev):
@@ -254,6 +255,13 @@ def decode(q, k, v, g, beta, state, state_indices=None, *, out=None, output_stat
     that launches this step again on the same tensors, checking nothing (every serving
     function takes stream and bind).
     """
+    if torch.compiler.is_compiling():
+        return library.decode(q, k, v, g, beta, state, state_indices, out=out,
+                              output_state_indices=output_state_indices,
+                              has_initial_state=has_initial_state, A_log=A_log,
+                              dt_bias=dt_bias, scale=scale, lower_bound=lower_bound, gate=gate,
+                              qk_l2norm=qk_l2norm, beta_sigmoid=beta_sigmoid,
+                              null_slot=null_slot, config=config, stream=stream, bind=bind)
     key = ("decode", *map(_meta, (q, k, v, g, beta, state, state_indices, out,
                                    output_state_indices, has_initial_state, A_log, dt_bias)),
            scale, lower_bound, gate, qk_l2norm, beta_sigmoid, null_slot, config)
@@ -277,8 +285,8 @@ def decode(q, k, v, g, beta, state, state_indices=None, *, out=None, output_stat
 
 def _decode_plan(q, k, v, g, beta, state, state_indices, out, output_state_indices,
                  has_initial_state, A_log, dt_bias, scale, lower_bound, gate, qk_l2norm,
-                 beta_sigmoid, null_slot, config):
-    """decode's checks: (plan, scale, lower bound)."""
+                 beta_sigmoid, null_slot, config, dry=False):
+    """decode's checks: (plan, scale, lower bound); dry: the checks alone (plan None)."""
     opts = _opts(gate, qk_l2norm, beta_sigmoid, config)
     tk = _Tokens(q, k, v, g, beta, out)
     dev, H, K, V, B = tk.dev, tk.H, tk.K, tk.V, tk.rows
@@ -304,7 +312,7 @@ def _decode_plan(q, k, v, g, beta, state, state_indices, out, output_state_indic
         (null, null), a, b,
         (0, _words(state_indices), _words(wi), 0, 0,
          0 if has_initial_state is None else B))
-    return _planned(p, opts, dev), scale, lb
+    return _planned(p, opts, dev, dry=dry), scale, lb
 
 
 def verify(q, k, v, g, beta, state, *, cu_seqlens=None, ssm_state_indices=None,
@@ -326,6 +334,17 @@ def verify(q, k, v, g, beta, state, *, cu_seqlens=None, ssm_state_indices=None,
         the accepted step into the pool. retrieve_parent_token [N, T]: token t starts from the
         state after token parent (-1: the row's start state), not from t - 1's.
     """
+    if torch.compiler.is_compiling():
+        return library.verify(q, k, v, g, beta, state, cu_seqlens=cu_seqlens,
+                              ssm_state_indices=ssm_state_indices,
+                              num_accepted_tokens=num_accepted_tokens,
+                              state_indices=state_indices,
+                              intermediate_states=intermediate_states,
+                              intermediate_state_indices=intermediate_state_indices,
+                              retrieve_parent_token=retrieve_parent_token, out=out, A_log=A_log,
+                              dt_bias=dt_bias, scale=scale, lower_bound=lower_bound, gate=gate,
+                              qk_l2norm=qk_l2norm, beta_sigmoid=beta_sigmoid,
+                              null_slot=null_slot, config=config, stream=stream, bind=bind)
     tensors = (q, k, v, g, beta, state, cu_seqlens, ssm_state_indices, num_accepted_tokens,
                state_indices, intermediate_states, intermediate_state_indices,
                retrieve_parent_token, out, A_log, dt_bias)
@@ -353,8 +372,8 @@ def verify(q, k, v, g, beta, state, *, cu_seqlens=None, ssm_state_indices=None,
 def _verify_plan(q, k, v, g, beta, state, cu_seqlens, ssm_state_indices, num_accepted_tokens,
                  state_indices, intermediate_states, intermediate_state_indices,
                  retrieve_parent_token, out, A_log, dt_bias, scale, lower_bound, gate,
-                 qk_l2norm, beta_sigmoid, null_slot, config):
-    """verify's checks: (plan, scale, lower bound)."""
+                 qk_l2norm, beta_sigmoid, null_slot, config, dry=False):
+    """verify's checks: (plan, scale, lower bound); dry: the checks alone (plan None)."""
     opts = _opts(gate, qk_l2norm, beta_sigmoid, config)
     tk = _Tokens(q, k, v, g, beta, out)
     dev, H, K, V = tk.dev, tk.H, tk.K, tk.V
@@ -436,7 +455,7 @@ def _verify_plan(q, k, v, g, beta, state, cu_seqlens, ssm_state_indices, num_acc
         (_words(cu_seqlens), _words(ridx), _words(widx), _words(num_accepted_tokens), npa,
          hi_words))
     del dst, ridx, widx  # the call's, chosen again each call
-    return _planned(p, opts, dev), scale, lb
+    return _planned(p, opts, dev, dry=dry), scale, lb
 
 
 def commit(state, intermediate_states, state_indices, accepted_step,
@@ -444,6 +463,23 @@ def commit(state, intermediate_states, state_indices, accepted_step,
     """After a style-(b) verify: state[state_indices[n]] = intermediate_states[
     intermediate_state_indices[n], accepted_step[n]] (indices default to n); a row whose step
     is < 0, or whose slot is padding, is skipped. In place; returns `state`."""
+    if torch.compiler.is_compiling():
+        return library.commit(state, intermediate_states, state_indices, accepted_step,
+                              intermediate_state_indices, null_slot=null_slot, stream=stream,
+                              bind=bind)
+    plan = _commit_plan(state, intermediate_states, state_indices, accepted_step,
+                        intermediate_state_indices, null_slot)
+    _aligned(("state", state), ("intermediate_states", intermediate_states))
+    call = StepCall(None, None, None, None, None, None, None, None, intermediate_states, state,
+                    None, intermediate_state_indices, state_indices, accepted_step, None, None,
+                    1.0, None)
+    bound = _launch(plan, call, state.device, stream, bind)
+    return bound if bind else state
+
+
+def _commit_plan(state, intermediate_states, state_indices, accepted_step,
+                 intermediate_state_indices, null_slot, dry=False):
+    """commit's checks and plan (dry: the checks alone, None)."""
     tensor("state", state, POOL_DTYPES)
     dev = state.device
     if state.dim() != 4:
@@ -463,9 +499,6 @@ def commit(state, intermediate_states, state_indices, accepted_step,
                       "intermediate_state_indices", R)
         r = (1,)  # the ramp
     null = _null(null_slot)
-    for name, t in (("state", state), ("intermediate_states", intermediate_states)):
-        if t.data_ptr() % 16:
-            raise err(name, "a 16-byte aligned base address", t.data_ptr())
     pool = "float32" if state.dtype == torch.float32 else "bfloat16"
     p = StepProblem(
         "commit", N, 0, H, K, V, pool, R * S_max, ds, state.shape[0], ss,
@@ -476,12 +509,7 @@ def commit(state, intermediate_states, state_indices, accepted_step,
         False, False,
         (0, _words(intermediate_state_indices), _words(state_indices), _words(accepted_step),
          0, 0))
-    call = StepCall(None, None, None, None, None, None, None, None, intermediate_states, state,
-                    None, intermediate_state_indices, state_indices, accepted_step, None, None,
-                    1.0, None)
-    plan = _planned(p, StepOptions(gate="none"), dev, "state")
-    bound = _launch(plan, call, dev, stream, bind)
-    return bound if bind else state
+    return _planned(p, StepOptions(gate="none"), dev, "state", dry)
 
 
 # fla's fused_recurrent_kda_fwd arguments, all of which are honoured or refused
@@ -569,6 +597,28 @@ def recurrent(q, k, v, g, beta, initial_state=None, final_state=None, *, cu_seql
     """The dense forward token by token (no pool): initial_state / final_state [N, H, V, K] of
     one dtype (either may be None; they may be the same tensor). For short sequences, where
     the chunked prefill's K1 does not pay off; returns `out`."""
+    if torch.compiler.is_compiling():
+        return library.recurrent(q, k, v, g, beta, initial_state, final_state,
+                                 cu_seqlens=cu_seqlens, out=out, A_log=A_log, dt_bias=dt_bias,
+                                 scale=scale, lower_bound=lower_bound, gate=gate,
+                                 qk_l2norm=qk_l2norm, beta_sigmoid=beta_sigmoid, config=config,
+                                 stream=stream, bind=bind)
+    plan, scale, lb, out = _recurrent_plan(q, k, v, g, beta, initial_state, final_state,
+                                           cu_seqlens, out, A_log, dt_bias, scale, lower_bound,
+                                           gate, qk_l2norm, beta_sigmoid, config)
+    _aligned(("q", q), ("k", k), ("v", v), ("g", g), ("out", out),
+             ("initial_state", initial_state), ("final_state", final_state))
+    call = StepCall(q, k, v, g, beta, out, A_log, dt_bias, initial_state, final_state,
+                    cu_seqlens, None, None, None, None, None, scale, lb)
+    bound = _launch(plan, call, q.device, stream, bind)
+    return bound if bind else out
+
+
+def _recurrent_plan(q, k, v, g, beta, initial_state, final_state, cu_seqlens, out, A_log,
+                    dt_bias, scale, lower_bound, gate, qk_l2norm, beta_sigmoid, config,
+                    dry=False):
+    """recurrent's checks: (plan, scale, lower bound, out); dry: the checks alone (plan
+    None)."""
     opts = _opts(gate, qk_l2norm, beta_sigmoid, config)
     tk = _Tokens(q, k, v, g, beta, out)
     dev, H, K, V = tk.dev, tk.H, tk.K, tk.V
@@ -599,8 +649,6 @@ def recurrent(q, k, v, g, beta, initial_state=None, final_state=None, *, cu_seql
             s1s = s
     a, b = _gate_params(A_log, dt_bias, opts.gate, H, K, dev)
     scale, lb = _scalars(scale, lower_bound, opts.gate, K)
-    _aligned(("q", q), ("k", k), ("v", v), ("g", g), ("out", tk.out),
-             ("initial_state", initial_state), ("final_state", final_state))
     pool = "bfloat16" if dt == torch.bfloat16 else "float32"
     n0 = N if initial_state is not None else 0
     n1 = N if final_state is not None else 0
@@ -609,10 +657,7 @@ def recurrent(q, k, v, g, beta, initial_state=None, final_state=None, *, cu_seql
         _wide(cu_seqlens) == 1, 2 ** 31 - 1, (int(n0 > 0), 1, 0, 0, 1, 0), (0, 0, 1, 0, 1),
         False, (WRITE_LAST if n1 else WRITE_NONE, 1, 0, 0, 1, 0), (0, 0, 0, 0), (0, 0), a, b,
         (_words(cu_seqlens), 0, 0, 0, 0, 0))
-    call = StepCall(q, k, v, g, beta, tk.out, A_log, dt_bias, initial_state, final_state,
-                    cu_seqlens, None, None, None, None, None, scale, lb)
-    bound = _launch(_planned(p, opts, dev), call, dev, stream, bind)
-    return bound if bind else tk.out
+    return _planned(p, opts, dev, dry=dry), scale, lb, tk.out
 
 
 check_errors = errors.check_errors

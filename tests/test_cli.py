@@ -139,3 +139,13 @@ def test_info_names_the_ladder_s_pick(capsys):
 def test_the_console_script_is_declared():
     meta = tomllib.loads((ROOT / "pyproject.toml").read_text())
     assert meta["project"]["scripts"]["kda-cute"] == "kda_cute.cli:main"
+
+
+@pytest.mark.parametrize("cmd", ["check", "bench"])
+def test_gpu_commands_without_a_gpu_say_why_and_fail(cmd, tmp_path, capsys, monkeypatch):
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    out = tmp_path / "r.json"
+    assert cli.main([cmd, "--json", str(out)]) == 1
+    assert "cannot run: no CUDA device" in capsys.readouterr().out
+    assert out.exists()

@@ -21,7 +21,7 @@ def planned(monkeypatch):
     """The calls' plans, made on a CPU (the device check skipped): the last one is kept."""
     got = {}
 
-    def fake(p, opts, dev, what="q"):
+    def fake(p, opts, dev, what="q", dry=False):
         serving._config(p, opts)
         got["plan"] = step_plan(p, opts)
         return got["plan"]

@@ -1,0 +1,207 @@
+"""The fla backend on a CPU (fla-core >= 0.6 installed; skipped otherwise): registration and
+order, the verifiers' verdicts and reasons on FakeTensors, dispatch of fla's own entry points to
+kda-cute with the arguments mapped, and the rejection logged by fla."""
+
+from __future__ import annotations
+
+import logging
+from inspect import unwrap
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+pytest.importorskip("fla.backends")
+
+from fla.backends import _function_registries, _get_operation_registry  # noqa: E402
+from fla.ops.kda import chunk_kda as fla_chunk_kda  # noqa: E402
+from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd as fla_recurrent  # noqa: E402
+
+from kda_cute import api, serving  # noqa: E402
+from kda_cute.integrations import fla as kda_fla  # noqa: E402
+
+BF, F32 = torch.bfloat16, torch.float32
+H, K = 4, 128
+
+
+@pytest.fixture(autouse=True)
+def registered():
+    kda_fla.register()
+    yield
+
+
+@pytest.fixture
+def fake():
+    with FakeTensorMode() as mode:
+        yield mode
+
+
+def layer_call(T=100, K=K, **over):
+    """What fla's KimiDeltaAttention passes in prefill (all keywords), as FakeTensors."""
+    d = "cuda"
+    kw = dict(q=torch.empty(1, T, H, K, dtype=BF, device=d),
+              k=torch.empty(1, T, H, K, dtype=BF, device=d),
+              v=torch.empty(1, T, H, K, dtype=BF, device=d),
+              g=torch.empty(1, T, H, K, dtype=BF, device=d),
+              beta=torch.empty(1, T, H, dtype=BF, device=d),
+              A_log=torch.empty(H, dtype=F32, device=d),
+              dt_bias=torch.empty(H * K, dtype=F32, device=d),
+              initial_state=torch.empty(2, H, K, K, dtype=F32, device=d),
+              output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+              use_beta_sigmoid_in_kernel=True, allow_neg_eigval=False, safe_gate=True,
+              lower_bound=-5.0, state_v_first=True,
+              cu_seqlens=torch.tensor([0, 40, T], dtype=torch.int32, device=d))
+    kw.update(over)
+    return kw
+
+
+def backend():
+    return kda_fla.KdaCuteBackend()
+
+
+def test_registered_ahead_of_flash_kda_once():
+    kda_fla.register()  # a second call changes nothing
+    reg = _function_registries[unwrap(fla_chunk_kda)]
+    order = [b.backend_type for b in reg._get_sorted_backends()]
+    assert order.index("kda_cute") < order.index("flash_kda")
+    assert "kda_cute" in [b.backend_type for b in _get_operation_registry("kda")
+                          ._get_sorted_backends()]
+
+
+def test_layer_call_accepted(fake):
+    assert backend().verify("chunk_kda", **layer_call()) == (True, None)
+    # positional, as fla's signature orders them
+    kw = layer_call()
+    args = [kw.pop(n) for n in ("q", "k", "v", "g", "beta")]
+    assert backend().verify("chunk_kda", *args, None, kw.pop("initial_state"), **kw) == \
+        (True, None)
+
+
+@pytest.mark.parametrize("over, reason", [
+    (dict(allow_neg_eigval=True), "allow_neg_eigval"),
+    (dict(cp_context=object()), "context parallel"),
+    (dict(return_intermediate_states=True), "return_intermediate_states"),
+    (dict(K=96), "head dims K == V"),
+    (dict(v="gva"), "GVA"),
+    (dict(g="fp32"), "g: expected dtype bfloat16"),
+    (dict(lower_bound=1.0), "lower_bound"),
+    (dict(safe_gate=True, lower_bound=None), "safe_gate needs lower_bound"),
+    (dict(use_gate_in_kernel=True, lower_bound=None, safe_gate=False, A_log=None),
+     "unbounded gate needs A_log"),
+    (dict(initial_state="wrong"), "initial_state"),
+    (dict(transpose_state_layout=True), "both given"),
+    (dict(some_new_option=1), "unsupported arguments ['some_new_option']"),
+    (dict(device="cpu"), "CUDA tensors"),
+])
+def test_turned_down_with_a_reason(fake, over, reason):
+    K_ = over.pop("K", K)
+    kw = layer_call(K=K_)
+    if over.pop("v", None):
+        kw["v"] = torch.empty(1, 100, H // 2, K, dtype=BF, device="cuda")
+    if over.pop("g", None):
+        kw["g"] = kw["g"].float()
+    if over.pop("initial_state", None):
+        kw["initial_state"] = torch.empty(3, H, K, K, dtype=F32, device="cuda")
+    if over.pop("device", None):
+        kw = {n: (t.to("cpu") if isinstance(t, torch.Tensor) else t) for n, t in kw.items()}
+    kw.update(over)
+    ok, why = backend().verify("chunk_kda", **kw)
+    assert not ok and reason in why, why
+
+
+def test_grad_enabled_turned_down_only_when_an_input_requires_grad(fake):
+    kw = layer_call()
+    assert backend().verify("chunk_kda", **kw) == (True, None)
+    kw["q"] = kw["q"].requires_grad_()
+    ok, why = backend().verify("chunk_kda", **kw)
+    assert not ok and "forward only" in why
+    with torch.no_grad():
+        assert backend().verify("chunk_kda", **kw) == (True, None)
+
+
+def test_k_first_state_and_deprecated_name(fake):
+    kw = layer_call(state_v_first=False)
+    assert backend().verify("chunk_kda", **kw) == (True, None)
+    kw.pop("state_v_first")
+    assert backend().verify("chunk_kda", transpose_state_layout=True, **kw) == (True, None)
+    assert kda_fla._chunk_args(transpose_state_layout=True, **kw)["state_v_first"] is True
+
+
+def test_fla_chunk_kda_dispatches_here_with_arguments_mapped(fake, monkeypatch, caplog):
+    seen = {}
+
+    def fake_chunk(**kw):
+        seen.update(kw)
+        return "ours"
+
+    monkeypatch.setattr(api, "chunk_kda", fake_chunk)
+    kw = layer_call(state_v_first=False)
+    kw.pop("state_v_first")
+    with caplog.at_level(logging.INFO, logger="fla.backends"):
+        assert fla_chunk_kda(transpose_state_layout=True, **kw) == "ours"
+    assert seen["state_v_first"] is True
+    assert tuple(seen["dt_bias"].shape) == (H, K)  # [H*K] viewed as [H, K]
+    assert seen["scale"] == K ** -0.5 and seen["lower_bound"] == -5.0
+    assert seen["use_gate_in_kernel"] and seen["safe_gate"]
+
+
+def test_bounded_gate_without_A_log_gets_unit_decay_rate(fake):
+    args = kda_fla._chunk_args(**layer_call(A_log=None))
+    assert tuple(args["A_log"].shape) == (H,) and args["A_log"].dtype == F32
+
+
+def test_a_rejected_call_is_logged_by_fla(fake, caplog):
+    kw = layer_call(allow_neg_eigval=True)
+    with caplog.at_level(logging.INFO, logger="fla.backends"):
+        try:
+            fla_chunk_kda(**kw)  # falls back to fla's own path (which cannot run here)
+        except Exception:
+            pass
+    assert any("kda_cute rejected: allow_neg_eigval" in r.getMessage() for r in caplog.records)
+
+
+def decode_call(**over):
+    d = "cuda"
+    N = 3
+    kw = dict(q=torch.empty(N, 1, H, K, dtype=BF, device=d),
+              k=torch.empty(N, 1, H, K, dtype=BF, device=d),
+              v=torch.empty(N, 1, H, K, dtype=BF, device=d),
+              g=torch.empty(N, 1, H, K, dtype=BF, device=d),
+              beta=torch.empty(N, 1, H, dtype=BF, device=d),
+              A_log=torch.empty(H, dtype=F32, device=d),
+              dt_bias=torch.empty(H * K, dtype=F32, device=d),
+              initial_state=torch.empty(8, H, K, K, dtype=F32, device=d),
+              inplace_final_state=True, state_v_first=True,
+              ssm_state_indices=torch.tensor([3, -1, 5], dtype=torch.int32, device=d),
+              use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+              use_beta_sigmoid_in_kernel=True, lower_bound=-5.0)
+    kw.update(over)
+    return kw
+
+
+def test_fla_decode_entry_dispatches_here(fake, monkeypatch):
+    seen = {}
+
+    def fake_step(**kw):
+        seen.update(kw)
+        return "ours"
+
+    monkeypatch.setattr(serving, "fused_recurrent_kda_fwd", fake_step)
+    assert backend().verify("fused_recurrent_kda_fwd", **decode_call()) == (True, None)
+    assert fla_recurrent(**decode_call()) == "ours"
+    assert tuple(seen["dt_bias"].shape) == (H, K)
+
+
+@pytest.mark.parametrize("over, reason", [
+    (dict(allow_neg_eigval=True), "allow_neg_eigval"),
+    (dict(state_v_first=False), "V-first"),
+    (dict(beta="headwise"), "headwise beta"),
+    (dict(mystery=1), "unsupported arguments"),
+])
+def test_decode_turned_down_with_a_reason(fake, over, reason):
+    kw = decode_call()
+    if over.pop("beta", None):
+        kw["beta"] = torch.empty(3, 1, H, K, dtype=BF, device="cuda")
+    kw.update(over)
+    ok, why = backend().verify("fused_recurrent_kda_fwd", **kw)
+    assert not ok and reason in why, why
