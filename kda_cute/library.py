@@ -179,13 +179,10 @@ def fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state
         checkpoint_every=None, checkpoint_first=None):
     """kda_cute.fwd as torch.compile traces it: one op, in place where the state is."""
     _not_traced(config=config)
-    rest = dict(gate=gate, qk_l2norm=qk_l2norm, beta_sigmoid=beta_sigmoid,
-                check_seqlens=check_seqlens, segments=segments, precision=precision,
-                state_indices=state_indices, output_state_indices=output_state_indices,
-                has_initial_state=has_initial_state, null_slot=null_slot,
-                checkpoint_state=checkpoint_state, checkpoint_offsets=checkpoint_offsets,
-                checkpoint_slots=checkpoint_slots, checkpoint_every=checkpoint_every,
-                checkpoint_first=checkpoint_first)
+    rest = _fwd_kwargs(gate, qk_l2norm, beta_sigmoid, check_seqlens, segments, precision,
+                       state_indices, output_state_indices, has_initial_state, null_slot,
+                       checkpoint_state, checkpoint_offsets, checkpoint_slots, checkpoint_every,
+                       checkpoint_first)
     scale = float(scale)
     lower_bound = None if lower_bound is None else float(lower_bound)
     if initial_state is not None and final_state is initial_state:
@@ -325,27 +322,13 @@ def verify(q, k, v, g, beta, state, *, cu_seqlens=None, ssm_state_indices=None,
     if out is None:
         out = torch.empty(v.shape, dtype=torch.bfloat16, device=v.device)
     scale, lower_bound = _step_scalars(scale, lower_bound)
-    if ssm_state_indices is not None:
-        if state_indices is not None or intermediate_states is not None:
-            from .checks import err
-            raise err("ssm_state_indices", "not together with state_indices / "
-                      "intermediate_states (two verify styles)", "both")
-        if retrieve_parent_token is not None:
-            from .checks import err
-            raise err("retrieve_parent_token", "tree drafts with intermediate_states (style b)",
-                      "ssm_state_indices")
+    from .serving import verify_style
+    if verify_style(ssm_state_indices, num_accepted_tokens, state_indices, intermediate_states,
+                    retrieve_parent_token) == "a":
         _verify_op(q, k, v, g, beta, state, cu_seqlens, ssm_state_indices, num_accepted_tokens,
                    out, A_log, dt_bias, scale, lower_bound, gate, qk_l2norm, beta_sigmoid,
                    null_slot)
     else:
-        if state_indices is None or intermediate_states is None:
-            from .checks import err
-            raise err("ssm_state_indices", "given (style a), or state_indices with "
-                      "intermediate_states (style b)", None)
-        if num_accepted_tokens is not None:
-            from .checks import err
-            raise err("num_accepted_tokens", "None in style b (commit takes the accepted step)",
-                      "a tensor")
         _verify_scratch_op(q, k, v, g, beta, state, cu_seqlens, state_indices,
                            intermediate_states, intermediate_state_indices,
                            retrieve_parent_token, out, A_log, dt_bias, scale, lower_bound, gate,

@@ -1,6 +1,6 @@
 """One forward's launches as a C header, for a runtime that has only the CUDA driver API.
 
-    python -m kda_cute.plan_export --out DIR --B 1 --T 1000 --H 4 --K 128
+    kda-cute plan --out DIR --B 1 --T 1000 --H 4 --K 128    (or python -m kda_cute.plan_export)
 
 `export_plan(out_dir, B=, T=, H=, K=, ...)` writes `kda_cute_plan.h` beside what `kda-cute
 export` writes (the cubins and `kda_cute_kernels.h`, which it includes): the buffers the runtime

@@ -369,6 +369,27 @@ def verify(q, k, v, g, beta, state, *, cu_seqlens=None, ssm_state_indices=None,
     return bound if bind else out
 
 
+def verify_style(ssm_state_indices, num_accepted_tokens, state_indices, intermediate_states,
+                 retrieve_parent_token) -> str:
+    """Which verify style the arguments ask for, "a" (ssm_state_indices) or "b" (state_indices
+    with intermediate_states), or ValueError naming what mixes or lacks them."""
+    if ssm_state_indices is not None:
+        if state_indices is not None or intermediate_states is not None:
+            raise err("ssm_state_indices", "not together with state_indices / "
+                      "intermediate_states (two verify styles)", "both")
+        if retrieve_parent_token is not None:
+            raise err("retrieve_parent_token", "tree drafts with intermediate_states (style b)",
+                      "ssm_state_indices")
+        return "a"
+    if state_indices is None or intermediate_states is None:
+        raise err("ssm_state_indices", "given (style a), or state_indices with "
+                  "intermediate_states (style b)", None)
+    if num_accepted_tokens is not None:
+        raise err("num_accepted_tokens", "None in style b (commit takes the accepted step)",
+                  "a tensor")
+    return "b"
+
+
 def _verify_plan(q, k, v, g, beta, state, cu_seqlens, ssm_state_indices, num_accepted_tokens,
                  state_indices, intermediate_states, intermediate_state_indices,
                  retrieve_parent_token, out, A_log, dt_bias, scale, lower_bound, gate,
@@ -393,13 +414,8 @@ def _verify_plan(q, k, v, g, beta, state, cu_seqlens, ssm_state_indices, num_acc
     hi_words = 0
     par = (0, 0, 0, 0)
     npa = 0
-    if ssm_state_indices is not None:
-        if state_indices is not None or intermediate_states is not None:
-            raise err("ssm_state_indices", "not together with state_indices / "
-                      "intermediate_states (two verify styles)", "both")
-        if retrieve_parent_token is not None:
-            raise err("retrieve_parent_token", "tree drafts with intermediate_states (style b)",
-                      "ssm_state_indices")
+    if verify_style(ssm_state_indices, num_accepted_tokens, state_indices,
+                    intermediate_states, retrieve_parent_token) == "a":
         st = _index("ssm_state_indices", ssm_state_indices, (N, None), dev)
         S1 = ssm_state_indices.shape[1]
         if per_row is not None and per_row > S1:
@@ -414,12 +430,6 @@ def _verify_plan(q, k, v, g, beta, state, cu_seqlens, ssm_state_indices, num_acc
         ridx = widx = ssm_state_indices
         max_tokens, nulls = S1, (null, null)
     else:
-        if state_indices is None or intermediate_states is None:
-            raise err("ssm_state_indices", "given (style a), or state_indices with "
-                      "intermediate_states (style b)", None)
-        if num_accepted_tokens is not None:
-            raise err("num_accepted_tokens", "None in style b (commit takes the accepted step)",
-                      "a tensor")
         r = _index("state_indices", state_indices, (N,), dev)
         R, S_max, ds = _scratch(intermediate_states, state, H, V, K, dev)
         if per_row is not None and per_row > S_max:

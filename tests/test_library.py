@@ -217,3 +217,15 @@ def test_fake_needs_no_device_and_reads_no_data(fake):
         torch.ops.kda_cute.fwd(q, k, v, g, beta, 0.1, out, A, dt, 1.0, None, None, None, None,
                                "bounded", True, True, False, None, "fast", None, None, None,
                                None, None, None, None, None, None)
+
+
+def test_traced_verify_refuses_mixed_styles(fake):
+    N, T = 2, 3
+    qv, bv = cuda(N, T, H, K), cuda(N, T, H)
+    pool = cuda(8, H, K, K, dtype=F32)
+    sidx = torch.zeros(N, T, dtype=I32, device="cuda")
+    inter = cuda(N, T, H, K, K, dtype=F32)
+    with pytest.raises(Exception, match="two verify styles"):
+        traced(lambda q, b, p, s, i: kda_cute.verify(q, q, q, q, b, p, ssm_state_indices=s,
+                                                     intermediate_states=i, lower_bound=-5.0),
+               qv, bv, pool, sidx, inter)
