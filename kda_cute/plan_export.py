@@ -170,46 +170,13 @@ class ExportedPlan:
 
 
 # ---------------------------------------------------------------------- the driver recorder
-class _Names:
-    """Any attribute is its own name (the driver's enum members, as the recorder sees them)."""
-
-    def __getattr__(self, name):
-        return name
-
-
-class _Ns:
-    def __init__(self, **kw):
-        self.__dict__.update(kw)
-
-
 _TMA_MARK = b"KDAPLAN-TMA"
 
 
-def _elf_size(addr: int) -> int:
-    """The size of the ELF image (a cubin) at `addr`, from its header alone."""
-    head = ctypes.string_at(addr, 64)
-    phoff, shoff = struct.unpack_from("<QQ", head, 0x20)
-    phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", head, 0x36)
-    return max(phoff + phentsize * phnum, shoff + shentsize * shnum)
-
-
-class _Recorder:
+class _Recorder(kdriver.StandIn):
     """The parts of cuda.bindings.driver that kda_cute.launch.driver calls, recording the
     launches and memsets instead of running them. `images`: cubin bytes -> kernel name (the
     plan's kernels)."""
-
-    CUresult = _Ns(CUDA_SUCCESS=0)
-    CUfunction_attribute = _Names()
-    CUlaunchAttributeID = _Names()
-    CUevent_flags = _Names()
-    CUtensorMapSwizzle = _Ns(CU_TENSOR_MAP_SWIZZLE_NONE=0, CU_TENSOR_MAP_SWIZZLE_32B=32,
-                             CU_TENSOR_MAP_SWIZZLE_64B=64, CU_TENSOR_MAP_SWIZZLE_128B=128)
-    CUtensorMapDataType = _Ns(CU_TENSOR_MAP_DATA_TYPE_BFLOAT16="bfloat16",
-                              CU_TENSOR_MAP_DATA_TYPE_FLOAT16="float16",
-                              CU_TENSOR_MAP_DATA_TYPE_FLOAT32="float32")
-    CUtensorMapInterleave = _Names()
-    CUtensorMapL2promotion = _Names()
-    CUtensorMapFloatOOBfill = _Names()
 
     def __init__(self, images: dict[bytes, str]):
         self.images = images
@@ -222,12 +189,6 @@ class _Recorder:
     def cuGetErrorString(self, err):  # noqa: N802 (the driver's names)
         return 0, b"recorded, not run"
 
-    def CUstream(self, s):  # noqa: N802
-        return int(s)
-
-    def CUevent(self, e):  # noqa: N802
-        return int(e)
-
     def _no_events(self, *a):
         raise PlanExportError("the forward orders streams with CUDA events (the alongside "
                               "schedule), which kda_cute_plan.h cannot express: export with "
@@ -236,18 +197,12 @@ class _Recorder:
     cuEventCreate = cuEventRecord = cuStreamWaitEvent = _no_events  # noqa: N815
 
     def cuLibraryLoadData(self, addr, *rest):  # noqa: N802
-        name = self.images.get(ctypes.string_at(addr, _elf_size(addr)))
+        name = self.images.get(ctypes.string_at(addr, kdriver.image_size(addr)))
         if name is None:
             raise PlanExportError("the launcher loaded a cubin that is none of the plan's "
                                   "kernels")
         self.kernels[len(self.kernels) + 1] = name
         return 0, len(self.kernels)
-
-    def cuLibraryGetKernel(self, lib, entry):  # noqa: N802
-        return 0, lib
-
-    def cuKernelGetFunction(self, kernel):  # noqa: N802
-        return 0, kernel
 
     def cuFuncSetAttribute(self, f, attr, value):  # noqa: N802
         if attr != "CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES":
@@ -274,12 +229,6 @@ class _Recorder:
             raise PlanExportError(f"{self.kernels[f]}: launched with `extra` options")
         return self._launch(f, (gx, gy, gz), (bx, by, bz), smem, addr, False)
 
-    def CUlaunchAttribute(self):  # noqa: N802
-        return _Ns(id=None, value=_Ns())
-
-    def CUlaunchConfig(self):  # noqa: N802
-        return _Ns()
-
     def cuLaunchKernelEx(self, conf, f, addr, extra):  # noqa: N802
         if extra:
             raise PlanExportError(f"{self.kernels[f]}: launched with `extra` options")
@@ -297,11 +246,6 @@ class _Recorder:
                          "count": int(count)})
         return (0,)
 
-    def cuuint64_t(self, x):
-        return int(x)
-
-    cuuint32_t = cuuint64_t
-
     def cuTensorMapEncodeTiled(self, dt, rank, ptr, dims, strides, box, elem, il, swz,  # noqa: N802
                                l2, oob):
         fixed = {"interleave": il, "l2": l2, "oob": oob, "element_strides": list(elem)}
@@ -314,7 +258,7 @@ class _Recorder:
         mark = _TMA_MARK + struct.pack("<Q", len(self.maps) - 1)
         buf = ctypes.create_string_buffer(mark + bytes(128 - len(mark)), 128)
         self._keep.append(buf)
-        return 0, _Ns(getPtr=lambda b=buf: ctypes.addressof(b))
+        return 0, kdriver.Namespace(getPtr=lambda b=buf: ctypes.addressof(b))
 
 
 # ------------------------------------------------------------------- running it on the CPU
@@ -336,7 +280,7 @@ def _on_the_cpu(error_words: torch.Tensor, taken: dict):
 
     patches = [(torch.cuda, "device", contextlib.nullcontext),
                (torch.cuda, "current_device", lambda: 0),
-               (torch.cuda, "current_stream", lambda *a: _Ns(cuda_stream=0)),
+               (torch.cuda, "current_stream", lambda *a: kdriver.Namespace(cuda_stream=0)),
                (torch.cuda, "is_current_stream_capturing", lambda: False),
                (errors, "address", lambda dev: error_words.data_ptr()),
                (launch.buffers, "get", get)]

@@ -27,6 +27,8 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from kda_cute.launch import driver as kdriver
+
 GOLDEN = Path(__file__).parent / "golden" / "launches.json"
 BF16, F32 = torch.bfloat16, torch.float32
 CUBIN_DIR = Path(__file__).resolve().parent.parent / "kda_cute" / "_cubins" / "sm_90a"
@@ -207,40 +209,8 @@ def config_of(spec: dict):
 
 
 # ----------------------------------------------------------------------------- a fake driver
-class _Ns:
-    def __init__(self, **kw):
-        self.__dict__.update(kw)
-
-
-class _Enum:
-    """Any attribute is its own name (the driver's enum members, as the fake sees them)."""
-
-    def __getattr__(self, name):
-        return name
-
-
-def _elf_size(addr: int) -> int:
-    head = ctypes.string_at(addr, 64)
-    phoff, shoff = struct.unpack_from("<QQ", head, 0x20)
-    phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", head, 0x36)
-    return max(phoff + phentsize * phnum, shoff + shentsize * shnum)
-
-
-class FakeDriver:
+class FakeDriver(kdriver.StandIn):
     """The parts of cuda.bindings.driver the launcher calls, recording instead of running."""
-
-    CUresult = _Ns(CUDA_SUCCESS=0)
-    CUfunction_attribute = _Enum()
-    CUlaunchAttributeID = _Enum()
-    CUevent_flags = _Enum()
-    CUtensorMapSwizzle = _Ns(CU_TENSOR_MAP_SWIZZLE_NONE=0, CU_TENSOR_MAP_SWIZZLE_32B=32,
-                             CU_TENSOR_MAP_SWIZZLE_64B=64, CU_TENSOR_MAP_SWIZZLE_128B=128)
-    CUtensorMapDataType = _Ns(CU_TENSOR_MAP_DATA_TYPE_BFLOAT16="bfloat16",
-                              CU_TENSOR_MAP_DATA_TYPE_FLOAT16="float16",
-                              CU_TENSOR_MAP_DATA_TYPE_FLOAT32="float32")
-    CUtensorMapInterleave = _Enum()
-    CUtensorMapL2promotion = _Enum()
-    CUtensorMapFloatOOBfill = _Enum()
 
     def __init__(self):
         self.ops: list = []
@@ -257,12 +227,6 @@ class FakeDriver:
     def cuGetErrorString(self, err):  # noqa: N802 (the driver's names)
         return 0, b"fake"
 
-    def CUstream(self, s):  # noqa: N802
-        return int(s)
-
-    def CUevent(self, e):  # noqa: N802
-        return int(e)
-
     def cuEventCreate(self, flags):  # noqa: N802
         return 0, 1000 + len(self._keep)
 
@@ -276,16 +240,10 @@ class FakeDriver:
 
     # modules and functions
     def cuLibraryLoadData(self, addr, *rest):  # noqa: N802
-        image = ctypes.string_at(addr, _elf_size(addr))
+        image = ctypes.string_at(addr, kdriver.image_size(addr))
         lib = len(self._libs) + 1
         self._libs[lib] = self._cubins[image]
         return 0, lib
-
-    def cuLibraryGetKernel(self, lib, entry):  # noqa: N802
-        return 0, lib
-
-    def cuKernelGetFunction(self, kernel):  # noqa: N802
-        return 0, kernel
 
     def cuFuncSetAttribute(self, f, attr, value):  # noqa: N802
         return (0,)
@@ -303,12 +261,6 @@ class FakeDriver:
                          "stream": stream, "params": params})
         return (0,)
 
-    def CUlaunchAttribute(self):  # noqa: N802
-        return _Ns(id=None, value=_Ns())
-
-    def CUlaunchConfig(self):  # noqa: N802
-        return _Ns()
-
     def cuLaunchKernelEx(self, conf, f, addr, extra):  # noqa: N802
         name, params = self._params(f, addr)
         prog = any(getattr(a.value, "programmaticStreamSerializationAllowed", 0)
@@ -325,12 +277,6 @@ class FakeDriver:
                          "stream": stream})
         return (0,)
 
-    # TMA descriptors
-    def cuuint64_t(self, x):
-        return int(x)
-
-    cuuint32_t = cuuint64_t
-
     def cuTensorMapEncodeTiled(self, dt, rank, ptr, dims, strides, box, elem, il, swz, l2,  # noqa: N802
                                oob):
         i = len(self.maps)
@@ -339,7 +285,7 @@ class FakeDriver:
                           "swizzle": swz})
         buf = ctypes.create_string_buffer(b"FAKETMAP" + struct.pack("<Q", i) + bytes(112), 128)
         self._keep.append(buf)
-        return 0, _Ns(getPtr=lambda b=buf: ctypes.addressof(b))
+        return 0, kdriver.Namespace(getPtr=lambda b=buf: ctypes.addressof(b))
 
 
 _DRIVER: list = []
@@ -486,7 +432,8 @@ def fake_device(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: _Props())
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: _Ns(cuda_stream=0))
+    monkeypatch.setattr(torch.cuda, "current_stream",
+                        lambda *a: kdriver.Namespace(cuda_stream=0))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "device", _Dev)
     monkeypatch.setattr(torch.cuda, "stream", _Dev)
@@ -514,11 +461,10 @@ def _plan(spec: dict, call: dict):
 def _launch(spec: dict, call: dict, ws: torch.Tensor, drv: FakeDriver) -> str:
     """Run one forward through the launcher with the fake driver; returns its schedule."""
     from kda_cute import api, launch
-    from kda_cute.launch import driver as kd
     api.clear_caches()
     launch.streams.forget()  # no event wait for an earlier test's alongside forward
     c, pl = _plan(spec, call)
-    with kd.substitute(drv):
+    with kdriver.substitute(drv):
         launch.run(pl, c, ws)
     return str(pl.schedule)
 

@@ -5,8 +5,8 @@ fused_recurrent_kda_fwd against a pool, each against the float64 reference."""
 import pytest
 import torch
 
-from kda_cute.reference import kda_reference, rel_err
-from kda_cute.testing import cuda_ready, make_inputs
+from kda_cute.reference import rel_err
+from kda_cute.testing import cuda_ready, make_inputs, reference
 
 ok, why = cuda_ready()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not ok, reason=why)]
@@ -40,14 +40,6 @@ def calls(monkeypatch):
     return seen
 
 
-def _ref(inp):
-    d = {n: (t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t)
-         for n, t in inp.items()}
-    return kda_reference(d["q"], d["k"], d["v"], d["g"], d["beta"], scale=d["scale"],
-                         initial_state=d["initial_state"], cu_seqlens=d["cu_seqlens"],
-                         A_log=d["A_log"], dt_bias=d["dt_bias"], lower_bound=-5.0)
-
-
 @pytest.mark.parametrize("K", [64, 128, 256])
 @pytest.mark.parametrize("v_first, cu_dtype", [(True, torch.int32), (False, torch.int64)])
 @torch.no_grad()
@@ -61,7 +53,7 @@ def test_fla_chunk_kda_dispatches_here(calls, K, v_first, cu_dtype):
         use_beta_sigmoid_in_kernel=True, allow_neg_eigval=False, safe_gate=True,
         lower_bound=-5.0, state_v_first=v_first, cu_seqlens=inp["cu_seqlens"].to(cu_dtype))
     assert calls["chunk_kda"] == 1
-    ref_o, ref_s = _ref(inp)
+    ref_o, ref_s = reference(inp)
     if not v_first:
         s = s.transpose(-1, -2)
     assert rel_err(o, ref_o) < OUT_TOL and rel_err(s, ref_s) < STATE_TOL
@@ -85,7 +77,7 @@ def test_fla_decode_entry_dispatches_here(calls, pool_dtype):
     live = [n for n in range(N) if idx[n] >= 0]
     ref = dict(inp, initial_state=before[idx[live].long()],
                **{n: inp[n][live] for n in ("q", "k", "v", "g", "beta")})
-    ref_o, ref_s = _ref(ref)
+    ref_o, ref_s = reference(ref)
     tol = STATE_TOL if pool_dtype == torch.float32 else 6e-3
     assert rel_err(out[live], ref_o) < OUT_TOL
     assert rel_err(pool[idx[live].long()], ref_s) < tol

@@ -3,14 +3,16 @@ packed and cached, kernels launched with cuLaunchKernel(Ex). Only torch and cuda
 needed at run time (no DSL).
 
 `substitute(fake)` routes every driver call to `fake` (an object with the cuda.bindings.driver
-functions this module calls) within its block: the tests' way to see, on a machine without a
-GPU, exactly what would be handed to the driver.
+functions this module calls; `StandIn` has what every such object answers alike) within its
+block: the way the tests and kda_cute.plan_export see, on a machine without a GPU, exactly what
+would be handed to the driver.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import struct
 import threading
 
 from .. import abi
@@ -26,6 +28,75 @@ def bindings():
         return _substitute[-1]
     from cuda.bindings import driver
     return driver
+
+
+class Namespace:
+    """Attributes from keywords (the driver's structs and result codes, as a stand-in gives
+    them)."""
+
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+class _OwnNames:
+    """Any attribute is its own name (the driver's enum members, as a stand-in sees them)."""
+
+    def __getattr__(self, name):
+        return name
+
+
+class StandIn:
+    """The part of cuda.bindings.driver that a stand-in for `substitute` answers the same way
+    whatever it records: the enums this module reads, the handle and integer casts, the launch
+    config structs, and the library -> kernel -> function handles as one number. A recorder
+    subclasses it and adds the calls it records (loads, attributes, launches, memsets,
+    descriptors, events)."""
+
+    CUresult = Namespace(CUDA_SUCCESS=0)
+    CUfunction_attribute = _OwnNames()
+    CUlaunchAttributeID = _OwnNames()
+    CUevent_flags = _OwnNames()
+    CUtensorMapSwizzle = Namespace(
+        CU_TENSOR_MAP_SWIZZLE_NONE=0, CU_TENSOR_MAP_SWIZZLE_32B=32,
+        CU_TENSOR_MAP_SWIZZLE_64B=64, CU_TENSOR_MAP_SWIZZLE_128B=128)
+    CUtensorMapDataType = Namespace(
+        CU_TENSOR_MAP_DATA_TYPE_BFLOAT16="bfloat16", CU_TENSOR_MAP_DATA_TYPE_FLOAT16="float16",
+        CU_TENSOR_MAP_DATA_TYPE_FLOAT32="float32")
+    CUtensorMapInterleave = _OwnNames()
+    CUtensorMapL2promotion = _OwnNames()
+    CUtensorMapFloatOOBfill = _OwnNames()
+
+    def CUstream(self, s):  # noqa: N802 (the driver's names)
+        return int(s)
+
+    def CUevent(self, e):  # noqa: N802
+        return int(e)
+
+    def cuuint64_t(self, x):
+        return int(x)
+
+    cuuint32_t = cuuint64_t
+
+    def CUlaunchAttribute(self):  # noqa: N802
+        return Namespace(id=None, value=Namespace())
+
+    def CUlaunchConfig(self):  # noqa: N802
+        return Namespace()
+
+    def cuLibraryGetKernel(self, lib, entry):  # noqa: N802
+        return 0, lib
+
+    def cuKernelGetFunction(self, kernel):  # noqa: N802
+        return 0, kernel
+
+
+def image_size(addr: int) -> int:
+    """The size of the ELF image (a cubin) at `addr`, from its header alone (what a stand-in's
+    cuLibraryLoadData reads to know which cubin it was handed)."""
+    head = ctypes.string_at(addr, 64)
+    phoff, shoff = struct.unpack_from("<QQ", head, 0x20)
+    phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", head, 0x36)
+    return max(phoff + phentsize * phnum, shoff + shentsize * shnum)
 
 
 @contextlib.contextmanager
