@@ -639,15 +639,14 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
                         warpgroup.wait_group(1)
                         if out_len == C:
                             # whole chunk: each warp its 16 rows, through its slab of smem buffer
-                            # c % 2 and one TMA store (no barrier across the warpgroup)
-                            b = c % 2
-                            # the store two chunks back has read this buffer (one back: long
-                            # since); the checkpoints builds' lanes 16-31 hold checkpoint copies
-                            if cutlass.const_expr(self.checkpoints):
-                                if cute.arch.lane_idx() < 16:
-                                    cute.arch.cp_async_bulk_wait_group(0, read=True)
-                            else:
-                                cute.arch.cp_async_bulk_wait_group(0, read=True)
+                            # c % 2 and one TMA store (no barrier across the warpgroup); c & 1,
+                            # not c % 2: a run's first chunk c0 is not known non-negative, and a
+                            # signed remainder put a branch on the chain (the checkpoints builds)
+                            b = c & 1
+                            # the earlier stores have read their buffers (in the checkpoints
+                            # builds, lane 16's checkpoint copies too: long since, but for the
+                            # chunk after a checkpoint)
+                            cute.arch.cp_async_bulk_wait_group(0, read=True)
                             cute.arch.sync_warp()
                             for e in cutlass.range_constexpr(cute.size(acc_o)):
                                 r, i = cP[e]
@@ -723,9 +722,9 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
         """Store S (after `done` chunks) for every checkpoint due: into its destination row
         (fp32 or bf16: ck_dtype) or, for a code < 0, scratch row -code - 1 in fp32 (a mid-chunk
         checkpoint, finished by the side run). Each warp writes its 16 rows to its smem slab and
-        lanes 16-31 hand one row each to the bulk copy engine, so the stores drain while the
-        chunks run on: the slab is reused once those lanes' copies have read it, and the lane
-        that stores the outputs (an elected one of the low half) never waits on them. ck = (next
+        lane 16 hands them to the bulk copy engine, a copy a row, so the stores drain while the
+        chunks run on: the slab is reused once those copies have read it (lane 16 waits on them
+        there, and at the next whole-chunk output store, by then long done). ck = (next
         entry to read, the due one's chunk count and code, the following one's); returns it
         moved on past the stores. The rescale builds store S with its row scales (sig) undone,
         and only the warps whose rows they redo (mine)."""
@@ -733,7 +732,7 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
         K = self.K
         e, at, to, nat, nto = ck
         lane = cute.arch.lane_idx()
-        lo = cutlass.Int32(16)  # the lanes that store: 16-31 (none: a warp the run does not redo)
+        lo = cutlass.Int32(16)  # the lane that stores (none: a warp the run does not redo)
         if cutlass.const_expr(self.rescale):
             if mine == 0:
                 lo = cutlass.Int32(32)
@@ -747,7 +746,7 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
             if to >= 0:
                 if ck_dtype == STATE_BF16:
                     half = cutlass.Int32(1)
-            if lane >= 16:  # the slab's last copies have read it
+            if lane == 16:  # the slab's last copies have read it
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
             cute.arch.sync_warp()
             if half != 0:
@@ -760,18 +759,22 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
                     slab[r - r0, d] = self._unscaled(acc_s, i, sig)
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.sync_warp()
-            if lane >= lo:
-                i = lane - 16
-                row = r0 + i
+            if lane == lo:
+                # one lane issues the 16 row copies, its addresses uniform: copies issued from
+                # 16 lanes at once run one lane at a time through a loop of uniform-register
+                # moves (bench/results/checkpoints-variants-h200-2026-12-04.md)
                 if to < 0:
-                    g = self._state_rows(mCkS, -to - 1, h, vb)[row, None].iterator.toint()
-                    bulk_store(g, slab[i, None].iterator.toint(), K * 4)
+                    g = self._state_rows(mCkS, -to - 1, h, vb)[r0, None].iterator.toint()
+                    for i in cutlass.range_constexpr(16):
+                        bulk_store(g + i * K * 4, slab[i, None].iterator.toint(), K * 4)
                 elif half != 0:
-                    g = self._state_rows(mCkH, to, h, vb)[row, None].iterator.toint()
-                    bulk_store(g, slab_h[i, None].iterator.toint(), K * 2)
+                    g = self._state_rows(mCkH, to, h, vb)[r0, None].iterator.toint()
+                    for i in cutlass.range_constexpr(16):
+                        bulk_store(g + i * K * 2, slab_h[i, None].iterator.toint(), K * 2)
                 else:
-                    g = self._state_rows(mCkF, to, h, vb)[row, None].iterator.toint()
-                    bulk_store(g, slab[i, None].iterator.toint(), K * 4)
+                    g = self._state_rows(mCkF, to, h, vb)[r0, None].iterator.toint()
+                    for i in cutlass.range_constexpr(16):
+                        bulk_store(g + i * K * 4, slab[i, None].iterator.toint(), K * 4)
                 cute.arch.cp_async_bulk_commit_group()
             at = nat
             to = nto

@@ -8,7 +8,8 @@ bf16), on chunk boundaries (first 64) and mid-chunk (first 40: every one a parti
 the side runs). The extra bytes each mode writes are reported beside the forward's compulsory
 ones.
 
-    python3 bench/probes/checkpoints_probe.py [--iters N] [--out JSON]
+    python3 bench/probes/checkpoints_probe.py [--iters N] [--out JSON] [--cases A,B]
+        [--modes "none,every 64 fp32"]
     python3 bench/probes/checkpoints_probe.py --table JSON --out PREFIX   (.md and .png)
 """
 
@@ -104,8 +105,9 @@ def table(res: dict, prefix: str) -> None:
         return
     fig, ax = plt.subplots(figsize=(10, 4))
     rows = res["rows"]
-    width = 0.8 / len(MODES)
-    for j, mode in enumerate(MODES):
+    modes = list(rows[0]["modes"])
+    width = 0.8 / len(modes)
+    for j, mode in enumerate(modes):
         ax.bar([i + j * width - 0.4 for i in range(len(rows))],
                [r["modes"][mode]["graph"] for r in rows], width, label=mode)
     ax.set_xticks(range(len(rows)), [r["case"] for r in rows])
@@ -120,7 +122,13 @@ def main(argv=None) -> None:
     ap.add_argument("--iters", type=int, default=100)
     ap.add_argument("--out", default=None)
     ap.add_argument("--table", default=None)
+    ap.add_argument("--cases", default=",".join(CASES), help="comma-separated, of CASES")
+    ap.add_argument("--modes", default=",".join(MODES), help="comma-separated, of MODES")
     a = ap.parse_args(argv)
+    cases, modes = a.cases.split(","), a.modes.split(",")
+    for m in modes:
+        if m not in MODES:
+            raise SystemExit(f"--modes: expected some of {MODES}, got {m!r}")
     if a.table:
         table(json.loads(Path(a.table).read_text()), a.out)
         return
@@ -130,11 +138,11 @@ def main(argv=None) -> None:
     from kda_cute import api
 
     rows = []
-    for name in CASES:
+    for name in cases:
         sets = bench.input_sets(bench.CASES[name], 128, workspace=False)
-        args = {m: checkpoint_args(sets[0], m) for m in MODES}
+        args = {m: checkpoint_args(sets[0], m) for m in modes}
         need = 0
-        for m in MODES:
+        for m in modes:
             x = sets[0]
             p = api.validate(x["q"], x["k"], x["v"], x["g"], x["beta"], x["scale"], x["out"],
                              x["A_log"], x["dt_bias"], x["lower_bound"], x["initial_state"],
@@ -143,7 +151,7 @@ def main(argv=None) -> None:
         for x in sets:
             x["ck_workspace"] = torch.empty(need, dtype=torch.uint8, device="cuda")
         row = {"case": name, "compulsory": bench.compulsory_bytes(sets[0]), "modes": {}}
-        for m in MODES:
+        for m in modes:
             kw, nbytes = args[m]
             run = runner(kw)
             row["modes"][m] = {"eager": bench.time_fn(run, sets, a.iters),
