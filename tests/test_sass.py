@@ -17,7 +17,14 @@ from pathlib import Path
 import pytest
 
 from kda_cute.cubin import CUBIN_ROOT
-from kda_cute.ladder import ALONGSIDE, EXPERIMENTAL, SEGMENT_RUNS, SHIPPED, WY_RUNS
+from kda_cute.ladder import (
+    ALONGSIDE,
+    CHECKPOINT_RUNS,
+    EXPERIMENTAL,
+    SEGMENT_RUNS,
+    SHIPPED,
+    WY_RUNS,
+)
 
 
 def _nvdisasm() -> Path | None:
@@ -77,3 +84,17 @@ def test_tma_loads_issued_from_uniform_registers(cfg):
     sass = _sass(cfg)
     assert "UTMALDG" in sass
     assert "BRA.U.ANY" not in sass, f"{cfg.name}: TMA loads inside elect loops"
+
+
+@pytest.mark.skipif(NVDISASM is None, reason="no nvdisasm (triton's wheel ships one)")
+@pytest.mark.parametrize("cfg", CHECKPOINT_RUNS, ids=lambda r: r.name)
+def test_checkpoint_copies_issued_from_one_lane(cfg):
+    """A checkpoint's row copies (cp.async.bulk, UBLKCP: its addresses in uniform registers) are
+    issued by one lane, 16 in a row. Issued from 16 lanes at once, ptxas runs them one lane at a
+    time in a loop (`BRA.U.ANY` back), which cost a checkpoint ~0.3 us of the chain at bf16
+    (bench/results/checkpoints-variants-h200-2026-12-04.md). (The rescale builds, RESCALE_RUNS,
+    keep such a loop around each copy, entered by the one issuing lane: one pass, on a path run
+    only where a forward overflowed.)"""
+    sass = _sass(cfg)
+    assert sass.count("UBLKCP") >= 3 * 16, sass.count("UBLKCP")
+    assert "BRA.U.ANY" not in sass, f"{cfg.name}: bulk copies inside a per-lane loop"
