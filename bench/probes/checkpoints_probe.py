@@ -126,9 +126,10 @@ def main(argv=None) -> None:
     ap.add_argument("--modes", default=",".join(MODES), help="comma-separated, of MODES")
     a = ap.parse_args(argv)
     cases, modes = a.cases.split(","), a.modes.split(",")
-    for m in modes:
-        if m not in MODES:
-            raise SystemExit(f"--modes: expected some of {MODES}, got {m!r}")
+    for flag, given, known in (("--cases", cases, CASES), ("--modes", modes, MODES)):
+        for x in given:
+            if x not in known:
+                raise SystemExit(f"{flag}: expected some of {known}, got {x!r}")
     if a.table:
         table(json.loads(Path(a.table).read_text()), a.out)
         return
