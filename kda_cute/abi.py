@@ -39,7 +39,8 @@ SYM_WIDTH = {
     "NFX": 32,
 }
 # divisibility promised to the compiler; the launcher validates it
-SYM_DIV = {"sQ": 8, "sK": 8, "sG": 8, "sV": 8, "sO": 8, "sW": 8, "sWc": 8, "sP": 8, "sPD": 8}
+SYM_DIV = {"sQ": 8, "sK": 8, "sG": 8, "sV": 8, "sO": 8, "sW": 8, "sWc": 8, "sP": 8, "sPD": 8,
+           "sCK": 8}
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "int32": 4, "int8": 1}
 
@@ -83,7 +84,8 @@ QK_DTYPE = "float16"
 
 
 def tma(name, dtype, shape, stride, box, swizzle=0, dsl=""):
-    """A TMA-loaded (or stored) argument: a rank-2 tile view with one mode of stride 1."""
+    """A TMA-loaded (or stored) argument: a tile view with one mode of stride 1 (rank 2, or
+    rank 3: the checkpoints' [rows, H*V, K]), its box innermost first."""
     return Arg(name, "tma", dtype, shape, stride, box, swizzle, align=16, dsl=dsl)
 
 

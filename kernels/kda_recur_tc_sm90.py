@@ -53,7 +53,7 @@ from cutlass.cute.nvgpu import warp as warp_mma
 from cutlass.utils import LayoutEnum
 
 from kda_cute.abi import QK_DTYPE, operand_dtype
-from kda_cute.specs.recur import STATE_BF16, STATE_F32, RecurConfig
+from kda_cute.specs.recur import CK_PAD, STATE_BF16, STATE_F32, RecurConfig, checkpoint_maps
 from kernels.common import (
     E_NONFINITE,
     StateSlots,
@@ -88,8 +88,6 @@ FLAG_BATCH = 8  # flags a waiting K2 reads at once
 # the WY form: the producer warp turns a chunk's kg into kgw this many chunks after issuing
 # its loads (< stages, so the consumer's releases never wait on it)
 WY_LAG = 2
-# a checkpoint slab's row padding, in fp32 elements (bf16 rows: twice as many elements)
-CK_PAD = 8
 # a fast forward's K2 flags a warp for its rescale run where every thread's mean |S| at a
 # sequence's end is below this (fp16's least normal, 2^-14): values and states that small run
 # on subnormal fp16 operands (bench/probes/rescale_probe.py --range)
@@ -128,6 +126,13 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
         self.checkpoints = cfg.checkpoints  # stores the checkpoints of its table
         # the rescale run: redoes what a forward's K2 flagged, its state scaled row by row
         self.rescale = cfg.rescale
+        # the consumers test the next stage's barriers while a chunk's update runs (and skip
+        # the blocking waits the test found complete): the alongside and WY builds at K <= 128
+        # (bench/results/k2-early-test-h200-2026-12-04.md: alongside -1.5..-4%; the plain
+        # builds' K = 64 varlen 8 x 1024 H64 +5.6%, K = 256 alongside +0.9%, so not there)
+        self.early = (cfg.alongside or cfg.wy) and cfg.head_dim_k <= 128
+        # the checkpoints leave through tensor maps, one TMA store a warp (specs.recur)
+        self.ck_maps = checkpoint_maps(cfg)
         self.op = cutlass.Float16 if cfg.f16 else cutlass.BFloat16
         # the state's operand copy in `nsplit` slabs of K (two at K = 256, which keeps it inside
         # 255 registers)
@@ -220,6 +225,20 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
         tma_o, tO = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), mOutT,
                                                 l_slab, (C, 16))
         self.tma_meta.append(tma_meta("out_tma", tma_o, "bfloat16"))
+        # the checkpoints builds with tensor maps: a warp's 16 padded slab rows, one box
+        # (the columns past K out of bounds: not written)
+        ck_dest = (mCkF, mCkH, mCkS)
+        if cutlass.const_expr(self.ck_maps):
+            ck_dest = []
+            for name, m, pad, dtype in (("ck_f", mCkF, CK_PAD, "float32"),
+                                        ("ck_h", mCkH, 2 * CK_PAD, "bfloat16"),
+                                        ("ck_s", mCkS, CK_PAD, "float32")):
+                tile = (1, 16, K + pad)
+                atom, tX = cpasync.make_tiled_tma_atom(
+                    cpasync.CopyBulkTensorTileS2GOp(), m,
+                    cute.make_layout(tile, stride=(16 * (K + pad), K + pad, 1)), tile)
+                ck_dest += [(atom, tX)]
+                self.tma_meta.append(tma_meta(name, atom, dtype))
 
         buf = cute.struct.MemRange
         align = cute.struct.Align
@@ -256,7 +275,7 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
             *atoms, mOut, tma_o, tO, mS0f, mS0h, mS1f, mS1h, mCuSeq, mCuChunk, mFlags,
             mRIdx, mWIdx, mHasInit, mErr, state_in, state_out, ordered, index_mode, row_div,
             slots, r_sn, r_wide, w_on, w_sn, w_wide, hi_on, null_min,
-            (mCkAt, mCkTo, mCkF, mCkH, mCkS, ck_rows, ck_dtype), side, mFix, fix_on,
+            (mCkAt, mCkTo, *ck_dest, ck_rows, ck_dtype), side, mFix, fix_on,
             mma_p, mma_s, mma_q,
             l_ck, l_cc, l_kc, l_gl, l_v, l_o, l_slab,
         ).launch(
@@ -600,11 +619,22 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
                 stop = num_chunks
                 if ck[1] > c0:
                     stop = cutlass.min(ck[1], num_chunks)
+                # whether the chunk's stage was found full (and, WY, ready) by the test after
+                # the previous chunk's update was issued: its blocking waits are then skipped
+                full_tok = cutlass.Boolean(False)
+                ready_tok = cutlass.Boolean(False)
                 for c in cutlass.range(c0, stop):
-                    pipe.consumer_wait(state)
+                    if cutlass.const_expr(self.early):
+                        pipe.consumer_wait(state, full_tok)
+                    else:
+                        pipe.consumer_wait(state)
                     s = state.index
                     if cutlass.const_expr(self.wy):
-                        cute.arch.mbarrier_wait(ready + s, state.phase)
+                        if cutlass.const_expr(self.early):
+                            if not ready_tok:
+                                cute.arch.mbarrier_wait(ready + s, state.phase)
+                        else:
+                            cute.arch.mbarrier_wait(ready + s, state.phase)
                     t0 = bos + c * C
                     length = cutlass.min(C, eos - t0)
                     out_len = length * keep  # the tokens whose outputs are stored
@@ -633,6 +663,15 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
                     self._product(mma_s, acc_s, aUh, aUl, bKdh[None, None, None, s],
                                   bKdl[None, None, None, s], False)
                     warpgroup.commit_group()
+                    # the next stage's barriers tested (not waited on) while the update runs:
+                    # the two waits at a chunk's start otherwise stall one after the other
+                    if cutlass.const_expr(self.early):
+                        nxt = state.clone()
+                        nxt.advance()
+                        full_tok = pipe.sync_object_full.test_wait(nxt.index, nxt.phase)
+                        if cutlass.const_expr(self.wy):
+                            ready_tok = cute.arch.mbarrier_test_wait(ready + nxt.index,
+                                                                     nxt.phase)
 
                     if cutlass.const_expr(self.outputs):
                         # O done; the update runs on while the output is stored
@@ -721,13 +760,15 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
     def _checkpoints(self, ckpt, ck, done, acc_s, cS, sCk, h, vb, warp, sig, mine):
         """Store S (after `done` chunks) for every checkpoint due: into its destination row
         (fp32 or bf16: ck_dtype) or, for a code < 0, scratch row -code - 1 in fp32 (a mid-chunk
-        checkpoint, finished by the side run). Each warp writes its 16 rows to its smem slab and
-        lane 16 hands them to the bulk copy engine, a copy a row, so the stores drain while the
-        chunks run on: the slab is reused once those copies have read it (lane 16 waits on them
-        there, and at the next whole-chunk output store, by then long done). ck = (next
-        entry to read, the due one's chunk count and code, the following one's); returns it
-        moved on past the stores. The rescale builds store S with its row scales (sig) undone,
-        and only the warps whose rows they redo (mine)."""
+        checkpoint, finished by the side run). Each warp writes its 16 rows to its smem slab
+        and hands them to the TMA unit: one tensor store a warp whose box spans the padded
+        rows (ck_maps: K <= 128, its columns past K out of bounds and not written), or lane
+        16 a bulk copy a row; the stores drain while the chunks run on, and the slab is
+        reused once they have read it (the warp waits on them there, and at the next
+        whole-chunk output store, by then long done). ck = (next entry to read, the due one's
+        chunk count and code, the following one's); returns it moved on past the stores. The
+        rescale builds store S with its row scales (sig) undone, and only the warps whose
+        rows they redo (mine)."""
         mCkAt, mCkTo, mCkF, mCkH, mCkS, _, ck_dtype = ckpt
         K = self.K
         e, at, to, nat, nto = ck
@@ -746,7 +787,10 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
             if to >= 0:
                 if ck_dtype == STATE_BF16:
                     half = cutlass.Int32(1)
-            if lane == 16:  # the slab's last copies have read it
+            # the slab's last stores have read it
+            if cutlass.const_expr(self.ck_maps):
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+            elif lane == 16:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
             cute.arch.sync_warp()
             if half != 0:
@@ -759,7 +803,17 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
                     slab[r - r0, d] = self._unscaled(acc_s, i, sig)
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.sync_warp()
-            if lane == lo:
+            if cutlass.const_expr(self.ck_maps):
+                # one tensor store a warp: rows h V + vb BV + r0 .. + 15 of [rows, H*V, K]
+                row = h * self.V + vb * self.BV + r0
+                if to < 0:
+                    self._slab_store(mCkS, base, CK_PAD, cutlass.Float32, (-to - 1, row, 0))
+                elif half != 0:
+                    self._slab_store(mCkH, base, 2 * CK_PAD, cutlass.BFloat16, (to, row, 0))
+                else:
+                    self._slab_store(mCkF, base, CK_PAD, cutlass.Float32, (to, row, 0))
+                cute.arch.cp_async_bulk_commit_group()
+            elif lane == lo:
                 # one lane issues the 16 row copies, its addresses uniform: copies issued from
                 # 16 lanes at once run one lane at a time through a loop of uniform-register
                 # moves (bench/results/checkpoints-variants-h200-2026-12-04.md)
@@ -782,6 +836,21 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
             nto = mCkTo[e]
             e = e + 1
         return e, at, to, nat, nto
+
+    @cute.jit
+    def _slab_store(self, dest, base, pad: cutlass.Constexpr, dtype, coord):
+        """A warp's padded slab (16 rows of K + pad elements of `dtype` at smem `base`) to
+        rows coord[1] .. + 15 of destination row coord[0] by its tensor map `dest` (atom,
+        coordinate tensor): one TMA store; the columns past K fall outside the map."""
+        tma, tX = dest
+        tile = (1, 16, self.K + pad)
+        sX = cute.make_tensor(cute.recast_ptr(base, dtype=dtype),
+                              cute.make_layout(tile, stride=(16 * (self.K + pad),
+                                                             self.K + pad, 1)))
+        gX = cute.local_tile(cute.domain_offset(coord, tX), tile, (0, 0, 0))
+        tXs, tXg = cpasync.tma_partition(tma, 0, cute.make_layout(1),
+                                         cute.group_modes(sX, 0, 3), cute.group_modes(gX, 0, 3))
+        cute.copy(tma, tXs, tXg)
 
     def _out(self, acc_o, acc_p, e, sig):
         """Output element e: Pq + U^T Mq^T, summed in acc_o or (WY form) across acc_o and acc_p;

@@ -242,18 +242,20 @@ _DESC_CACHE_MAX = 4096
 
 
 def tma_descriptor(arg: abi.Arg, ptr: int, syms: dict) -> bytes:
-    """128-byte CUtensorMap for a rank-2 tile load described by `arg` (one mode of stride 1)."""
+    """128-byte CUtensorMap for the tile view described by `arg` (one mode of stride 1, the
+    innermost; the others outermost last, as the DSL's atoms order them)."""
     shape = [syms[e] if isinstance(e, str) else e for e in arg.shape]
     stride = [syms[e] if isinstance(e, str) else e for e in arg.stride]
     inner = arg.stride.index(1)
-    cols, rows = shape[inner], shape[1 - inner]
-    row_stride = stride[1 - inner]
+    order = [inner] + [i for i in reversed(range(len(shape))) if i != inner]
     elem = abi.DTYPE_BYTES[arg.dtype]
-    key = (arg.dtype, ptr, rows, cols, row_stride, arg.box, arg.swizzle)
+    dims = tuple(shape[i] for i in order)
+    strides = tuple(stride[i] * elem for i in order[1:])
+    key = (arg.dtype, ptr, dims, strides, arg.box, arg.swizzle)
     d = _desc_cache.get(key)
     if d is not None:
         return d
-    d = encode_tiled(arg.dtype, ptr, (cols, rows), row_stride * elem, arg.box, arg.swizzle)
+    d = encode_tiled(arg.dtype, ptr, dims, strides, arg.box, arg.swizzle)
     with _lock:
         if len(_desc_cache) >= _DESC_CACHE_MAX:
             _desc_cache.clear()
@@ -261,8 +263,10 @@ def tma_descriptor(arg: abi.Arg, ptr: int, syms: dict) -> bytes:
     return d
 
 
-def encode_tiled(dtype: str, ptr: int, dims_inner_first, row_stride_bytes: int,
+def encode_tiled(dtype: str, ptr: int, dims_inner_first, strides_bytes,
                  box_inner_first, swizzle: int = 0) -> bytes:
+    """A tiled CUtensorMap: `dims_inner_first` (the innermost contiguous), the byte strides of
+    the modes after the first (an int: rank 2's row stride), the box and smem swizzle."""
     cu = bindings()
     sw = cu.CUtensorMapSwizzle
     swz = {0: sw.CU_TENSOR_MAP_SWIZZLE_NONE, 32: sw.CU_TENSOR_MAP_SWIZZLE_32B,
@@ -270,14 +274,17 @@ def encode_tiled(dtype: str, ptr: int, dims_inner_first, row_stride_bytes: int,
     dt = {"bfloat16": cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
           "float16": cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
           "float32": cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT32}[dtype]
+    if isinstance(strides_bytes, int):
+        strides_bytes = (strides_bytes,)
     # rows of zero extent are legal tensors but not legal tensor maps
     dims = [max(1, int(x)) for x in dims_inner_first]
+    rank = len(dims)
     tm = check(cu.cuTensorMapEncodeTiled(
-        dt, 2, ptr,
+        dt, rank, ptr,
         [cu.cuuint64_t(x) for x in dims],
-        [cu.cuuint64_t(int(row_stride_bytes))],
+        [cu.cuuint64_t(int(x)) for x in strides_bytes],
         [cu.cuuint32_t(int(b)) for b in box_inner_first],
-        [cu.cuuint32_t(1), cu.cuuint32_t(1)],
+        [cu.cuuint32_t(1)] * rank,
         cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
         swz,
         cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_128B,

@@ -180,20 +180,45 @@ def checkpoint_args(cfg: RecurConfig) -> list[Arg]:
     int32 words a sequence: the chunks done before each store, ascending, -1 after the last;
     and where to: a destination row, or for a code < 0 scratch row -code - 1), the destination
     as fp32 and bf16 views ([rows, H, V, K], row stride sCK; ck_dtype says which), the fp32
-    scratch rows (the same stride); `side` 1 for the side run, which finishes each mid-chunk
+    scratch rows (the same stride): tensors, or where checkpoint_maps(cfg) tensor maps of their
+    [rows, H*V, K] views; `side` 1 for the side run, which finishes each mid-chunk
     checkpoint from its scratch row (sequence z's tokens at cu_seqlens[2z], [2z + 1], their
     count the table's last word; no outputs stored)."""
     K, V = cfg.head_dim_k, cfg.head_dim_v
+    if checkpoint_maps(cfg):
+        # tensor maps of [rows, H*V, K] views: a warp's 16 rows leave in one TMA store whose
+        # box spans the slab's padded rows (the columns past K out of bounds, not written)
+        dest = [tma(name, dt, (n, "HV", K), ("sCK", K, 1), (K + pad, 16, 1), dsl=dsl)
+                for name, dt, n, pad, dsl in (
+                    ("ck_f", "float32", "NCK", CK_PAD, "mCkF"),
+                    ("ck_h", "bfloat16", "NCK", 2 * CK_PAD, "mCkH"),
+                    ("ck_s", "float32", "NSK", CK_PAD, "mCkS"))]
+    else:
+        dest = [tensor("ck_f", "float32", ("NCK", "H", V, K), ("sCK", V * K, K, 1), dsl="mCkF"),
+                tensor("ck_h", "bfloat16", ("NCK", "H", V, K), ("sCK", V * K, K, 1),
+                       dsl="mCkH"),
+                tensor("ck_s", "float32", ("NSK", "H", V, K), ("sCK", V * K, K, 1),
+                       dsl="mCkS")]
     return [
         tensor("ck_at", "int32", ("NCT",), (1,), dsl="mCkAt"),
         tensor("ck_to", "int32", ("NCT",), (1,), dsl="mCkTo"),
-        tensor("ck_f", "float32", ("NCK", "H", V, K), ("sCK", V * K, K, 1), dsl="mCkF"),
-        tensor("ck_h", "bfloat16", ("NCK", "H", V, K), ("sCK", V * K, K, 1), dsl="mCkH"),
-        tensor("ck_s", "float32", ("NSK", "H", V, K), ("sCK", V * K, K, 1), dsl="mCkS"),
+        *dest,
         scalar("ck_rows"),
         scalar("ck_dtype"),
         scalar("side"),
     ]
+
+
+# a checkpoints build's slab rows are padded by CK_PAD fp32 (2 CK_PAD bf16) elements: the
+# accumulator's row pairs land in distinct banks
+CK_PAD = 8
+
+
+def checkpoint_maps(cfg: RecurConfig) -> bool:
+    """Whether a checkpoints build stores through tensor maps (one TMA store a warp, its box
+    the padded slab row: at most 256 elements) rather than a bulk copy a row. The rescale
+    builds (a rare path; their rank-2-only C++ plan export) keep the row copies."""
+    return cfg.checkpoints and not cfg.rescale and cfg.head_dim_k + 2 * CK_PAD <= 256
 
 
 def rescale_args() -> list[Arg]:
