@@ -102,7 +102,10 @@ def make_call(spec: dict) -> dict:
         idt = torch.int64 if ck.get("idx64") else torch.int32
         if "every" in ck:
             M = ck["per_row"]
-            extra.update(checkpoint_state=torch.empty(ck["slots"], H, V, K, dtype=cdt),
+            # slot_pad: a pool whose slot stride is H V K + slot_pad elements
+            pad = ck.get("slot_pad", 0)
+            cstate = torch.empty(ck["slots"], H * V * K + pad, dtype=cdt)[:, :H * V * K]
+            extra.update(checkpoint_state=cstate.view(ck["slots"], H, V, K),
                          checkpoint_slots=torch.arange(N * M, dtype=idt).view(N, M),
                          checkpoint_every=ck["every"],
                          checkpoint_first=torch.full((N,), 30, dtype=idt)
@@ -197,6 +200,13 @@ PROBLEMS = {
                                                  dtype="bf16")),
     "k256-ckpt-every-precise": dict(B=2, T=256, H=8, K=256, precision="precise",
                                     ckpt=dict(every=128, per_row=2, slots=4, idx64=True)),
+    # the tensor maps of a pool with a free slot stride (fp32 and bf16 destinations)
+    "k128-ckpt-every-strided-pool": dict(B=2, T=300, H=4, K=128,
+                                         ckpt=dict(every=64, per_row=4, slots=12, first=True,
+                                                   slot_pad=40)),
+    "k64-ckpt-every-strided-pool-bf16": dict(B=2, T=300, H=4, K=64,
+                                             ckpt=dict(every=64, per_row=4, slots=12,
+                                                       first=True, slot_pad=24, dtype="bf16")),
 }
 
 

@@ -206,6 +206,42 @@ def test_every_into_pool(dtype, precision, with_first):
     assert _same(pool[rest], before[rest])
 
 
+@pytest.mark.parametrize("K", [64, 128, 256])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_every_into_a_strided_pool(K, dtype):
+    """Form (b) into a pool whose slot stride is not H V K (a view of wider rows, the gaps
+    poisoned): the checkpoints' tensor maps (K <= 128) and row copies (K = 256) write each slot
+    where the pool's stride puts it, bit-identical to the prefix alone, and nothing else of the
+    buffer (mid-chunk boundaries too: the scratch rows take the same stride)."""
+    seqlens = [200, 130, 300]
+    inp = make_inputs(seqlens=seqlens, H=2, K=K, seed=11)
+    N, M, H, V = len(seqlens), 4, 2, K
+    slots, pad = 16, 24
+    big = torch.full((slots, H * V * K + pad), SENTINEL, dtype=dtype, device="cuda")
+    pool = big[:, :H * V * K].view(slots, H, V, K)
+    first = torch.tensor([64, 30, 17], dtype=torch.int32, device="cuda")
+    cs = (torch.arange(N * M, device="cuda").view(N, M) + 3).to(torch.int32)
+    before = big.clone()
+    out = torch.empty_like(inp["v"])
+    opts = _opts(inp, **SERIAL)
+    _run(inp, out, None, None, opts, cu=inp["cu_seqlens"], checkpoint_state=pool,
+         checkpoint_slots=cs, checkpoint_every=64, checkpoint_first=first)
+    torch.cuda.synchronize()
+    kda_cute.check_errors(sync=True)
+    written = set()
+    for n, (b, e) in enumerate(_bounds(inp)):
+        for i in range(M):
+            o, s = int(first[n]) + 64 * i, int(cs[n, i])
+            if not 1 <= o <= e - b:
+                continue
+            written.add(s)
+            assert _same(pool[s], _prefix(inp, n, o, None, dtype, opts)), (n, i, o)
+    assert written
+    rest = [s for s in range(slots) if s not in written]
+    assert _same(big[rest], before[rest])
+    assert _same(big[:, H * V * K:], before[:, H * V * K:])  # the gaps between slots
+
+
 def test_every_bad_slot_raises():
     inp = make_inputs(seqlens=[130, 70], H=2, K=64, seed=5)
     pool, read = _pool_case(inp, torch.float32, 16)
