@@ -87,9 +87,10 @@ def header(entries: list[tuple[object, dict]], arch: str) -> str:
         "               KDA_MMA_FLAG } kda_param_role;", "",
         "typedef struct { const char *arg; kda_param_role role; unsigned offset, size; }",
         "    kda_param;", "",
-        "/* a TMA descriptor argument: the box in elements (innermost first), its dtype, the",
-        "   shared-memory swizzle span in bytes (0: none) */",
-        "typedef struct { const char *arg; const char *dtype; unsigned rank, box[2], swizzle; }",
+        "/* a TMA descriptor argument: its rank (2, or 3: the checkpoint destinations), the box",
+        "   in elements (innermost first; 1 past the rank), its dtype, the shared-memory swizzle",
+        "   span in bytes (0: none) */",
+        "typedef struct { const char *arg; const char *dtype; unsigned rank, box[3], swizzle; }",
         "    kda_tma;", "",
         "typedef struct {",
         "  const char *name, *entry, *kind, *grid_rule;",
@@ -117,9 +118,9 @@ def header(entries: list[tuple[object, dict]], arch: str) -> str:
         if tma:
             out.append(f"static const kda_tma {ident}_tma[] = {{")
             for t in tma:
-                box = (list(t["box"]) + [1, 1])[:2]
+                box = (list(t["box"]) + [1, 1, 1])[:3]
                 out.append(f'  {{"{t["name"]}", "{t["dtype"]}", {t["rank"]}, '
-                           f'{{{box[0]}, {box[1]}}}, {t["swizzle"]}}},')
+                           f'{{{box[0]}, {box[1]}, {box[2]}}}, {t["swizzle"]}}},')
             out.append("};")
         block = man["block"]
         out += [f"static const kda_kernel {ident} = {{",

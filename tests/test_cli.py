@@ -123,7 +123,22 @@ def test_header_parameters_are_the_cubins_and_the_specs(tmp_path):
     assert any(r.startswith('{"fix_on", KDA_I32,') for r in params)
     tma = rows[len(man["params"]):]
     assert [r.split('"')[1] for r in tma] == [t["name"] for t in man["tma"]]
-    assert tma[0] == '{"kg", "float16", 2, {64, 16}, 128},'
+    assert tma[0] == '{"kg", "float16", 2, {64, 16, 1}, 128},'
+
+
+@needs_cubins
+def test_header_gives_the_checkpoint_maps_rank_3_boxes(tmp_path):
+    """The checkpoints builds' tensor maps (rank 3: [rows, H*V, K], the box a warp's padded
+    slab) keep their whole box in the header."""
+    c = [k for k in all_kernels()
+         if k.name == "kda_recur_wgmma_k128_v128_c16_bv64_t128_s4_f16_wy_ck"][0]
+    man = cubin.manifest(c.name, "sm_90a")
+    text = cli.header([(c, man)], "sm_90a")
+    rows = [r for r in (line.strip() for line in text.splitlines())
+            if r.startswith('{"ck_') and r.count('"') >= 4]
+    assert rows == ['{"ck_f", "float32", 3, {136, 16, 1}, 0},',
+                    '{"ck_h", "bfloat16", 3, {144, 16, 1}, 0},',
+                    '{"ck_s", "float32", 3, {136, 16, 1}, 0},']
 
 
 def test_info_names_the_ladder_s_pick(capsys):
