@@ -71,10 +71,11 @@ class TileCopy:
     @cute.jit
     def _tma_tiles(self, tma, tX, sX, coord, tile):
         """(smem, global) sides of one TMA tile: smem `sX` and the `tile` of the global view at
-        `coord`."""
-        gX = cute.local_tile(cute.domain_offset(coord, tX), tile, (0, 0))
+        `coord` (of the tile's rank: 2, or 3 for K2's checkpoint maps)."""
+        n = len(tile)
+        gX = cute.local_tile(cute.domain_offset(coord, tX), tile, (0,) * n)
         return cpasync.tma_partition(
-            tma, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2), cute.group_modes(gX, 0, 2))
+            tma, 0, cute.make_layout(1), cute.group_modes(sX, 0, n), cute.group_modes(gX, 0, n))
 
 
 class ChunkTileLoader(TileCopy):

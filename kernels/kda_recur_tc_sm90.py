@@ -233,10 +233,9 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
             for name, m, pad, dtype in (("ck_f", mCkF, CK_PAD, "float32"),
                                         ("ck_h", mCkH, 2 * CK_PAD, "bfloat16"),
                                         ("ck_s", mCkS, CK_PAD, "float32")):
-                tile = (1, 16, K + pad)
+                tile, layout = self._ck_slab(pad)
                 atom, tX = cpasync.make_tiled_tma_atom(
-                    cpasync.CopyBulkTensorTileS2GOp(), m,
-                    cute.make_layout(tile, stride=(16 * (K + pad), K + pad, 1)), tile)
+                    cpasync.CopyBulkTensorTileS2GOp(), m, layout, tile)
                 ck_dest += [(atom, tX)]
                 self.tma_meta.append(tma_meta(name, atom, dtype))
 
@@ -837,20 +836,20 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
             e = e + 1
         return e, at, to, nat, nto
 
+    def _ck_slab(self, pad: int):
+        """A warp's checkpoint slab as a TMA box: (1 destination row, 16 state rows, K + pad
+        elements) and its dense smem layout (the rows padded by `pad`)."""
+        tile = (1, 16, self.K + pad)
+        return tile, cute.make_layout(tile, stride=(16 * (self.K + pad), self.K + pad, 1))
+
     @cute.jit
     def _slab_store(self, dest, base, pad: cutlass.Constexpr, dtype, coord):
         """A warp's padded slab (16 rows of K + pad elements of `dtype` at smem `base`) to
         rows coord[1] .. + 15 of destination row coord[0] by its tensor map `dest` (atom,
         coordinate tensor): one TMA store; the columns past K fall outside the map."""
-        tma, tX = dest
-        tile = (1, 16, self.K + pad)
-        sX = cute.make_tensor(cute.recast_ptr(base, dtype=dtype),
-                              cute.make_layout(tile, stride=(16 * (self.K + pad),
-                                                             self.K + pad, 1)))
-        gX = cute.local_tile(cute.domain_offset(coord, tX), tile, (0, 0, 0))
-        tXs, tXg = cpasync.tma_partition(tma, 0, cute.make_layout(1),
-                                         cute.group_modes(sX, 0, 3), cute.group_modes(gX, 0, 3))
-        cute.copy(tma, tXs, tXg)
+        tile, layout = self._ck_slab(pad)
+        self._tile_store(dest[0], dest[1], cute.make_tensor(cute.recast_ptr(base, dtype=dtype),
+                                                            layout), coord, tile)
 
     def _out(self, acc_o, acc_p, e, sig):
         """Output element e: Pq + U^T Mq^T, summed in acc_o or (WY form) across acc_o and acc_p;

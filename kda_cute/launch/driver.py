@@ -266,7 +266,7 @@ def tma_descriptor(arg: abi.Arg, ptr: int, syms: dict) -> bytes:
 def encode_tiled(dtype: str, ptr: int, dims_inner_first, strides_bytes,
                  box_inner_first, swizzle: int = 0) -> bytes:
     """A tiled CUtensorMap: `dims_inner_first` (the innermost contiguous), the byte strides of
-    the modes after the first (an int: rank 2's row stride), the box and smem swizzle."""
+    the modes after the first, the box and smem swizzle."""
     cu = bindings()
     sw = cu.CUtensorMapSwizzle
     swz = {0: sw.CU_TENSOR_MAP_SWIZZLE_NONE, 32: sw.CU_TENSOR_MAP_SWIZZLE_32B,
@@ -274,8 +274,6 @@ def encode_tiled(dtype: str, ptr: int, dims_inner_first, strides_bytes,
     dt = {"bfloat16": cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
           "float16": cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
           "float32": cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT32}[dtype]
-    if isinstance(strides_bytes, int):
-        strides_bytes = (strides_bytes,)
     # rows of zero extent are legal tensors but not legal tensor maps
     dims = [max(1, int(x)) for x in dims_inner_first]
     rank = len(dims)
