@@ -131,6 +131,12 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
         # (bench/results/k2-early-test-h200-2026-12-04.md: alongside -1.5..-4%; the plain
         # builds' K = 64 varlen 8 x 1024 H64 +5.6%, K = 256 alongside +0.9%, so not there)
         self.early = (cfg.alongside or cfg.wy) and cfg.head_dim_k <= 128
+        # the fp16 alongside builds: ptxas told one CTA an SM (their grid is one wave, K1
+        # beside it), which gives the chunk loop the registers to load the decay factors early
+        # (K = 128: 433 -> 409 SASS instructions a chunk, 165 -> 181 registers;
+        # bench/results/k2-min-blocks-h200-2026-12-04.md: K = 128 alongside -4.7%, K = 64
+        # -1..-2%; the WY builds lost 3% with it, so not there)
+        self.min_blocks = 1 if cfg.alongside and cfg.f16 and cfg.head_dim_k <= 128 else 0
         # the checkpoints leave through tensor maps, one TMA store a warp (specs.recur)
         self.ck_maps = checkpoint_maps(cfg)
         self.op = cutlass.Float16 if cfg.f16 else cutlass.BFloat16
@@ -279,7 +285,7 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
             l_ck, l_cc, l_kc, l_gl, l_v, l_o, l_slab,
         ).launch(
             grid=(self.V // BV, num_heads, num_seqs), block=(self.threads, 1, 1),
-            smem=self.smem_bytes, stream=stream,
+            smem=self.smem_bytes, stream=stream, min_blocks_per_mp=self.min_blocks,
         )
 
     def _lo_sizes(self, kc: int, cc: int) -> tuple[int, int]:
@@ -609,7 +615,7 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
                     ck = (e0 + 2, mCkAt[e0], mCkTo[e0], mCkAt[e0 + 1], mCkTo[e0 + 1])
                     if ck[1] == 0:
                         ck = self._checkpoints(ckpt, ck, cutlass.Int32(0), acc_s, cS, sCk, h,
-                                               vb, warp, sig, mine)
+                                               vb, warp, sig, mine, cutlass.Boolean(False))
 
             # the chunks run between checkpoints (one run without): the chunk loop itself
             # carries no checkpoint test
@@ -681,10 +687,13 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
                             # not c % 2: a run's first chunk c0 is not known non-negative, and a
                             # signed remainder put a branch on the chain (the checkpoints builds)
                             b = c & 1
-                            # the earlier stores have read their buffers (in the checkpoints
-                            # builds, lane 16's checkpoint copies too: long since, but for the
-                            # chunk after a checkpoint)
-                            cute.arch.cp_async_bulk_wait_group(0, read=True)
+                            # the earlier stores have read their buffers: in the checkpoints
+                            # builds all but the newest group (buffer b's last store is older
+                            # than it: the chunk before's store, or a checkpoint's after it,
+                            # whose slab the next checkpoint waits on), so the chunk after a
+                            # checkpoint does not wait for the checkpoint's store to read it
+                            cute.arch.cp_async_bulk_wait_group(
+                                1 if self.checkpoints else 0, read=True)
                             cute.arch.sync_warp()
                             for e in cutlass.range_constexpr(cute.size(acc_o)):
                                 r, i = cP[e]
@@ -708,8 +717,13 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
                 c0 = stop
                 if cutlass.const_expr(self.checkpoints):
                     if ck[1] == c0:
+                        # the run's last chunk stored its output whole (a bulk group younger
+                        # than the slab's last store)
+                        held = cutlass.min(C, eos - (bos + (c0 - 1) * C)) * keep
+                        if cutlass.const_expr(self.rescale):
+                            held = held * mine
                         ck = self._checkpoints(ckpt, ck, c0, acc_s, cS, sCk, h, vb, warp, sig,
-                                               mine)
+                                               mine, held == C)
 
             cute.arch.cp_async_bulk_wait_group(0, read=True)  # smem outlives every warp's stores
 
@@ -756,7 +770,7 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
                 thr_s.partition_C(self._state_rows(mS1h, ws, h, vb)).store(acc_s.load().to(bf16))
 
     @cute.jit
-    def _checkpoints(self, ckpt, ck, done, acc_s, cS, sCk, h, vb, warp, sig, mine):
+    def _checkpoints(self, ckpt, ck, done, acc_s, cS, sCk, h, vb, warp, sig, mine, held):
         """Store S (after `done` chunks) for every checkpoint due: into its destination row
         (fp32 or bf16: ck_dtype) or, for a code < 0, scratch row -code - 1 in fp32 (a mid-chunk
         checkpoint, finished by the side run). Each warp writes its 16 rows to its smem slab
@@ -786,9 +800,14 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
             if to >= 0:
                 if ck_dtype == STATE_BF16:
                     half = cutlass.Int32(1)
-            # the slab's last stores have read it
+            # the slab's last stores have read it (held: the newest group is the run's last
+            # output store, younger than them, and need not be waited for)
             if cutlass.const_expr(self.ck_maps):
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
+                if held:
+                    cute.arch.cp_async_bulk_wait_group(1, read=True)
+                else:
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
+                held = cutlass.Boolean(False)
             elif lane == 16:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
             cute.arch.sync_warp()

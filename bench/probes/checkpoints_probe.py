@@ -8,7 +8,8 @@ bf16), on chunk boundaries (first 64) and mid-chunk (first 40: every one a parti
 the side runs). The extra bytes each mode writes are reported beside the forward's compulsory
 ones.
 
-    python3 bench/probes/checkpoints_probe.py [--iters N] [--out JSON] [--cases A,B]
+    python3 bench/probes/checkpoints_probe.py [--iters N] [--out JSON] [--cases A,B] (of
+        bench.CASES; default B1 T8192 H64 and varlen mix H64)
         [--modes "none,every 64 fp32"]
     python3 bench/probes/checkpoints_probe.py --table JSON --out PREFIX   (.md and .png)
 """
@@ -122,18 +123,19 @@ def main(argv=None) -> None:
     ap.add_argument("--iters", type=int, default=100)
     ap.add_argument("--out", default=None)
     ap.add_argument("--table", default=None)
-    ap.add_argument("--cases", default=",".join(CASES), help="comma-separated, of CASES")
+    ap.add_argument("--cases", default=",".join(CASES),
+                    help="comma-separated, of bench.CASES (K = 128)")
     ap.add_argument("--modes", default=",".join(MODES), help="comma-separated, of MODES")
     a = ap.parse_args(argv)
     cases, modes = a.cases.split(","), a.modes.split(",")
-    for flag, given, known in (("--cases", cases, CASES), ("--modes", modes, MODES)):
-        for x in given:
-            if x not in known:
-                raise SystemExit(f"{flag}: expected some of {known}, got {x!r}")
     if a.table:
         table(json.loads(Path(a.table).read_text()), a.out)
         return
     bench = _imports()
+    for flag, given, known in (("--cases", cases, tuple(bench.CASES)), ("--modes", modes, MODES)):
+        for x in given:
+            if x not in known:
+                raise SystemExit(f"{flag}: expected some of {known}, got {x!r}")
     import torch
 
     from kda_cute import api
