@@ -126,6 +126,9 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
         self.checkpoints = cfg.checkpoints  # stores the checkpoints of its table
         # the rescale run: redoes what a forward's K2 flagged, its state scaled row by row
         self.rescale = cfg.rescale
+        # the fp16 builds a rescale run follows (not alongside: K1 follows those) release it
+        # at their start (griddepcontrol.launch_dependents)
+        self.releases = cfg.f16 and not cfg.alongside and not cfg.rescale
         # the consumers test the next stage's barriers while a chunk's update runs (and skip
         # the blocking waits the test found complete): the alongside and WY builds at K <= 128
         # (bench/results/k2-early-test-h200-2026-12-04.md: alongside -1.5..-4%; the plain
@@ -335,20 +338,29 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         v0 = vb * BV
         if cutlass.const_expr(self.rescale):
+            # launched as the programmatic dependent of the K2 it redoes (plans.prefill): its
+            # words, states and outputs are read once that grid has completed (a no-op after
+            # an ordinary launch)
+            cute.arch.griddepcontrol_wait()
             # nearly always nothing to redo: the CTA's words read at once, one a thread, and
             # without a flagged one no sequence is run (the loops below run none)
             if self._any_fixed(mFix, z, num_seqs, nz, nh, h, vb, tidx) == 0:
                 num_seqs = z
-        if cutlass.const_expr(self.alongside):
-            # K1, launched as this grid's programmatic dependent (api: K2 first, K1 alongside
-            # on the SMs K2 leaves free), may start once every CTA of this grid is resident
+        if cutlass.const_expr(self.alongside or self.releases):
+            # alongside: K1, launched as this grid's programmatic dependent (api: K2 first, K1
+            # alongside on the SMs K2 leaves free), may start once every CTA of this grid is
+            # resident; the other fp16 builds: their rescale run likewise (it waits above for
+            # this grid to complete), its launch and prologue beside this grid's chunks
             cute.arch.griddepcontrol_launch_dependents()
 
         smem = utils.SmemAllocator()
         st = smem.allocate(self.shared_storage)
-        if ordered != 0:
-            z = self._longest_first(mCuSeq, st.sOrd.get_tensor(cute.make_layout(
-                self.threads + 1)), num_seqs, z, tidx)
+        # (the rescale builds never rank: their grid z is cut, and with nothing to redo
+        # num_seqs is z, which no rank matches)
+        if cutlass.const_expr(not self.rescale):
+            if ordered != 0:
+                z = self._longest_first(mCuSeq, st.sOrd.get_tensor(cute.make_layout(
+                    self.threads + 1)), num_seqs, z, tidx)
         sKg = st.sKg.get_tensor(l_ck.outer, swizzle=l_ck.inner)  # (C, K, S)
         sQg = st.sQg.get_tensor(l_ck.outer, swizzle=l_ck.inner)
         sKdh = st.sKdh.get_tensor(l_kc.outer, swizzle=l_kc.inner)  # (K, C, S)

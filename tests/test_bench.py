@@ -309,7 +309,8 @@ def test_alongside_probe_schedules(probes, monkeypatch, mode, expect):
             for s in pl.steps] == want
     if mode == "serial":
         assert pl == plan(p, Options(alongside=False), plans.H200)
-        assert not any(s.programmatic for s in pl.launches())
+        # K1 and K2 ordinary launches; the rescale run K2's programmatic dependent
+        assert [s.name for s in pl.launches() if s.programmatic] == ["K2 rescale"]
     else:
         # the launcher's steps but for the memset's value: the flags of every (chunk, head)
         # pair, K2 on a whole SM's shared memory, K1 its programmatic dependent
@@ -323,7 +324,8 @@ def test_alongside_probe_schedules(probes, monkeypatch, mode, expect):
     assert [o[1] if o[0] == "memset" else o[0] for o in ops] == [
         e if isinstance(e, int) else kernels[e].name for _, e in expect]
     assert [o[2] for o in ops if o[0] != "memset"] == [
-        mode != "serial" and e == "prep" for _, e in expect if not isinstance(e, int)]
+        e == ("rescale" if mode == "serial" else "prep") for _, e in expect
+        if not isinstance(e, int)]
     assert own == plan(p, Options(alongside=True), plans.H200)
     assert own.step("zero flags").value == 0
 

@@ -58,12 +58,13 @@ def _errors_with(inp, **kw):
 
 
 def _ordered(value):
-    """A plan edit: K2 takes the sequences longest first (1) or in cu_seqlens order (0)."""
+    """A plan edit: K2 takes the sequences longest first (1) or in cu_seqlens order (0) (not
+    its rescale runs: their builds never rank)."""
     from kda_cute.plans.steps import Launch, Scalar
 
     def edit(pl):
         def set_ordered(s):
-            if not (isinstance(s, Launch) and "ordered" in s.args):
+            if not (isinstance(s, Launch) and "ordered" in s.args) or s.kernel.rescale:
                 return s
             return s.with_source("ordered", Scalar(value))
 

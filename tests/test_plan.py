@@ -405,8 +405,13 @@ def test_k1_then_k2_otherwise(why):
     assert k1.smem == resources(k1.kernel, H200.arch).smem
     assert rest
     for s in rest:
-        assert not s.programmatic and s.smem == resources(s.kernel, H200.arch).smem
+        # only the rescale runs are programmatic: each the dependent of the K2 right before it
+        assert s.programmatic == s.name.endswith(" rescale")
+        assert s.smem == resources(s.kernel, H200.arch).smem
         assert not s.kernel.name.endswith("_al") and not getattr(s.kernel, "alongside", False)
+    for i, s in enumerate(rest):
+        if s.programmatic:
+            assert rest[i - 1].name + " rescale" == s.name
 
 
 @needs_manifests
@@ -591,7 +596,8 @@ def test_fast_k2s_have_rescale_runs(spec, expect):
     """A fast forward runs each K2 of its value rows with fix_on 1, followed (after K1 where K1
     runs alongside it) by its rescale run: ladder.rescale_of's build for the head dim, the same
     arguments (the rescale words among them) but `ordered` 0, the same x and y grid and a z
-    cut to about two CTAs an SM. The identity run keeps fix_on 0; precise forwards run none."""
+    cut to about two CTAs an SM, the K2's programmatic dependent where it follows it. The
+    identity run keeps fix_on 0; precise forwards run none."""
     seg = spec.pop("segments", None)
     opts = _with(segments=seg)
     pl = plans.plan(_problem(opts, **spec), opts, H200)
@@ -614,7 +620,10 @@ def test_fast_k2s_have_rescale_runs(spec, expect):
         assert all(r.source(a) == k2.source(a) for a in r.args if a not in ("ordered",))
         assert r.grid[:2] == k2.grid[:2]
         assert r.grid[2] == min(k2.grid[2], max(1, -(-2 * H200.sms // (r.grid[0] * r.grid[1]))))
-        assert not r.programmatic
+        # the programmatic dependent of the K2 it redoes where it follows that K2 (the K2
+        # releases it at its start; it waits for the K2 before reading); after K1 (alongside)
+        # an ordinary launch
+        assert r.programmatic == (expect != "alongside")
     # the words: 4 per (K2 row, head, block of 64 state rows)
     (buf,) = {pl.step(m).source("fixes").buffer for m in mains if m != "K2 identity"}
     rows = pl.problem.N * (pl.schedule.segments if expect.startswith("segments") else 1)

@@ -21,6 +21,7 @@ from kda_cute.ladder import (
     ALONGSIDE,
     CHECKPOINT_RUNS,
     EXPERIMENTAL,
+    RESCALE_RUNS,
     SEGMENT_RUNS,
     SHIPPED,
     WY_RUNS,
@@ -108,3 +109,26 @@ def test_checkpoint_copies_issued_from_one_lane(cfg):
     else:
         assert sass.count("UBLKCP") >= 3 * 16, sass.count("UBLKCP")
     assert "BRA.U.ANY" not in sass, f"{cfg.name}: bulk copies inside a per-lane loop"
+
+
+@pytest.mark.skipif(NVDISASM is None, reason="no nvdisasm (triton's wheel ships one)")
+@pytest.mark.parametrize(
+    "cfg", sorted(set(WGMMA) | set(SEGMENT_RUNS) | set(CHECKPOINT_RUNS) | set(RESCALE_RUNS),
+                  key=lambda r: r.name), ids=lambda r: r.name)
+def test_rescale_runs_wait_for_the_k2_that_releases_them(cfg):
+    """A fast forward's rescale run is launched as the programmatic dependent of the K2 right
+    before it (plans.prefill._rescale_run): every fp16 K2 but the alongside ones releases its
+    dependent at its start (PREEXIT: griddepcontrol.launch_dependents; the alongside ones
+    release K1), and the rescale builds wait for that K2 to complete (ACQBULK:
+    griddepcontrol.wait) before their first global load: without the wait they would read
+    the rescale words before the K2 wrote them."""
+    sass = _sass(cfg)
+    assert ("PREEXIT" in sass) == (cfg.alongside or (cfg.f16 and not cfg.rescale)), cfg.name
+    if cfg.rescale:
+        assert "ACQBULK" in sass, cfg.name
+        # before the wait, at most the side run's sequence count (its offsets were written by
+        # the checkpoints kernel, complete before that K2 started), none of the K2's outputs
+        assert sass[:sass.index("ACQBULK")].count("LDG") <= 1, cfg.name
+    else:
+        assert "ACQBULK" not in sass, cfg.name
+
