@@ -3,6 +3,7 @@ tables (the timing itself needs the GPU)."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import math
@@ -488,3 +489,33 @@ def test_rescale_probe_scales_exactly(probes):
             assert torch.equal(x["v"][:, :, h].float(), v0[:, :, h] * f), (mode, h)
             assert torch.equal(x["initial_state"][:, h], s0[:, h] * f), (mode, h)
     assert probe.EXPONENTS[0] < -14 < 16 < probe.EXPONENTS[-1]
+
+
+@pytest.mark.parametrize("mode", ["planned", "1", "none"])
+def test_rescale_grid_probe_plans(probes, monkeypatch, mode):
+    """bench/probes/rescale_grid_probe.py --rescale-z: the plan's rescale runs as planned, with
+    grid z 1 (x and y, arguments and the programmatic flag unchanged), or none; the other steps
+    untouched."""
+    from kda_cute import Options, plans
+    from kda_cute.plans import prefill
+
+    monkeypatch.setattr(prefill, "_rescale_run", prefill._rescale_run)  # restored after
+    _, p = _cpu_inputs(B=8, T=64, H=4, K=128)
+    plans.clear()
+    own = plans.plan(p, Options(alongside=False), plans.H200)
+    probe = probes("rescale_grid_probe")
+    probe.patch(mode)
+    pl = plans.plan(p, Options(alongside=False), plans.H200)
+    plans.clear()
+    rs = [s for s in own.launches() if s.name.endswith(" rescale")]
+    assert rs and rs[0].grid[2] > 1
+    rest = [s for s in own.steps if s not in rs]
+    if mode == "none":
+        assert list(pl.steps) == rest
+        return
+    assert [s for s in pl.steps if not s.name.endswith(" rescale")] == rest
+    got = [s for s in pl.launches() if s.name.endswith(" rescale")]
+    assert [dataclasses.replace(s, grid=r.grid) for s, r in zip(got, rs, strict=True)] == rs
+    assert all(s.grid == (*r.grid[:2], 1 if mode == "1" else r.grid[2])
+               for s, r in zip(got, rs, strict=True))
+
