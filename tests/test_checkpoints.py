@@ -193,6 +193,11 @@ def test_aligned_every_form_runs_no_side():
     with_first = _plan(_call(seqlens=[300, 0, 1700, 5], H=4,
                              **_slots(N=4, M=30, dtype=F32, slots=130, first=True)))
     assert "K2 side" in [s.name for s in with_first.steps]
+    # both say so in words
+    assert ("checkpoints: 30 a sequence, every 64 tokens, on chunk boundaries (no side runs)"
+            in pl.notes)
+    assert "checkpoints: 30 a sequence, every 64 tokens" in with_first.notes
+    assert "checkpoints: 30 a sequence, every 64 tokens" in with_first.describe()
 
 
 def test_checkpoint_state_must_be_aligned():

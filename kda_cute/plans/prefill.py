@@ -328,10 +328,12 @@ def forward_plan(p: Problem, opts: Options, cfg: FwdConfig, dev: DeviceInfo) -> 
             notes.append("K2 in its WY form")
         steps.append(_launch("K2", _stores(k2, ck), grid, vals2, syms, dev))
         steps += _rescale_run("K2", k2, grid, vals2, syms, dev)
-    if ck and not p.ckpt.aligned:
-        steps += ck.side_run(k2, vals2, syms)
+    if ck:
+        if not p.ckpt.aligned:
+            steps += ck.side_run(k2, vals2, syms)
         notes.append(f"checkpoints: {p.ckpt.per_row} a sequence, "
-                     + (f"every {p.ckpt.every} tokens" if p.ckpt.every else "at offsets"))
+                     + (f"every {p.ckpt.every} tokens" if p.ckpt.every else "at offsets")
+                     + (", on chunk boundaries (no side runs)" if p.ckpt.aligned else ""))
     return Plan(p, opts, cfg, dev, sched, workspace.workspace_bytes(p, cfg), tuple(steps),
                 alongside=sched.kind == "alongside", notes=tuple(notes))
 
