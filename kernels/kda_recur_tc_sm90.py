@@ -730,10 +730,9 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
                 if cutlass.const_expr(self.checkpoints):
                     if ck[1] == c0:
                         # the run's last chunk stored its output whole (a bulk group younger
-                        # than the slab's last store)
+                        # than the slab's last store; read by the tensor-map builds only, never
+                        # a rescale build)
                         held = cutlass.min(C, eos - (bos + (c0 - 1) * C)) * keep
-                        if cutlass.const_expr(self.rescale):
-                            held = held * mine
                         ck = self._checkpoints(ckpt, ck, c0, acc_s, cS, sCk, h, vb, warp, sig,
                                                mine, held == C)
 

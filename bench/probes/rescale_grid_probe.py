@@ -29,10 +29,10 @@ def patch(mode: str) -> None:
     if mode == "planned":
         return
 
-    def rescale_run(name, k2, grid, vals, syms, dev, follows=True):
+    def rescale_run(name, k2, grid, vals, syms, dev):
         if mode == "none":
             return []
-        steps = planned(name, k2, grid, vals, syms, dev, follows)
+        steps = planned(name, k2, grid, vals, syms, dev)
         return [dataclasses.replace(s, grid=(*s.grid[:2], 1)) for s in steps]
 
     prefill._rescale_run = rescale_run

@@ -96,20 +96,20 @@ _NO_CHECKPOINTS = {"ck_at": Errors(), "ck_to": Errors(), "ck_f": Errors(), "ck_h
 _NO_CHECKPOINTS_SYMS = {"NCT": 1, "NCK": 1, "NSK": 1}
 
 
-def _rescale_run(name: str, k2, grid, vals: dict, syms: dict, dev: DeviceInfo,
-                 follows: bool = True) -> list:
+def _rescale_run(name: str, k2, grid, vals: dict, syms: dict, dev: DeviceInfo) -> list:
     """The rescale run after K2 launch `name` (kernel k2, grid, arguments `vals`): the same
     arguments, its grid's z cut to about two CTAs an SM (each CTA reads its rows' words at
-    once and, nearly always, leaves); none where `vals` has fix_on 0. `follows`: launched
-    right after that K2, as its programmatic dependent (the K2 releases it at its start; the
-    run waits for the K2 to complete before reading anything it wrote), so its launch and
-    prologue run beside the K2's chunks; not after an alongside K2 (K1 comes between)."""
+    once and, nearly always, leaves); none where `vals` has fix_on 0. Right after a K2 that
+    is not alongside, as that K2's programmatic dependent (the K2 releases it at its start;
+    the run waits for the K2 to complete before reading anything it wrote), so its launch
+    and prologue run beside the K2's chunks; after an alongside K2 (K1 comes between, and
+    the K2 releases K1) an ordinary launch."""
     rs = rescale_of(k2)
     if rs is None or not vals["fix_on"].value:
         return []
     z = min(grid[2], max(1, -(-2 * dev.sms // (grid[0] * grid[1]))))
     return [_launch(name + " rescale", rs, (grid[0], grid[1], z),
-                    {**vals, "ordered": Scalar(0)}, syms, dev, programmatic=follows)]
+                    {**vals, "ordered": Scalar(0)}, syms, dev, programmatic=not k2.alongside)]
 
 
 def _stores(recur, ck):
@@ -317,7 +317,7 @@ def forward_plan(p: Problem, opts: Options, cfg: FwdConfig, dev: DeviceInfo) -> 
         # always K1 work here (alongside needs 32 chunks a sequence): K2 waits on its flags
         steps.append(_launch("K1", acfg.prep, k1_grid, vals1, syms, dev,
                              sch.k1_alongside_smem(dev, ctas), programmatic=True))
-        steps += _rescale_run("K2", acfg.recur, grid, vals2, syms, dev, follows=False)
+        steps += _rescale_run("K2", acfg.recur, grid, vals2, syms, dev)
         k2 = cfg.recur  # (the side run's: the same steps as the alongside build's)
     elif sched.kind == "segments":
         steps += _segments(p, cfg, sched.segments, vals2, syms, dev)
