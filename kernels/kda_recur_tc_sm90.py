@@ -129,6 +129,11 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
         # the fp16 builds a rescale run follows (not alongside: K1 follows those) release it
         # at their start (griddepcontrol.launch_dependents)
         self.releases = cfg.f16 and not cfg.alongside and not cfg.rescale
+        # the fp16 alongside checkpoints builds at K >= 128 hold their checkpoint table in
+        # lanes (_checkpoints): their checkpointed forwards 2-4% faster, where the other
+        # builds (K = 64's, WY, plain, precise) measured up to 7% slower with it
+        # (bench/results/checkpoints-lanes-h200-2026-12-04.md)
+        self.ck_lanes = cfg.checkpoints and cfg.f16 and cfg.alongside and cfg.head_dim_k >= 128
         # the consumers test the next stage's barriers while a chunk's update runs (and skip
         # the blocking waits the test found complete): the alongside and WY builds at K <= 128
         # (bench/results/k2-early-test-h200-2026-12-04.md: alongside -1.5..-4%; the plain
@@ -618,13 +623,26 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
                 acc_s.fill(0.0)
             # the sequence's checkpoints: the next one's chunk count (-1: none) and destination,
             # the one after it (read a checkpoint ahead, so no table load waits at a store),
-            # and the table entry to read next
-            ck = (cutlass.Int32(seq * ck_rows + 2), cutlass.Int32(-1), cutlass.Int32(0),
-                  cutlass.Int32(-1), cutlass.Int32(0))
+            # and the table entry to read next; the ck_lanes builds: the due one's index k in
+            # the row, its chunk count and destination, the row's entries k - k % 32 + lane
+            # and + 32 one a lane (read 32 checkpoints ahead), and the row's first entry
+            m1 = cutlass.Int32(-1)
+            zero = cutlass.Int32(0)
+            if cutlass.const_expr(self.ck_lanes):
+                ck = (zero, m1, zero, m1, zero, m1, zero, zero)
+            else:
+                ck = (cutlass.Int32(seq * ck_rows + 2), m1, zero, m1, zero)
             if cutlass.const_expr(self.checkpoints):
                 if ck_rows * live != 0:
                     e0 = seq * ck_rows
-                    ck = (e0 + 2, mCkAt[e0], mCkTo[e0], mCkAt[e0 + 1], mCkTo[e0 + 1])
+                    if cutlass.const_expr(self.ck_lanes):
+                        a0, t0 = self._ck_lanes(mCkAt, mCkTo, e0, zero, ck_rows, lane)
+                        a1, t1 = self._ck_lanes(mCkAt, mCkTo, e0, cutlass.Int32(32), ck_rows,
+                                                lane)
+                        ck = (zero, cute.arch.shuffle_sync(a0, 0), cute.arch.shuffle_sync(t0, 0),
+                              a0, t0, a1, t1, e0)
+                    else:
+                        ck = (e0 + 2, mCkAt[e0], mCkTo[e0], mCkAt[e0 + 1], mCkTo[e0 + 1])
                     if ck[1] == 0:
                         ck = self._checkpoints(ckpt, ck, cutlass.Int32(0), acc_s, cS, sCk, h,
                                                vb, warp, sig, mine, cutlass.Boolean(False))
@@ -790,12 +808,17 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
         16 a bulk copy a row; the stores drain while the chunks run on, and the slab is
         reused once they have read it (the warp waits on them there, and at the next
         whole-chunk output store, by then long done). ck = (next entry to read, the due one's
-        chunk count and code, the following one's); returns it moved on past the stores. The
+        chunk count and code, the following one's; the ck_lanes builds': the due entry's
+        index in the row, its chunk count and code, the lanes' two sets of 32 entries, the
+        row's first entry); returns it moved on past the stores. The
         rescale builds store S with its row scales (sig) undone, and only the warps whose
         rows they redo (mine)."""
-        mCkAt, mCkTo, mCkF, mCkH, mCkS, _, ck_dtype = ckpt
+        mCkAt, mCkTo, mCkF, mCkH, mCkS, ck_rows, ck_dtype = ckpt
         K = self.K
-        e, at, to, nat, nto = ck
+        if cutlass.const_expr(self.ck_lanes):
+            k, at, to, a0, t0, a1, t1, e0 = ck
+        else:
+            e, at, to, nat, nto = ck
         lane = cute.arch.lane_idx()
         lo = cutlass.Int32(16)  # the lane that stores (none: a warp the run does not redo)
         if cutlass.const_expr(self.rescale):
@@ -859,12 +882,36 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
                     for i in cutlass.range_constexpr(16):
                         bulk_store(g + i * K * 4, slab[i, None].iterator.toint(), K * 4)
                 cute.arch.cp_async_bulk_commit_group()
-            at = nat
-            to = nto
-            nat = mCkAt[e]
-            nto = mCkTo[e]
-            e = e + 1
+            if cutlass.const_expr(self.ck_lanes):
+                # the next entry from its lane; every 32 the lanes' next 32 move up and the 32
+                # after them are read
+                k = k + 1
+                i = k & 31
+                if i == 0:
+                    a0, t0 = a1, t1
+                    a1, t1 = self._ck_lanes(mCkAt, mCkTo, e0, k + 32, ck_rows, lane)
+                at = cute.arch.shuffle_sync(a0, i)
+                to = cute.arch.shuffle_sync(t0, i)
+            else:
+                at = nat
+                to = nto
+                nat = mCkAt[e]
+                nto = mCkTo[e]
+                e = e + 1
+        if cutlass.const_expr(self.ck_lanes):
+            return k, at, to, a0, t0, a1, t1, e0
         return e, at, to, nat, nto
+
+    @cute.jit
+    def _ck_lanes(self, mCkAt: cute.Tensor, mCkTo: cute.Tensor, e0, j, ck_rows, lane):
+        """Entry j + lane of the checkpoint row at e0 (chunk count, destination), one a lane;
+        -1 and 0 past the row's ck_rows entries."""
+        a = cutlass.Int32(-1)
+        t = cutlass.Int32(0)
+        if j + lane < ck_rows:
+            a = mCkAt[e0 + j + lane]
+            t = mCkTo[e0 + j + lane]
+        return a, t
 
     def _ck_slab(self, pad: int):
         """A warp's checkpoint slab as a TMA box: (1 destination row, 16 state rows, K + pad

@@ -1,12 +1,12 @@
 """A forward's cost of writing checkpoints: `fwd` with and without them, timed in one process
 (CUDA events, warm-up, median of --iters, input sets rotated for a cold L2; eager and replayed
-as a CUDA graph), K = V = 128.
+as a CUDA graph), K = V = 128 (--head-dim), fast precision (--precision).
 
 Modes: one fp32 checkpoint per 1024 tokens (checkpoint_offsets at 1024, 2048, ... of each
-sequence); one per 64 tokens into a pool (checkpoint_slots with checkpoint_every=64, fp32 and
-bf16), on chunk boundaries (first 64) and mid-chunk (first 40: every one a partial chunk for
-the side runs). The extra bytes each mode writes are reported beside the forward's compulsory
-ones.
+sequence); one fp32 per 1024 and one per 64 tokens into a pool (checkpoint_slots with
+checkpoint_every 1024 or 64, fp32 and bf16), on chunk boundaries (first = every) and mid-chunk
+(first = every - 24: every one a partial chunk for the side runs). The extra bytes each mode
+writes are reported beside the forward's compulsory ones.
 
     python3 bench/probes/checkpoints_probe.py [--iters N] [--out JSON] [--cases A,B] (of
         bench.CASES; default B1 T8192 H64 and varlen mix H64)
@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 CASES = ("B1 T8192 H64", "varlen mix H64")
 # name -> (dtype, every, first) for the slots form; "offsets 1024": the offsets form
-MODES = ("none", "offsets 1024 fp32", "every 64 fp32", "every 64 bf16",
+MODES = ("none", "offsets 1024 fp32", "every 1024 fp32", "every 64 fp32", "every 64 bf16",
          "every 64 fp32 mid-chunk", "every 64 bf16 mid-chunk")
 
 
@@ -64,23 +64,24 @@ def checkpoint_args(x, mode: str) -> tuple[dict, int]:
         cs = torch.empty(N, C, H, V, K, dtype=torch.float32, device=dev)
         return {"checkpoint_state": cs, "checkpoint_offsets": offs.to(dev)}, used * H * V * K * 4
     dtype = torch.float32 if "fp32" in mode else torch.bfloat16
-    first = 40 if "mid-chunk" in mode else 64
-    M = max(1, max((L - first) // 64 + 1 for L in lens))
-    used = sum(max(0, (L - first) // 64 + 1) for L in lens)
+    every = int(mode.split()[1])  # "every N fp32|bf16 [mid-chunk]"
+    first = every - 24 if "mid-chunk" in mode else every
+    M = max(1, max((L - first) // every + 1 for L in lens))
+    used = sum(max(0, (L - first) // every + 1) for L in lens)
     pool = torch.empty(N * M, H, V, K, dtype=dtype, device=dev)
     slots = torch.arange(N * M, dtype=torch.int32, device=dev).view(N, M)
-    return ({"checkpoint_state": pool, "checkpoint_slots": slots, "checkpoint_every": 64,
+    return ({"checkpoint_state": pool, "checkpoint_slots": slots, "checkpoint_every": every,
              "checkpoint_first": torch.full((N,), first, dtype=torch.int32, device=dev)},
             used * H * V * K * dtype.itemsize)
 
 
-def runner(kw: dict):
+def runner(kw: dict, precision: str = "fast"):
     from kda_cute import fwd
 
     def run(x):
         fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], x["scale"], x["out"], x["A_log"],
             x["dt_bias"], x["lower_bound"], x["initial_state"], x["final_state"],
-            x["cu_seqlens"], x["ck_workspace"], **kw)
+            x["cu_seqlens"], x["ck_workspace"], precision=precision, **kw)
     return run
 
 
@@ -123,8 +124,9 @@ def main(argv=None) -> None:
     ap.add_argument("--iters", type=int, default=100)
     ap.add_argument("--out", default=None)
     ap.add_argument("--table", default=None)
-    ap.add_argument("--cases", default=",".join(CASES),
-                    help="comma-separated, of bench.CASES (K = 128)")
+    ap.add_argument("--cases", default=",".join(CASES), help="comma-separated, of bench.CASES")
+    ap.add_argument("--head-dim", type=int, default=128, help="K = V")
+    ap.add_argument("--precision", choices=("fast", "precise"), default="fast")
     ap.add_argument("--modes", default=",".join(MODES), help="comma-separated, of MODES")
     a = ap.parse_args(argv)
     cases, modes = a.cases.split(","), a.modes.split(",")
@@ -142,7 +144,7 @@ def main(argv=None) -> None:
 
     rows = []
     for name in cases:
-        sets = bench.input_sets(bench.CASES[name], 128, workspace=False)
+        sets = bench.input_sets(bench.CASES[name], a.head_dim, workspace=False)
         args = {m: checkpoint_args(sets[0], m) for m in modes}
         need = 0
         for m in modes:
@@ -150,13 +152,14 @@ def main(argv=None) -> None:
             p = api.validate(x["q"], x["k"], x["v"], x["g"], x["beta"], x["scale"], x["out"],
                              x["A_log"], x["dt_bias"], x["lower_bound"], x["initial_state"],
                              x["final_state"], x["cu_seqlens"], "bounded", **args[m][0])
-            need = max(need, api.workspace_bytes(p, api.config_for(p)))
+            need = max(need, api.workspace_bytes(p, api.config_for(p, precision=a.precision)))
         for x in sets:
             x["ck_workspace"] = torch.empty(need, dtype=torch.uint8, device="cuda")
-        row = {"case": name, "compulsory": bench.compulsory_bytes(sets[0]), "modes": {}}
+        row = {"case": name, "head_dim": a.head_dim, "precision": a.precision,
+               "compulsory": bench.compulsory_bytes(sets[0]), "modes": {}}
         for m in modes:
             kw, nbytes = args[m]
-            run = runner(kw)
+            run = runner(kw, a.precision)
             row["modes"][m] = {"eager": bench.time_fn(run, sets, a.iters),
                                "graph": bench.time_fn(bench.graph_runner(run, sets), sets,
                                                       a.iters),
