@@ -53,7 +53,15 @@ from cutlass.cute.nvgpu import warp as warp_mma
 from cutlass.utils import LayoutEnum
 
 from kda_cute.abi import QK_DTYPE, operand_dtype
-from kda_cute.specs.recur import CK_PAD, STATE_BF16, STATE_F32, RecurConfig, checkpoint_maps
+from kda_cute.specs.recur import (
+    CK_DESTS,
+    CK_PAD,
+    STATE_BF16,
+    STATE_F32,
+    RecurConfig,
+    checkpoint_maps,
+    ck_slab_box,
+)
 from kernels.common import (
     E_NONFINITE,
     StateSlots,
@@ -244,9 +252,7 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
         ck_dest = (mCkF, mCkH, mCkS)
         if cutlass.const_expr(self.ck_maps):
             ck_dest = []
-            for name, m, pad, dtype in (("ck_f", mCkF, CK_PAD, "float32"),
-                                        ("ck_h", mCkH, 2 * CK_PAD, "bfloat16"),
-                                        ("ck_s", mCkS, CK_PAD, "float32")):
+            for (name, dtype, _, pad, _), m in zip(CK_DESTS, (mCkF, mCkH, mCkS), strict=True):
                 tile, layout = self._ck_slab(pad)
                 atom, tX = cpasync.make_tiled_tma_atom(
                     cpasync.CopyBulkTensorTileS2GOp(), m, layout, tile)
@@ -914,9 +920,10 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
         return a, t
 
     def _ck_slab(self, pad: int):
-        """A warp's checkpoint slab as a TMA box: (1 destination row, 16 state rows, K + pad
-        elements) and its dense smem layout (the rows padded by `pad`)."""
-        tile = (1, 16, self.K + pad)
+        """A warp's checkpoint slab as a TMA box (specs.recur.ck_slab_box, outermost first: 1
+        destination row, 16 state rows, K + pad elements) and its dense smem layout (the rows
+        padded by `pad`)."""
+        tile = tuple(reversed(ck_slab_box(self.K, pad)))
         return tile, cute.make_layout(tile, stride=(16 * (self.K + pad), self.K + pad, 1))
 
     @cute.jit

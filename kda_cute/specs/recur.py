@@ -188,11 +188,8 @@ def checkpoint_args(cfg: RecurConfig) -> list[Arg]:
     if checkpoint_maps(cfg):
         # tensor maps of [rows, H*V, K] views: a warp's 16 rows leave in one TMA store whose
         # box spans the slab's padded rows (the columns past K out of bounds, not written)
-        dest = [tma(name, dt, (n, "HV", K), ("sCK", K, 1), (K + pad, 16, 1), dsl=dsl)
-                for name, dt, n, pad, dsl in (
-                    ("ck_f", "float32", "NCK", CK_PAD, "mCkF"),
-                    ("ck_h", "bfloat16", "NCK", 2 * CK_PAD, "mCkH"),
-                    ("ck_s", "float32", "NSK", CK_PAD, "mCkS"))]
+        dest = [tma(name, dt, (n, "HV", K), ("sCK", K, 1), ck_slab_box(K, pad), dsl=dsl)
+                for name, dt, n, pad, dsl in CK_DESTS]
     else:
         dest = [tensor("ck_f", "float32", ("NCK", "H", V, K), ("sCK", V * K, K, 1), dsl="mCkF"),
                 tensor("ck_h", "bfloat16", ("NCK", "H", V, K), ("sCK", V * K, K, 1),
@@ -212,6 +209,17 @@ def checkpoint_args(cfg: RecurConfig) -> list[Arg]:
 # a checkpoints build's slab rows are padded by CK_PAD fp32 (2 CK_PAD bf16) elements: the
 # accumulator's row pairs land in distinct banks
 CK_PAD = 8
+# the checkpoint destinations: argument, dtype, rows symbol, the slab rows' padding in its
+# elements, the DSL name (the final fp32 and bf16 views, the fp32 scratch rows)
+CK_DESTS = (("ck_f", "float32", "NCK", CK_PAD, "mCkF"),
+            ("ck_h", "bfloat16", "NCK", 2 * CK_PAD, "mCkH"),
+            ("ck_s", "float32", "NSK", CK_PAD, "mCkS"))
+
+
+def ck_slab_box(K: int, pad: int) -> tuple[int, int, int]:
+    """The TMA box of a warp's checkpoint slab (checkpoint_maps), innermost first: one padded
+    row of K + pad elements, 16 state rows, one destination row."""
+    return (K + pad, 16, 1)
 
 
 def checkpoint_maps(cfg: RecurConfig) -> bool:
