@@ -115,10 +115,11 @@ def test_checkpoint_copies_issued_from_one_lane(cfg):
 @pytest.mark.parametrize("cfg", CHECKPOINT_RUNS, ids=lambda r: r.name)
 def test_checkpoint_table_held_in_lanes_where_it_paid(cfg):
     """The fp16 alongside checkpoints builds at K >= 128 hold their checkpoint table in lanes,
-    the due entry handed out by a shuffle (SHFL.IDX, two at each of _checkpoints' three call
-    sites): 2-4% faster there; the other checkpoints builds read it a checkpoint ahead from
-    global memory, which measured up to 7% faster for them
-    (bench/results/checkpoints-lanes-h200-2026-12-04.md). K2 shuffles nothing else."""
+    the due entry handed out by a shuffle (SHFL.IDX: two where a sequence's first entry is
+    taken, two in each of K2's two inlined _checkpoints): 2-4% faster there; the other
+    checkpoints builds read it a checkpoint ahead from global memory, which measured up to 7%
+    faster for them (bench/results/checkpoints-lanes-h200-2026-12-04.md). K2 shuffles nothing
+    else."""
     sass = _sass(cfg)
     lanes = cfg.f16 and cfg.alongside and cfg.head_dim_k >= 128
     assert sass.count("SHFL.IDX") == (6 if lanes else 0), cfg.name
