@@ -152,7 +152,21 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
         # (K = 128: 433 -> 409 SASS instructions a chunk, 165 -> 181 registers;
         # bench/results/k2-min-blocks-h200-2026-12-04.md: K = 128 alongside -4.7%, K = 64
         # -1..-2%; the WY builds lost 3% with it, so not there)
-        self.min_blocks = 1 if cfg.alongside and cfg.f16 and cfg.head_dim_k <= 128 else 0
+        # Also the WY checkpoints build at K = 128, which runs only where each K2 CTA has an SM
+        # to itself: its chunk loop 458 -> 428 instructions, the decay factors loaded early as in
+        # the WY build; one fp32 checkpoint per 1024 tokens on B1 T8192 H64 +5.5% -> +2.9% over
+        # the forward without, one bf16 per 64 +15.7% -> +15.9%
+        # (bench/results/checkpoints-fork-h200-2026-12-04.md)
+        wy_ck = cfg.wy and cfg.checkpoints and cfg.head_dim_k == 128
+        self.min_blocks = 1 if cfg.f16 and ((cfg.alongside and cfg.head_dim_k <= 128)
+                                            or wy_ck) else 0
+        # the chunk loop carries a chunk's first token, the tokens left and the output buffer's
+        # parity instead of working them out from c (SASS: K = 128 plain fp16 loop 439 -> 432
+        # instructions, WY 438 -> 436): K = 64's alongside builds -5%, K = 128 and 256 0..-2.5%;
+        # not K = 64's other builds (up to 1.5% slower with it) nor the alongside checkpoints
+        # builds (K = 128: +2.5%) (bench/results/k2-loop-carry-h200-2026-12-04.md)
+        self.carry = (cfg.alongside or cfg.head_dim_k > 64) and not (cfg.alongside
+                                                                      and cfg.checkpoints)
         # the checkpoints leave through tensor maps, one TMA store a warp (specs.recur)
         self.ck_maps = checkpoint_maps(cfg)
         self.op = cutlass.Float16 if cfg.f16 else cutlass.BFloat16
@@ -664,7 +678,16 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
                 # the previous chunk's update was issued: its blocking waits are then skipped
                 full_tok = cutlass.Boolean(False)
                 ready_tok = cutlass.Boolean(False)
+                # (self.carry: the chunk's first token, the tokens left from it and the output
+                # buffer carried from chunk to chunk)
+                t_run = bos + c0 * C - C
+                r_run = eos - t_run
+                b_run = (c0 & 1) ^ 1
                 for c in cutlass.range(c0, stop):
+                    if cutlass.const_expr(self.carry):
+                        t_run = t_run + C
+                        r_run = r_run - C
+                        b_run = b_run ^ 1
                     if cutlass.const_expr(self.early):
                         pipe.consumer_wait(state, full_tok)
                     else:
@@ -676,8 +699,13 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
                                 cute.arch.mbarrier_wait(ready + s, state.phase)
                         else:
                             cute.arch.mbarrier_wait(ready + s, state.phase)
-                    t0 = bos + c * C
-                    length = cutlass.min(C, eos - t0)
+                    if cutlass.const_expr(self.carry):
+                        t0 = t_run
+                        rem = r_run
+                    else:
+                        t0 = bos + c * C
+                        rem = eos - t0
+                    length = cutlass.min(C, rem)
                     out_len = length * keep  # the tokens whose outputs are stored
                     if cutlass.const_expr(self.rescale):
                         out_len = out_len * mine
@@ -722,7 +750,10 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
                             # c % 2 and one TMA store (no barrier across the warpgroup); c & 1,
                             # not c % 2: a run's first chunk c0 is not known non-negative, and a
                             # signed remainder put a branch on the chain (the checkpoints builds)
-                            b = c & 1
+                            if cutlass.const_expr(self.carry):
+                                b = b_run
+                            else:
+                                b = c & 1
                             # the earlier stores have read their buffers: in the checkpoints
                             # builds all but the newest group (buffer b's last store is older
                             # than it: the chunk before's store, or a checkpoint's after it,
