@@ -191,10 +191,10 @@ class _Recorder(kdriver.StandIn):
 
     def _no_events(self, *a):
         raise PlanExportError("the forward orders streams with CUDA events (the alongside "
-                              "schedule), which kda_cute_plan.h cannot express: export with "
-                              "K2 serial")
+                              "schedule, or steps on a side stream), which kda_cute_plan.h "
+                              "cannot express: export with K2 serial, without segments")
 
-    cuEventCreate = cuEventRecord = cuStreamWaitEvent = _no_events  # noqa: N815
+    cuEventCreate = cuEventRecord = cuStreamWaitEvent = cuStreamCreate = _no_events  # noqa: N815
 
     def cuLibraryLoadData(self, addr, *rest):  # noqa: N802
         name = self.images.get(ctypes.string_at(addr, kdriver.image_size(addr)))

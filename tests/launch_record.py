@@ -238,11 +238,16 @@ class FakeDriver(kdriver.StandIn):
         return 0, b"fake"
 
     def cuEventCreate(self, flags):  # noqa: N802
-        return 0, 1000 + len(self._keep)
+        self._events = getattr(self, "_events", 0) + 1  # a handle of its own each
+        return 0, 1000 + self._events
 
     def cuEventRecord(self, ev, stream):  # noqa: N802
         self.ops.append({"op": "event_record", "stream": stream})
         return (0,)
+
+    def cuStreamCreate(self, flags):  # noqa: N802
+        self._streams = getattr(self, "_streams", 0) + 1
+        return 0, 2000 + self._streams
 
     def cuStreamWaitEvent(self, stream, ev, flags):  # noqa: N802
         self.ops.append({"op": "event_wait", "stream": stream})

@@ -131,6 +131,15 @@ def test_plans_carry_the_checkpoints(schedule, kw):
     assert [n for n in names if n.endswith(" rescale")] == [
         n + " rescale" for n in names if n.startswith("K2") and n != "K2 identity"
         and not n.endswith(" rescale")]
+    # K1 a launch before K2 (not alongside): the checkpoints' preparation on the side stream
+    # beside it, and every K2 after the join
+    if schedule == "alongside":
+        assert not [n for n in names if n.startswith(("fork", "merge", "join"))]
+    else:
+        f = names.index("fork: checkpoints beside K1")
+        assert names[f + 1:f + 5] == ["zero side slots", "checkpoints", "K1 side", "merge: K1"]
+        assert names[f + 5:f + 7] == ["K1", "join: checkpoints"]
+        assert not [n for n in names[:f + 7] if n.startswith("K2")]
     # the main K1 covers the same chunks; the workspace grows by one chunk slot an entry
     assert pl.step("K1").grid == plain.step("K1").grid
     p = pl.problem

@@ -173,13 +173,17 @@ def test_only_keeps_the_named_launches():
 # -------------------------------------------------------------------------------- segments
 @needs_manifests
 def test_segmented_launches():
-    """segments=3 on a 40-token batch of one: K1, then K2 over 3 segments from zero (V rows),
-    from the identity (K rows), the combine, and K2 from the segments' starts. The first two
-    K2 runs' outputs are not used: they run K2 without outputs."""
+    """segments=3 on a 40-token batch of one: K1, then K2 over 3 segments from the identity (K
+    rows, on the side stream) and from zero (V rows), the combine once both are done, and K2
+    from the segments' starts. The first two K2 runs' outputs are not used: they run K2
+    without outputs."""
     pl = _plan(_with(segments=3))
     assert str(pl.schedule) == "segments 3"
-    assert _names(pl) == ["K1", "K2 from zero", "K2 from zero rescale", "K2 identity",
-                          "combine", "K2 from starts", "K2 from starts rescale"]
+    assert _names(pl) == ["K1", "fork: identity rows beside the value rows", "K2 identity",
+                          "merge: value rows", "K2 from zero", "K2 from zero rescale",
+                          "join: identity rows", "combine", "K2 from starts",
+                          "K2 from starts rescale"]
+    assert [type(pl.steps[i]).__name__ for i in (1, 3, 6)] == ["Fork", "Merge", "Join"]
     pl = _without_rescale(pl)
     names = _kernels(pl)
     launches = pl.launches()

@@ -13,6 +13,7 @@ launches exactly what a run launches without checking anything again, and that a
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import json
 import struct
@@ -285,6 +286,46 @@ def test_no_stream_ordering_for_serial_forwards(drv, monkeypatch):
     assert [o["op"] for o in drv.ops] == ["launch"] * 6
     assert [o["stream"] for o in drv.ops] == [0, 0, 0, 7, 7, 7]
     assert drv.events_made == 0
+
+
+@pytest.mark.parametrize("entry", ["run", "bind"])
+def test_forked_steps_run_on_the_side_stream(drv, monkeypatch, entry):
+    """A segmented forward's identity rows run on the side stream: after an event the call's
+    stream records once K1 is enqueued, and the combine waits for an event the side stream
+    records after them; the value rows and their rescale run stay on the call's stream. One
+    side stream a device, a pair of events a call stream (a second stream's forward waits for
+    its own fork, never another stream's); the same while a capture records them."""
+    x = _x(T=40)
+    opts = dataclasses.replace(OPTS, segments=3)
+    pl = _plan(x, opts)
+    assert str(pl.schedule) == "segments 3"
+    capturing = entry == "bind"
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing)
+    for handle in (0, 7):
+        _on_stream(monkeypatch, handle)
+        if entry == "run":
+            launch.run(pl, _call(x), x["workspace"])
+        else:
+            launch.bind(pl, _call(x), x["workspace"])()
+    assert drv.events_made == 4
+    side = {o["stream"] for o in drv.ops} - {0, 7}
+    assert len(side) == 1
+    (side,) = side
+    for half, call in ((drv.ops[:11], 0), (drv.ops[11:], 7)):
+        names = [o.get("kernel", o["op"]) for o in half]
+        assert [o["op"] for o in half] == ["launch", "event_record", "event_wait", "launch",
+                                           "launch", "launch", "event_record", "event_wait",
+                                           "launch", "launch", "launch"]
+        assert names[0].startswith("kda_prep") and names[8].startswith("kda_combine")
+        assert [o["stream"] for o in half] == [call, call, side, side, call, call, side, call,
+                                               call, call, call]
+        fork, join = half[1]["event"], half[6]["event"]
+        assert half[2]["event"] == fork and half[7]["event"] == join and fork != join
+        # the identity rows (K rows from the identity) on the side stream; the value rows and
+        # their rescale run (programmatic) on the call's
+        assert half[3]["kernel"].endswith("_noout") and half[4]["kernel"].endswith("_noout")
+        assert half[5]["programmatic"] and not half[4]["programmatic"]
+    assert drv.ops[1]["event"] != drv.ops[12]["event"]  # each call stream its own events
 
 
 @pytest.mark.parametrize("entry", ["run", "bind"])

@@ -15,15 +15,18 @@ from ..plans.steps import (
     CallScalar,
     Copy,
     Errors,
+    Fork,
+    Join,
     Launch,
     Memset,
+    Merge,
     Plane,
     Role,
     Scalar,
 )
 from ..plans.workspace import ALIGN
 from . import buffers, driver
-from .streams import alongside_order
+from .streams import alongside_order, side
 
 
 class _Sources:
@@ -68,16 +71,29 @@ def _ops(plan, call, workspace, dev, device: int, stream: int) -> tuple[list, _S
     run, so resolved steps hold no caller tensor."""
     src = _Sources(call, workspace, dev, stream)
     ops = []
+    on = stream  # the stream the next launch goes to: the call's, or after a Fork its side's
     for s in plan.steps:
         if isinstance(s, Launch):
             k = driver.get_kernel(s.kernel, plan.device.arch)
             arr = k.packed(s.args, tuple(src.value(x) for x in s.sources), s.syms)
-            ops.append((k.launch, (k.function(device, s.smem), s.grid, arr, stream, s.smem,
+            ops.append((k.launch, (k.function(device, s.smem), s.grid, arr, on, s.smem,
                                    s.programmatic), False))
         elif isinstance(s, Memset):
-            ops.append((driver.memset_d32, (src.value(s.target), s.value, s.count, stream),
+            ops.append((driver.memset_d32, (src.value(s.target), s.value, s.count, on),
                         False))
+        elif isinstance(s, Fork):
+            on, fork, _ = side(device, stream)
+            ops.append((driver.record_event, (fork, stream), False))
+            ops.append((driver.wait_event, (on, fork), False))
+        elif isinstance(s, Merge):
+            on = stream
+        elif isinstance(s, Join):
+            aside, _, join = side(device, stream)
+            ops.append((driver.record_event, (join, aside), False))
+            ops.append((driver.wait_event, (stream, join), False))
         elif isinstance(s, Copy):
+            if on != stream:
+                raise ValueError(f"plan: a torch-side step ({s.name}) on the side stream")
             ops.append((_copy, (_late(src, s.dst), _late(src, s.src)), True))
         else:
             raise TypeError(f"not a step: {s!r}")

@@ -56,6 +56,7 @@ class StandIn:
     CUfunction_attribute = _OwnNames()
     CUlaunchAttributeID = _OwnNames()
     CUevent_flags = _OwnNames()
+    CUstream_flags = _OwnNames()
     CUtensorMapSwizzle = Namespace(
         CU_TENSOR_MAP_SWIZZLE_NONE=0, CU_TENSOR_MAP_SWIZZLE_32B=32,
         CU_TENSOR_MAP_SWIZZLE_64B=64, CU_TENSOR_MAP_SWIZZLE_128B=128)
@@ -222,6 +223,13 @@ def new_event() -> int:
     """A CUDA event without timing (for ordering streams), on the current context."""
     cu = bindings()
     return int(check(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING)))
+
+
+def new_stream() -> int:
+    """A CUDA stream that does not wait for the legacy default stream, on the current
+    context."""
+    cu = bindings()
+    return int(check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING)))
 
 
 def record_event(event: int, stream: int) -> None:

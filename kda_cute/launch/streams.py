@@ -1,4 +1,5 @@
-"""Alongside forwards on different streams, one after another.
+"""Alongside forwards on different streams, one after another; and the side streams a plan's
+Fork steps run on.
 
 Each K2 grid of an alongside forward holds up to half of the SMs while it waits for its K1, so
 two at once can leave K1 none: a hang, ended by K2's trap. One launched on another stream than
@@ -18,6 +19,24 @@ from . import driver
 # per device: (the stream of the last alongside forward launched, an event recorded after it)
 _last: dict[int, tuple[int, int]] = {}
 _lock = threading.Lock()
+# per device: the side stream of every call stream (Fork steps); per (device, call stream): the
+# fork and join events. Work of calls on different streams shares the side stream: ordered
+# after each of their forks, never before one (its own events say what a call waits for).
+_side: dict[int, int] = {}
+_events: dict[tuple[int, int], tuple[int, int]] = {}
+
+
+def side(device: int, stream: int) -> tuple[int, int, int]:
+    """The side stream of `device` (made on first use, non-blocking) and the fork and join
+    events of `stream` on it, in the current context."""
+    with _lock:
+        s = _side.get(device)
+        if s is None:
+            s = _side[device] = driver.new_stream()
+        ev = _events.get((device, stream))
+        if ev is None:
+            ev = _events[(device, stream)] = (driver.new_event(), driver.new_event())
+        return s, ev[0], ev[1]
 
 
 @contextlib.contextmanager
@@ -36,5 +55,8 @@ def alongside_order(device: int, stream: int, enabled: bool):
 
 
 def forget() -> None:
-    """Forget the last alongside forwards (their events belong to a driver being replaced)."""
+    """Forget the last alongside forwards and the side streams (their streams and events
+    belong to a driver being replaced)."""
     _last.clear()
+    _side.clear()
+    _events.clear()

@@ -37,8 +37,11 @@ from .steps import (
     Buffer,
     CallScalar,
     Errors,
+    Fork,
+    Join,
     Launch,
     Memset,
+    Merge,
     Plan,
     Plane,
     Role,
@@ -285,11 +288,19 @@ def forward_plan(p: Problem, opts: Options, cfg: FwdConfig, dev: DeviceInfo) -> 
              "beta_sigmoid": Scalar(int(bool(opts.beta_sigmoid)))}
     k1_grid = (H, min(nmain, K1_GRID_Y), -(-nmain // K1_GRID_Y))  # heads fastest; chunks y, z
     ck = None
+    # K1 a launch of its own before K2: the checkpoints' preparation (read by K2 and its side
+    # run only) runs beside it on the side stream, off the forward's path
+    k1_first = sched.kind != "alongside" and Tt > 0 and H > 0
     if p.ckpt is not None and sched.k2_grid is not None:
         ck = _Checkpoints(p, cfg, sched, offs, vals1, syms, dev)
-        steps += ck.prepare()
-    if sched.kind != "alongside" and Tt > 0 and H > 0:
+        if k1_first:
+            steps += [Fork("fork: checkpoints beside K1"), *ck.prepare(), Merge("merge: K1")]
+        else:
+            steps += ck.prepare()
+    if k1_first:
         steps.append(_launch("K1", cfg.prep, k1_grid, vals1, syms, dev))
+        if ck:
+            steps.append(Join("join: checkpoints"))
     s_in = Role("initial_state") if p.state_in is not None else Role("out")
     s_out = Role("final_state") if p.state_out is not None else Role("out")
     vals2 = {**ws, "v": Role("v"), "out": Role("out"), "out_tma": Role("out"),
@@ -375,15 +386,20 @@ def _segments(p: Problem, cfg: FwdConfig, P: int, vals2: dict, syms: dict,
     # rows, v = 0 from the identity, stay in range)
     zero_vals = {**vals2, **seg, **dense, **_NO_CHECKPOINTS, "state_in": Scalar(0),
                  "state_out": Scalar(1), "s1f": ends, "s1h": ends}
+    # the identity rows on the side stream, beside the value rows and their rescale run (which
+    # then costs the forward nothing where the SMs hold both); the combine waits for both
     steps = [
-        _launch("K2 from zero", quiet if quiet_built else cfg.recur, (V // bv, H, N),
-                zero_vals, syms_v, dev),
-        *_rescale_run("K2 from zero", cfg.recur, (V // bv, H, N), zero_vals, syms_v, dev),
+        Fork("fork: identity rows beside the value rows"),
         _launch("K2 identity", ident_quiet if quiet_built else ident, (K // bv, H, N),
                 {**vals2, **seg, **dense, **_NO_CHECKPOINTS, "v": zeros, "out": scratch,
                  "out_tma": scratch,
                  "state_in": Scalar(1), "s0f": eye, "s0h": eye, "state_out": Scalar(1),
                  "s1f": maps, "s1h": maps, "fix_on": Scalar(0)}, syms_i, dev),
+        Merge("merge: value rows"),
+        _launch("K2 from zero", quiet if quiet_built else cfg.recur, (V // bv, H, N),
+                zero_vals, syms_v, dev),
+        *_rescale_run("K2 from zero", cfg.recur, (V // bv, H, N), zero_vals, syms_v, dev),
+        Join("join: identity rows"),
     ]
     # the combine reads the initial state and writes the final one (fp32 or bf16, dense or
     # at the pool's slots); the start states and the maps are fp32 scratch

@@ -115,6 +115,30 @@ class Copy:
 
 
 @dataclass(frozen=True)
+class Fork:
+    """The steps after it, up to the next Merge, run on the launcher's side stream, after the
+    work enqueued on the call's stream so far (an event recorded there and waited for): work
+    the steps after the Merge do not read runs beside them. A Join later makes the call's
+    stream wait for it."""
+
+    name: str
+
+
+@dataclass(frozen=True)
+class Merge:
+    """The steps after it run on the call's stream again (nothing waited for)."""
+
+    name: str
+
+
+@dataclass(frozen=True)
+class Join:
+    """The call's stream waits for the side stream's work so far (an event)."""
+
+    name: str
+
+
+@dataclass(frozen=True)
 class Plan:
     """A forward as it will run: its problem, options, config and device, the schedule chosen,
     the workspace it needs, and its steps in order."""
