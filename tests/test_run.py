@@ -587,3 +587,25 @@ def test_clear_caches_forgets_the_checked_metadata(drv, monkeypatch):
     kda_cute.clear_caches()
     _fwd(x)
     assert len(problem) == 2
+
+
+def test_a_substituted_driver_leaves_no_stream_behind(monkeypatch):
+    """The side stream and events a fake driver made are forgotten when its block ends, and
+    those known before it are known again: a real forward after it (a GPU test in the same
+    session) never launches on a fake handle, and alongside forwards stay ordered."""
+    x = _x(T=40)
+    opts = dataclasses.replace(OPTS, segments=3)
+    streams.forget()
+    before = ({0: (5, 6)}, {0: 7}, {(0, 5): (8, 9)})  # stand-ins for real handles
+    for d, v in zip((streams._last, streams._side, streams._events), before, strict=True):
+        d.update(v)
+    try:
+        with fake_device(monkeypatch), driver.substitute(Driver()):
+            assert not streams._side and not streams._events and not streams._last
+            monkeypatch.setattr(torch.cuda, "stream", lambda s=None: contextlib.nullcontext())
+            launch.run(_plan(x, opts), _call(x), x["workspace"])
+            assert streams._side and streams._events
+        assert (streams._last, streams._side, streams._events) == before
+    finally:
+        streams.forget()
+        kda_cute.clear_caches()

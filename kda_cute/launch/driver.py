@@ -103,14 +103,19 @@ def image_size(addr: int) -> int:
 @contextlib.contextmanager
 def substitute(fake):
     """Within the block, every driver call goes to `fake`; kernels loaded and descriptors
-    encoded are forgotten on entry and exit (they belong to one driver)."""
+    encoded are forgotten on entry and exit, and the launcher's streams and events set aside on
+    entry and put back on exit (they belong to one driver)."""
+    from . import streams
+
     clear()
+    held = streams.set_aside()
     _substitute.append(fake)
     try:
         yield fake
     finally:
         _substitute.pop()
         clear()
+        streams.put_back(held)
 
 
 def check(res):

@@ -54,6 +54,23 @@ def alongside_order(device: int, stream: int, enabled: bool):
         _last[device] = (stream, event)
 
 
+def set_aside() -> tuple:
+    """The streams and events known now, forgotten until `put_back` (a substituted driver's
+    block: kda_cute.launch.driver.substitute)."""
+    with _lock:
+        held = (dict(_last), dict(_side), dict(_events))
+    forget()
+    return held
+
+
+def put_back(held: tuple) -> None:
+    """Those of `set_aside` known again, the ones made since forgotten."""
+    forget()
+    with _lock:
+        for d, saved in zip((_last, _side, _events), held, strict=True):
+            d.update(saved)
+
+
 def forget() -> None:
     """Forget the last alongside forwards and the side streams (their streams and events
     belong to a driver being replaced)."""
