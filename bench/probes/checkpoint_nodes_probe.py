@@ -38,7 +38,6 @@ def main(argv=None) -> None:
     import torch
 
     import bench
-    from kda_cute import api
 
     case, modes = a.case, a.modes.split(",")
     for m in modes:
@@ -61,15 +60,7 @@ def main(argv=None) -> None:
         return cp.checkpoint_args(x, m)[0]
 
     kws = {m: args(sets[0], m) for m in modes}
-    need = 0
-    for m in modes:
-        x = sets[0]
-        p = api.validate(x["q"], x["k"], x["v"], x["g"], x["beta"], x["scale"], x["out"],
-                         x["A_log"], x["dt_bias"], x["lower_bound"], x["initial_state"],
-                         x["final_state"], x["cu_seqlens"], "bounded", **kws[m])
-        need = max(need, api.workspace_bytes(p, api.config_for(p)))
-    for x in sets:
-        x["ck_workspace"] = torch.empty(need, dtype=torch.uint8, device="cuda")
+    cp.give_workspace(sets, list(kws.values()))
     res = {}
     for m in modes:
         run = cp.runner(kws[m])

@@ -75,6 +75,24 @@ def checkpoint_args(x, mode: str) -> tuple[dict, int]:
             used * H * V * K * dtype.itemsize)
 
 
+def give_workspace(sets: list, kws: list, precision: str = "fast") -> None:
+    """One workspace for every input set, as large as the largest any of the checkpoint
+    arguments `kws` need (x["ck_workspace"])."""
+    import torch
+
+    from kda_cute import api
+
+    need = 0
+    for kw in kws:
+        x = sets[0]
+        p = api.validate(x["q"], x["k"], x["v"], x["g"], x["beta"], x["scale"], x["out"],
+                         x["A_log"], x["dt_bias"], x["lower_bound"], x["initial_state"],
+                         x["final_state"], x["cu_seqlens"], "bounded", **kw)
+        need = max(need, api.workspace_bytes(p, api.config_for(p, precision=precision)))
+    for x in sets:
+        x["ck_workspace"] = torch.empty(need, dtype=torch.uint8, device="cuda")
+
+
 def runner(kw: dict, precision: str = "fast"):
     from kda_cute import fwd
 
@@ -140,21 +158,11 @@ def main(argv=None) -> None:
                 raise SystemExit(f"{flag}: expected some of {known}, got {x!r}")
     import torch
 
-    from kda_cute import api
-
     rows = []
     for name in cases:
         sets = bench.input_sets(bench.CASES[name], a.head_dim, workspace=False)
         args = {m: checkpoint_args(sets[0], m) for m in modes}
-        need = 0
-        for m in modes:
-            x = sets[0]
-            p = api.validate(x["q"], x["k"], x["v"], x["g"], x["beta"], x["scale"], x["out"],
-                             x["A_log"], x["dt_bias"], x["lower_bound"], x["initial_state"],
-                             x["final_state"], x["cu_seqlens"], "bounded", **args[m][0])
-            need = max(need, api.workspace_bytes(p, api.config_for(p, precision=a.precision)))
-        for x in sets:
-            x["ck_workspace"] = torch.empty(need, dtype=torch.uint8, device="cuda")
+        give_workspace(sets, [kw for kw, _ in args.values()], a.precision)
         row = {"case": name, "head_dim": a.head_dim, "precision": a.precision,
                "compulsory": bench.compulsory_bytes(sets[0]), "modes": {}}
         for m in modes:
