@@ -386,8 +386,9 @@ def _segments(p: Problem, cfg: FwdConfig, P: int, vals2: dict, syms: dict,
     # rows, v = 0 from the identity, stay in range)
     zero_vals = {**vals2, **seg, **dense, **_NO_CHECKPOINTS, "state_in": Scalar(0),
                  "state_out": Scalar(1), "s1f": ends, "s1h": ends}
-    # the identity rows on the side stream, beside the value rows and their rescale run (which
-    # then costs the forward nothing where the SMs hold both); the combine waits for both
+    # the identity rows on the side stream, beside the value rows and their rescale run (whose
+    # launch then overlaps the identity rows; B1 T8192 H16 eager -1.5%, graph within noise:
+    # bench/results/k2-loop-carry-h200-2026-12-04.md); the combine waits for both
     steps = [
         Fork("fork: identity rows beside the value rows"),
         _launch("K2 identity", ident_quiet if quiet_built else ident, (K // bv, H, N),
