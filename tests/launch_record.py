@@ -477,8 +477,9 @@ def _launch(spec: dict, call: dict, ws: torch.Tensor, drv: FakeDriver) -> str:
     """Run one forward through the launcher with the fake driver; returns its schedule."""
     from kda_cute import api, launch
     api.clear_caches()
-    launch.streams.forget()  # no event wait for an earlier test's alongside forward
     c, pl = _plan(spec, call)
+    # (no event wait for an earlier test's alongside forward: the substitution starts with no
+    # stream order)
     with kdriver.substitute(drv):
         launch.run(pl, c, ws)
     return str(pl.schedule)

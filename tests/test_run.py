@@ -80,12 +80,11 @@ def drv(monkeypatch):
     only: selecting one for torch's ops (a bound plan's offsets and copies) does nothing, as
     it does where CUDA is absent."""
     kda_cute.clear_caches()
-    streams.forget()
     d = Driver()
+    # (the substitution sets the launcher's stream order and side streams aside: none inside)
     with fake_device(monkeypatch), driver.substitute(d):
         monkeypatch.setattr(torch.cuda, "stream", lambda s=None: contextlib.nullcontext())
         yield d
-    streams.forget()
     kda_cute.clear_caches()
 
 
