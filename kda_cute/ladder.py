@@ -108,16 +108,22 @@ SEGMENT_RUNS: tuple[RecurConfig, ...] = tuple(
 # where each K2 CTA has an SM to itself (docs/notes/k2.md, "The fp16 forward in the WY form";
 # plans.schedule.k2_serial picks it): K2 -5 to -6% there, slower with two K2 CTAs on an SM and
 # alongside K1.
-WY_RUNS: tuple[RecurConfig, ...] = tuple(
-    RecurConfig(**{**f.recur.as_dict(), "wy": True}) for f in TENSOR_CORE
-    if f.recur.f16 and f.recur.head_dim_k >= 128)
+# Having its SM to itself, K = 128's streams its chunks through eight stages instead of four
+# (17 KB a stage): its loads then stay far enough ahead of the chunks where stores compete with
+# them (checkpoints). Measured on the H200, B1 T8192 H64: forward -0.7%, with one fp32
+# checkpoint per 1024 tokens -2.7%, one bf16 per 64 -1.7% (docs/notes/k2.md, "Eight stages for
+# the WY form"); K = 256's take 37 KB a stage and keep four.
+WY_STAGES = {128: 8}
+_WY_OF: dict[RecurConfig, RecurConfig] = {
+    f.recur: RecurConfig(**{**f.recur.as_dict(), "wy": True,
+                            "stages": WY_STAGES.get(f.recur.head_dim_k, f.recur.stages)})
+    for f in TENSOR_CORE if f.recur.f16 and f.recur.head_dim_k >= 128}
+WY_RUNS: tuple[RecurConfig, ...] = tuple(_WY_OF.values())
 
 
-@functools.lru_cache(maxsize=64)
 def wy_of(recur: RecurConfig) -> RecurConfig | None:
     """The WY-form build of a shipped K2 (WY_RUNS), or None."""
-    w = dataclasses.replace(recur, wy=True)
-    return w if w in WY_RUNS else None
+    return _WY_OF.get(recur)
 
 
 # K2 alongside K1 (plans.schedule.alongside): each tensor-core forward built to run its two

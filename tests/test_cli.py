@@ -131,7 +131,7 @@ def test_header_gives_the_checkpoint_maps_rank_3_boxes(tmp_path):
     """The checkpoints builds' tensor maps (rank 3: [rows, H*V, K], the box a warp's padded
     slab) keep their whole box in the header."""
     c = [k for k in all_kernels()
-         if k.name == "kda_recur_wgmma_k128_v128_c16_bv64_t128_s4_f16_wy_ck"][0]
+         if k.name == "kda_recur_wgmma_k128_v128_c16_bv64_t128_s8_f16_wy_ck"][0]
     man = cubin.manifest(c.name, "sm_90a")
     text = cli.header([(c, man)], "sm_90a")
     rows = [r for r in (line.strip() for line in text.splitlines())

@@ -28,6 +28,7 @@ from kda_cute.ladder import (
     STEP_VARIANTS,
     TENSOR_CORE,
     WY_RUNS,
+    WY_STAGES,
     FwdConfig,
     all_kernels,
     alongside_of,
@@ -304,7 +305,10 @@ def test_wy_builds_are_the_fast_k2s_at_k128_and_256():
         w = wy_of(f.recur)
         if f.recur.head_dim_k >= 128:
             assert w in WY_RUNS and w.wy and supports_recur(w) == (True, "")
-            assert w.name == f.recur.name.replace("_f16", "_f16_wy")
+            stages = WY_STAGES.get(f.recur.head_dim_k, f.recur.stages)
+            assert w.name == f.recur.name.replace(
+                f"_s{f.recur.stages}_f16", f"_s{stages}_f16_wy")
+            assert w.stages == stages
         else:
             assert w is None
     assert all(wy_of(f.recur) is None for f in PRECISE)
