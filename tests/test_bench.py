@@ -519,3 +519,30 @@ def test_rescale_grid_probe_plans(probes, monkeypatch, mode):
     assert all(s.grid == (*r.grid[:2], 1 if mode == "1" else r.grid[2])
                for s, r in zip(got, rs, strict=True))
 
+
+
+def test_side_runs_probe_edits_only_the_side_steps(probes):
+    """bench/probes/side_runs_probe.py's variants of a plan with side runs: each changes only
+    the steps its name says (the K2 side run's grid z or programmatic flag; the K2 side runs,
+    or K1's side run and the zeroing, left out), every other step as planned; a plan without
+    side runs has no variants."""
+    from tests.test_plan import _plan
+
+    probe = probes("side_runs_probe")
+    pl = _plan(B=1, T=300, H=4, K=128,
+               ckpt=dict(every=64, per_row=5, slots=5, first=True, dtype="bf16"))
+    vs = probe.variants(pl)
+    side = pl.step("K2 side")
+    assert side.grid[2] > 1 and not side.programmatic
+    assert vs["plan"] is pl
+    assert vs["K2 side z 1"].step("K2 side").grid == (*side.grid[:2], 1)
+    assert vs["K2 side programmatic"].step("K2 side").programmatic
+    for name, gone in (("no K2 side runs", {"K2 side", "K2 side rescale"}),
+                       ("no K1 side, no zeroing", {"K1 side", "zero side slots"})):
+        assert list(vs[name].steps) == [s for s in pl.steps if s.name not in gone]
+    for name in ("K2 side z 1", "K2 side programmatic"):
+        assert [s for s in vs[name].steps if s.name != "K2 side"] == [
+            s for s in pl.steps if s.name != "K2 side"]
+    aligned = _plan(B=1, T=300, H=4, K=128,
+                    ckpt=dict(every=64, per_row=5, slots=5, dtype="bf16"))
+    assert list(probe.variants(aligned)) == ["plan"]

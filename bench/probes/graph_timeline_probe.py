@@ -3,9 +3,12 @@ timed as bench.py times it (CUDA events, cold L2, median), then 30 calls of each
 torch.profiler, every kernel's start (from the call's first kernel's start) and duration, the
 medians over calls. Shows where a graph's time differs from the eager call's: a kernel that runs
 longer, or a gap between kernels. K = V = 128, fast precision, the caller's workspace.
+--variants: instead, eager and graph timed (twice) for the forward's plan as made, with its K2
+rescale run an ordinary launch, and without it (timing only), and for fwd itself.
 
     python3 bench/probes/graph_timeline_probe.py "varlen mix H64" "B8 T1024 H64" ...
     (a bench.py case, or B<b>_T<t>_H<h> / V<len>x<n>_H<h> as kernel_times.py takes)
+    (the results of 2026-12-04: bench/results/wy-eight-stages-h200-2026-12-04.md)
 """
 
 from __future__ import annotations
@@ -51,11 +54,34 @@ def timeline(run, sets, calls: int):
     return {"kernels": out, "span_us": statistics.median(spans)}
 
 
+def plan_variants(x) -> dict:
+    """The forward's plan for input set `x` as made, with its K2 rescale run not programmatic,
+    and without it (named); None: fwd itself."""
+    import dataclasses
+
+    import bench
+    from kda_cute import checks, plans
+    from kda_cute.plans.device import device_info
+
+    p = bench.problem_of(x, check_seqlens=False)
+    opts = checks.options("bounded", True, True, None, None, "fast")
+    pl = plans.plan(p, opts, device_info(x["q"].device))
+    out = {"plan": pl}
+    if "K2 rescale" in [s.name for s in pl.steps]:
+        out["rescale not programmatic"] = pl.edit("K2 rescale", programmatic=False)
+        out["no rescale"] = dataclasses.replace(
+            pl, steps=tuple(s for s in pl.steps if s.name != "K2 rescale"))
+    out["fwd"] = None
+    return out
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("cases", nargs="+")
     ap.add_argument("--iters", type=int, default=100)
     ap.add_argument("--calls", type=int, default=30)
+    ap.add_argument("--variants", action="store_true",
+                    help="time the plan's rescale-run variants instead of the timelines")
     a = ap.parse_args(argv)
     for p in (ROOT, ROOT / "bench", ROOT / "bench" / "probes"):
         sys.path.insert(0, str(p))
@@ -67,6 +93,15 @@ def main(argv=None) -> None:
     for name in a.cases:
         label, spec = kernel_times.parse_case(name)
         sets = bench.input_sets(spec, 128)
+        if a.variants:
+            for vn, v in plan_variants(sets[0]).items():
+                run = bench.kda_runner() if v is None else bench.plan_runner(v)
+                graph = bench.graph_runner(run, sets)
+                for _ in range(2):
+                    e, g = bench.time_fn(run, sets, a.iters), bench.time_fn(graph, sets, a.iters)
+                    print(f"{label} | {vn} | eager {e:.4f} | graph {g:.4f} | {g / e - 1:+.1%}",
+                          flush=True)
+            continue
         run = bench.kda_runner()
         graph = bench.graph_runner(run, sets)
         r = {"eager_ms": bench.time_fn(run, sets, a.iters),

@@ -1,0 +1,94 @@
+"""What the side runs of a checkpointed forward cost: the every-n form with a first offset
+(checkpoint_first: every boundary may cut a chunk, so the plan runs K1's side run, the zeroing
+of the side slots, K2's side run and its rescale run, each finding on the device what it has to
+do) timed as planned and with its side steps edited (K2's side run with grid z 1, as a
+programmatic dependent, left out; K1's side run and the zeroing left out: timing only, those
+checkpoints are then wrong), against the same checkpoints without the first offset (no side
+runs) and the forward without checkpoints. K = V = 128, fast precision; graph (two timings)
+and eager, CUDA events, cold L2, median of 100.
+
+    python3 bench/probes/side_runs_probe.py ["B1 T8192 H64" ["every 64 bf16,every 1024 fp32"]]
+    (the results of 2026-12-04: bench/results/wy-eight-stages-h200-2026-12-04.md)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def call_with(x, kw):
+    """kda_cute's Call of an input set (bench.input_sets) with checkpoint arguments `kw`."""
+    from kda_cute.problem import Call
+
+    return Call(x["q"], x["k"], x["v"], x["g"], x["beta"], x["out"], x["A_log"], x["dt_bias"],
+                x["initial_state"], x["final_state"], x["cu_seqlens"], x["scale"],
+                x["lower_bound"], None, None, None, None, kw.get("checkpoint_state"),
+                kw.get("checkpoint_offsets"), kw.get("checkpoint_slots"),
+                kw.get("checkpoint_every"), kw.get("checkpoint_first"))
+
+
+def variants(pl) -> dict:
+    """The plan and its side-step edits (named)."""
+    names = [s.name for s in pl.steps]
+    out = {"plan": pl}
+    if "K2 side" in names:
+        s = pl.step("K2 side")
+        drop = lambda *n: dataclasses.replace(  # noqa: E731
+            pl, steps=tuple(x for x in pl.steps if x.name not in n))
+        out["K2 side z 1"] = pl.edit("K2 side", grid=(s.grid[0], s.grid[1], 1))
+        out["K2 side programmatic"] = pl.edit("K2 side", programmatic=True)
+        out["no K2 side runs"] = drop("K2 side", "K2 side rescale")
+        out["no K1 side, no zeroing"] = drop("K1 side", "zero side slots")
+    return out
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("cases", nargs="?", default="B1 T8192 H64,varlen mix H64",
+                    help="comma-separated, of bench.CASES")
+    ap.add_argument("modes", nargs="?", default="every 64 bf16,every 1024 fp32",
+                    help="comma-separated every-n modes of checkpoints_probe.py")
+    ap.add_argument("--iters", type=int, default=100)
+    a = ap.parse_args(argv)
+    for p in (ROOT, ROOT / "bench", ROOT / "bench" / "probes"):
+        sys.path.insert(0, str(p))
+    import checkpoints_probe as cp
+
+    import bench
+    from kda_cute import checks, launch, plans
+    from kda_cute.plans.device import device_info
+
+    for case in a.cases.split(","):
+        if case not in bench.CASES:
+            raise SystemExit(f"cases: expected some of {list(bench.CASES)}, got {case!r}")
+        sets = bench.input_sets(bench.CASES[case], 128, workspace=False)
+        opts = checks.options("bounded", True, True, None, None, "fast")
+        dev = device_info(sets[0]["q"].device)
+        modes = {}
+        for m in a.modes.split(","):
+            if not m.startswith("every ") or m not in cp.MODES:
+                raise SystemExit(f"modes: expected every-n modes of {cp.MODES}, got {m!r}")
+            kw, _ = cp.checkpoint_args(sets[0], m)
+            aligned = {k: v for k, v in kw.items() if k != "checkpoint_first"}
+            modes[m], modes[m + " aligned"] = kw, aligned
+        modes["none"] = {}
+        cp.give_workspace(sets, list(modes.values()))
+        for m, kw in modes.items():
+            pl = plans.plan(checks.forward(call_with(sets[0], kw), opts, False), opts, dev)
+            for name, v in variants(pl).items():
+                def run(x, v=v, kw=kw):
+                    launch.run(v, call_with(x, kw), x["ck_workspace"])
+                g = bench.graph_runner(run, sets)
+                gs = [bench.time_fn(g, sets, a.iters) for _ in range(2)]
+                e = bench.time_fn(run, sets, a.iters)
+                print(f"{case} | {m} | {name} | graph {gs[0]:.4f} {gs[1]:.4f} | eager {e:.4f}",
+                      flush=True)
+
+
+if __name__ == "__main__":
+    main()
