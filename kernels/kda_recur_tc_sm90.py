@@ -43,6 +43,7 @@ stored as zeros, so the chunk loop is the dense forward's.
 Constraints: block_v == 64, threads == 128 (+ 32 producer), chunk == 16, head_dim_k % 64 == 0.
 """
 
+
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
@@ -169,6 +170,13 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
                                                                       and cfg.checkpoints)
         # the checkpoints leave through tensor maps, one TMA store a warp (specs.recur)
         self.ck_maps = checkpoint_maps(cfg)
+        # K = 128's serial fp16 checkpoints builds store a bf16 checkpoint that more chunks
+        # follow from the next chunk, once its first products are issued (S is not written
+        # until its update): the slab's smem writes run beside those products instead of
+        # between two chunks (bench/results/checkpoints-deferred-h200-2026-12-04.md: bf16 one
+        # per 64 -3.4% on B1 T8192 H64; fp32 ones, twice the smem writes, lost 1.8% and stay)
+        self.defer = (cfg.checkpoints and cfg.f16 and not cfg.alongside and not cfg.rescale
+                      and not self.ck_lanes and cfg.head_dim_k == 128)
         self.op = cutlass.Float16 if cfg.f16 else cutlass.BFloat16
         # the state's operand copy in `nsplit` slabs of K (two at K = 256, which keeps it inside
         # 255 registers)
@@ -670,6 +678,11 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
             # the chunks run between checkpoints (one run without): the chunk loop itself
             # carries no checkpoint test
             c0 = cutlass.Int32(0)
+            # (self.defer) a checkpoint due at the next chunk's products: its destination and
+            # whether the newest bulk group is the previous chunk's output store
+            pend = cutlass.Int32(0)
+            pto = cutlass.Int32(0)
+            pheld = cutlass.Boolean(False)
             while c0 < num_chunks:
                 stop = num_chunks
                 if ck[1] > c0:
@@ -710,16 +723,21 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
                     if cutlass.const_expr(self.rescale):
                         out_len = out_len * mine
 
+                    pending = None
+                    if cutlass.const_expr(self.defer):
+                        pending = (pend, pto, pheld, ckpt, sCk, h, vb, warp)
                     if cutlass.const_expr(self.wy):
                         # the WY form: the producer turned kg's tile into kgw = -Aw kg
                         self._chunk_wy(mma_p, acc_s, acc_p, acc_o, acc_u, vS, vW, vU, aS, gl_r,
                                        (aWh, aWl, aUh, aUl), (bKg, bQg, bAwh), sGl, sV, cS, cP, s,
-                                       length)
+                                       length, pending)
                     else:
                         self._chunk_pw((mma_p, mma_q), acc_s, acc_p, acc_o, acc_u, vS, vW, vU,
                                        aS, gl_r, (aWh, aWl, aUh, aUl), (bKg, bQg, bAwh, bAwl),
-                                       sGl, sV, cS, cP, s, length, sig)
+                                       sGl, sV, cS, cP, s, length, sig, pending)
 
+                    if cutlass.const_expr(self.defer):
+                        pend = cutlass.Int32(0)
                     # ---- O^T = Pq + U^T Mq^T -----------------------------------------------------
                     # (WY form: U^T Mq^T into acc_p, added to Pq at the store: Pq may still be in
                     # flight, and a product accumulating onto it would make ptxas wait for it here)
@@ -788,8 +806,20 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
                         # than the slab's last store; read by the tensor-map builds only, never
                         # a rescale build)
                         held = cutlass.min(C, eos - (bos + (c0 - 1) * C)) * keep
-                        ck = self._checkpoints(ckpt, ck, c0, acc_s, cS, sCk, h, vb, warp, sig,
-                                               mine, held == C)
+                        if cutlass.const_expr(self.defer):
+                            if (c0 < num_chunks and ck[3] != c0 and ck[2] >= 0
+                                    and ck_dtype == STATE_BF16):
+                                # one bf16 one due, more chunks follow: stored from the next
+                                pend = cutlass.Int32(1)
+                                pto = ck[2]
+                                pheld = held == C
+                                ck = self._ck_next(ckpt, ck)
+                            else:
+                                ck = self._checkpoints(ckpt, ck, c0, acc_s, cS, sCk, h, vb, warp,
+                                                       sig, mine, held == C)
+                        else:
+                            ck = self._checkpoints(ckpt, ck, c0, acc_s, cS, sCk, h, vb, warp,
+                                                   sig, mine, held == C)
 
             cute.arch.cp_async_bulk_wait_group(0, read=True)  # smem outlives every warp's stores
 
@@ -851,74 +881,14 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
         rescale builds store S with its row scales (sig) undone, and only the warps whose
         rows they redo (mine)."""
         mCkAt, mCkTo, mCkF, mCkH, mCkS, ck_rows, ck_dtype = ckpt
-        K = self.K
         if cutlass.const_expr(self.ck_lanes):
             k, at, to, a0, t0, a1, t1, e0 = ck
         else:
             e, at, to, nat, nto = ck
         lane = cute.arch.lane_idx()
-        lo = cutlass.Int32(16)  # the lane that stores (none: a warp the run does not redo)
-        if cutlass.const_expr(self.rescale):
-            if mine == 0:
-                lo = cutlass.Int32(32)
-        r0 = warp * 16
-        base = sCk.iterator + r0 * (K + CK_PAD)
-        slab = cute.make_tensor(base, cute.make_layout((16, K), stride=(K + CK_PAD, 1)))
-        slab_h = cute.make_tensor(cute.recast_ptr(base, dtype=cutlass.BFloat16),
-                                  cute.make_layout((16, K), stride=(K + 2 * CK_PAD, 1)))
         while at == done:
-            half = cutlass.Int32(0)
-            if to >= 0:
-                if ck_dtype == STATE_BF16:
-                    half = cutlass.Int32(1)
-            # the slab's last stores have read it (held: the newest group is the run's last
-            # output store, younger than them, and need not be waited for)
-            if cutlass.const_expr(self.ck_maps):
-                if held:
-                    cute.arch.cp_async_bulk_wait_group(1, read=True)
-                else:
-                    cute.arch.cp_async_bulk_wait_group(0, read=True)
-                held = cutlass.Boolean(False)
-            elif lane == 16:
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
-            cute.arch.sync_warp()
-            if half != 0:
-                for i in cutlass.range_constexpr(cute.size(acc_s)):
-                    r, d = cS[i]
-                    slab_h[r - r0, d] = self._unscaled(acc_s, i, sig).to(cutlass.BFloat16)
-            else:
-                for i in cutlass.range_constexpr(cute.size(acc_s)):
-                    r, d = cS[i]
-                    slab[r - r0, d] = self._unscaled(acc_s, i, sig)
-            cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.sync_warp()
-            if cutlass.const_expr(self.ck_maps):
-                # one tensor store a warp: rows h V + vb BV + r0 .. + 15 of [rows, H*V, K]
-                row = h * self.V + vb * self.BV + r0
-                if to < 0:
-                    self._slab_store(mCkS, base, CK_PAD, cutlass.Float32, (-to - 1, row, 0))
-                elif half != 0:
-                    self._slab_store(mCkH, base, 2 * CK_PAD, cutlass.BFloat16, (to, row, 0))
-                else:
-                    self._slab_store(mCkF, base, CK_PAD, cutlass.Float32, (to, row, 0))
-                cute.arch.cp_async_bulk_commit_group()
-            elif lane == lo:
-                # one lane issues the 16 row copies, its addresses uniform: copies issued from
-                # 16 lanes at once run one lane at a time through a loop of uniform-register
-                # moves (bench/results/checkpoints-variants-h200-2026-12-04.md)
-                if to < 0:
-                    g = self._state_rows(mCkS, -to - 1, h, vb)[r0, None].iterator.toint()
-                    for i in cutlass.range_constexpr(16):
-                        bulk_store(g + i * K * 4, slab[i, None].iterator.toint(), K * 4)
-                elif half != 0:
-                    g = self._state_rows(mCkH, to, h, vb)[r0, None].iterator.toint()
-                    for i in cutlass.range_constexpr(16):
-                        bulk_store(g + i * K * 2, slab_h[i, None].iterator.toint(), K * 2)
-                else:
-                    g = self._state_rows(mCkF, to, h, vb)[r0, None].iterator.toint()
-                    for i in cutlass.range_constexpr(16):
-                        bulk_store(g + i * K * 4, slab[i, None].iterator.toint(), K * 4)
-                cute.arch.cp_async_bulk_commit_group()
+            self._ck_store(ckpt, to, acc_s, cS, sCk, h, vb, warp, sig, mine, held)
+            held = cutlass.Boolean(False)
             if cutlass.const_expr(self.ck_lanes):
                 # the next entry from its lane; every 32 the lanes' next 32 move up and the 32
                 # after them are read
@@ -938,6 +908,90 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
         if cutlass.const_expr(self.ck_lanes):
             return k, at, to, a0, t0, a1, t1, e0
         return e, at, to, nat, nto
+
+    @cute.jit
+    def _ck_pending(self, acc_s, cS, pending):
+        """The checkpoint a run's end left pending (self.defer): S, still the state at the
+        checkpoint, to its destination's slab and store (one entry: _ck_store)."""
+        pend, pto, pheld, ckpt, sCk, h, vb, warp = pending
+        if pend != 0:
+            self._ck_store(ckpt, pto, acc_s, cS, sCk, h, vb, warp, None, cutlass.Int32(1),
+                           pheld)
+
+    @cute.jit
+    def _ck_store(self, ckpt, to, acc_s, cS, sCk, h, vb, warp, sig, mine, held):
+        """One checkpoint entry's store of S into destination `to` (_checkpoints): the warp's
+        rows to its slab once the slab's last stores have read it (held: the newest bulk
+        group is the previous chunk's whole output store, younger than them, and is not
+        waited for), then one tensor store (ck_maps) or lane 16's row copies."""
+        mCkAt, mCkTo, mCkF, mCkH, mCkS, ck_rows, ck_dtype = ckpt
+        K = self.K
+        lane = cute.arch.lane_idx()
+        lo = cutlass.Int32(16)  # the lane that stores (none: a warp the run does not redo)
+        if cutlass.const_expr(self.rescale):
+            if mine == 0:
+                lo = cutlass.Int32(32)
+        r0 = warp * 16
+        base = sCk.iterator + r0 * (K + CK_PAD)
+        slab = cute.make_tensor(base, cute.make_layout((16, K), stride=(K + CK_PAD, 1)))
+        slab_h = cute.make_tensor(cute.recast_ptr(base, dtype=cutlass.BFloat16),
+                                  cute.make_layout((16, K), stride=(K + 2 * CK_PAD, 1)))
+        half = cutlass.Int32(0)
+        if to >= 0:
+            if ck_dtype == STATE_BF16:
+                half = cutlass.Int32(1)
+        if cutlass.const_expr(self.ck_maps):
+            if held:
+                cute.arch.cp_async_bulk_wait_group(1, read=True)
+            else:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+        elif lane == 16:
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+        cute.arch.sync_warp()
+        if half != 0:
+            for i in cutlass.range_constexpr(cute.size(acc_s)):
+                r, d = cS[i]
+                slab_h[r - r0, d] = self._unscaled(acc_s, i, sig).to(cutlass.BFloat16)
+        else:
+            for i in cutlass.range_constexpr(cute.size(acc_s)):
+                r, d = cS[i]
+                slab[r - r0, d] = self._unscaled(acc_s, i, sig)
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.sync_warp()
+        if cutlass.const_expr(self.ck_maps):
+            # one tensor store a warp: rows h V + vb BV + r0 .. + 15 of [rows, H*V, K]
+            row = h * self.V + vb * self.BV + r0
+            if to < 0:
+                self._slab_store(mCkS, base, CK_PAD, cutlass.Float32, (-to - 1, row, 0))
+            elif half != 0:
+                self._slab_store(mCkH, base, 2 * CK_PAD, cutlass.BFloat16, (to, row, 0))
+            else:
+                self._slab_store(mCkF, base, CK_PAD, cutlass.Float32, (to, row, 0))
+            cute.arch.cp_async_bulk_commit_group()
+        elif lane == lo:
+            # one lane issues the 16 row copies, its addresses uniform: copies issued from
+            # 16 lanes at once run one lane at a time through a loop of uniform-register
+            # moves (bench/results/checkpoints-variants-h200-2026-12-04.md)
+            if to < 0:
+                g = self._state_rows(mCkS, -to - 1, h, vb)[r0, None].iterator.toint()
+                for i in cutlass.range_constexpr(16):
+                    bulk_store(g + i * K * 4, slab[i, None].iterator.toint(), K * 4)
+            elif half != 0:
+                g = self._state_rows(mCkH, to, h, vb)[r0, None].iterator.toint()
+                for i in cutlass.range_constexpr(16):
+                    bulk_store(g + i * K * 2, slab_h[i, None].iterator.toint(), K * 2)
+            else:
+                g = self._state_rows(mCkF, to, h, vb)[r0, None].iterator.toint()
+                for i in cutlass.range_constexpr(16):
+                    bulk_store(g + i * K * 4, slab[i, None].iterator.toint(), K * 4)
+            cute.arch.cp_async_bulk_commit_group()
+
+    @cute.jit
+    def _ck_next(self, ckpt, ck):
+        """The checkpoint table moved on past the due entry (not the ck_lanes builds)."""
+        mCkAt, mCkTo = ckpt[0], ckpt[1]
+        e, at, to, nat, nto = ck
+        return e + 1, nat, nto, mCkAt[e], mCkTo[e]
 
     @cute.jit
     def _ck_lanes(self, mCkAt: cute.Tensor, mCkTo: cute.Tensor, e0, j, ck_rows, lane):
@@ -1112,7 +1166,7 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
 
     @cute.jit
     def _chunk_pw(self, mmas, acc_s, acc_p, acc_o, acc_u, vS, vW, vU, aS,
-                    gl_r, regs, smem_b, sGl, sV, cS, cP, s, length, sig):
+                    gl_r, regs, smem_b, sGl, sV, cS, cP, s, length, sig, pending=None):
         """A chunk up to U: P = S kg^T, W^T = v^T - P, U^T = W^T Aw^T (hi/lo products, or
         fp16 ones for cfg.f16; P and Pq on fp16 operands either way, the precise builds' S
         scaled per row into fp16's range: _row_scales; the rescale builds' whole state and values:
@@ -1147,6 +1201,8 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
                 self._gemm(mma_q, acc_o, aS, bQg[None, None, None, s], part == 0,
                            part * kb_slab)
                 warpgroup.commit_group()
+        if cutlass.const_expr(pending is not None):
+            self._ck_pending(acc_s, cS, pending)  # S not written before _decay_state
         # while they run: this thread's v^T entries (widened after the wait, so the
         # loads' latency hides behind the products)
         vT = cute.make_rmem_tensor_like(acc_p, bf16)
@@ -1184,7 +1240,7 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
 
     @cute.jit
     def _chunk_wy(self, mma_p: cute.TiledMma, acc_s, acc_p, acc_o, acc_u, vS, vW, vU, aS,
-                  gl_r, regs, smem_b, sGl, sV, cS, cP, s, length):
+                  gl_r, regs, smem_b, sGl, sV, cS, cP, s, length, pending=None):
         """A chunk of the fp16 forward up to U, in the WY form: U^T = v^T Aw^T + S kgw^T,
         the producer having turned kg's tile into kgw = -Aw kg. The same U as W^T = v^T - S kg^T,
         U^T = W^T Aw^T, one product round trip shorter: U waits for no P. Leaves acc_u = U^T,
@@ -1219,6 +1275,8 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
                 self._gemm(mma_p, acc_o, aS, bQg[None, None, None, s], part == 0,
                            part * kb_slab)
                 warpgroup.commit_group()
+        if cutlass.const_expr(pending is not None):
+            self._ck_pending(acc_s, cS, pending)
         self._decay_state(acc_s, gl_r, sGl, cS, s)  # S diag(gl), while the products run
         warpgroup.wait_group(1 if self.outputs else 0)
         self._operand(vU, aUh, aUl)
