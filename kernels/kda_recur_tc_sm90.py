@@ -174,7 +174,7 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
         # follow from the next chunk, once its first products are issued (S is not written
         # until its update): the slab's smem writes run beside those products instead of
         # between two chunks (bench/results/checkpoints-deferred-h200-2026-12-04.md: bf16 one
-        # per 64 -3.4% on B1 T8192 H64; fp32 ones, twice the smem writes, lost 1.8% and stay)
+        # per 64 -3.1% on B1 T8192 H64; fp32 ones, twice the smem writes, lost 1.8% and stay)
         self.defer = (cfg.checkpoints and cfg.f16 and not cfg.alongside and not cfg.rescale
                       and not self.ck_lanes and cfg.head_dim_k == 128)
         self.op = cutlass.Float16 if cfg.f16 else cutlass.BFloat16
