@@ -160,20 +160,25 @@ def time_fn(fn, sets, iters, warmup=10) -> float:
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends, strict=True))
 
 
-def gpu_kernel_ms(fn, sets, iters=30) -> dict[str, float]:
-    """Each kernel's own GPU time per call of `fn` (ms; name -> the median of its launches
-    times its launches per call), from the profiler's kernel records: no launch gaps, no host."""
+def gpu_events(fn, sets, calls: int) -> list:
+    """The profiler's GPU records of `calls` calls of `fn` (cycling through the input sets,
+    after three calls of warm-up)."""
     for i in range(3):
         fn(sets[i % len(sets)])
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for i in range(iters):
+        for i in range(calls):
             fn(sets[i % len(sets)])
         torch.cuda.synchronize()
+    return [ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def gpu_kernel_ms(fn, sets, iters=30) -> dict[str, float]:
+    """Each kernel's own GPU time per call of `fn` (ms; name -> the median of its launches
+    times its launches per call), from the profiler's kernel records: no launch gaps, no host."""
     per = collections.defaultdict(list)
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
-            per[ev.name].append(ev.device_time_total / 1e3)
+    for ev in gpu_events(fn, sets, iters):
+        per[ev.name].append(ev.device_time_total / 1e3)
     return {name: statistics.median(ts) * len(ts) / iters for name, ts in per.items()}
 
 

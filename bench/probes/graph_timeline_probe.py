@@ -25,18 +25,11 @@ ROOT = Path(__file__).resolve().parents[2]
 def timeline(run, sets, calls: int):
     """Per kernel position in a call: (name, median start us from the call's first kernel,
     median duration us), and the median span of a call (first start to last end)."""
-    import torch
+    import bench
 
-    for i in range(3):
-        run(sets[i % len(sets)])
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for i in range(calls):
-            run(sets[i % len(sets)])
-        torch.cuda.synchronize()
-    ks = sorted(((ev.time_range.start, ev.time_range.end, ev.name) for ev in prof.events()
-                 if ev.device_type == torch.autograd.DeviceType.CUDA
-                 and "elementwise" not in ev.name), key=lambda t: t[0])
+    ks = sorted(((ev.time_range.start, ev.time_range.end, ev.name)
+                 for ev in bench.gpu_events(run, sets, calls)
+                 if "elementwise" not in ev.name), key=lambda t: t[0])
     if len(ks) % calls:
         return {"error": f"{len(ks)} kernel records over {calls} calls",
                 "names": sorted({n for _, _, n in ks})}
