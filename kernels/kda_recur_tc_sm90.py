@@ -43,7 +43,6 @@ stored as zeros, so the chunk loop is the dense forward's.
 Constraints: block_v == 64, threads == 128 (+ 32 producer), chunk == 16, head_dim_k % 64 == 0.
 """
 
-
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
@@ -809,7 +808,8 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
                         if cutlass.const_expr(self.defer):
                             if (c0 < num_chunks and ck[3] != c0 and ck[2] >= 0
                                     and ck_dtype == STATE_BF16):
-                                # one bf16 one due, more chunks follow: stored from the next
+                                # exactly one due, bf16, and more chunks follow: stored by
+                                # the next chunk, beside its first products (_ck_pending)
                                 pend = cutlass.Int32(1)
                                 pto = ck[2]
                                 pheld = held == C
