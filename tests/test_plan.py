@@ -15,8 +15,10 @@ import kda_cute
 from kda_cute import api, checks, plans
 from kda_cute.ladder import (
     OFFSETS,
+    TENSOR_CORE,
     WY_RUNS,
     alongside_of,
+    checkpoints_of,
     combine_config,
     rescale_of,
     select_config,
@@ -551,6 +553,20 @@ def test_serial_k2_takes_the_wy_build_where_each_cta_has_its_sm(K, H, expect_wy)
         assert w in WY_RUNS and w.f16 and cfg.recur.f16
     off = _plan(_with(alongside=False, wy="off"), H=H, T=64, K=K)
     assert _kernels(off)[1:2] == [cfg.recur.name]
+
+
+@needs_manifests
+def test_wy_builds_and_their_checkpoints_twins_fit_one_cta_an_sm():
+    """The WY K2s run only where each CTA has an SM to itself, so they may take more shared
+    memory than the plain K2s (K = 128's streams more stages): each, and its checkpoints twin,
+    still fits one CTA an H200 SM, and K = 128's holds at least as many stages as its plain K2."""
+    for w in WY_RUNS:
+        for k in (w, checkpoints_of(w)):
+            res = resources(k, H200.arch)
+            assert res.smem <= H200.smem_per_block and resident_per_sm(H200, res) >= 1
+    plain = {r.head_dim_k: r for r in (f.recur for f in TENSOR_CORE) if r.f16}
+    for w in WY_RUNS:
+        assert w.stages >= plain[w.head_dim_k].stages
 
 
 @needs_manifests
