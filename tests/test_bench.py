@@ -521,7 +521,7 @@ def test_rescale_grid_probe_plans(probes, monkeypatch, mode):
 
 
 
-def test_side_runs_probe_edits_only_the_side_steps(probes):
+def test_side_runs_probe_edits_only_the_side_steps(probes, monkeypatch):
     """bench/probes/side_runs_probe.py's variants of a plan with side runs: each changes only
     the steps its name says (the K2 side run's grid z or programmatic flag; the K2 side runs,
     or K1's side run and the zeroing, left out), every other step as planned; a plan without
@@ -543,6 +543,17 @@ def test_side_runs_probe_edits_only_the_side_steps(probes):
     for name in ("K2 side z 1", "K2 side programmatic"):
         assert [s for s in vs[name].steps if s.name != "K2 side"] == [
             s for s in pl.steps if s.name != "K2 side"]
+    # an input set's Call with checkpoint arguments: bench.call_of's, those fields set (bench.py
+    # importable as the probe's main makes it)
+    import sys
+
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    monkeypatch.delitem(sys.modules, "bench", raising=False)
+    x, _ = _cpu_inputs(B=1, T=64, H=2, K=64)
+    kw = {"checkpoint_state": torch.empty(1), "checkpoint_every": 64}
+    c = probe.call_with(x, kw)
+    assert c._replace(checkpoint_state=None, checkpoint_every=None) == bench.call_of(x)
+    assert c.checkpoint_state is kw["checkpoint_state"] and c.checkpoint_every == 64
     aligned = _plan(B=1, T=300, H=4, K=128,
                     ckpt=dict(every=64, per_row=5, slots=5, dtype="bf16"))
     assert list(probe.variants(aligned)) == ["plan"]

@@ -22,14 +22,11 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def call_with(x, kw):
-    """kda_cute's Call of an input set (bench.input_sets) with checkpoint arguments `kw`."""
-    from kda_cute.problem import Call
+    """kda_cute's Call of an input set (bench.call_of) with checkpoint arguments `kw` (fwd's
+    names, checkpoints_probe.checkpoint_args)."""
+    import bench
 
-    return Call(x["q"], x["k"], x["v"], x["g"], x["beta"], x["out"], x["A_log"], x["dt_bias"],
-                x["initial_state"], x["final_state"], x["cu_seqlens"], x["scale"],
-                x["lower_bound"], None, None, None, None, kw.get("checkpoint_state"),
-                kw.get("checkpoint_offsets"), kw.get("checkpoint_slots"),
-                kw.get("checkpoint_every"), kw.get("checkpoint_first"))
+    return bench.call_of(x)._replace(**kw)
 
 
 def variants(pl) -> dict:
