@@ -524,8 +524,8 @@ def test_rescale_grid_probe_plans(probes, monkeypatch, mode):
 def test_side_runs_probe_edits_only_the_side_steps(probes, monkeypatch):
     """bench/probes/side_runs_probe.py's variants of a plan with side runs: each changes only
     the steps its name says (the K2 side run's grid z or programmatic flag; the K2 side runs,
-    or K1's side run and the zeroing, left out), every other step as planned; a plan without
-    side runs has no variants."""
+    or K1's side run, left out; K1's side run's grid cut), every other step as planned; a plan
+    without side runs has no variants."""
     from tests.test_plan import _plan
 
     probe = probes("side_runs_probe")
@@ -538,8 +538,19 @@ def test_side_runs_probe_edits_only_the_side_steps(probes, monkeypatch):
     assert vs["K2 side z 1"].step("K2 side").grid == (*side.grid[:2], 1)
     assert vs["K2 side programmatic"].step("K2 side").programmatic
     for name, gone in (("no K2 side runs", {"K2 side", "K2 side rescale"}),
-                       ("no K1 side, no zeroing", {"K1 side", "zero side slots"})):
+                       ("no K1 side", {"K1 side"})):
         assert list(vs[name].steps) == [s for s in pl.steps if s.name not in gone]
+    # K1's side run cut to about two CTAs an SM (4 heads: 66 rows, at most the 5 side slots;
+    # 64 heads, 128 side slots: 5)
+    k1 = pl.step("K1 side")
+    cut = vs[f"K1 side grid y {min(k1.grid[1], 66)}"]
+    assert cut.step("K1 side").grid == (4, 5, 1)
+    assert [s for s in cut.steps if s.name != "K1 side"] == [
+        s for s in pl.steps if s.name != "K1 side"]
+    big = _plan(B=1, T=8192, H=64, K=128,
+                ckpt=dict(every=64, per_row=128, slots=128, first=True, dtype="bf16"))
+    assert big.step("K1 side").grid == (64, 128, 1)
+    assert probe.variants(big)["K1 side grid y 5"].step("K1 side").grid == (64, 5, 1)
     for name in ("K2 side z 1", "K2 side programmatic"):
         assert [s for s in vs[name].steps if s.name != "K2 side"] == [
             s for s in pl.steps if s.name != "K2 side"]
@@ -557,3 +568,51 @@ def test_side_runs_probe_edits_only_the_side_steps(probes, monkeypatch):
     aligned = _plan(B=1, T=300, H=4, K=128,
                     ckpt=dict(every=64, per_row=5, slots=5, dtype="bf16"))
     assert list(probe.variants(aligned)) == ["plan"]
+
+
+def test_checkpoints_probe_modes(probes):
+    """bench/probes/checkpoints_probe.py's every-n modes: the first offset on chunk boundaries
+    (every), mid-chunk (every - 24) or absent ("no first"), and the bytes each writes."""
+    probe = probes("checkpoints_probe")
+    x, _ = _cpu_inputs(B=2, T=200, H=2, K=64)
+    for mode, first in (("every 64 bf16", 64), ("every 64 fp32 mid-chunk", 40),
+                        ("every 64 bf16 no first", None)):
+        assert mode in probe.MODES
+        kw, nbytes = probe.checkpoint_args(x, mode)
+        if first is None:
+            assert "checkpoint_first" not in kw
+        else:
+            assert kw["checkpoint_first"].tolist() == [first, first]
+        per = (200 - (first or 64)) // 64 + 1  # a row's boundaries: 64, 128, 192 or 40, 104, 168
+        elem = 4 if "fp32" in mode else 2
+        assert nbytes == 2 * per * 2 * 64 * 64 * elem and kw["checkpoint_every"] == 64
+
+
+def test_forward_bytes_probe_reads_the_last_forward(probes):
+    """bench/probes/forward_bytes_probe.py's parse of ncu's CSV (base units): each kernel's
+    three metrics, the last of two forwards' kernels, in launch order; a count that is not
+    whole forwards raises."""
+    probe = probes("forward_bytes_probe")
+    head = '"ID","Kernel Name","Metric Name","Metric Unit","Metric Value"\n'
+    rows = []
+    for i, name in enumerate(["kda_prep_a", "kda_recur_tc_b"] * 2):
+        for metric, value in zip(probe.METRICS, (1000 + i, 2e6 + i, "3,000,000"), strict=True):
+            rows.append(f'"{i}","{name}","{metric}","x","{value}"\n')
+    ks = probe.parse("==PROF== noise\n" + head + "".join(rows))
+    assert [(k["name"], k["ns"], k["read"], k["write"]) for k in ks] == [
+        ("kda_prep_a", 1002.0, 2e6 + 2, 3e6), ("kda_recur_tc_b", 1003.0, 2e6 + 3, 3e6)]
+    with pytest.raises(RuntimeError, match="3 kernels"):
+        probe.parse(head + "".join(rows[:9]))
+    with pytest.raises(RuntimeError, match="no CSV"):
+        probe.parse("nothing")
+
+
+def test_checkpoints_probe_pairs_each_mode_with_the_base_around_it(probes):
+    """--rounds: a round times base, m1, base, m2, base; m2's ratio in round j is against the
+    base timings right before and after it, and the figure is the median over rounds."""
+    probe = probes("checkpoints_probe")
+    # two rounds, modes (base, m1, m2): base timings 1, 2, 3 | 10, 20, 30
+    base = [1.0, 2.0, 3.0, 10.0, 20.0, 30.0]
+    assert probe.paired(base, [1.5, 15.0], 0, 3) == 1.0
+    assert probe.paired(base, [5.0, 50.0], 1, 3) == 2.0
+    assert probe.paired(base, [2.5, 100.0], 1, 3) == pytest.approx((1.0 + 4.0) / 2)

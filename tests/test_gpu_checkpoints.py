@@ -242,6 +242,43 @@ def test_every_into_a_strided_pool(K, dtype):
     assert _same(big[:, H * V * K:], before[:, H * V * K:])  # the gaps between slots
 
 
+@pytest.mark.parametrize("K,precision,dtype", [(128, "fast", torch.bfloat16),
+                                                 (64, "precise", torch.float32)])
+def test_every_many_heads_and_side_slots(K, precision, dtype):
+    """Many heads, many mid-chunk boundaries (side slots past a row's end or skipped among
+    them): every checkpoint bit-identical to its prefix alone, every other slot untouched."""
+    seqlens = [700, 300, 520]
+    H = 48
+    inp = make_inputs(seqlens=seqlens, H=H, K=K, seed=17)
+    N, M = len(seqlens), 11
+    first = torch.tensor([30, 17, 40], dtype=torch.int32, device="cuda")
+    cs = (torch.arange(N * M, device="cuda").view(N, M)).to(torch.int32)
+    cs[1, 2] = -1
+    pool = torch.full((N * M, H, K, K), SENTINEL, dtype=dtype, device="cuda")
+    before = pool.clone()
+    out = torch.empty_like(inp["v"])
+    opts = _opts(inp, precision, **SERIAL)
+    pl = _run(inp, out, None, None, opts, cu=inp["cu_seqlens"], checkpoint_state=pool,
+              checkpoint_slots=cs, checkpoint_every=64, checkpoint_first=first)
+    torch.cuda.synchronize()
+    kda_cute.check_errors(sync=True)
+    assert pl.step("K1 side").grid == (H, N * M, 1)
+    written = set()
+    for n, (b, e) in enumerate(_bounds(inp)):
+        for i in range(M):
+            o, s = int(first[n]) + 64 * i, int(cs[n, i])
+            if s < 0 or not 1 <= o <= e - b:
+                continue
+            written.add(s)
+            assert _same(pool[s], _prefix(inp, n, o, None, dtype, opts)), (n, i, o)
+    assert len(written) == 11 + 4 + 8
+    for n, i in ((0, 0), (0, 10), (2, 7)):  # and within the bar of float64
+        o = int(first[n]) + 64 * i
+        assert rel_err(pool[int(cs[n, i])], _ref_state(inp, n, o, None)) < STATE_TOL[dtype]
+    rest = [s for s in range(N * M) if s not in written]
+    assert _same(pool[rest], before[rest])
+
+
 def test_every_bad_slot_raises():
     inp = make_inputs(seqlens=[130, 70], H=2, K=64, seed=5)
     pool, read = _pool_case(inp, torch.float32, 16)

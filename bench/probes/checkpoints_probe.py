@@ -5,12 +5,17 @@ as a CUDA graph), K = V = 128 (--head-dim), fast precision (--precision).
 Modes: one fp32 checkpoint per 1024 tokens (checkpoint_offsets at 1024, 2048, ... of each
 sequence); one fp32 per 1024 and one per 64 tokens into a pool (checkpoint_slots with
 checkpoint_every 1024 or 64, fp32 and bf16), on chunk boundaries (first = every) and mid-chunk
-(first = every - 24: every one a partial chunk for the side runs). The extra bytes each mode
-writes are reported beside the forward's compulsory ones.
+(first = every - 24: every one a partial chunk for the side runs), and on chunk boundaries
+without a first offset (no first: the plan knows they are aligned; no side runs). The extra
+bytes each mode writes are reported beside the forward's compulsory ones. --rounds R (> 1)
+first runs the forward for --warm-s seconds (the GPU slows by a few % in its first seconds
+under this load), then times every mode R times, each right after the first mode (none), and
+reports the medians and each mode's median ratio to the first mode's timings before and after
+it (*_paired).
 
     python3 bench/probes/checkpoints_probe.py [--iters N] [--out JSON] [--cases A,B] (of
         bench.CASES; default B1 T8192 H64 and varlen mix H64)
-        [--modes "none,every 64 fp32"]
+        [--modes "none,every 64 fp32"] [--rounds R]
     python3 bench/probes/checkpoints_probe.py --table JSON --out PREFIX   (.md and .png)
 """
 
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -25,7 +31,8 @@ ROOT = Path(__file__).resolve().parents[2]
 CASES = ("B1 T8192 H64", "varlen mix H64")
 # name -> (dtype, every, first) for the slots form; "offsets 1024": the offsets form
 MODES = ("none", "offsets 1024 fp32", "every 1024 fp32", "every 64 fp32", "every 64 bf16",
-         "every 64 fp32 mid-chunk", "every 64 bf16 mid-chunk")
+         "every 64 fp32 mid-chunk", "every 64 bf16 mid-chunk", "every 64 fp32 no first",
+         "every 64 bf16 no first")
 
 
 def _imports():
@@ -70,9 +77,10 @@ def checkpoint_args(x, mode: str) -> tuple[dict, int]:
     used = sum(max(0, (L - first) // every + 1) for L in lens)
     pool = torch.empty(N * M, H, V, K, dtype=dtype, device=dev)
     slots = torch.arange(N * M, dtype=torch.int32, device=dev).view(N, M)
-    return ({"checkpoint_state": pool, "checkpoint_slots": slots, "checkpoint_every": every,
-             "checkpoint_first": torch.full((N,), first, dtype=torch.int32, device=dev)},
-            used * H * V * K * dtype.itemsize)
+    kw = {"checkpoint_state": pool, "checkpoint_slots": slots, "checkpoint_every": every}
+    if "no first" not in mode:  # (without: the boundaries at every, 2 every, ... known aligned)
+        kw["checkpoint_first"] = torch.full((N,), first, dtype=torch.int32, device=dev)
+    return kw, used * H * V * K * dtype.itemsize
 
 
 def give_workspace(sets: list, kws: list, precision: str = "fast") -> None:
@@ -137,6 +145,28 @@ def table(res: dict, prefix: str) -> None:
     fig.savefig(prefix + ".png", dpi=120)
 
 
+def paired(base: list, times: list, i: int, per: int) -> float:
+    """The median over rounds of a mode's time over the mean of the base timings either side
+    of it: round j timed the base `per` times, the i-th of the other modes between base
+    timings j per + i and j per + i + 1."""
+    return statistics.median(t / ((base[j * per + i] + base[j * per + i + 1]) / 2)
+                             for j, t in enumerate(times))
+
+
+def _warm(fn, sets, seconds: float) -> None:
+    """Run fn over the input sets for `seconds` of wall time: the GPU's clocks settle under
+    load (an H200 runs a few % slower after some seconds of this work than at its start)."""
+    import time
+
+    import torch
+
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        for x in sets:
+            fn(x)
+        torch.cuda.synchronize()
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--iters", type=int, default=100)
@@ -146,6 +176,12 @@ def main(argv=None) -> None:
     ap.add_argument("--head-dim", type=int, default=128, help="K = V")
     ap.add_argument("--precision", choices=("fast", "precise"), default="fast")
     ap.add_argument("--modes", default=",".join(MODES), help="comma-separated, of MODES")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="time every mode this many times, each right after the first mode "
+                         "(each figure the median; *_paired: the median ratio to the first "
+                         "mode's timings around it)")
+    ap.add_argument("--warm-s", type=float, default=10.0,
+                    help="with --rounds > 1: run the first mode this long before timing")
     a = ap.parse_args(argv)
     cases, modes = a.cases.split(","), a.modes.split(",")
     if a.table:
@@ -165,15 +201,38 @@ def main(argv=None) -> None:
         give_workspace(sets, [kw for kw, _ in args.values()], a.precision)
         row = {"case": name, "head_dim": a.head_dim, "precision": a.precision,
                "compulsory": bench.compulsory_bytes(sets[0]), "modes": {}}
+        runs = {}
         for m in modes:
-            kw, nbytes = args[m]
-            run = runner(kw, a.precision)
-            row["modes"][m] = {"eager": bench.time_fn(run, sets, a.iters),
-                               "graph": bench.time_fn(bench.graph_runner(run, sets), sets,
-                                                      a.iters),
-                               "bytes": nbytes}
-            torch.cuda.synchronize()
-            print(name, m, json.dumps(row["modes"][m]), flush=True)
+            run = runner(args[m][0], a.precision)
+            runs[m] = (run, bench.graph_runner(run, sets))
+            row["modes"][m] = {"bytes": args[m][1], "eager_rounds": [], "graph_rounds": []}
+        if a.rounds > 1:
+            _warm(runs[modes[0]][1], sets, a.warm_s)
+        for _ in range(a.rounds):
+            # each mode right after the first one (the forward without, where it is first):
+            # its ratio to the mean of the first one's timings before and after it
+            order = [modes[0]] + [x for m in modes[1:] for x in (m, modes[0])]
+            for m in order:
+                r = row["modes"][m]
+                r["eager_rounds"].append(bench.time_fn(runs[m][0], sets, a.iters))
+                r["graph_rounds"].append(bench.time_fn(runs[m][1], sets, a.iters))
+                torch.cuda.synchronize()
+                print(name, m, r["eager_rounds"][-1], r["graph_rounds"][-1], flush=True)
+        for m in modes:
+            r = row["modes"][m]
+            r["eager"], r["graph"] = (statistics.median(r[k + "_rounds"])
+                                      for k in ("eager", "graph"))
+        base = row["modes"][modes[0]]
+        for i, m in enumerate(modes[1:]):
+            if a.rounds > 1:
+                r = row["modes"][m]
+                for k in ("eager", "graph"):
+                    r[k + "_paired"] = paired(base[k + "_rounds"], r[k + "_rounds"], i,
+                                              len(modes))
+        for m in modes:
+            r = row["modes"][m]
+            print(name, m, json.dumps({k: r[k] for k in r if not k.endswith("_rounds")}),
+                  flush=True)
         rows.append(row)
         del sets, args
         torch.cuda.empty_cache()

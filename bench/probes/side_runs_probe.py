@@ -2,10 +2,10 @@
 (checkpoint_first: every boundary may cut a chunk, so the plan runs K1's side run, the zeroing
 of the side slots, K2's side run and its rescale run, each finding on the device what it has to
 do) timed as planned and with its side steps edited (K2's side run with grid z 1, as a
-programmatic dependent, left out; K1's side run and the zeroing left out: timing only, those
-checkpoints are then wrong), against the same checkpoints without the first offset (no side
-runs) and the forward without checkpoints. K = V = 128, fast precision; graph (two timings)
-and eager, CUDA events, cold L2, median of 100.
+programmatic dependent, left out; K1's side run left out, or its grid cut to about two CTAs an
+SM: timing only, mid-chunk checkpoints are then wrong), against the same checkpoints without
+the first offset (no side runs) and the forward without checkpoints. K = V = 128, fast precision;
+graph (two timings) and eager, CUDA events, cold L2, median of 100.
 
     python3 bench/probes/side_runs_probe.py ["B1 T8192 H64" ["every 64 bf16,every 1024 fp32"]]
     (the results of 2026-12-04: bench/results/wy-eight-stages-h200-2026-12-04.md)
@@ -29,8 +29,8 @@ def call_with(x, kw):
     return bench.call_of(x)._replace(**kw)
 
 
-def variants(pl) -> dict:
-    """The plan and its side-step edits (named)."""
+def variants(pl, sms: int = 132) -> dict:
+    """The plan and its side-step edits (named); `sms`: the device's."""
     names = [s.name for s in pl.steps]
     out = {"plan": pl}
     if "K2 side" in names:
@@ -40,7 +40,10 @@ def variants(pl) -> dict:
         out["K2 side z 1"] = pl.edit("K2 side", grid=(s.grid[0], s.grid[1], 1))
         out["K2 side programmatic"] = pl.edit("K2 side", programmatic=True)
         out["no K2 side runs"] = drop("K2 side", "K2 side rescale")
-        out["no K1 side, no zeroing"] = drop("K1 side", "zero side slots")
+        out["no K1 side"] = drop("K1 side")
+        k1 = pl.step("K1 side")
+        y = min(k1.grid[1], -(-2 * sms // k1.grid[0]))  # about two CTAs an SM
+        out[f"K1 side grid y {y}"] = pl.edit("K1 side", grid=(k1.grid[0], y, 1))
     return out
 
 
@@ -77,7 +80,7 @@ def main(argv=None) -> None:
         cp.give_workspace(sets, list(modes.values()))
         for m, kw in modes.items():
             pl = plans.plan(checks.forward(call_with(sets[0], kw), opts, False), opts, dev)
-            for name, v in variants(pl).items():
+            for name, v in variants(pl, dev.sms).items():
                 def run(x, v=v, kw=kw):
                     launch.run(v, call_with(x, kw), x["ck_workspace"])
                 g = bench.graph_runner(run, sets)
