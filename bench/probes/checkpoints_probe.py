@@ -32,7 +32,7 @@ CASES = ("B1 T8192 H64", "varlen mix H64")
 # name -> (dtype, every, first) for the slots form; "offsets 1024": the offsets form
 MODES = ("none", "offsets 1024 fp32", "every 1024 fp32", "every 64 fp32", "every 64 bf16",
          "every 64 fp32 mid-chunk", "every 64 bf16 mid-chunk", "every 64 fp32 no first",
-         "every 64 bf16 no first")
+         "every 64 bf16 no first", "every 1024 fp32 mid-chunk")
 
 
 def _imports():
