@@ -40,7 +40,7 @@ SYM_WIDTH = {
 }
 # divisibility promised to the compiler; the launcher validates it
 SYM_DIV = {"sQ": 8, "sK": 8, "sG": 8, "sV": 8, "sO": 8, "sW": 8, "sWc": 8, "sP": 8, "sPD": 8,
-           "sCK": 8}
+           "sCK": 8, "sS": 8}
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "int32": 4, "int8": 1}
 

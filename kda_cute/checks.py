@@ -396,16 +396,18 @@ def metadata(c: Call, opts: Options) -> Problem:
 
 
 def addresses(c: Call) -> None:
-    """The TMA-read and -written tensors' bases are 16-byte aligned, and checkpoint_state's
-    (its rows leave by bulk copies)."""
+    """The TMA-read and -written tensors' bases are 16-byte aligned, and the states' and
+    checkpoint_state's (K2 moves a thread's column pairs of a state row at once; checkpoint
+    rows leave by bulk copies)."""
     for name in ("out", "q", "k", "g", "v"):
         t = getattr(c, name)
         if t.data_ptr() % 16:
             raise err(name, _tma_rows(SYM_DIV["s" + name[0].upper()]),
                       f"address {t.data_ptr()}")
-    cs = c.checkpoint_state
-    if cs is not None and cs.data_ptr() % 16:
-        raise err("checkpoint_state", "a 16-byte aligned base", f"address {cs.data_ptr()}")
+    for name in ("initial_state", "final_state", "checkpoint_state"):
+        t = getattr(c, name)
+        if t is not None and t.data_ptr() % 16:
+            raise err(name, "a 16-byte aligned base", f"address {t.data_ptr()}")
 
 
 def require_cuda(c: Call) -> None:

@@ -538,7 +538,7 @@ def test_side_runs_probe_edits_only_the_side_steps(probes, monkeypatch):
     assert vs["K2 side z 1"].step("K2 side").grid == (*side.grid[:2], 1)
     assert vs["K2 side programmatic"].step("K2 side").programmatic
     for name, gone in (("no K2 side runs", {"K2 side", "K2 side rescale"}),
-                       ("no K1 side", {"K1 side"})):
+                       ("no K2 side rescale", {"K2 side rescale"}), ("no K1 side", {"K1 side"})):
         assert list(vs[name].steps) == [s for s in pl.steps if s.name not in gone]
     # K1's side run cut to about two CTAs an SM (4 heads: 66 rows, at most the 5 side slots;
     # 64 heads, 128 side slots: 5)

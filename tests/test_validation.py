@@ -240,6 +240,13 @@ ERRORS = {
     "initial_state-N-varlen": (varlen, lambda d: d.update(initial_state=rand(1, H, V, K,
                                                                              dtype=F32)),
                                ValueError, "initial_state", f"{(1, H, V, K)}"),
+    # K2 moves a thread's column pairs of a state row at once: 16-byte aligned bases
+    "initial_state-base-misaligned": (
+        inputs, lambda d: d.update(initial_state=rand(B * H * V * K + 1, dtype=F32)[1:].view(
+            B, H, V, K)), ValueError, "initial_state", "16-byte aligned base"),
+    "final_state-base-misaligned": (
+        inputs, lambda d: d.update(final_state=rand(B * H * V * K + 2)[2:].view(B, H, V, K)),
+        ValueError, "final_state", "16-byte aligned base"),
     "final_state-k-first": (inputs, lambda d: d.update(final_state=rand(B, H, K, V, dtype=F32)),
                             ValueError, "final_state", f"{(B, H, K, V)}"),
     "final_state-rank3": (inputs, lambda d: d.update(final_state=rand(H, V, K, dtype=F32)),

@@ -2,10 +2,10 @@
 (checkpoint_first: every boundary may cut a chunk, so the plan runs K1's side run, the zeroing
 of the side slots, K2's side run and its rescale run, each finding on the device what it has to
 do) timed as planned and with its side steps edited (K2's side run with grid z 1, as a
-programmatic dependent, left out; K1's side run left out, or its grid cut to about two CTAs an
-SM: timing only, mid-chunk checkpoints are then wrong), against the same checkpoints without
-the first offset (no side runs) and the forward without checkpoints. K = V = 128, fast precision;
-graph (two timings) and eager, CUDA events, cold L2, median of 100.
+programmatic dependent, left out, or its rescale run alone; K1's side run left out, or its grid
+cut to about two CTAs an SM: timing only, mid-chunk checkpoints are then wrong), against the
+same checkpoints without the first offset (no side runs) and the forward without checkpoints.
+K = V = 128, fast precision; graph (two timings) and eager, CUDA events, cold L2, median of 100.
 
     python3 bench/probes/side_runs_probe.py ["B1 T8192 H64" ["every 64 bf16,every 1024 fp32"]]
     (the results of 2026-12-04: bench/results/wy-eight-stages-h200-2026-12-04.md)
@@ -40,6 +40,8 @@ def variants(pl, sms: int = 132) -> dict:
         out["K2 side z 1"] = pl.edit("K2 side", grid=(s.grid[0], s.grid[1], 1))
         out["K2 side programmatic"] = pl.edit("K2 side", programmatic=True)
         out["no K2 side runs"] = drop("K2 side", "K2 side rescale")
+        if "K2 side rescale" in names:
+            out["no K2 side rescale"] = drop("K2 side rescale")
         out["no K1 side"] = drop("K1 side")
         k1 = pl.step("K1 side")
         y = min(k1.grid[1], -(-2 * sms // k1.grid[0]))  # about two CTAs an SM

@@ -250,11 +250,12 @@ def _common(cfg: RecurConfig) -> list[Arg]:
         tensor("out", "bfloat16", ("T", "H", V), ("sO", V, 1)),
         *([tma("out_tma", "bfloat16", ("T", "HV"), ("sO", 1), (16, C), dsl="mOutT")]
           if tc else []),
-        # dense states [N, H, V, K], or the pool [slots, H, V, K] (slot stride sS)
-        tensor("s0f", "float32", ("NS", "H", V, K), ("sS", V * K, K, 1)),
-        tensor("s0h", "bfloat16", ("NS", "H", V, K), ("sS", V * K, K, 1)),
-        tensor("s1f", "float32", ("NS", "H", V, K), ("sS", V * K, K, 1)),
-        tensor("s1h", "bfloat16", ("NS", "H", V, K), ("sS", V * K, K, 1)),
+        # dense states [N, H, V, K], or the pool [slots, H, V, K] (slot stride sS, a multiple
+        # of 8 elements; 16-byte aligned bases: a thread's column pairs load and store at once)
+        tensor("s0f", "float32", ("NS", "H", V, K), ("sS", V * K, K, 1), 16),
+        tensor("s0h", "bfloat16", ("NS", "H", V, K), ("sS", V * K, K, 1), 16),
+        tensor("s1f", "float32", ("NS", "H", V, K), ("sS", V * K, K, 1), 16),
+        tensor("s1h", "bfloat16", ("NS", "H", V, K), ("sS", V * K, K, 1), 16),
         tensor("cu_seqlens", "int32", ("N1",), (1,), dsl="mCuSeq"),
         tensor("cu_chunks", "int32", ("N1",), (1,), dsl="mCuChunk"),
         # read only by an alongside build
