@@ -616,3 +616,26 @@ def test_checkpoints_probe_pairs_each_mode_with_the_base_around_it(probes):
     assert probe.paired(base, [1.5, 15.0], 0, 3) == 1.0
     assert probe.paired(base, [5.0, 50.0], 1, 3) == 2.0
     assert probe.paired(base, [2.5, 100.0], 1, 3) == pytest.approx((1.0 + 4.0) / 2)
+
+
+def test_stream_probe_kernels_move_the_slots_they_name(probes, monkeypatch):
+    """bench/probes/stream_probe.py's Triton streams, run by Triton's interpreter on the CPU:
+    the out-of-place one writes slot odx[n] with slot idx[n] and nothing else; the in-place
+    ones (a tile a program, persistent) leave the pool as it was (x / 2 + x / 2)."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    probe = probes("stream_probe")
+    tile, persist, _, moved = probe.kernels()
+    H, V, K, N, bv = 2, 128, 128, 3, 32
+    pool = torch.randn(8, H, V, K)
+    out = torch.zeros_like(pool)
+    idx = torch.tensor([5, 0, 3], dtype=torch.int32)
+    odx = torch.tensor([1, 7, 2], dtype=torch.int32)
+    tiles = N * H * V // bv
+    moved[(tiles,)](pool, out, idx, odx, H, pool.stride(0), BV=bv, KD=K, VD=V)
+    assert torch.equal(out[odx.long()], pool[idx.long()])
+    assert not out[[0, 3, 4, 5, 6]].any()
+    before = pool.clone()
+    tile[(tiles,)](pool, idx, H, pool.stride(0), BV=bv, KD=K, VD=V)
+    persist[(4,)](pool, idx, H, pool.stride(0), tiles, BV=bv, KD=K, VD=V, NPROG=4, STAGES=1)
+    assert torch.equal(pool, before)

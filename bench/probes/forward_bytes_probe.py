@@ -71,26 +71,6 @@ def short(name: str) -> str:
     return name[:40]
 
 
-def copy_bandwidth() -> float:
-    """Bytes a second of a 1 GiB device copy (read + write), median of 20, CUDA events."""
-    import torch
-
-    n = 1 << 30
-    a = torch.empty(n, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    ts = []
-    for i in range(25):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        b.copy_(a)
-        e1.record()
-        e1.synchronize()
-        if i >= 5:
-            ts.append(e0.elapsed_time(e1) / 1e3)
-    ts.sort()
-    return 2 * n / ts[len(ts) // 2]
-
-
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", default="B1 T8192 H64,varlen mix H64")
@@ -102,6 +82,9 @@ def main(argv=None) -> None:
     if a.child:
         _child(*a.child)
         return
+    sys.path.insert(0, str(ROOT / "bench"))
+    from bench import copy_bandwidth
+
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s")
     res = {"copy_bandwidth": bw, "rows": []}
