@@ -527,7 +527,8 @@ _PRELUDE = r"""#ifndef KDA_CUTE_PLAN_H
 /* a buffer the runtime provides: INPUT filled by the caller, OUTPUT written by the forward,
    WORKSPACE any contents (its base aligned to KDA_PLAN_WORKSPACE_ALIGN), ERRORS zeros before
    the forward (a word set after it: kda_plan_error_words says which value was bad), CONSTANT
-   `contents` uploaded, SCRATCH any contents */
+   `contents` uploaded, SCRATCH any contents; every base 16-byte aligned (TMA, and K2's state
+   rows in column pairs: cuMemAlloc's bases are) */
 typedef enum { KDA_BUFFER_INPUT, KDA_BUFFER_OUTPUT, KDA_BUFFER_WORKSPACE, KDA_BUFFER_ERRORS,
                KDA_BUFFER_CONSTANT, KDA_BUFFER_SCRATCH } kda_buffer_kind;
 
