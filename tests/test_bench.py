@@ -639,3 +639,28 @@ def test_stream_probe_kernels_move_the_slots_they_name(probes, monkeypatch):
     tile[(tiles,)](pool, idx, H, pool.stride(0), BV=bv, KD=K, VD=V)
     persist[(4,)](pool, idx, H, pool.stride(0), tiles, BV=bv, KD=K, VD=V, NPROG=4, STAGES=1)
     assert torch.equal(pool, before)
+
+
+def test_ab_cubins_probe(probes, monkeypatch):
+    """bench/probes/ab_cubins_probe.py: use_cubins points the kernel loader at another cubin
+    root (manifests read again, loaded kernels forgotten, the launcher's generation moved on);
+    summary's ratios are the medians of the rounds' adjacent timings."""
+    from kda_cute import cubin
+    from kda_cute.launch import driver
+
+    probe = probes("ab_cubins_probe")
+    monkeypatch.setattr(cubin, "CUBIN_ROOT", cubin.CUBIN_ROOT)
+    gen = driver.generation
+    probe.use_cubins(ROOT / "nowhere")
+    assert cubin.CUBIN_ROOT == ROOT / "nowhere" and driver.generation == gen + 1
+    with pytest.raises(cubin.CubinsMissing, match="nowhere"):
+        cubin.manifest("kda_offsets_t256", "sm_90a")
+    monkeypatch.undo()
+    cubin.manifest.cache_clear()
+    rounds = [{"none@new": 1.0, "m@new": 1.2, "none@old": 1.0, "m@old": 1.5},
+              {"none@new": 2.0, "m@new": 2.2, "none@old": 1.0, "m@old": 1.1},
+              {"none@new": 1.0, "m@new": 1.1, "none@old": 2.0, "m@old": 2.2}]
+    r = probe.summary(rounds, "m")
+    assert r["new_over_old"] == pytest.approx(0.8)  # 0.8, 2.0, 0.5
+    assert r["none_new_over_old"] == pytest.approx(1.0)  # 1, 2, 0.5
+    assert r["cost_new"] == pytest.approx(0.1) and r["cost_old"] == pytest.approx(0.1)
