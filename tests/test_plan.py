@@ -172,6 +172,16 @@ def test_only_keeps_the_named_launches():
     assert _names(var.only("offsets", "K1")) == ["offsets", "K1"]
 
 
+@needs_manifests
+def test_without_leaves_out_the_named_steps():
+    """Plan.without: every step but the named ones, in order (a probe's forward without a
+    step, timing only)."""
+    pl = _plan(T=512)
+    names = _names(pl)
+    assert _names(pl.without("K2", "no such step")) == [n for n in names if n != "K2"]
+    assert _names(pl.without()) == names
+
+
 # -------------------------------------------------------------------------------- segments
 @needs_manifests
 def test_segmented_launches():

@@ -50,8 +50,6 @@ def timeline(run, sets, calls: int):
 def plan_variants(x) -> dict:
     """The forward's plan for input set `x` as made, with its K2 rescale run not programmatic,
     and without it (named); None: fwd itself."""
-    import dataclasses
-
     import bench
     from kda_cute import checks, plans
     from kda_cute.plans.device import device_info
@@ -62,8 +60,7 @@ def plan_variants(x) -> dict:
     out = {"plan": pl}
     if "K2 rescale" in [s.name for s in pl.steps]:
         out["rescale not programmatic"] = pl.edit("K2 rescale", programmatic=False)
-        out["no rescale"] = dataclasses.replace(
-            pl, steps=tuple(s for s in pl.steps if s.name != "K2 rescale"))
+        out["no rescale"] = pl.without("K2 rescale")
     out["fwd"] = None
     return out
 

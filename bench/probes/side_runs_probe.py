@@ -14,7 +14,6 @@ K = V = 128, fast precision; graph (two timings) and eager, CUDA events, cold L2
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from pathlib import Path
 
@@ -35,14 +34,12 @@ def variants(pl, sms: int = 132) -> dict:
     out = {"plan": pl}
     if "K2 side" in names:
         s = pl.step("K2 side")
-        drop = lambda *n: dataclasses.replace(  # noqa: E731
-            pl, steps=tuple(x for x in pl.steps if x.name not in n))
         out["K2 side z 1"] = pl.edit("K2 side", grid=(s.grid[0], s.grid[1], 1))
         out["K2 side programmatic"] = pl.edit("K2 side", programmatic=True)
-        out["no K2 side runs"] = drop("K2 side", "K2 side rescale")
+        out["no K2 side runs"] = pl.without("K2 side", "K2 side rescale")
         if "K2 side rescale" in names:
-            out["no K2 side rescale"] = drop("K2 side rescale")
-        out["no K1 side"] = drop("K1 side")
+            out["no K2 side rescale"] = pl.without("K2 side rescale")
+        out["no K1 side"] = pl.without("K1 side")
         k1 = pl.step("K1 side")
         y = min(k1.grid[1], -(-2 * sms // k1.grid[0]))  # about two CTAs an SM
         out[f"K1 side grid y {y}"] = pl.edit("K1 side", grid=(k1.grid[0], y, 1))

@@ -168,6 +168,10 @@ class Plan:
                      if s.name in names or not isinstance(s, (Launch, Memset)))
         return replace(self, steps=keep)
 
+    def without(self, *names: str) -> Plan:
+        """The plan with the named steps left out (probes: a step's cost, timing only)."""
+        return replace(self, steps=tuple(s for s in self.steps if s.name not in names))
+
     def edit(self, name: str, **changes) -> Plan:
         """The plan with step `name` replaced by `dataclasses.replace(step, **changes)` (tests
         and probes: a launch's smem or programmatic flag, a memset's value)."""
