@@ -347,3 +347,104 @@ def test_checkpoints_in_a_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     _check_offsets(inp, offs, cs, inp["initial_state"], opts, opts)
+
+
+def _scratch_case(seed=29, varlen=True):
+    """A forward (varlen, or fixed-length: its offsets the launcher's constants) with
+    checkpoints every 64 tokens from mid-chunk first boundaries (every side run and the
+    launcher's checkpoint tables in use) and the bf16 pool it writes."""
+    if varlen:
+        inp = make_inputs(seqlens=[300, 17, 700, 450], H=4, K=128, seed=seed)
+    else:
+        inp = make_inputs(B=4, T=450, H=4, K=128, seed=seed)
+    N, M = 4, 12
+    first = torch.tensor([30, 5, 64, 41], dtype=torch.int32, device="cuda")
+    slots = torch.arange(N * M, device="cuda", dtype=torch.int32).view(N, M)
+    pool = torch.full((N * M, 4, 128, 128), SENTINEL, dtype=torch.bfloat16, device="cuda")
+    out = torch.full_like(inp["v"], float("nan"))
+    final = torch.full_like(inp["initial_state"], float("nan"), dtype=torch.float32)
+    kw = dict(cu=inp["cu_seqlens"] if varlen else None, checkpoint_state=pool,
+              checkpoint_slots=slots,
+              checkpoint_every=64, checkpoint_first=first)
+    return inp, out, final, pool, kw
+
+
+def _junk(t: torch.Tensor, byte: int) -> None:
+    t.view(torch.uint8).fill_(byte)
+
+
+def test_the_launchers_scratch_is_written_before_it_is_read():
+    """Every scratch tensor the launcher keeps for a checkpointed varlen forward (its tables,
+    side slots, scratch states, rescale words, offsets) filled with junk between two calls:
+    the second call's outputs are bit-identical to the first's and no error is reported (each
+    forward writes what it reads of them)."""
+    from kda_cute.launch import buffers
+    from kda_cute.plans.steps import At
+
+    inp, out, final, pool, kw = _scratch_case()
+    opts = _opts(inp, **SERIAL)
+    pl = _run(inp, out, inp["initial_state"], final, opts, **kw)
+    torch.cuda.synchronize()
+    kda_cute.check_errors(sync=True)
+    want = [x.clone() for x in (out, final, pool)]
+    stream = torch.cuda.current_stream().cuda_stream
+    made = {x.buffer for s in pl.launches() for x in s.sources
+            if isinstance(x, At) and x.buffer.kind == "scratch"}
+    assert {b.params[0] for b in made} >= {"checkpoints", "cu_seqlens"}
+    for byte in (0xFF, 0x7F, 0x41):
+        for b in made:
+            _junk(buffers.get(b, out.device, stream), byte)
+        for x in (out, final):
+            x.fill_(float("nan"))
+        pool.fill_(SENTINEL)
+        _run(inp, out, inp["initial_state"], final, opts, **kw)
+        torch.cuda.synchronize()
+        kda_cute.check_errors(sync=True)
+        for got, w in zip((out, final, pool), want, strict=True):
+            assert _same(got, w), byte
+
+
+@pytest.mark.parametrize("varlen", [True, False], ids=["varlen", "fixed"])
+def test_a_graph_outlives_the_launchers_caches(varlen):
+    """A forward run eagerly on a stream, then captured on it: the launcher's caches emptied
+    (kda_cute.clear_caches) and the memory they freed taken by junk-filled tensors of the same
+    sizes on that stream; the graph's replay still gives the eager call's outputs bit for bit
+    (its scratch is its own, from the capture's pool; the constants it reads pinned)."""
+    import gc
+
+    from kda_cute.plans.steps import At
+
+    inp, out, final, pool, kw = _scratch_case(seed=31, varlen=varlen)
+    opts = _opts(inp, **SERIAL)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        pl = _run(inp, out, inp["initial_state"], final, opts, **kw)
+    torch.cuda.synchronize()
+    kda_cute.check_errors(sync=True)
+    want = [x.clone() for x in (out, final, pool)]
+    sizes = list({x.buffer for st in pl.launches() for x in st.sources if isinstance(x, At)})
+    kinds = {b.kind for b in sizes}
+    assert "scratch" in kinds and (varlen or "segments" in kinds), kinds
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=s):
+        _run(inp, out, inp["initial_state"], final, opts, **kw)
+    kda_cute.clear_caches()
+    gc.collect()
+    junk = []
+    with torch.cuda.stream(s):
+        for b in sizes * 3:
+            t = torch.empty(b.shape, dtype=b.dtype, device="cuda")
+            _junk(t, 0x7F)
+            junk.append(t)
+    torch.cuda.synchronize()
+    for x in (out, final):
+        x.fill_(float("nan"))
+    pool.fill_(SENTINEL)
+    with torch.cuda.stream(s):
+        graph.replay()
+    torch.cuda.synchronize()
+    kda_cute.check_errors(sync=True)
+    for got, w in zip((out, final, pool), want, strict=True):
+        assert _same(got, w)
+    del junk

@@ -608,3 +608,40 @@ def test_a_substituted_driver_leaves_no_stream_behind(monkeypatch):
     finally:
         streams.forget()
         kda_cute.clear_caches()
+
+
+def test_a_capture_takes_no_cached_scratch_and_pins_its_constants(monkeypatch):
+    """A captured graph keeps the addresses it was captured with while the caches may drop
+    their tensors (emptied when full, or by clear): while a stream is being captured, a scratch
+    is made afresh (from the capture's memory pool) even where one is cached, and a constant
+    made before the capture is handed out and pinned, so emptying the caches frees it neither
+    for the graph nor for later eager calls, which get it again; a constant not yet made is
+    made for the capture alone."""
+    buffers.clear()
+    scratch = Buffer("scratch", (5,), torch.int32, ("test",))
+    zeros = Buffer("zeros", (3,), torch.float32)
+    eye = Buffer("eye", (2, 4, 4), torch.float32)
+    cached_scratch = buffers.get(scratch, CPU, 0)
+    cached_zeros = buffers.get(zeros, CPU, 0)
+    monkeypatch.setattr(buffers, "capturing", lambda dev: True)
+    try:
+        s1, s2 = buffers.get(scratch, CPU, 0), buffers.get(scratch, CPU, 0)
+        assert s1 is not cached_scratch and s2 is not cached_scratch and s1 is not s2
+        assert buffers.get(zeros, CPU, 0) is cached_zeros
+        made = buffers.get(eye, CPU, 0)
+        assert torch.equal(made, torch.eye(4).expand(2, 4, 4))
+        assert buffers.get(eye, CPU, 0) is not made  # not kept: made by the capture's kernels
+        ref = weakref.ref(cached_zeros)
+        del cached_zeros
+        for i in range(3 * buffers._MAX):  # the constants' cache emptied several times over
+            buffers.get(Buffer("zeros", (i + 10,), torch.float32), CPU, 0)
+        buffers.clear()
+        gc.collect()
+        assert ref() is not None  # pinned
+    finally:
+        monkeypatch.setattr(buffers, "capturing", lambda dev: False)
+    assert buffers.get(zeros, CPU, 0) is ref()  # eager calls get the pinned one back
+    assert buffers.get(scratch, CPU, 0) is not cached_scratch  # cleared: made again
+    assert buffers.get(eye, CPU, 0) is not made
+    buffers._pinned.clear()
+    buffers.clear()

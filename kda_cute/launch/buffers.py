@@ -3,7 +3,15 @@ device (zeros, identities, ramps, segment offsets; nothing writes them) and scra
 once per device and stream (written and read within one forward: forwards on one stream run in
 order, so each finishes with them before the next starts). Neither is kept while a stream is
 being captured (a captured kernel runs only at replay, so the tensor would hold garbage until
-then)."""
+then).
+
+A captured graph uses the addresses it was captured with for as long as it lives, and nothing
+ties a cached tensor to it: the caches drop tensors (a full cache is emptied; clear()), and a
+dropped one's memory goes to the next allocation. So a capture takes no scratch from the cache:
+it makes its own, from the capture's memory pool, which torch keeps for the graph (its kernels
+write it before they read it). A constant made before the capture is handed to it and pinned
+(kept for good, however the caches are emptied: a constant's values cannot be made again by the
+graph); one that is not yet made is made by kernels of the capture, for it alone."""
 
 from __future__ import annotations
 
@@ -17,6 +25,8 @@ _scratches: dict[tuple, torch.Tensor] = {}
 _ramps: dict[tuple, torch.Tensor] = {}  # its own: varlen batches of many sizes must not push
 # out the segments' large constants
 _MAX = 16
+# the constants captured graphs read: never dropped (a few per shape an engine captures)
+_pinned: dict[tuple, torch.Tensor] = {}
 
 
 def _make(b: Buffer, dev) -> torch.Tensor:
@@ -50,16 +60,29 @@ def get(b: Buffer, dev, stream: int) -> torch.Tensor:
         cache, key = _scratches, (b, dev, stream)
     else:
         cache, key = (_ramps if b.kind == "ramp" else _constants), (b, dev)
+    if capturing(dev):
+        if b.kind == "scratch":
+            return _make(b, dev)
+        hit = _pinned.get(key)
+        if hit is None:
+            hit = cache.get(key)
+            if hit is None:
+                return _make(b, dev)
+            _pinned[key] = hit
+        return hit
     hit = cache.get(key)
     if hit is None:
+        hit = _pinned.get(key)
+    if hit is None:
         hit = _make(b, dev)
-        if not capturing(dev):
-            if len(cache) >= _MAX:
-                cache.clear()
-            cache[key] = hit
+        if len(cache) >= _MAX:
+            cache.clear()
+        cache[key] = hit
     return hit
 
 
 def clear() -> None:
+    """Drop the cached tensors (not the pinned constants: graphs captured with them may still
+    replay)."""
     for cache in (_constants, _scratches, _ramps):
         cache.clear()
