@@ -173,6 +173,21 @@ def checkpoints_of(recur: RecurConfig) -> RecurConfig | None:
     return c if c in CHECKPOINT_RUNS else None
 
 
+# K1 looped over the side slots in use (PrepConfig.looped): the checkpoints' side run, one twin
+# of each tensor-core forward's K1 (its partial chunks over one resident wave of CTAs; a grid of
+# one CTA a side slot and head, nearly all finding nothing where the boundaries end chunks, cost
+# varlen mix H64 2.0-2.5% more at one bf16 checkpoint per 64 tokens; mid-chunk ones 0.5-1.5%
+# less: bench/results/looped-k1-side-h200-2026-12-04.md)
+SIDE_PREPS: tuple[PrepConfig, ...] = tuple(
+    dataclasses.replace(p, looped=True) for p in dict.fromkeys(f.prep for f in TENSOR_CORE))
+
+
+def looped_of(prep: PrepConfig) -> PrepConfig | None:
+    """The looped twin of a shipped tensor-core K1 (SIDE_PREPS), or None."""
+    c = dataclasses.replace(prep, looped=True)
+    return c if c in SIDE_PREPS else None
+
+
 # The segments' combine, one per head dim (the segmented K2 runs with K == V).
 # The rescale runs (RecurConfig.rescale): one per head dim, after every K2 of a fast forward
 # (the checkpoints build's code, so it redoes a checkpointed forward's stores too)
@@ -367,11 +382,12 @@ def select_config(head_dim_k: int, head_dim_v: int, varlen: bool,
 def all_kernels() -> tuple:
     """Every kernel config that is built and shipped, once each: the forwards' K1 and K2
     (shipped, experimental and alongside builds), then K2's segment runs, WY and checkpoints
-    builds, the rescale runs, the combines, the token steps, the offsets and the checkpoints
-    kernel."""
+    builds, the looped K1s, the rescale runs, the combines, the token steps, the offsets and
+    the checkpoints kernel."""
     seen, out = set(), []
     for cfg in [c for f in SHIPPED + EXPERIMENTAL + ALONGSIDE for c in (f.prep, f.recur)] + [
-            *SEGMENT_RUNS, *WY_RUNS, *CHECKPOINT_RUNS, *RESCALE_RUNS, *COMBINE, *STEP,
+            *SEGMENT_RUNS, *WY_RUNS, *CHECKPOINT_RUNS, *SIDE_PREPS, *RESCALE_RUNS, *COMBINE,
+            *STEP,
             *(c for _, c in STEP_SINGLE + STEP_MULTI), *STEP_VARIANTS, OFFSETS, CHECKPOINTS]:
         if cfg not in seen:
             seen.add(cfg)

@@ -102,6 +102,8 @@ class KdaPrepSm90(TileCopy):
         # q and k tiles through an fp16 view of their bytes
         self.qk_dtype = cutlass.Float16
         self.split = cfg.operands == "bf16"  # outputs as bf16 (hi + lo planes for kd and Aw)
+        # a CTA loops over the chunk slots y, y + grid y, ... (the side run: cfg.looped)
+        self.looped = cfg.looped
         self.smem_bytes = 0
         self.tma_meta = []
 
@@ -492,17 +494,20 @@ class KdaPrepSm90(TileCopy):
 
     @cute.jit
     def _load_tiles(self, loads, tiles, mbar, mBeta: cute.Tensor, sBeta, t0, h, length,
-                    beta_sigmoid: cutlass.Int32, tidx, warp):
-        """TMA: the q, k and g tiles of this chunk and head into smem (one mbarrier, phase 0;
-        every thread waits on it); beta (through its sigmoid if asked) into sBeta meanwhile.
-        Warp 0 initialises the barrier and issues the loads at once; the CTA barrier after
-        (every thread must see the initialised mbarrier before it waits on it) then runs while
-        they are in flight."""
+                    beta_sigmoid: cutlass.Int32, tidx, warp, phase=0,
+                    init: cutlass.Constexpr = True):
+        """TMA: the q, k and g tiles of this chunk and head into smem (one mbarrier, phase
+        `phase`; every thread waits on it); beta (through its sigmoid if asked) into sBeta
+        meanwhile. Warp 0 initialises the barrier (`init`: a looped CTA's is initialised once,
+        before its loop) and issues the loads at once; the CTA barrier after (every thread
+        must see the initialised mbarrier before it waits on it) then runs while they are in
+        flight."""
         C, K = self.C, self.K
         if warp == 0:
             with cute.arch.elect_one():
-                cute.arch.mbarrier_init(mbar, 1)
-                cute.arch.mbarrier_init_fence()
+                if cutlass.const_expr(init):
+                    cute.arch.mbarrier_init(mbar, 1)
+                    cute.arch.mbarrier_init_fence()
                 cute.arch.mbarrier_arrive_and_expect_tx(mbar, 3 * C * K * 2)
             cute.arch.sync_warp()
             for (tma, tX), sX_ in zip(loads, tiles, strict=True):
@@ -515,7 +520,7 @@ class KdaPrepSm90(TileCopy):
                 b = 1.0 / (1.0 + cute.math.exp(-b))
             sBeta[tidx] = b
         cute.arch.sync_threads()
-        cute.arch.mbarrier_wait(mbar, 0)
+        cute.arch.mbarrier_wait(mbar, phase)
 
     @cute.jit
     def _norms(self, sQK, norm, length, scale: cutlass.Float32, qk_l2norm: cutlass.Int32,
@@ -877,7 +882,7 @@ class KdaPrepSm90Split(KdaPrepSm90):
     def _occupancy(self) -> dict:
         """The passes kernel asks ptxas for as many CTAs per SM as its smem allows, at most
         64 registers per thread: at K = 128 eight CTAs (64 registers, no spills) instead of six."""
-        if not self.passes:
+        if not self.passes or self.looped:  # (a looped side run: few CTAs, no cap)
             return {}
         per_sm = min(SMEM_PER_SM // (self.smem_bytes + SMEM_PER_CTA_RESERVED),
                      REGS_PER_SM // (64 * self.threads))
@@ -1000,6 +1005,48 @@ class KdaPrepSm90Split(KdaPrepSm90):
              unfactored ones elementwise with e^(G_i - G_j), each lane its own tile entries.
         Then the warps' partial tiles meet in smem, L goes to smem, Mq to the workspace, and
         phase C runs as in the one-pass kernel."""
+        tidx, warp, lane, h, bid = self._ids()
+        args = (loads, mBeta, mALog, mDtBias, outs, scale, lower_bound, gate_mode, qk_l2norm,
+                beta_sigmoid, mFlags, tidx, warp, lane, h)
+        if cutlass.const_expr(self.looped):
+            # the checkpoints' side run: side slot b's partial chunk is tokens cu_seqlens[2b]
+            # .. cu_seqlens[2b + 1], and the slots in use are counted at cu_seqlens[2S]
+            # (num_seqs = 2S - 1: kernels/kda_checkpoints_sm90.py hands the slots out from
+            # that counter), so a CTA takes slots y, y + grid y, ... below the count, reading
+            # each one's pair directly (no search), and with none in use leaves at once. The
+            # mbarrier is initialised once and its phase flipped by each chunk; a CTA barrier
+            # between chunks, so that no thread still reads the last chunk's tiles when the
+            # next ones' loads are issued
+            tiles = self._input_tiles(s_tile)
+            if warp == 0:
+                with cute.arch.elect_one():
+                    cute.arch.mbarrier_init(tiles[1], 1)
+                    cute.arch.mbarrier_init_fence()
+            cute.arch.sync_threads()
+            _, ny, _ = cute.arch.grid_dim()
+            phase = cutlass.Int32(0)
+            for b in cutlass.range(bid, mCuSeq[seqs[0] + 1], ny, unroll=1):
+                t0 = mCuSeq[2 * b]
+                length = mCuSeq[2 * b + 1] - t0
+                if length > 0:
+                    self._chunk_passes(*args, b, t0, length, b + 1, tiles, phase, False)
+                    phase = phase ^ 1
+                cute.arch.sync_threads()
+        else:
+            t0, length, bound = self._locate(mCuSeq, mCuChunk, seqs, bid, lane)
+            if bid < bound:
+                self._chunk_passes(*args, bid, t0, length, bound, self._input_tiles(s_tile),
+                                   0, True)
+
+    @cute.jit
+    def _chunk_passes(self, loads, mBeta: cute.Tensor, mALog: cute.Tensor,
+                      mDtBias: cute.Tensor, outs, scale: cutlass.Float32,
+                      lower_bound: cutlass.Float32, gate_mode: cutlass.Int32,
+                      qk_l2norm: cutlass.Int32, beta_sigmoid: cutlass.Int32,
+                      mFlags: cute.Tensor, tidx, warp, lane, h, bid, t0, length, bound, tiles,
+                      phase, init: cutlass.Constexpr):
+        """_body_passes for chunk slot `bid` (first token t0, `length` rows) in the shared
+        `tiles` (_input_tiles), its loads completing mbarrier phase `phase`."""
         st_qg, st_kg, mKdh, mKdl, mGl, mAwh, mAwl, mMqh, mMql = outs
         C, K, NT, W = self.C, self.K, self.threads, self.W
         f32, bf16 = cutlass.Float32, cutlass.BFloat16
@@ -1007,89 +1054,85 @@ class KdaPrepSm90Split(KdaPrepSm90):
         NW = NT // 32
         BPW = (W // 16) // NW  # phase B blocks per warp per pass
         NQ = C * C // NT  # (i, j) entries per thread in the final sum
-        tidx, warp, lane, h, bid = self._ids()
-        t0, length, bound = self._locate(mCuSeq, mCuChunk, seqs, bid, lane)
+        st, mbar, sQK, sQ, sK, sG = tiles
+        f_layout = cute.make_layout((C, W), stride=(W + 1, 1))
+        f0 = st.fABG.data_ptr()
+        fA = cute.make_tensor(f0, f_layout)
+        fB = cute.make_tensor(f0 + C * (W + 1), f_layout)
+        fG = cute.make_tensor(f0 + 2 * C * (W + 1), f_layout)
+        part = st.part.get_tensor(cute.make_layout((2 * NT // W, W), stride=(W, 1)))
+        first = st.first.get_tensor(cute.make_layout(W))
+        norm = st.norm.get_tensor(cute.make_layout(2 * C))
+        sBeta = st.beta.get_tensor(cute.make_layout(C))
+        flag = st.flag.get_tensor(cute.make_layout(K // 64 + self._length_slot()))
+        sL = cute.make_tensor(cute.recast_ptr(sG.iterator, dtype=f32),
+                              cute.make_layout((C, C), stride=(C, 1)))
+        row0 = bid * C
+        pl = tidx % NPAIR
+        rg = tidx // NPAIR
+        # the gate parameters of the first pass load while the TMA loads are in flight
+        a_log = mALog[h]
+        bias0 = [mDtBias[h * K + 2 * pl + c] for c in range(2)]
+        self._load_tiles(loads, (sQ, sK, sG), mbar, mBeta, sBeta, t0, h, length,
+                         beta_sigmoid, tidx, warp, phase, init)
+        if cutlass.const_expr(self._length_slot() == 1):
+            if tidx == 0:
+                flag[K // 64] = length  # read back after the passes (a barrier between)
+        self._norms(sQK, norm, length, scale, qk_l2norm, tidx)
 
-        if bid < bound:
-            st, mbar, sQK, sQ, sK, sG = self._input_tiles(s_tile)
-            f_layout = cute.make_layout((C, W), stride=(W + 1, 1))
-            f0 = st.fABG.data_ptr()
-            fA = cute.make_tensor(f0, f_layout)
-            fB = cute.make_tensor(f0 + C * (W + 1), f_layout)
-            fG = cute.make_tensor(f0 + 2 * C * (W + 1), f_layout)
-            part = st.part.get_tensor(cute.make_layout((2 * NT // W, W), stride=(W, 1)))
-            first = st.first.get_tensor(cute.make_layout(W))
-            norm = st.norm.get_tensor(cute.make_layout(2 * C))
-            sBeta = st.beta.get_tensor(cute.make_layout(C))
-            flag = st.flag.get_tensor(cute.make_layout(K // 64 + self._length_slot()))
-            sL = cute.make_tensor(cute.recast_ptr(sG.iterator, dtype=f32),
-                                  cute.make_layout((C, C), stride=(C, 1)))
-            row0 = bid * C
-            pl = tidx % NPAIR
-            rg = tidx // NPAIR
-            # the gate parameters of the first pass load while the TMA loads are in flight
-            a_log = mALog[h]
-            bias0 = [mDtBias[h * K + 2 * pl + c] for c in range(2)]
-            self._load_tiles(loads, (sQ, sK, sG), mbar, mBeta, sBeta, t0, h, length,
-                             beta_sigmoid, tidx, warp)
-            if cutlass.const_expr(self._length_slot() == 1):
-                if tidx == 0:
-                    flag[K // 64] = length  # read back after the passes (a barrier between)
-            self._norms(sQK, norm, length, scale, qk_l2norm, tidx)
-
-            a_exp = cute.math.exp(a_log)
-            mma = cute.make_tiled_mma(warp_mma.MmaF16BF16Op(bf16, f32, (16, 8, 16)))
-            c_shape = mma.get_slice(lane).partition_shape_C((16, 8))
-            accs = [cute.make_rmem_tensor(c_shape, f32) for _ in range(4)]
-            for acc in accs:
-                acc.fill(0.0)
-            for ps in cutlass.range_constexpr(K // W):
-                gp = ps * NPAIR + pl  # this thread's column pair in the head
-                bias = bias0
-                if cutlass.const_expr(ps > 0):
-                    bias = [mDtBias[h * K + 2 * gp + c] for c in range(2)]
-                loc = self._pass_gates(sG, bias, part, first, gp, pl, rg, a_exp,
-                                       lower_bound, gate_mode, length)
-                cute.arch.sync_threads()
-                self._pass_outputs(loc, part, first, flag, (fA, fB, fG), sQ, sK, norm,
-                                   (mKdh, mKdl), mGl, row0, h, bid, gp, pl, rg, lane)
-                if cutlass.const_expr(ps == K // W - 1):
-                    cute.arch.fence_proxy("async.shared", space="cta")
-                cute.arch.sync_threads()
-                if cutlass.const_expr(ps == K // W - 1):
-                    # qg and kg leave now; the final sums and phase C run while they drain
-                    if warp == 0:
-                        for (tma, tX), sX in ((st_qg, sQ), (st_kg, sK)):
-                            self._tile_store(tma, tX, self._as_qk(sX), (row0, h * K), (C, K))
-                        cute.arch.cp_async_bulk_commit_group()
-                for bb in cutlass.range_constexpr(BPW):
-                    c0 = (warp * BPW + bb) * 16
-                    if flag[(ps * W + c0) // 64] == 0:
-                        self._phase_b_block(fA, fB, fG, c0, lane, accs, self.W + 1)
-                    else:
-                        self._phase_b_block_elementwise(fA, fB, fG, c0, lane, accs)
+        a_exp = cute.math.exp(a_log)
+        mma = cute.make_tiled_mma(warp_mma.MmaF16BF16Op(bf16, f32, (16, 8, 16)))
+        c_shape = mma.get_slice(lane).partition_shape_C((16, 8))
+        accs = [cute.make_rmem_tensor(c_shape, f32) for _ in range(4)]
+        for acc in accs:
+            acc.fill(0.0)
+        for ps in cutlass.range_constexpr(K // W):
+            gp = ps * NPAIR + pl  # this thread's column pair in the head
+            bias = bias0
+            if cutlass.const_expr(ps > 0):
+                bias = [mDtBias[h * K + 2 * gp + c] for c in range(2)]
+            loc = self._pass_gates(sG, bias, part, first, gp, pl, rg, a_exp,
+                                   lower_bound, gate_mode, length)
             cute.arch.sync_threads()
-            if cutlass.const_expr(self._length_slot() == 1):
-                length = flag[K // 64]
-            sRed = cute.make_tensor(f0, cute.make_layout(
-                (NW, 2, C, C), stride=(2 * C * C, C * C, C, 1)))
-            self._phase_b_spill(sRed, warp, lane, accs)
+            self._pass_outputs(loc, part, first, flag, (fA, fB, fG), sQ, sK, norm,
+                               (mKdh, mKdl), mGl, row0, h, bid, gp, pl, rg, lane)
+            if cutlass.const_expr(ps == K // W - 1):
+                cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.sync_threads()
-            for p in cutlass.range_constexpr(2 * NQ):
-                prod = p // NQ
-                idx = tidx + (p - prod * NQ) * NT
-                i = idx // C
-                j = idx - i * C
-                acc = sRed[0, prod, i, j]
-                for w in cutlass.range_constexpr(1, NW):
-                    acc = acc + sRed[w, prod, i, j]
-                if cutlass.const_expr(prod == 0):
-                    self._store_l(sL, sBeta, i, j, acc, length)
+            if cutlass.const_expr(ps == K // W - 1):
+                # qg and kg leave now; the final sums and phase C run while they drain
+                if warp == 0:
+                    for (tma, tX), sX in ((st_qg, sQ), (st_kg, sK)):
+                        self._tile_store(tma, tX, self._as_qk(sX), (row0, h * K), (C, K))
+                    cute.arch.cp_async_bulk_commit_group()
+            for bb in cutlass.range_constexpr(BPW):
+                c0 = (warp * BPW + bb) * 16
+                if flag[(ps * W + c0) // 64] == 0:
+                    self._phase_b_block(fA, fB, fG, c0, lane, accs, self.W + 1)
                 else:
-                    self._store_m(None, (mMqh, mMql), row0, h, i, j, acc, length)
-            cute.arch.sync_threads()
-            self._phase_c(sL, sBeta, outs, row0, h, length, tidx)
-            self._publish(mFlags, tidx, warp, h, bid, bound)
+                    self._phase_b_block_elementwise(fA, fB, fG, c0, lane, accs)
+        cute.arch.sync_threads()
+        if cutlass.const_expr(self._length_slot() == 1):
+            length = flag[K // 64]
+        sRed = cute.make_tensor(f0, cute.make_layout(
+            (NW, 2, C, C), stride=(2 * C * C, C * C, C, 1)))
+        self._phase_b_spill(sRed, warp, lane, accs)
+        cute.arch.sync_threads()
+        for p in cutlass.range_constexpr(2 * NQ):
+            prod = p // NQ
+            idx = tidx + (p - prod * NQ) * NT
+            i = idx // C
+            j = idx - i * C
+            acc = sRed[0, prod, i, j]
+            for w in cutlass.range_constexpr(1, NW):
+                acc = acc + sRed[w, prod, i, j]
+            if cutlass.const_expr(prod == 0):
+                self._store_l(sL, sBeta, i, j, acc, length)
+            else:
+                self._store_m(None, (mMqh, mMql), row0, h, i, j, acc, length)
+        cute.arch.sync_threads()
+        self._phase_c(sL, sBeta, outs, row0, h, length, tidx)
+        self._publish(mFlags, tidx, warp, h, bid, bound)
 
     @cute.jit
     def _pass_gates(self, sG, bias, part, first, gp, pl, rg, a_exp,

@@ -540,17 +540,27 @@ def test_side_runs_probe_edits_only_the_side_steps(probes, monkeypatch):
     for name, gone in (("no K2 side runs", {"K2 side", "K2 side rescale"}),
                        ("no K2 side rescale", {"K2 side rescale"}), ("no K1 side", {"K1 side"})):
         assert list(vs[name].steps) == [s for s in pl.steps if s.name not in gone]
-    # K1's side run cut to about two CTAs an SM (4 heads: 66 rows, at most the 5 side slots;
-    # 64 heads, 128 side slots: 5)
+    # K1's side run: planned as the looped twin over one resident wave of CTAs (4 heads: 165
+    # rows, cut to the 5 side slots); the plain K1 a CTA a slot (as before the twin), or the
+    # twin over two waves, about eight or two CTAs an SM
     k1 = pl.step("K1 side")
-    cut = vs[f"K1 side grid y {min(k1.grid[1], 66)}"]
-    assert cut.step("K1 side").grid == (4, 5, 1)
-    assert [s for s in cut.steps if s.name != "K1 side"] == [
-        s for s in pl.steps if s.name != "K1 side"]
+    assert k1.kernel.looped and k1.grid == (4, 5, 1)
+    before = vs["K1 side a CTA a slot"].step("K1 side")
+    assert before.kernel == dataclasses.replace(k1.kernel, looped=False)
+    assert before.grid == (4, 5, 1)
+    assert (before.args, before.sources, before.smem) == (k1.args, k1.sources, k1.smem)
     big = _plan(B=1, T=8192, H=64, K=128,
                 ckpt=dict(every=64, per_row=128, slots=128, first=True, dtype="bf16"))
-    assert big.step("K1 side").grid == (64, 128, 1)
-    assert probe.variants(big)["K1 side grid y 5"].step("K1 side").grid == (64, 5, 1)
+    bv = probe.variants(big)
+    # K128's f16 K1 holds 5 CTAs an SM (88 registers): 660 over 64 heads
+    assert big.step("K1 side").grid == (64, 10, 1)
+    assert bv["K1 side a CTA a slot"].step("K1 side").grid == (64, 128, 1)
+    for y in (20, 17, 5):
+        assert bv[f"K1 side looped, grid y {y}"].step("K1 side").grid == (64, y, 1)
+    assert [n for n in vs if n.startswith("K1 side looped")] == []  # 5 slots: all the same
+    for name in ("K1 side a CTA a slot", "K1 side looped, grid y 20"):
+        assert [s for s in bv[name].steps if s.name != "K1 side"] == [
+            s for s in big.steps if s.name != "K1 side"]
     for name in ("K2 side z 1", "K2 side programmatic"):
         assert [s for s in vs[name].steps if s.name != "K2 side"] == [
             s for s in pl.steps if s.name != "K2 side"]

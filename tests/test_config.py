@@ -21,6 +21,7 @@ from kda_cute.ladder import (
     RESCALE_RUNS,
     SEGMENT_RUNS,
     SHIPPED,
+    SIDE_PREPS,
     SIMT,
     STEP,
     STEP_MULTI,
@@ -215,7 +216,7 @@ def test_all_kernels_once_each():
     forwards = SHIPPED + EXPERIMENTAL + ALONGSIDE
     assert set(kernels) == ({f.prep for f in forwards} | {f.recur for f in forwards}
                             | set(SEGMENT_RUNS) | set(WY_RUNS) | set(CHECKPOINT_RUNS)
-                            | set(RESCALE_RUNS) | set(COMBINE) | set(STEP)
+                            | set(SIDE_PREPS) | set(RESCALE_RUNS) | set(COMBINE) | set(STEP)
                             | {c for _, c in STEP_SINGLE + STEP_MULTI} | set(STEP_VARIANTS)
                             | {OFFSETS, CHECKPOINTS})
     assert set(kernels[:2 * len(SHIPPED)]) == ({f.prep for f in SHIPPED}

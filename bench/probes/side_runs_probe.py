@@ -14,6 +14,8 @@ K = V = 128, fast precision; graph (two timings) and eager, CUDA events, cold L2
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import statistics
 import sys
 from pathlib import Path
 
@@ -41,8 +43,26 @@ def variants(pl, sms: int = 132) -> dict:
             out["no K2 side rescale"] = pl.without("K2 side rescale")
         out["no K1 side"] = pl.without("K1 side")
         k1 = pl.step("K1 side")
-        y = min(k1.grid[1], -(-2 * sms // k1.grid[0]))  # about two CTAs an SM
-        out[f"K1 side grid y {y}"] = pl.edit("K1 side", grid=(k1.grid[0], y, 1))
+        if getattr(k1.kernel, "looped", False):
+            # as before the looped twin: the plain K1, a CTA a side slot and head
+            from kda_cute.plans.device import H200, resources
+            from kda_cute.specs.prep import K1_GRID_Y
+
+            S = pl.problem.N * pl.problem.ckpt.per_row
+            plain = dataclasses.replace(k1.kernel, looped=False)
+            out["K1 side a CTA a slot"] = pl.edit(
+                "K1 side", kernel=plain, smem=resources(plain, H200.arch).smem,
+                grid=(k1.grid[0], min(S, K1_GRID_Y), -(-S // K1_GRID_Y)))
+            # the looped run's grid: two resident waves, and about 8 and 2 CTAs an SM
+            from kda_cute.plans.prefill import side_k1_rows
+
+            ys = [side_k1_rows(k1.grid[0], H200, k1.kernel, 2)]
+            ys += [-(-n * sms // k1.grid[0]) for n in (8, 2)]
+            for y in dict.fromkeys(min(S, y) for y in ys if min(S, y) != k1.grid[1]):
+                out[f"K1 side looped, grid y {y}"] = pl.edit("K1 side", grid=(k1.grid[0], y, 1))
+        else:
+            y = min(k1.grid[1], -(-2 * sms // k1.grid[0]))  # about two CTAs an SM
+            out[f"K1 side grid y {y}"] = pl.edit("K1 side", grid=(k1.grid[0], y, 1))
     return out
 
 
@@ -53,6 +73,12 @@ def main(argv=None) -> None:
     ap.add_argument("modes", nargs="?", default="every 64 bf16,every 1024 fp32",
                     help="comma-separated every-n modes of checkpoints_probe.py")
     ap.add_argument("--iters", type=int, default=100)
+    ap.add_argument("--rounds", type=int, default=0,
+                    help="> 0: after a warm-up (--warm-s), time each mode's graphs in this many "
+                         "rounds of plan, variant 1, plan, variant 2, ..., plan and print each "
+                         "variant over the mean of the plan's timings either side of it (the "
+                         "median over rounds), so the clock drift falls on both alike")
+    ap.add_argument("--warm-s", type=float, default=10.0)
     a = ap.parse_args(argv)
     for p in (ROOT, ROOT / "bench", ROOT / "bench" / "probes"):
         sys.path.insert(0, str(p))
@@ -79,6 +105,26 @@ def main(argv=None) -> None:
         cp.give_workspace(sets, list(modes.values()))
         for m, kw in modes.items():
             pl = plans.plan(checks.forward(call_with(sets[0], kw), opts, False), opts, dev)
+            if a.rounds > 0:
+                vs = variants(pl, dev.sms)
+                if len(vs) < 2:
+                    continue
+                graphs = {name: bench.graph_runner(
+                    lambda x, v=v, kw=kw: launch.run(v, call_with(x, kw), x["ck_workspace"]),
+                    sets) for name, v in vs.items()}
+                cp._warm(graphs["plan"], sets, a.warm_s)
+                others = [n for n in graphs if n != "plan"]
+                base, times = [], {n: [] for n in others}
+                for _ in range(a.rounds):
+                    base.append(bench.time_fn(graphs["plan"], sets, a.iters))
+                    for n in others:
+                        times[n].append(bench.time_fn(graphs[n], sets, a.iters))
+                        base.append(bench.time_fn(graphs["plan"], sets, a.iters))
+                for i, n in enumerate(others):
+                    r = cp.paired(base, times[n], i, len(others) + 1)
+                    print(f"{case} | {m} | {n} | graph paired {r:.4f} of the plan's "
+                          f"{statistics.median(base):.4f}", flush=True)
+                continue
             for name, v in variants(pl, dev.sms).items():
                 def run(x, v=v, kw=kw):
                     launch.run(v, call_with(x, kw), x["ck_workspace"])

@@ -16,6 +16,7 @@ from ..ladder import (
     alongside_of,
     checkpoints_of,
     combine_config,
+    looped_of,
     rescale_of,
 )
 from ..problem import Options, Problem
@@ -31,7 +32,7 @@ from ..specs.recur import (
 )
 from . import schedule as sch
 from . import workspace
-from .device import DeviceInfo, resources
+from .device import DeviceInfo, resident, resources
 from .steps import (
     At,
     Buffer,
@@ -127,6 +128,14 @@ def _stores(recur, ck):
     return twin
 
 
+def side_k1_rows(heads: int, dev: DeviceInfo, kernel, waves: int = 1) -> int:
+    """Grid y of the looped K1 side run (`kernel`): `waves` times the CTAs the device holds at
+    once, over the heads (rounded down, so that one wave's CTAs are all resident and each loops
+    over its share of the slots: a grid a little past a wave leaves the CTAs of the second
+    start when the first have run all their slots)."""
+    return max(1, waves * resident(dev, resources(kernel, dev.arch)) // heads)
+
+
 class _Checkpoints:
     """A forward's checkpoints (kda_cute.specs.checkpoints): the steps before K1 (the side
     tables zeroed, the checkpoints kernel, K1's side run), K2's table arguments, and K2's side
@@ -188,9 +197,17 @@ class _Checkpoints:
                  "cu_chunks": self.k1_chunks, "num_seqs": Scalar(2 * S - 1),
                  "seq_len": Scalar(0)}
         syms1 = {**self.syms, "NCH": S, "R": S * C, "N1": 2 * S}
-        steps.append(_launch("K1 side", self.cfg.prep,
-                             (p.H, min(S, K1_GRID_Y), -(-S // K1_GRID_Y)), vals1, syms1,
-                             self.dev))
+        # the looped twin of K1: a CTA the side slots y, y + grid y, ... below the count of
+        # those in use (side_cu[2S], which it reads: N1 one more), one resident wave of CTAs
+        # (side_k1_rows). A CTA a side slot and head (B1 T8192 H64 at one per 64 tokens: 8192
+        # CTAs, nearly all finding nothing where the boundaries end chunks) cost varlen mix
+        # H64 2.0-2.5 % of the forward more (looped-k1-side-h200-2026-12-04.md)
+        k1 = looped_of(self.cfg.prep)
+        if k1 is not None:
+            syms1["N1"] = 2 * S + 1
+        grid = (p.H, min(S, K1_GRID_Y), -(-S // K1_GRID_Y)) if k1 is None else (
+            p.H, min(S, side_k1_rows(p.H, self.dev, k1)), 1)
+        steps.append(_launch("K1 side", k1 or self.cfg.prep, grid, vals1, syms1, self.dev))
         return steps
 
     def k2_values(self) -> dict:

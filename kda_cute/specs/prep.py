@@ -31,13 +31,19 @@ class PrepConfig:
     # True (bf16 operands): qg, kg, kd, Aw and Mq in fp16, kd, Aw and Mq in their hi planes
     # only (no lo planes written), for a K2 taking one f16 product each (RecurConfig.f16)
     f16: bool = False
+    # True (the checkpoints' side run, ladder.looped_of): a CTA prepares side slots y,
+    # y + grid y, ... below the count of those in use (cu_seqlens[num_seqs + 1], the
+    # checkpoints kernel's counter; slot b's chunk cu_seqlens[2b] .. [2b + 1]) instead of slot
+    # y alone, so the run's grid is one resident wave however many side slots it covers
+    looped: bool = False
 
     @property
     def name(self) -> str:
         tag = "" if self.operands == "f32" else f"_{self.operands}"
         al = "_al" if self.alongside else ""
         f16 = "_f16" if self.f16 else ""
-        return f"kda_prep{tag}_k{self.head_dim_k}_c{self.chunk}_t{self.threads}{f16}{al}"
+        lp = "_lp" if self.looped else ""
+        return f"kda_prep{tag}_k{self.head_dim_k}_c{self.chunk}_t{self.threads}{f16}{al}{lp}"
 
     @property
     def block_threads(self) -> int:
@@ -70,6 +76,11 @@ def supports(cfg: PrepConfig) -> tuple[bool, str]:
         return False, f"alongside needs operands 'bf16', got {cfg.operands!r}"
     if cfg.f16 and (cfg.operands != "bf16" or cfg.chunk != 16):
         return False, f"f16 needs operands 'bf16' and chunk 16, got {cfg.operands!r}, {cfg.chunk}"
+    if cfg.looped and (cfg.operands != "bf16" or cfg.alongside or cfg.chunk != 16
+                       or cfg.threads not in (64, 128, 256) or cfg.head_dim_k % max(
+                           64, cfg.threads // 2)):
+        return False, (f"looped needs the column-pass K1 (operands 'bf16', chunk 16, 64, 128 "
+                       f"or 256 threads, not alongside), got {cfg.name}")
     return True, ""
 
 
