@@ -183,7 +183,8 @@ def describe(p: Problem, options: Options | None = None, device=None) -> str:
 def clear_caches() -> None:
     """Forget the plans and checked metadata, and drop the device tensors the launcher keeps
     (offsets, zeros and identities, the segments' scratch states): the next calls make them
-    again."""
+    again. Constants that a captured CUDA graph reads stay (pinned for the process: the graph
+    may replay any time); a captured call's scratch belongs to its graph's memory pool."""
     plans.clear()
     checks.clear()
     launch.clear()
