@@ -46,6 +46,7 @@ from kda_cute.specs.prep import (
     GATE_UNBOUNDED,
     K1_GRID_Y,
     PrepConfig,
+    column_passes,
 )
 from kernels.common import (
     FACTOR_LIMIT,
@@ -876,8 +877,7 @@ class KdaPrepSm90Split(KdaPrepSm90):
         super().__init__(cfg)
         self.W = max(64, cfg.threads // 2)
         self.RPG = cfg.chunk * self.W // (2 * cfg.threads)  # a row group's rows in a pass
-        self.passes = (cfg.chunk == 16 and cfg.threads in (64, 128, 256)
-                       and self.K % self.W == 0)
+        self.passes = column_passes(cfg)
 
     def _occupancy(self) -> dict:
         """The passes kernel asks ptxas for as many CTAs per SM as its smem allows, at most

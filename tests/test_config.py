@@ -117,6 +117,12 @@ REJECTED = {
     "recur-wgmma-s9": (supports_recur, RecurConfig(64, 64, block_v=64, stages=9, mma="wgmma"),
                        "stages", "9"),
     "prep-alongside-f32": (supports_prep, PrepConfig(64, alongside=True), "alongside", "f32"),
+    # the looped side run is a column-pass K1 (chunk 16, 64 / 128 / 256 threads), not alongside
+    "prep-looped-f32": (supports_prep, PrepConfig(128, looped=True), "looped", "_lp"),
+    "prep-looped-chunk32": (supports_prep, PrepConfig(128, chunk=32, operands="bf16",
+                                                      looped=True), "looped", "_c32_"),
+    "prep-looped-alongside": (supports_prep, PrepConfig(128, operands="bf16", alongside=True,
+                                                        looped=True), "looped", "_al_lp"),
     "recur-alongside-simt": (supports_recur, RecurConfig(64, 64, alongside=True), "alongside",
                              "simt"),
     "recur-alongside-noout": (supports_recur, RecurConfig(64, 64, block_v=64, mma="wgmma",

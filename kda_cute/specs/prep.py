@@ -76,12 +76,18 @@ def supports(cfg: PrepConfig) -> tuple[bool, str]:
         return False, f"alongside needs operands 'bf16', got {cfg.operands!r}"
     if cfg.f16 and (cfg.operands != "bf16" or cfg.chunk != 16):
         return False, f"f16 needs operands 'bf16' and chunk 16, got {cfg.operands!r}, {cfg.chunk}"
-    if cfg.looped and (cfg.operands != "bf16" or cfg.alongside or cfg.chunk != 16
-                       or cfg.threads not in (64, 128, 256) or cfg.head_dim_k % max(
-                           64, cfg.threads // 2)):
+    if cfg.looped and (cfg.operands != "bf16" or cfg.alongside or not column_passes(cfg)):
         return False, (f"looped needs the column-pass K1 (operands 'bf16', chunk 16, 64, 128 "
                        f"or 256 threads, not alongside), got {cfg.name}")
     return True, ""
+
+
+def column_passes(cfg: PrepConfig) -> bool:
+    """Whether the bf16 K1 runs phases A and B in column passes (kernels/kda_prep_sm90.py,
+    _body_passes): chunk 16, 64, 128 or 256 threads, head_dim_k a multiple of the pass width
+    max(64, threads / 2)."""
+    return (cfg.chunk == 16 and cfg.threads in (64, 128, 256)
+            and cfg.head_dim_k % max(64, cfg.threads // 2) == 0)
 
 
 def args(cfg: PrepConfig) -> list[Arg]:
