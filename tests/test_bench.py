@@ -674,3 +674,30 @@ def test_ab_cubins_probe(probes, monkeypatch):
     assert r["new_over_old"] == pytest.approx(0.8)  # 0.8, 2.0, 0.5
     assert r["none_new_over_old"] == pytest.approx(1.0)  # 1, 2, 0.5
     assert r["cost_new"] == pytest.approx(0.1) and r["cost_old"] == pytest.approx(0.1)
+
+
+def test_ab_decode_probe(probes):
+    """bench/probes/ab_decode_probe.py: its shapes parsed (bad ones named), new / old the median
+    of the rounds' ratios, and the two sets timed first in turn."""
+    probe = probes("ab_decode_probe")
+    assert probe.parse_shapes("bfloat16:64:32,float32:8:12") == [("bfloat16", 64, 32),
+                                                                  ("float32", 8, 12)]
+    for bad in ("bf16:64:32", "float32:64", "float32:0:12", "float32:a:12"):
+        with pytest.raises(SystemExit, match="--shapes"):
+            probe.parse_shapes(bad)
+    assert probe.ratio([1.0, 2.2, 3.0], [2.0, 2.0, 2.0]) == pytest.approx(1.1)
+    with pytest.raises(ValueError):
+        probe.ratio([1.0], [1.0, 2.0])
+    assert [probe.order(r) for r in range(3)] == [("new", "old"), ("old", "new"),
+                                                  ("new", "old")]
+    with pytest.raises(SystemExit, match="--old"):
+        probe.main(["--old", str(ROOT / "nowhere"), "--shapes", "float32:1:1"])
+
+
+def test_decode_ncu_target_shape(probes):
+    """bench/probes/decode_ncu_target.py: its N:H argument parsed, bad ones named."""
+    probe = probes("decode_ncu_target")
+    assert probe.parse_shape("64:32") == (64, 32)
+    for bad in ("64", "64:0", "a:32", "64:32:1"):
+        with pytest.raises(SystemExit, match="shape"):
+            probe.parse_shape(bad)
