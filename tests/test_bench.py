@@ -694,6 +694,22 @@ def test_ab_decode_probe(probes):
         probe.main(["--old", str(ROOT / "nowhere"), "--shapes", "float32:1:1"])
 
 
+def test_ab_cubin_roots(probes, tmp_path):
+    """ab_cubins_probe.cubin_roots: the two roots, new defaulting to the shipped cubins, each
+    one checked to hold sm_90a/ (the error names the flag)."""
+    from kda_cute import cubin
+
+    probe = probes("ab_cubins_probe")
+    (tmp_path / "a" / "sm_90a").mkdir(parents=True)
+    (tmp_path / "b" / "sm_90a").mkdir(parents=True)
+    assert probe.cubin_roots(tmp_path / "a", tmp_path / "b") == {"new": tmp_path / "a",
+                                                                 "old": tmp_path / "b"}
+    if (cubin.CUBIN_ROOT / "sm_90a").is_dir():
+        assert probe.cubin_roots(None, tmp_path / "b")["new"] == cubin.CUBIN_ROOT
+    with pytest.raises(SystemExit, match="--new"):
+        probe.cubin_roots(tmp_path, tmp_path / "b")
+
+
 def test_decode_ncu_target_shape(probes):
     """bench/probes/decode_ncu_target.py: its N:H argument parsed, bad ones named."""
     probe = probes("decode_ncu_target")

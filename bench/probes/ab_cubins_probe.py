@@ -34,6 +34,18 @@ def use_cubins(root: Path) -> None:
     driver.clear()
 
 
+def cubin_roots(new, old) -> dict:
+    """{"new": .., "old": ..}: the cubin roots given (new None: the shipped cubins), each
+    checked to hold sm_90a/."""
+    from kda_cute import cubin
+
+    roots = {"new": Path(new) if new else cubin.CUBIN_ROOT, "old": Path(old)}
+    for name, r in roots.items():
+        if not (r / "sm_90a").is_dir():
+            raise SystemExit(f"--{name}: expected a cubin root holding sm_90a/, got {r}")
+    return roots
+
+
 def summary(rounds: list[dict], m: str) -> dict:
     """A mode's figures from its rounds ({"none@new", m + "@new", "none@old", m + "@old"} ms
     each): new over old for it and for the forward without (medians of the rounds' ratios),
@@ -61,12 +73,8 @@ def main(argv=None) -> None:
     import checkpoints_probe as cp
 
     import bench
-    from kda_cute import cubin
 
-    roots = {"new": Path(a.new) if a.new else cubin.CUBIN_ROOT, "old": Path(a.old)}
-    for name, r in roots.items():
-        if not (r / "sm_90a").is_dir():
-            raise SystemExit(f"--{name}: expected a cubin root holding sm_90a/, got {r}")
+    roots = cubin_roots(a.new, a.old)
     modes = a.modes.split(",")
     if modes[0] != "none" or any(m not in cp.MODES for m in modes):
         raise SystemExit(f"--modes: expected 'none' first, then some of {cp.MODES}")

@@ -64,17 +64,13 @@ def main(argv=None) -> None:
         sys.path.insert(0, str(p))
     import serving as sv
     import torch
-    from ab_cubins_probe import use_cubins
+    from ab_cubins_probe import cubin_roots, use_cubins
 
     import bench
     import kda_cute
-    from kda_cute import cubin
     from kda_cute.ladder import step_tiles
 
-    roots = {"new": Path(a.new) if a.new else cubin.CUBIN_ROOT, "old": Path(a.old)}
-    for name, r in roots.items():
-        if not (r / "sm_90a").is_dir():
-            raise SystemExit(f"--{name}: expected a cubin root holding sm_90a/, got {r}")
+    roots = cubin_roots(a.new, a.old)
     bw = bench.copy_bandwidth()
     flush = sv._flusher()
     rows = []
