@@ -99,6 +99,12 @@ def tokens_bytes(N, T, H) -> int:
     return N * T * H * (3 * K * 2 + 2 * V * 2 + 2)
 
 
+def step_bytes(N, T, H, state_bytes) -> int:
+    """A step's compulsory bytes, N rows of T tokens: each row's start state read and its state
+    after every token written (elements of `state_bytes`), and the tokens' (decode: T = 1)."""
+    return (1 + T) * N * H * V * K * state_bytes + tokens_bytes(N, T, H)
+
+
 def fla_fn():
     try:
         from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
@@ -121,7 +127,7 @@ def decode_case(N, H, dtype, fla, bw, iters, flush):
     row = {"form": "decode", "N": N, "H": H, "T": 1,
            "pool": str(dtype).replace("torch.", "")}
     esz = x["pool"].element_size()
-    row["bytes"] = 2 * N * H * V * K * esz + tokens_bytes(N, 1, H)
+    row["bytes"] = step_bytes(N, 1, H, esz)
     row["ceiling_ms"] = row["bytes"] / bw * 1e3
     row["kda_ms"] = time_ms(kda, iters, flush)
     row["kda_graph_ms"] = time_ms(graphed(kda), iters, flush)
@@ -171,7 +177,7 @@ def verify_case(N, T, H, dtype, fla, bw, iters, flush):
 
     esz = x["pool"].element_size()
     row = {"form": "verify", "N": N, "H": H, "T": T, "pool": str(dtype).replace("torch.", "")}
-    row["bytes"] = (1 + T) * N * H * V * K * esz + tokens_bytes(N, T, H)
+    row["bytes"] = step_bytes(N, T, H, esz)
     row["ceiling_ms"] = row["bytes"] / bw * 1e3
     row["kda_ms"] = time_ms(kda_a, iters, flush)
     row["kda_graph_ms"] = time_ms(graphed(kda_a), iters, flush)
@@ -217,8 +223,7 @@ def sweep(bw, iters, flush, match=(), pools=("float32", "bfloat16"), shapes=SWEE
                     by[c.name] = time_ms(graphed(fn), iters, flush)
                 except kda_cute.cubin.CubinsMissing:  # a tile not built in this cubin set
                     continue
-            ceiling = (2 * N * H * V * K * x["pool"].element_size() + tokens_bytes(N, 1, H)) \
-                / bw * 1e3
+            ceiling = step_bytes(N, 1, H, x["pool"].element_size()) / bw * 1e3
             rows.append({"N": N, "H": H, "pool": pool, "ceiling_ms": ceiling, "ms": by})
             print(json.dumps(rows[-1]), flush=True)
             x = idx = None
@@ -254,8 +259,7 @@ def verify_sweep(bw, iters, flush, match=(), pools=("float32", "bfloat16"),
                     by[c.name] = time_ms(graphed(fn), iters, flush)
                 except kda_cute.cubin.CubinsMissing:
                     continue
-            ceiling = ((1 + T) * N * H * V * K * x["pool"].element_size()
-                       + tokens_bytes(N, T, H)) / bw * 1e3
+            ceiling = step_bytes(N, T, H, x["pool"].element_size()) / bw * 1e3
             rows.append({"form": "verify", "N": N, "H": H, "T": T, "pool": pool,
                          "ceiling_ms": ceiling, "ms": by})
             print(json.dumps(rows[-1]), flush=True)

@@ -717,3 +717,13 @@ def test_decode_ncu_target_shape(probes):
     for bad in ("64", "64:0", "a:32", "64:32:1"):
         with pytest.raises(SystemExit, match="shape"):
             probe.parse_shape(bad)
+
+
+def test_serving_step_bytes(probes):
+    """bench/serving.py's ceiling bytes: a row's start state read once, its state after every
+    token written, and its tokens (q, k, g, v, out and beta, bf16) once each."""
+    serving = probes("../serving")  # bench/serving.py, loaded as the probes are
+    state = 128 * 128
+    tokens = 3 * 128 * 2 + 2 * 128 * 2 + 2
+    assert serving.step_bytes(2, 1, 3, 4) == 2 * 2 * 3 * state * 4 + 2 * 1 * 3 * tokens
+    assert serving.step_bytes(5, 4, 2, 2) == 5 * 5 * 2 * state * 2 + 5 * 4 * 2 * tokens

@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-K = V = 128
+K = 128  # the head dim of the tiles compared (bench/serving.py: K = V = 128)
 
 
 def parse_shapes(text: str) -> list[tuple[str, int, int]]:
@@ -80,8 +80,7 @@ def main(argv=None) -> None:
         tiles = [None] if not a.match else [
             c for c in step_tiles() if c.head_dim_k == K and c.pool == pool_name and c.persist
             and any(m in c.name for m in a.match.split(","))]
-        ceiling = (2 * N * H * V * K * x["pool"].element_size() + sv.tokens_bytes(N, 1, H)) \
-            / bw * 1e3
+        ceiling = sv.step_bytes(N, 1, H, x["pool"].element_size()) / bw * 1e3
         start = x["pool"].clone()
         for tile in tiles:
             kw = dict(A_log=x["A_log"], dt_bias=x["dt_bias"], lower_bound=-5.0, gate="bounded")
