@@ -651,6 +651,63 @@ def test_stream_probe_kernels_move_the_slots_they_name(probes, monkeypatch):
     assert torch.equal(pool, before)
 
 
+_TC_PROBE_CHECK = """
+import sys, torch
+sys.path[:0] = [{root!r}, {root!r} + "/bench", {root!r} + "/bench/probes"]
+import tc_decode_probe as probe
+from kda_cute.reference import kda_reference, rel_err
+step, _, verify, _ = probe.kernels()
+gen = torch.Generator().manual_seed(3)
+N, T, H, K, V = 2, 3, 2, 128, 128
+rnd = lambda *s: torch.randn(*s, generator=gen).to(torch.bfloat16)
+q, k, g, v, beta = rnd(N, T, H, K), rnd(N, T, H, K), rnd(N, T, H, K), rnd(N, T, H, V), rnd(N, T, H)
+a_log, bias = torch.randn(H, generator=gen) * 0.5, torch.randn(H * K, generator=gen) * 0.5
+pool0 = (torch.randn(4 * N * T, H, V, K, generator=gen) * 0.3).to(torch.bfloat16)
+idx = torch.randperm(4 * N * T, generator=gen)[:N * T].view(N, T).to(torch.int32)
+acc = torch.tensor([2, 3], dtype=torch.int32)
+kw = dict(A_log=a_log, dt_bias=bias, lower_bound=probe.LOWER, gate="bounded")
+scale = K ** -0.5
+S = pool0[idx[torch.arange(N), acc.long() - 1].long()].double()
+for t in range(T):
+    sl = slice(t, t + 1)
+    o, S = kda_reference(q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl], scale=scale,
+                         initial_state=S, **kw)
+out = torch.full((N, T, H, V), float("nan")).to(torch.bfloat16)
+pool = pool0.clone()
+verify[(N * H * 2,)](q, k, v, g, beta, a_log, bias, pool, idx, acc, out, H, pool.stride(0),
+                     scale, probe.LOWER, T=T, BV=64, KD=K, VD=V, MMA=0)
+errs = [rel_err(out[:, -1:].double(), o), rel_err(pool[idx[:, -1].long()].double(), S)]
+one = [x[:, :1].contiguous() for x in (q, k, v, g, beta)]
+s0 = idx[:, 0].contiguous()
+pool = pool0.clone()
+out = torch.full((N, 1, H, V), float("nan")).to(torch.bfloat16)
+step[(N * H * 2,)](*one, a_log, bias, pool, s0, out, H, pool.stride(0), scale, probe.LOWER,
+                   BV=64, KD=K, VD=V, MMA=0)
+o, S = kda_reference(*one, scale=scale, initial_state=pool0[s0.long()].double(), **kw)
+errs += [rel_err(out.double(), o), rel_err(pool[s0.long()].double(), S)]
+print(" ".join(f"{{e:.3e}}" for e in errs))
+"""
+
+
+def test_tc_decode_probe_cuda_core_forms_match_the_reference():
+    """bench/probes/tc_decode_probe.py's CUDA-core decode and verify (style (a): the start slot
+    from the accepted count, every token's state to its slot), run by Triton's interpreter on the
+    CPU against the float64 reference: the last token's output and state of the verify, the
+    decode's output and state, each at the bf16 floor. (A process of its own: the interpreter
+    must be on before triton.language is first imported.)"""
+    pytest.importorskip("triton")
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    r = subprocess.run([sys.executable, "-c", _TC_PROBE_CHECK.format(root=str(ROOT))], env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    errs = [float(x) for x in r.stdout.split()]
+    assert len(errs) == 4 and all(e < 5e-3 for e in errs), errs
+
+
 def test_ab_cubins_probe(probes, monkeypatch):
     """bench/probes/ab_cubins_probe.py: use_cubins points the kernel loader at another cubin
     root (manifests read again, loaded kernels forgotten, the launcher's generation moved on);
@@ -677,12 +734,14 @@ def test_ab_cubins_probe(probes, monkeypatch):
 
 
 def test_ab_decode_probe(probes):
-    """bench/probes/ab_decode_probe.py: its shapes parsed (bad ones named), new / old the median
-    of the rounds' ratios, and the two sets timed first in turn."""
+    """bench/probes/ab_decode_probe.py: its shapes parsed (decode, or verify with a token count;
+    bad ones named), new / old the median of the rounds' ratios, and the two sets timed first
+    in turn."""
     probe = probes("ab_decode_probe")
-    assert probe.parse_shapes("bfloat16:64:32,float32:8:12") == [("bfloat16", 64, 32),
-                                                                  ("float32", 8, 12)]
-    for bad in ("bf16:64:32", "float32:64", "float32:0:12", "float32:a:12"):
+    assert probe.parse_shapes("bfloat16:64:32,float32:8:12,bfloat16:64:32:4") == [
+        ("bfloat16", 64, 32, 1), ("float32", 8, 12, 1), ("bfloat16", 64, 32, 4)]
+    for bad in ("bf16:64:32", "float32:64", "float32:0:12", "float32:a:12", "float32:8:12:0",
+                "float32:8:12:2:1"):
         with pytest.raises(SystemExit, match="--shapes"):
             probe.parse_shapes(bad)
     assert probe.ratio([1.0, 2.2, 3.0], [2.0, 2.0, 2.0]) == pytest.approx(1.1)
