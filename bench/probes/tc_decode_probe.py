@@ -38,7 +38,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT / "bench" / "probes"))
 
+import stream_probe  # noqa: E402
 from serving import K, V, _flusher, graphed, inputs, step_bytes, time_ms  # noqa: E402
 
 import kda_cute  # noqa: E402
@@ -102,20 +104,6 @@ def kernels():
         Sn = Sf * a[None, :] + delta[:, None] * kn[None, :]
         tl.store(base + offs, Sn.to(tl.bfloat16))
         tl.store(out + tok * VD + rows, o.to(tl.bfloat16))
-
-    @triton.jit
-    def stream(pool, idx, n_heads, slot_stride, BV: tl.constexpr, KD: tl.constexpr,
-               VD: tl.constexpr):
-        pid = tl.program_id(0)
-        nb = VD // BV
-        vb = pid % nb
-        h = (pid // nb) % n_heads
-        n = pid // (nb * n_heads)
-        s = tl.load(idx + n).to(tl.int64)
-        base = pool + s * slot_stride + h * VD * KD + vb * BV * KD
-        offs = tl.arange(0, BV)[:, None] * KD + tl.arange(0, KD)[None, :]
-        x = tl.load(base + offs)
-        tl.store(base + offs, x * 0.5 + x * 0.5)
 
     @triton.jit
     def verify(q, k, v, g, beta, A_log, dt_bias, pool, idx, acc, out, n_heads, slot_stride,
@@ -247,6 +235,8 @@ def kernels():
             tl.store(pool + st * slot_stride + offs, Sf.to(tl.bfloat16),
                      mask=(offs >= 0) & (st >= 0))
 
+    # the stream: stream_probe's tile kernel (a tile a program, read and written back in place)
+    stream = stream_probe.kernels()[0]
     return step, stream, verify, chunked
 
 
