@@ -1,7 +1,7 @@
 """Decode (or verify) with two cubin sets of the same ABI timed in one process: the shipped cubins
 (or --new DIR) against --old DIR. Per shape (pool, N, H; bench/serving.py's decode inputs,
-K = V = 128; pool:N:H:T a verify of T tokens a row, style (a) with random accepted counts, as
-bench/serving.py's verify rows) and tile (the plan's own, or --match: the persistent decode
+K = V = 128; pool:N:H:T a verify of T tokens a row, style (a) with random accepted counts, the
+form of bench/serving.py's verify rows) and tile (the plan's own, or --match: the persistent decode
 tiles whose name holds one of the parts),
 each set's decode is run once from the same pool (outputs and touched slots compared bit for
 bit) and captured in a CUDA graph, then the two graphs are timed in alternating order round
