@@ -224,7 +224,8 @@ def sweep(bw, iters, flush, match=(), pools=("float32", "bfloat16"), shapes=SWEE
                 except kda_cute.cubin.CubinsMissing:  # a tile not built in this cubin set
                     continue
             ceiling = step_bytes(N, 1, H, x["pool"].element_size()) / bw * 1e3
-            rows.append({"N": N, "H": H, "pool": pool, "ceiling_ms": ceiling, "ms": by})
+            rows.append({"form": "decode", "N": N, "H": H, "T": 1, "pool": pool,
+                         "ceiling_ms": ceiling, "ms": by})
             print(json.dumps(rows[-1]), flush=True)
             x = idx = None
             torch.cuda.empty_cache()
@@ -308,6 +309,54 @@ def markdown(rows, host, bw) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _short(name: str) -> str:
+    """A token-step tile's name without its head dims (the sweep is at K = V = 128)."""
+    return name.replace(f"kda_step_k{K}_v{V}_", "")
+
+
+def sweep_markdown(res) -> str:
+    """A sweep (--sweep) as a table: each shape's tiles fastest first, with the ms, the % of
+    the copy ceiling on compulsory bytes and the time over the shape's fastest."""
+    lines = [f"Copy bandwidth {res['copy_bandwidth'] / 1e9:.0f} GB/s. K = V = {K}, CUDA graph, "
+             "cold L2, median.", "",
+             "| form | pool | N | H | T | tile | ms | % of ceiling | / fastest |",
+             "|---|---|---:|---:|---:|---|---:|---:|---:|"]
+    for r in res["sweep"]:
+        if not r["ms"]:
+            continue
+        best = min(r["ms"].values())
+        for name, ms in sorted(r["ms"].items(), key=lambda x: x[1]):
+            lines.append(f"| {r['form']} | {r['pool']} | {r['N']} | {r['H']} | {r['T']} | "
+                         f"{_short(name)} | {ms:.4f} | "
+                         f"{100 * r['ceiling_ms'] / ms:.1f} | {ms / best:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+def sweep_plot(res, path):
+    """A sweep's % of the copy ceiling, a panel a shape, a bar a tile (fastest on top)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    rows = [r for r in res["sweep"] if r["ms"]]
+    if not rows:
+        return
+    most = max(len(r["ms"]) for r in rows)
+    fig, axes = plt.subplots(len(rows), 1, figsize=(9, (0.22 * most + 0.6) * len(rows)),
+                             squeeze=False)
+    for ax, r in zip(axes[:, 0], rows, strict=True):
+        tiles = sorted(r["ms"].items(), key=lambda x: -x[1])
+        ax.barh(range(len(tiles)), [100 * r["ceiling_ms"] / ms for _, ms in tiles])
+        ax.set_yticks(range(len(tiles)), [_short(n) for n, _ in tiles], fontsize=6)
+        ax.set_xlim(0, 100)
+        ax.set_title(f"{r['form']} {r['pool']} N{r['N']} H{r['H']} T{r['T']}", fontsize=8)
+    axes[-1, 0].set_xlabel("% of the copy ceiling on compulsory bytes (CUDA graph, cold L2)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def plot(rows, path):
     try:
         import matplotlib
@@ -361,7 +410,10 @@ def main(argv=None):
         res = {"versions": versions(), "copy_bandwidth": bw, "sweep": run(
             bw, a.iters, flush, tuple(m for m in a.match.split(",") if m),
             tuple(a.pools.split(",")), shapes), "host": host_times()}
-        Path(a.out).write_text(json.dumps(res, indent=1) + "\n")
+        out = Path(a.out)
+        out.write_text(json.dumps(res, indent=1) + "\n")
+        out.with_suffix(".md").write_text(sweep_markdown(res))
+        sweep_plot(res, out.with_suffix(".png"))
         print(json.dumps(res["host"]))
         return
     rows = []

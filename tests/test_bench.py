@@ -786,3 +786,24 @@ def test_serving_step_bytes(probes):
     tokens = 3 * 128 * 2 + 2 * 128 * 2 + 2
     assert serving.step_bytes(2, 1, 3, 4) == 2 * 2 * 3 * state * 4 + 2 * 1 * 3 * tokens
     assert serving.step_bytes(5, 4, 2, 2) == 5 * 5 * 2 * state * 2 + 5 * 4 * 2 * tokens
+
+
+def test_serving_sweep_table_and_plot(probes, tmp_path):
+    """bench/serving.py --sweep's table and plot: each shape's tiles fastest first, the % of the
+    ceiling and the time over the fastest; empty shapes left out."""
+    serving = probes("../serving")
+    res = {"copy_bandwidth": 4.2e12, "sweep": [
+        {"form": "verify", "N": 64, "H": 32, "T": 2, "pool": "bfloat16", "ceiling_ms": 0.05,
+         "ms": {"kda_step_k128_v128_bf16_bv64_r16_t128_u2_n": 0.0720,
+                "kda_step_k128_v128_bf16_bv64_r16_t128_u2_k2": 0.0600}},
+        {"form": "decode", "N": 8, "H": 32, "T": 1, "pool": "bfloat16", "ceiling_ms": 0.004,
+         "ms": {}}]}
+    md = serving.sweep_markdown(res).splitlines()
+    rows = [ln for ln in md if ln.startswith("| verify")]
+    assert len(rows) == 2 and not any(ln.startswith("| decode") for ln in md)
+    assert rows[0] == ("| verify | bfloat16 | 64 | 32 | 2 | bf16_bv64_r16_t128_u2_k2 | 0.0600 | "
+                       "83.3 | 1.000 |")
+    assert rows[1].endswith("| 0.0720 | 69.4 | 1.200 |")
+    pytest.importorskip("matplotlib")
+    serving.sweep_plot(res, tmp_path / "s.png")
+    assert (tmp_path / "s.png").stat().st_size > 0
