@@ -114,6 +114,11 @@ def fla_fn():
     return fused_recurrent_kda_fwd
 
 
+def _plan_tile(bound) -> str:
+    """The token-step tile a bound call's plan launches (its name without the head dims)."""
+    return _short(bound.plan.launches()[0].kernel.name)
+
+
 def decode_case(N, H, dtype, fla, bw, iters, flush):
     x = inputs(N, 1, H, dtype, seed=N * 7 + H)
     idx = x["idx"][:, 0].contiguous()
@@ -126,6 +131,8 @@ def decode_case(N, H, dtype, fla, bw, iters, flush):
 
     row = {"form": "decode", "N": N, "H": H, "T": 1,
            "pool": str(dtype).replace("torch.", "")}
+    row["tile"] = _plan_tile(kda_cute.decode(x["q"], x["k"], x["v"], x["g"], x["beta"],
+                                             x["pool"], idx, out=x["out"], bind=True, **kw))
     esz = x["pool"].element_size()
     row["bytes"] = step_bytes(N, 1, H, esz)
     row["ceiling_ms"] = row["bytes"] / bw * 1e3
@@ -177,6 +184,9 @@ def verify_case(N, T, H, dtype, fla, bw, iters, flush):
 
     esz = x["pool"].element_size()
     row = {"form": "verify", "N": N, "H": H, "T": T, "pool": str(dtype).replace("torch.", "")}
+    row["tile"] = _plan_tile(kda_cute.verify(*args, x["pool"], ssm_state_indices=x["idx"],
+                                             num_accepted_tokens=acc, out=x["out"], bind=True,
+                                             **kw))
     row["bytes"] = step_bytes(N, T, H, esz)
     row["ceiling_ms"] = row["bytes"] / bw * 1e3
     row["kda_ms"] = time_ms(kda_a, iters, flush)
@@ -296,8 +306,8 @@ def markdown(rows, host, bw) -> str:
     lines = [f"Copy bandwidth {bw / 1e9:.0f} GB/s. Host time per decode call: eager "
              f"{host['eager_us']:.1f} us, bound {host['bound_us']:.1f} us.", "",
              "| form | pool | N | H | T | kda graph ms | kda eager ms | % of ceiling | "
-             "fla graph ms | fla % | vs fla (graph) | vs fla (eager) | scratch / slots |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "fla graph ms | fla % | vs fla (graph) | vs fla (eager) | scratch / slots | tile |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         def f(k, fmt="{:.4f}", r=r):
             return fmt.format(r[k]) if k in r else "-"
@@ -305,7 +315,7 @@ def markdown(rows, host, bw) -> str:
                      f"{f('kda_graph_ms')} | {f('kda_ms')} | {f('kda_pct', '{:.0f}')} | "
                      f"{f('fla_graph_ms')} | {f('fla_pct', '{:.0f}')} | "
                      f"{f('speedup_vs_fla', '{:.2f}')} | {f('speedup_vs_fla_eager', '{:.2f}')}"
-                     f" | {f('scratch_vs_slots', '{:.3f}')} |")
+                     f" | {f('scratch_vs_slots', '{:.3f}')} | {r.get('tile', '-')} |")
     return "\n".join(lines) + "\n"
 
 

@@ -807,3 +807,21 @@ def test_serving_sweep_table_and_plot(probes, tmp_path):
     pytest.importorskip("matplotlib")
     serving.sweep_plot(res, tmp_path / "s.png")
     assert (tmp_path / "s.png").stat().st_size > 0
+
+
+def test_serving_table_names_the_tile(probes):
+    """bench/serving.py's table: each row's plan tile (its name without the head dims), '-' for
+    a row without one (results written before the column)."""
+    serving = probes("../serving")
+    tile = "bf16_bv64_r16_t128_u2_p5"
+    assert serving._short("kda_step_k128_v128_" + tile) == tile
+    rows = [{"form": "decode", "pool": "bfloat16", "N": 64, "H": 32, "T": 1, "kda_graph_ms": 0.04,
+             "kda_ms": 0.05, "kda_pct": 76.0, "tile": "bf16_bv64_r16_t128_u2_p5"},
+            {"form": "verify", "pool": "float32", "N": 64, "H": 32, "T": 2, "kda_graph_ms": 0.1,
+             "kda_ms": 0.1, "kda_pct": 80.0}]
+    md = serving.markdown(rows, {"eager_us": 60.0, "bound_us": 15.8}, 4.2e12).splitlines()
+    header = next(ln for ln in md if ln.startswith("| form"))
+    assert header.rstrip(" |").endswith("tile")
+    body = [ln for ln in md if ln.startswith("| decode") or ln.startswith("| verify")]
+    assert body[0].endswith("| bf16_bv64_r16_t128_u2_p5 |") and body[1].endswith("| - |")
+    assert all(ln.count("|") == header.count("|") for ln in body)
