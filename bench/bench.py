@@ -431,12 +431,21 @@ def markdown(rows) -> str:
     return head + "\n".join(lines) + "\n"
 
 
-def plot(rows, path):
+def pyplot():
+    """matplotlib's pyplot on the Agg backend, or None where matplotlib is not installed (the
+    plots are skipped then)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        return None
+    return plt
+
+
+def plot(rows, path):
+    plt = pyplot()
+    if plt is None:
         return
     names = [f"{r['case']} K{r['K']}" for r in rows]
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(14, 0.45 * len(rows) + 2))

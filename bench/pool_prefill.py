@@ -121,11 +121,8 @@ def table(rows) -> str:
 
 
 def plot(rows, path: Path) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = b.pyplot()
+    if plt is None:
         return
     names = [f"{r['case']} K{r['K']}" for r in rows]
     fig, ax = plt.subplots(figsize=(10, 4))

@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import kda_cute  # noqa: E402
-from bench import copy_bandwidth, versions  # noqa: E402
+from bench import copy_bandwidth, pyplot, versions  # noqa: E402
 from kda_cute.reference import rel_err  # noqa: E402
 
 K = V = 128
@@ -344,11 +344,8 @@ def sweep_markdown(res) -> str:
 
 def sweep_plot(res, path):
     """A sweep's % of the copy ceiling, a panel a shape, a bar a tile (fastest on top)."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return
     rows = [r for r in res["sweep"] if r["ms"]]
     if not rows:
@@ -368,11 +365,8 @@ def sweep_plot(res, path):
 
 
 def plot(rows, path):
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return
     names = [f"{r['form']} {r['pool']} N{r['N']} H{r['H']} T{r['T']}" for r in rows]
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(14, 0.3 * len(rows) + 2))

@@ -825,3 +825,15 @@ def test_serving_table_names_the_tile(probes):
     body = [ln for ln in md if ln.startswith("| decode") or ln.startswith("| verify")]
     assert body[0].endswith("| bf16_bv64_r16_t128_u2_p5 |") and body[1].endswith("| - |")
     assert all(ln.count("|") == header.count("|") for ln in body)
+
+
+def test_pyplot_absent_skips_plots(monkeypatch, tmp_path):
+    """bench.pyplot: None where matplotlib cannot be imported, and the plots then write
+    nothing (the tables and JSON still do)."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    assert bench.pyplot() is None
+    bench.plot([{"case": "B1", "K": 128, "kda_ms": 1.0, "kda_pct_roofline": 30.0}],
+               tmp_path / "p.png")
+    assert not (tmp_path / "p.png").exists()
