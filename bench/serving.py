@@ -2,14 +2,15 @@
 `fused_recurrent_kda_fwd`, side by side in one run on the H200.
 
     python bench/serving.py [--quick] [--out bench/results/serving-h200-DATE.json]
+    python bench/serving.py --sweep [--verify] [--head-dim 64|128|256] [--match ..] [--shapes ..]
 
-K = V = 128, bounded gate with q/k L2 norm and beta's sigmoid in the kernel, fp32 and bf16 pools
-four times larger than the slots a call touches, random slots. Each figure is the median of
-CUDA-event-timed launches, eager and replayed from a CUDA graph, with the L2 flushed (a 256 MB
-write) before every launch. The ceiling is the compulsory bytes (touched slots read and
-written, q, k, v, g, beta, out) at the measured device-to-device copy bandwidth. Outputs are
-checked against each other (kda_cute vs fla) on the first set. Also reported: the host time of
-an eager decode call and of a bound one (kda_cute.Bound).
+K = V = 128 (the tile sweep: --head-dim), bounded gate with q/k L2 norm and beta's sigmoid in the
+kernel, fp32 and bf16 pools four times larger than the slots a call touches, random slots. Each
+figure is the median of CUDA-event-timed launches, eager and replayed from a CUDA graph, with the
+L2 flushed (a 256 MB write) before every launch. The ceiling is the compulsory bytes (touched
+slots read and written, q, k, v, g, beta, out) at the measured device-to-device copy bandwidth.
+Outputs are checked against each other (kda_cute vs fla) on the first set. Also reported: the
+host time of an eager decode call and of a bound one (kda_cute.Bound).
 """
 
 from __future__ import annotations
@@ -212,8 +213,9 @@ SWEEP = [(1, 12), (8, 32), (64, 32), (256, 32), (1024, 32)]
 
 def sweep(bw, iters, flush, match=(), pools=("float32", "bfloat16"), shapes=SWEEP
           ) -> list[dict]:
-    """Decode at K = 128 with every built tile (ladder.STEP, STEP_SINGLE and STEP_VARIANTS; those
-    whose name holds one of `match`, when given), CUDA graph."""
+    """Decode at K (128, or --head-dim) with every built tile of that K (ladder.STEP,
+    STEP_SINGLE and STEP_VARIANTS; those whose name holds one of `match`, when given), CUDA
+    graph."""
     from kda_cute.ladder import step_tiles
     rows = []
     for dtype in (getattr(torch, p) for p in pools):
@@ -247,9 +249,9 @@ VERIFY_SWEEP = [(64, 2), (64, 8), (256, 4), (256, 8)]
 
 def verify_sweep(bw, iters, flush, match=(), pools=("float32", "bfloat16"),
                  shapes=VERIFY_SWEEP, H=32) -> list[dict]:
-    """Verify (style (a), every token accepted) at K = 128 and H 32 with every built tile that
-    runs multi-token steps (not the persistent ones; those whose name holds one of `match`, when
-    given), CUDA graph."""
+    """Verify (style (a), every token accepted) at K (128, or --head-dim) and H 32 with every
+    built tile of that K that runs multi-token steps (not the persistent ones; those whose name
+    holds one of `match`, when given), CUDA graph."""
     from kda_cute.ladder import step_tiles
     rows = []
     for dtype in (getattr(torch, p) for p in pools):
@@ -320,7 +322,7 @@ def markdown(rows, host, bw) -> str:
 
 
 def _short(name: str) -> str:
-    """A token-step tile's name without its head dims (the sweep is at K = V = 128)."""
+    """A token-step tile's name without its head dims (those of the run: K = V)."""
     return name.replace(f"kda_step_k{K}_v{V}_", "")
 
 
@@ -403,7 +405,13 @@ def main(argv=None):
                     "(default: SWEEP)")
     ap.add_argument("--verify", action="store_true", help="the sweep: verify (N:T shapes at "
                     "H 32, default VERIFY_SWEEP) instead of decode")
+    ap.add_argument("--head-dim", type=int, default=128, choices=(64, 128, 256),
+                    help="K = V of the tile sweep (the table is at 128)")
     a = ap.parse_args(argv)
+    if a.head_dim != 128 and not a.sweep:
+        raise SystemExit("--head-dim: the tile sweep's (--sweep); the table is at K = V = 128")
+    global K, V
+    K = V = a.head_dim
     fla = None if a.no_fla else fla_fn()
     bw = copy_bandwidth()
     flush = _flusher()
@@ -411,7 +419,7 @@ def main(argv=None):
         shapes = [tuple(map(int, x.split(":"))) for x in a.shapes.split(",")] if a.shapes \
             else (VERIFY_SWEEP if a.verify else SWEEP)
         run = verify_sweep if a.verify else sweep
-        res = {"versions": versions(), "copy_bandwidth": bw, "sweep": run(
+        res = {"versions": versions(), "copy_bandwidth": bw, "head_dim": K, "sweep": run(
             bw, a.iters, flush, tuple(m for m in a.match.split(",") if m),
             tuple(a.pools.split(",")), shapes), "host": host_times()}
         out = Path(a.out)

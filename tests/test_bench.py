@@ -837,3 +837,12 @@ def test_pyplot_absent_skips_plots(monkeypatch, tmp_path):
     bench.plot([{"case": "B1", "K": 128, "kda_ms": 1.0, "kda_pct_roofline": 30.0}],
                tmp_path / "p.png")
     assert not (tmp_path / "p.png").exists()
+
+
+def test_serving_head_dim_is_the_sweeps(probes):
+    """bench/serving.py --head-dim: for the tile sweep only (the table is at K = V = 128),
+    refused before anything runs."""
+    serving = probes("../serving")
+    with pytest.raises(SystemExit, match="--head-dim: the tile sweep"):
+        serving.main(["--head-dim", "64", "--no-fla"])
+    assert serving.K == serving.V == 128
