@@ -25,7 +25,6 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-K = 128  # the head dim of the tiles compared (bench/serving.py: K = V = 128)
 
 
 def parse_shapes(text: str) -> list[tuple[str, int, int, int]]:
@@ -84,7 +83,7 @@ def main(argv=None) -> None:
         gen = torch.Generator(device="cuda").manual_seed(N + T)
         acc = torch.randint(1, T + 1, (N,), device="cuda", dtype=torch.int32, generator=gen)
         tiles = [None] if not a.match or T > 1 else [
-            c for c in step_tiles() if c.head_dim_k == K and c.pool == pool_name and c.persist
+            c for c in step_tiles() if c.head_dim_k == sv.K and c.pool == pool_name and c.persist
             and any(m in c.name for m in a.match.split(","))]
         ceiling = sv.step_bytes(N, T, H, x["pool"].element_size()) / bw * 1e3
         start = x["pool"].clone()

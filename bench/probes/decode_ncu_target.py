@@ -16,7 +16,6 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-K = V = 128
 
 
 def parse_shape(text: str) -> tuple[int, int]:
@@ -39,6 +38,7 @@ def main(argv=None) -> None:
 
     import kda_cute
 
+    K, V = sv.K, sv.V  # bench/serving.py's head dims
     flush = torch.empty(512 << 20, dtype=torch.int8, device="cuda")
     x = sv.inputs(N, 1, H, torch.bfloat16, seed=N * 7 + H)
     idx = x["idx"][:, 0].contiguous()
