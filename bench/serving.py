@@ -126,14 +126,13 @@ def decode_case(N, H, dtype, fla, bw, iters, flush):
     kw = dict(A_log=x["A_log"], dt_bias=x["dt_bias"], lower_bound=-5.0, gate="bounded")
     pool0 = x["pool"].clone() if N * H <= 256 * 32 else None
 
-    def kda():
-        kda_cute.decode(x["q"], x["k"], x["v"], x["g"], x["beta"], x["pool"], idx,
-                        out=x["out"], **kw)
+    def kda(bind=False):
+        return kda_cute.decode(x["q"], x["k"], x["v"], x["g"], x["beta"], x["pool"], idx,
+                               out=x["out"], bind=bind, **kw)
 
     row = {"form": "decode", "N": N, "H": H, "T": 1,
            "pool": str(dtype).replace("torch.", "")}
-    row["tile"] = _plan_tile(kda_cute.decode(x["q"], x["k"], x["v"], x["g"], x["beta"],
-                                             x["pool"], idx, out=x["out"], bind=True, **kw))
+    row["tile"] = _plan_tile(kda(bind=True))
     esz = x["pool"].element_size()
     row["bytes"] = step_bytes(N, 1, H, esz)
     row["ceiling_ms"] = row["bytes"] / bw * 1e3
@@ -172,9 +171,9 @@ def verify_case(N, T, H, dtype, fla, bw, iters, flush):
     kw = dict(A_log=x["A_log"], dt_bias=x["dt_bias"], lower_bound=-5.0, gate="bounded")
     args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
 
-    def kda_a():
-        kda_cute.verify(*args, x["pool"], ssm_state_indices=x["idx"], num_accepted_tokens=acc,
-                        out=x["out"], **kw)
+    def kda_a(bind=False):
+        return kda_cute.verify(*args, x["pool"], ssm_state_indices=x["idx"],
+                               num_accepted_tokens=acc, out=x["out"], bind=bind, **kw)
 
     sidx = x["idx"][:, 0].contiguous()
     inter = torch.empty(N, T, H, V, K, dtype=dtype, device="cuda")
@@ -185,9 +184,7 @@ def verify_case(N, T, H, dtype, fla, bw, iters, flush):
 
     esz = x["pool"].element_size()
     row = {"form": "verify", "N": N, "H": H, "T": T, "pool": str(dtype).replace("torch.", "")}
-    row["tile"] = _plan_tile(kda_cute.verify(*args, x["pool"], ssm_state_indices=x["idx"],
-                                             num_accepted_tokens=acc, out=x["out"], bind=True,
-                                             **kw))
+    row["tile"] = _plan_tile(kda_a(bind=True))
     row["bytes"] = step_bytes(N, T, H, esz)
     row["ceiling_ms"] = row["bytes"] / bw * 1e3
     row["kda_ms"] = time_ms(kda_a, iters, flush)
