@@ -282,6 +282,9 @@ def _on_the_cpu(error_words: torch.Tensor, taken: dict):
                (torch.cuda, "current_device", lambda: 0),
                (torch.cuda, "current_stream", lambda *a: kdriver.Namespace(cuda_stream=0)),
                (torch.cuda, "is_current_stream_capturing", lambda: False),
+               (launch.current, "device", lambda: 0),
+               (launch.current, "stream", lambda device: 0),
+               (launch.current, "capturing", lambda: False),
                (errors, "address", lambda dev: error_words.data_ptr()),
                (launch.buffers, "get", get)]
     with _lock:

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from kda_cute.launch import current as kcurrent
 from kda_cute.launch import driver as kdriver
 
 GOLDEN = Path(__file__).parent / "golden" / "launches.json"
@@ -432,8 +433,8 @@ class _Props:
 
 @contextmanager
 def fake_device(monkeypatch):
-    """torch.cuda as an H200 on device 0 would answer, stream 0, never capturing (torch's
-    device and stream contexts do nothing)."""
+    """torch.cuda (and kda_cute.launch.current) as an H200 on device 0 would answer, stream 0,
+    never capturing (torch's device and stream contexts do nothing)."""
     class _Dev:
         def __init__(self, *a):
             pass
@@ -452,6 +453,10 @@ def fake_device(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "device", _Dev)
     monkeypatch.setattr(torch.cuda, "stream", _Dev)
+    # what the launcher reads of them without torch.cuda's wrappers (kda_cute.launch.current)
+    monkeypatch.setattr(kcurrent, "device", lambda: 0)
+    monkeypatch.setattr(kcurrent, "stream", lambda device: 0)
+    monkeypatch.setattr(kcurrent, "capturing", lambda: False)
     yield
 
 

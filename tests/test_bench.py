@@ -825,6 +825,10 @@ def test_serving_table_names_the_tile(probes):
     body = [ln for ln in md if ln.startswith("| decode") or ln.startswith("| verify")]
     assert body[0].endswith("| bf16_bv64_r16_t128_u2_p5 |") and body[1].endswith("| - |")
     assert all(ln.count("|") == header.count("|") for ln in body)
+    assert "full launch path" not in md[0]
+    md = serving.markdown(rows, {"eager_us": 20.0, "eager_full_us": 60.0, "bound_us": 15.8},
+                          4.2e12).splitlines()
+    assert "eager 20.0 us (every call through the full launch path: 60.0 us), bound 15.8" in md[0]
 
 
 def test_pyplot_absent_skips_plots(monkeypatch, tmp_path):

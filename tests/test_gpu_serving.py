@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import kda_cute
+from kda_cute import launch
 from kda_cute.reference import preprocess, rel_err
 from kda_cute.testing import SENTINEL, cuda_ready
 from kda_cute.testing import bits as _bits
@@ -433,6 +434,59 @@ def test_next_call_reports():
     with pytest.raises(kda_cute.DeviceValueError, match="the read slot"):
         kda_cute.decode(q, k, v, g, beta, pool, good, gate="none")
     kda_cute.decode(q, k, v, g, beta, pool, good, gate="none")
+    kda_cute.check_errors(sync=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_eager_loop_on_refilled_buffers(dtype, monkeypatch):
+    """A serving loop's eager decodes on fixed buffers refilled in place each step (new
+    tokens, new slots; the outputs poisoned first): after the first step each call repeats
+    the first one's launch (launch.again), and every step is right; a step on another stream
+    too; a bad slot written into the same index buffer is reported by the next call."""
+    B, H, K, slots = 8, 4, 128, 32
+    q, k, g, v, beta, A_log, dt_bias = (torch.empty_like(t) for t in
+                                        _tokens(B, H, K, K, "bounded", seed=80))
+    gen = torch.Generator(device="cuda").manual_seed(81)
+    pool = (torch.randn(slots, H, K, K, generator=gen, device="cuda") * 0.3).to(dtype)
+    idx = torch.empty(B, dtype=torch.int32, device="cuda")
+    out = torch.empty(B, H, K, dtype=torch.bfloat16, device="cuda")
+    side = torch.cuda.Stream()
+    kda_cute.clear_caches()
+    runs = []
+    real_run = launch.run
+    monkeypatch.setattr(launch, "run", lambda *a, **kw: runs.append(1) or real_run(*a, **kw))
+    for step in range(4):
+        for dst, src in zip((q, k, g, v, beta, A_log, dt_bias),
+                            _tokens(B, H, K, K, "bounded", seed=82 + step), strict=True):
+            dst.copy_(src)
+        idx.copy_(torch.randperm(slots, generator=gen, device="cuda")[:B])
+        out.fill_(float("nan"))
+        before = pool.clone()
+        kw = _kw("bounded", A_log, dt_bias)
+        if step == 2:
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                kda_cute.decode(q, k, v, g, beta, pool, idx, out=out, **kw)
+            torch.cuda.current_stream().wait_stream(side)
+        else:
+            kda_cute.decode(q, k, v, g, beta, pool, idx, out=out, **kw)
+        torch.cuda.synchronize()
+        kda_cute.check_errors(sync=True)
+        for n in range(B):
+            o, st = _steps(q[n:n + 1], k[n:n + 1], g[n:n + 1], v[n:n + 1], beta[n:n + 1],
+                           before[idx[n]], "bounded", A_log, dt_bias, -5.0, K ** -0.5)
+            assert rel_err(out[n], o[0]) < OUT_TOL
+            assert rel_err(pool[idx[n]], st[-1]) < STATE_TOL[dtype]
+        rest = [s for s in range(slots) if s not in set(idx.tolist())]
+        assert torch.equal(pool[rest], before[rest])
+    assert len(runs) == 2  # step 0, and step 2 on the other stream
+    idx[3] = slots + 5  # a bad slot, in the buffer the repeated launch reads
+    kda_cute.decode(q, k, v, g, beta, pool, idx, out=out, **kw)
+    torch.cuda.synchronize()
+    idx[3] = 0
+    with pytest.raises(kda_cute.DeviceValueError, match="the read slot"):
+        kda_cute.decode(q, k, v, g, beta, pool, idx, out=out, **kw)
+    assert len(runs) == 2
     kda_cute.check_errors(sync=True)
 
 

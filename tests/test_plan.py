@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import kda_cute
-from kda_cute import api, checks, plans
+from kda_cute import api, checks, launch, plans
 from kda_cute.ladder import (
     OFFSETS,
     TENSOR_CORE,
@@ -99,6 +99,8 @@ def test_plan_is_pure_and_cached(monkeypatch):
     for name in ("current_device", "current_stream", "get_device_properties",
                  "get_device_capability", "is_current_stream_capturing", "device"):
         monkeypatch.setattr(torch.cuda, name, fail)
+    for name in ("device", "stream", "capturing"):
+        monkeypatch.setattr(launch.current, name, fail)
     plans.clear()
     with driver.substitute(object()):  # any driver call: AttributeError
         first = plans.plan(p, OPTS, H200)

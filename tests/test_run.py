@@ -6,8 +6,10 @@ A run packs each kernel's parameter block once per distinct set of values and re
 launch path is host time a serving loop pays on every step). These tests check that a reused
 block is the block a fresh packing produces, that any change to a pointer, a stride or a scalar
 produces a new one, that alongside forwards on two streams are ordered, that a bound plan
-launches exactly what a run launches without checking anything again, and that a repeated
-`fwd` skips only the checks whose inputs cannot have changed.
+launches exactly what a run launches without checking anything again, that a repeated
+`fwd` skips only the checks whose inputs cannot have changed, and that an eager serving call
+like an earlier one repeats that one's launches (launch.again) only where nothing it resolved
+can differ: the same metadata, addresses, device, stream and driver, no capture, no error word.
 """
 
 from __future__ import annotations
@@ -24,11 +26,13 @@ import pytest
 import torch
 
 import kda_cute
-from kda_cute import checks, ladder, launch, plans
+from kda_cute import checks, errors, ladder, launch, plans, serving
 from kda_cute.launch import buffers, driver, streams
+from kda_cute.plans.step import step_plan
 from kda_cute.plans.steps import At, Buffer, Copy, Scalar
 from kda_cute.problem import Call, Options
 from kda_cute.specs import args_for
+from kda_cute.specs.step import ERRORS
 from tests.launch_record import CUBIN_DIR, FakeDriver, counting, fake_device, make_call
 
 pytestmark = pytest.mark.skipif(not CUBIN_DIR.exists(), reason="cubins not built (`make kernels`)")
@@ -91,6 +95,12 @@ def drv(monkeypatch):
 def _on_stream(monkeypatch, handle: int) -> None:
     monkeypatch.setattr(torch.cuda, "current_stream",
                         lambda *a: SimpleNamespace(cuda_stream=handle))
+    monkeypatch.setattr(launch.current, "stream", lambda device: handle)
+
+
+def _capturing(monkeypatch, yes: bool) -> None:
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: yes)
+    monkeypatch.setattr(launch.current, "capturing", lambda: yes)
 
 
 def _x(opts: Options = OPTS, **spec) -> dict:
@@ -299,7 +309,7 @@ def test_forked_steps_run_on_the_side_stream(drv, monkeypatch, entry):
     pl = _plan(x, opts)
     assert str(pl.schedule) == "segments 3"
     capturing = entry == "bind"
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing)
+    _capturing(monkeypatch, capturing)
     for handle in (0, 7):
         _on_stream(monkeypatch, handle)
         if entry == "run":
@@ -335,7 +345,7 @@ def test_alongside_order_is_off_while_capturing(drv, monkeypatch, entry):
     x = _x(T=32 * 16)
     pl = _plan(x)
     assert pl.alongside
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    _capturing(monkeypatch, True)
     if entry == "run":
         _run(x)
         _on_stream(monkeypatch, 7)
@@ -348,7 +358,7 @@ def test_alongside_order_is_off_while_capturing(drv, monkeypatch, entry):
     assert drv.events_made == 0
     # once the capture ends, the next alongside forward is ordered again (the first of its
     # kind since: an event recorded, nothing to wait for)
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    _capturing(monkeypatch, False)
     _run(x)
     assert [o["op"] for o in drv.ops[8:]] == ["memset_d32", "launch", "launch", "launch",
                                               "event_record"]
@@ -645,3 +655,149 @@ def test_a_capture_takes_no_cached_scratch_and_pins_its_constants(monkeypatch):
     assert buffers.get(eye, CPU, 0) is not made
     buffers._pinned.clear()
     buffers.clear()
+
+
+# ---------------------------------------------------------------- eager serving calls repeated
+@pytest.fixture
+def steps(drv, monkeypatch):
+    """drv, with the serving calls planned for an H200 on the CPU tensors (the device check
+    skipped); no serving memo before or after."""
+
+    def planned(p, opts, dev, what="q", dry=False):
+        serving._config(p, opts)
+        return step_plan(p, opts)
+
+    monkeypatch.setattr(serving, "_planned", planned)
+    serving.clear()
+    yield drv
+    serving.clear()
+
+
+def _decode_x(B=3, H=2, K=64, slots=8):
+    def rows():
+        return torch.randn(B, 1, H, K).to(BF16)
+    return dict(q=rows(), k=rows(), v=rows(), g=rows(), beta=torch.randn(B, 1, H).to(BF16),
+                state=torch.randn(slots, H, K, K), state_indices=torch.arange(B, dtype=torch.int32),
+                out=rows(), A_log=torch.randn(H), dt_bias=torch.randn(H, K))
+
+
+def _decode(x):
+    return kda_cute.decode(x["q"], x["k"], x["v"], x["g"], x["beta"], x["state"],
+                           x["state_indices"], out=x["out"], A_log=x["A_log"],
+                           dt_bias=x["dt_bias"], lower_bound=-5.0)
+
+
+def _step_launches(d: Driver) -> list:
+    return [{k: o[k] for k in ("kernel", "grid", "block", "smem", "stream", "params")}
+            for o in _launches(d.ops)]
+
+
+def test_a_repeated_eager_decode_launches_what_the_first_did(steps, monkeypatch):
+    """An eager decode like an earlier one (the same metadata, scalars, addresses, device and
+    stream) launches the steps the first resolved, without run's checks and lookups: the same
+    kernel, grid and parameter bytes."""
+    x = _decode_x()
+    runs = counting(monkeypatch, launch, "run")
+    _decode(x)
+    first = _step_launches(steps)
+    assert len(first) == 1 and len(runs) == 1
+    for _ in range(3):
+        _decode(x)
+    assert len(runs) == 1
+    assert _step_launches(steps) == first * 4
+
+
+@pytest.mark.parametrize("change", ["q", "out", "state", "state_indices", "A_log"])
+def test_a_new_address_takes_the_full_path(steps, monkeypatch, change):
+    """A tensor at a new address (same metadata) misses the repeat path: run resolves the call
+    again and the launch carries the new address, which then repeats in turn."""
+    x = _decode_x()
+    _decode(x)
+    runs = counting(monkeypatch, launch, "run")
+    old = x[change]
+    x[change] = old.clone()
+    _decode(x)
+    assert len(runs) == 1
+    a, b = _step_launches(steps)
+    assert struct.pack("<Q", x[change].data_ptr()) in b"".join(b["params"])
+    assert struct.pack("<Q", old.data_ptr()) not in b"".join(b["params"])
+    assert struct.pack("<Q", old.data_ptr()) in b"".join(a["params"])
+    _decode(x)
+    assert len(runs) == 1 and _step_launches(steps)[2] == b
+
+
+def test_new_metadata_at_the_same_address_is_planned_again(steps, monkeypatch):
+    """The same addresses with other metadata (a view of the pool's first slots) are another
+    memo entry: checked and planned again, not repeated."""
+    x = _decode_x()
+    _decode(x)
+    decode_plan = counting(monkeypatch, serving, "_decode_plan")
+    x["state"] = x["state"][:5]
+    _decode(x)
+    assert len(decode_plan) == 1
+    a, b = _step_launches(steps)
+    assert a["params"] != b["params"]  # (the pool's slot count is a parameter)
+
+
+def test_another_stream_or_driver_takes_the_full_path(steps, monkeypatch):
+    x = _decode_x()
+    _decode(x)
+    runs = counting(monkeypatch, launch, "run")
+    _on_stream(monkeypatch, 7)
+    _decode(x)
+    assert len(runs) == 1 and _step_launches(steps)[1]["stream"] == 7
+    _decode(x)
+    assert len(runs) == 1
+    _on_stream(monkeypatch, 0)
+    _decode(x)  # stream 0's steps are still kept
+    assert len(runs) == 1 and [o["stream"] for o in _step_launches(steps)] == [0, 7, 7, 0]
+    with driver.substitute(Driver()) as other:  # kernels loaded again: steps resolved again
+        _decode(x)
+        assert len(runs) == 2 and len(_launches(other.ops)) == 1
+
+
+def test_a_capture_takes_the_full_path(steps, monkeypatch):
+    """While the stream captures a graph the repeat path launches nothing: run does (making
+    the capture's own buffers, keeping nothing); after the capture the kept steps repeat."""
+    x = _decode_x()
+    _decode(x)
+    runs = counting(monkeypatch, launch, "run")
+    _capturing(monkeypatch, True)
+    _decode(x)
+    _decode(x)
+    assert len(runs) == 2
+    _capturing(monkeypatch, False)
+    _decode(x)
+    assert len(runs) == 2 and len(_step_launches(steps)) == 4
+
+
+def test_a_bad_value_reported_before_a_repeated_call_still_raises(steps):
+    """The repeat path reads the device's error words first, as the full path does: a word an
+    earlier call's kernel set raises, naming the argument, and nothing is launched."""
+    x = _decode_x()
+    _decode(x)
+    _decode(x)
+    _, view = errors.words(0)
+    view[0] = 1
+    with pytest.raises(errors.DeviceValueError, match=ERRORS[0].split()[0]):
+        _decode(x)
+    assert len(_step_launches(steps)) == 2
+    _decode(x)  # the words were cleared by the raise
+    assert len(_step_launches(steps)) == 3
+
+
+def test_a_repeated_eager_verify_launches_what_the_first_did(steps, monkeypatch):
+    B, T, H, K = 2, 3, 2, 64
+    rows = [torch.randn(B, T, H, K).to(BF16) for _ in range(4)]
+    beta = torch.randn(B, T, H).to(BF16)
+    pool = torch.randn(9, H, K, K)
+    idx = torch.arange(B * T, dtype=torch.int32).view(B, T)
+    acc = torch.tensor([1, 2], dtype=torch.int32)
+    out = torch.empty(B, T, H, K, dtype=BF16)
+    a_log, dt_bias = torch.randn(H), torch.randn(H, K)
+    runs = counting(monkeypatch, launch, "run")
+    for _ in range(3):
+        kda_cute.verify(*rows, beta, pool, ssm_state_indices=idx, num_accepted_tokens=acc,
+                        out=out, A_log=a_log, dt_bias=dt_bias, lower_bound=-5.0)
+    first, *rest = _step_launches(steps)
+    assert rest == [first, first] and len(runs) == 1

@@ -28,6 +28,7 @@ def planned(monkeypatch):
 
     monkeypatch.setattr(serving, "_planned", fake)
     monkeypatch.setattr(serving, "_launch", lambda *a: None)
+    monkeypatch.setattr(serving, "_again", lambda *a: False)
     serving.clear()
     yield got
     serving.clear()

@@ -25,7 +25,7 @@ from ..plans.steps import (
     Scalar,
 )
 from ..plans.workspace import ALIGN
-from . import buffers, driver
+from . import buffers, current, driver
 from .streams import alongside_order, side
 
 
@@ -157,34 +157,75 @@ def _key(x):
     return x.data_ptr() if isinstance(x, torch.Tensor) else x
 
 
-def run(plan, call, workspace: torch.Tensor | None = None, stream=None) -> None:
+def run(plan, call, workspace: torch.Tensor | None = None, stream=None, keep=None) -> None:
     """Launch `plan` for `call` (a problem.Call whose metadata the plan was made from) on
     `stream` (a torch.cuda.Stream; None: the current one of the call's device). `workspace`:
-    a caller-owned uint8 tensor of >= plan.workspace_bytes bytes, or None to allocate one."""
+    a caller-owned uint8 tensor of >= plan.workspace_bytes bytes, or None to allocate one.
+    `keep`: (cache, addresses), a caller's dict and the addresses of the call's tensors, where
+    the resolved steps of a plan that `again` can repeat are kept for `again`."""
     dev = device_of(call)
-    with torch.cuda.device(dev):
-        dev, device, s = _where(call, stream)
-        ws = _workspace(plan, workspace, dev)
-        h = s.cuda_stream
-        capturing = torch.cuda.is_current_stream_capturing()
-        # not kept: a fresh workspace each call, or buffers made for one capture
-        key = None if (workspace is None and plan.workspace_bytes) or capturing else (
-            id(plan), driver.generation, device, h, ws.data_ptr(), *map(_key, call))
-        hit = _resolved.get(key) if key is not None else None
-        if hit is not None and hit[2] is plan:
-            ops = hit[0]
-        else:
-            ops, src = _ops(plan, call, ws, dev, device, h)
-            if key is not None:
-                if len(_resolved) >= _RESOLVED_MAX:
-                    _resolved.clear()
-                _resolved[key] = (ops, list(src.held.values()), plan)
-        ordered = plan.alongside and not capturing
-        if stream is None and not ordered:  # the common case, without the contexts' cost
+    here = current.device()
+    device = dev.index if dev.index is not None else here
+    if device != here:  # (torch's device context only where it changes something)
+        with torch.cuda.device(device):
+            return run(plan, call, workspace, stream, keep)
+    ws = _workspace(plan, workspace, dev)
+    h = current.stream(device) if stream is None else stream.cuda_stream
+    capturing = current.capturing()
+    # not kept: a fresh workspace each call, or buffers made for one capture
+    key = None if (workspace is None and plan.workspace_bytes) or capturing else (
+        id(plan), driver.generation, device, h, ws.data_ptr(), *map(_key, call))
+    hit = _resolved.get(key) if key is not None else None
+    if hit is not None and hit[2] is plan:
+        ops, held = hit[0], hit[1]
+    else:
+        ops, src = _ops(plan, call, ws, dev, device, h)
+        held = list(src.held.values())
+        if key is not None:
+            if len(_resolved) >= _RESOLVED_MAX:
+                _resolved.clear()
+            _resolved[key] = (ops, held, plan)
+    if keep is not None and key is not None and repeatable(plan):
+        cache, addresses = keep
+        if len(cache) >= _AGAIN_MAX:
+            cache.clear()
+        cache[(addresses, driver.generation, device, h)] = (ops, held)
+    ordered = plan.alongside and not capturing
+    if stream is None and not ordered:  # the common case, without the contexts' cost
+        _execute(ops, call)
+    else:
+        with _on(stream), alongside_order(device, h, ordered):
             _execute(ops, call)
-        else:
-            with _on(stream), alongside_order(device, h, ordered):
-                _execute(ops, call)
+
+
+# a caller's cache of resolved steps for `again` holds this many entries at most
+_AGAIN_MAX = 16
+
+
+def repeatable(plan) -> bool:
+    """Whether `again` may repeat the plan's resolved steps: no workspace, no torch-side step
+    (which takes the call's tensors) and no stream order to keep (an alongside plan)."""
+    return (not plan.workspace_bytes and not plan.alongside
+            and not any(isinstance(s, Copy) for s in plan.steps))
+
+
+def again(cache: dict, addresses: tuple, dev: torch.device, stream=None) -> bool:
+    """Launch the steps that run(..., keep=(cache, addresses)) resolved for a call whose
+    tensors had these addresses (and, by the caller's cache, the same metadata and scalars),
+    on the same device and stream: True. False, launching nothing, when there are none (a new
+    address, stream or driver), when the call's device `dev` is not the current device, or
+    while the current stream captures a graph (a capture takes buffers of its own: run). The
+    eager serving calls' path: what run's checks and lookups would find again, without them."""
+    here = current.device()
+    device = dev.index if dev.index is not None else here
+    if device != here or current.capturing():
+        return False
+    h = current.stream(device) if stream is None else stream.cuda_stream
+    hit = cache.get((addresses, driver.generation, device, h))
+    if hit is None:
+        return False
+    _execute(hit[0], None)
+    return True
 
 
 def _on(stream):
@@ -240,4 +281,4 @@ def clear() -> None:
     _resolved.clear()
 
 
-__all__ = ["Bound", "bind", "buffers", "driver", "run"]
+__all__ = ["Bound", "again", "bind", "buffers", "current", "driver", "repeatable", "run"]
