@@ -786,18 +786,55 @@ def test_a_bad_value_reported_before_a_repeated_call_still_raises(steps):
     assert len(_step_launches(steps)) == 3
 
 
-def test_a_repeated_eager_verify_launches_what_the_first_did(steps, monkeypatch):
+def _entries(entry: str):
+    """A serving call of each entry on fixed tensors (B 2, T 3, H 2, K 64; pools of 9 slots)."""
     B, T, H, K = 2, 3, 2, 64
     rows = [torch.randn(B, T, H, K).to(BF16) for _ in range(4)]
     beta = torch.randn(B, T, H).to(BF16)
     pool = torch.randn(9, H, K, K)
     idx = torch.arange(B * T, dtype=torch.int32).view(B, T)
     acc = torch.tensor([1, 2], dtype=torch.int32)
+    scratch = torch.randn(B, T, H, K, K)
+    slots = torch.tensor([4, 7], dtype=torch.int32)
     out = torch.empty(B, T, H, K, dtype=BF16)
-    a_log, dt_bias = torch.randn(H), torch.randn(H, K)
+    gates = dict(A_log=torch.randn(H), dt_bias=torch.randn(H, K), lower_bound=-5.0)
+    dense = torch.randn(B, H, K, K)
+    return {
+        "verify": lambda: kda_cute.verify(*rows, beta, pool, ssm_state_indices=idx,
+                                          num_accepted_tokens=acc, out=out, **gates),
+        "verify-scratch": lambda: kda_cute.verify(*rows, beta, pool, state_indices=slots,
+                                                  intermediate_states=scratch, out=out, **gates),
+        "commit": lambda: kda_cute.commit(pool, scratch, slots, acc),
+        "recurrent": lambda: serving.recurrent(*rows, beta, dense, dense, out=out, **gates),
+        "fla": lambda: kda_cute.fused_recurrent_kda_fwd(
+            *rows, beta, initial_state=pool, state_v_first=True, ssm_state_indices=idx,
+            num_accepted_tokens=acc, use_gate_in_kernel=True, out=out, **gates),
+    }[entry]
+
+
+@pytest.mark.parametrize("entry", ["verify", "verify-scratch", "commit", "recurrent", "fla"])
+def test_every_repeated_eager_serving_call_launches_what_the_first_did(steps, monkeypatch,
+                                                                       entry):
+    call = _entries(entry)
     runs = counting(monkeypatch, launch, "run")
     for _ in range(3):
-        kda_cute.verify(*rows, beta, pool, ssm_state_indices=idx, num_accepted_tokens=acc,
-                        out=out, A_log=a_log, dt_bias=dt_bias, lower_bound=-5.0)
+        call()
     first, *rest = _step_launches(steps)
     assert rest == [first, first] and len(runs) == 1
+
+
+def test_a_bad_argument_after_repeated_commits_and_recurrents_still_raises(steps):
+    """The memo is by metadata: a changed dtype or shape after repeated calls is checked."""
+    B, H, K = 2, 2, 64
+    pool, scratch = torch.randn(9, H, K, K), torch.randn(B, 3, H, K, K)
+    slots, acc = torch.tensor([4, 7], dtype=torch.int32), torch.tensor([1, 2], dtype=torch.int32)
+    for _ in range(2):
+        kda_cute.commit(pool, scratch, slots, acc)
+    with pytest.raises(TypeError, match="accepted_step"):
+        kda_cute.commit(pool, scratch, slots, acc.to(torch.int16))
+    rows = [torch.randn(B, 3, H, K).to(BF16) for _ in range(4)]
+    beta, dense = torch.randn(B, 3, H).to(BF16), torch.randn(B, H, K, K)
+    for _ in range(2):
+        serving.recurrent(*rows, beta, dense, dense, gate="none")
+    with pytest.raises(ValueError, match="initial_state"):
+        serving.recurrent(*rows, beta, dense[:1], dense, gate="none")
