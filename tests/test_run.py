@@ -838,3 +838,37 @@ def test_a_bad_argument_after_repeated_commits_and_recurrents_still_raises(steps
         serving.recurrent(*rows, beta, dense, dense, gate="none")
     with pytest.raises(ValueError, match="initial_state"):
         serving.recurrent(*rows, beta, dense[:1], dense, gate="none")
+
+
+def test_a_workspace_allocated_per_run_is_kept_by_its_address(drv, monkeypatch):
+    """A run without a caller's workspace allocates one; its resolved steps are kept by that
+    workspace's address like a caller's: the allocator handing the next run the same block
+    launches the kept steps, another block resolves again (and its launches carry it)."""
+    x = _x(T=200, H=4, K=128)
+    pl = _plan(x)
+    assert pl.workspace_bytes
+    blocks = [torch.empty(pl.workspace_bytes + 4096, dtype=torch.uint8) for _ in range(2)]
+    given = []
+
+    def allocated(plan, workspace, dev):
+        assert workspace is None
+        return given[-1]
+
+    monkeypatch.setattr(launch, "_workspace", allocated)
+    resolved = counting(monkeypatch, launch, "_ops")
+    for b in (0, 0, 1, 1, 0):
+        given.append(blocks[b])
+        launch.run(pl, _call(x))
+    assert len(resolved) == 2
+    per_run = len(_launches(drv.ops)) // 5
+    for i, b in enumerate((0, 0, 1, 1, 0)):
+        ptrs = []
+        for op in _launches(drv.ops)[i * per_run:(i + 1) * per_run]:
+            for blk in _decoded(drv, op):
+                if isinstance(blk, str):
+                    ptrs.append(json.loads(blk)["ptr"])
+                elif len(blk) == 8:
+                    ptrs.append(struct.unpack("<Q", blk)[0])
+        ranges = [(t.data_ptr(), t.data_ptr() + t.numel()) for t in blocks]
+        inside = [any(lo <= v < hi for v in ptrs) for lo, hi in ranges]
+        assert inside == [b == 0, b == 1]

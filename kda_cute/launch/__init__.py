@@ -172,8 +172,9 @@ def run(plan, call, workspace: torch.Tensor | None = None, stream=None, keep=Non
     ws = _workspace(plan, workspace, dev)
     h = current.stream(device) if stream is None else stream.cuda_stream
     capturing = current.capturing()
-    # not kept: a fresh workspace each call, or buffers made for one capture
-    key = None if (workspace is None and plan.workspace_bytes) or capturing else (
+    # not kept: buffers made for one capture. A workspace allocated here is kept by its
+    # address, as a caller's is: the allocator mostly hands the same block to the next call
+    key = None if capturing else (
         id(plan), driver.generation, device, h, ws.data_ptr(), *map(_key, call))
     hit = _resolved.get(key) if key is not None else None
     if hit is not None and hit[2] is plan:
