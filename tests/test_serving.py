@@ -2,6 +2,8 @@
 plan each call makes (grids from shapes only, the sources of absent tables, the single-token
 shared-memory trim), and fla's call's refusals. The kernels run in tests/test_gpu_serving.py."""
 
+import inspect
+
 import pytest
 import torch
 
@@ -363,3 +365,102 @@ def test_error_words_name_the_argument_and_clear():
         errors.raise_pending(0)
     msg = str(info.value)
     assert msg.startswith("cu_seqlens (a prefill") and "padding" not in msg
+
+
+# ------------------------------------------------------------ every tensor argument, mutated
+def _fuzz_calls():
+    """Each serving entry's valid call (B 3 rows, T 2 tokens where it takes several), by
+    keyword: (function, positional names, keywords)."""
+    B, T, d = 3, 2, 64
+
+    def t(*lead):
+        return torch.randn(*lead, H, d).to(BF)
+
+    def ints(*s, off=0):
+        return (torch.arange(int(torch.tensor(s).prod())) + off).to(torch.int32).view(*s)
+
+    gates = dict(A_log=torch.randn(H), dt_bias=torch.randn(H, d), lower_bound=-5.0)
+    tokens = ("q", "k", "v", "g", "beta")
+
+    def toks(T_):
+        return dict(q=t(B, T_), k=t(B, T_), v=t(B, T_), g=t(B, T_),
+                    beta=torch.randn(B, T_, H).to(BF), out=t(B, T_))
+
+    return {
+        "decode": (kda_cute.decode, (*tokens, "state", "state_indices"), dict(
+            **toks(1), state=torch.randn(8, H, d, d), state_indices=ints(B),
+            output_state_indices=ints(B, off=3), has_initial_state=torch.ones(B, dtype=bool),
+            **gates)),
+        "verify": (kda_cute.verify, (*tokens, "state"), dict(
+            **toks(T), state=torch.randn(9, H, d, d), ssm_state_indices=ints(B, T),
+            num_accepted_tokens=torch.ones(B, dtype=torch.int32), **gates)),
+        "verify-scratch": (kda_cute.verify, (*tokens, "state"), dict(
+            **toks(T), state=torch.randn(9, H, d, d), state_indices=ints(B),
+            intermediate_states=torch.randn(B, T, H, d, d), intermediate_state_indices=ints(B),
+            retrieve_parent_token=torch.tensor([[-1, 0]] * B, dtype=torch.int32), **gates)),
+        "commit": (kda_cute.commit, ("state", "intermediate_states", "state_indices",
+                                     "accepted_step"), dict(
+            state=torch.randn(9, H, d, d), intermediate_states=torch.randn(B, T, H, d, d),
+            state_indices=ints(B), accepted_step=torch.ones(B, dtype=torch.int32),
+            intermediate_state_indices=ints(B))),
+        "recurrent": (serving.recurrent, tokens, dict(
+            **toks(T), initial_state=torch.randn(B, H, d, d),
+            final_state=torch.randn(B, H, d, d), **gates)),
+    }
+
+
+def _mutations(x: torch.Tensor):
+    """(name, tensor or other value) for one argument: other dtypes, one more or one fewer
+    dimension, each size one larger and one smaller, every other element of a dimension, a
+    base one element off, the last two dimensions swapped, no rows, a list, None."""
+    out = [(f"dtype {d}", x.to(d)) for d in (torch.float16, torch.float32, torch.bfloat16,
+                                              torch.int32, torch.int64, torch.bool,
+                                              torch.float64) if d != x.dtype]
+    out += [("one more dim", x.unsqueeze(0)), ("one fewer dim", x[0]),
+            ("base off by one", torch.zeros(x.numel() + 1, dtype=x.dtype)[1:].view(x.shape)),
+            ("swapped", x.transpose(-1, -2) if x.dim() >= 2 else x.flip(0)),
+            ("no rows", x[:0]), ("a list", x.flatten()[:4].tolist()), ("None", None)]
+    for i in range(x.dim()):
+        grown = list(x.shape)
+        grown[i] += 1
+        out.append((f"dim {i} + 1", torch.zeros(grown, dtype=x.dtype)))
+        if x.shape[i] > 1:
+            out += [(f"dim {i} - 1", x.narrow(i, 0, x.shape[i] - 1)),
+                    (f"dim {i} every other", x[(slice(None),) * i + (slice(None, None, 2),)])]
+    return out
+
+
+TOKEN_ARGS = ("q", "k", "v", "g", "beta", "out")
+
+
+@pytest.mark.parametrize("entry", ["decode", "verify", "verify-scratch", "commit", "recurrent"])
+def test_every_tensor_argument_mutated(entry, planned):
+    """Each tensor argument of a valid call replaced by each of _mutations' values: the call
+    either goes through (the plan made) or raises TypeError / ValueError whose message starts
+    with the names of the call's own arguments; never another exception. A token tensor
+    (q, k, v, g, beta, out) of another dtype, of another rank or of another size in any
+    dimension is always refused, as is an index table of floating point values."""
+    fn, positional, kw = _fuzz_calls()[entry]
+    names = set(inspect.signature(fn).parameters)
+    fn(*(kw[n] for n in positional), **{n: v for n, v in kw.items() if n not in positional})
+    refused = []
+    for arg, value in kw.items():
+        if not isinstance(value, torch.Tensor):
+            continue
+        for what, bad in _mutations(value):
+            a = {**kw, arg: bad}
+            try:
+                fn(*(a[n] for n in positional),
+                   **{n: v for n, v in a.items() if n not in positional})
+            except (TypeError, ValueError) as e:
+                said = str(e).split(": ")[0]
+                assert said and {p.strip() for p in said.split("/")} <= names, (arg, what, str(e))
+                refused.append((arg, what))
+                continue
+            token_shape = (arg in TOKEN_ARGS and what.startswith(("dtype", "one ", "dim "))
+                           and "every other" not in what)
+            float_index = (arg.endswith(("indices", "_step", "tokens", "_token")) and
+                           what in ("dtype torch.float16", "dtype torch.float32",
+                                    "dtype torch.bfloat16", "dtype torch.float64"))
+            assert not token_shape and not float_index, f"{entry}: {arg} ({what}) accepted"
+    assert len(refused) > 20

@@ -494,3 +494,55 @@ def test_metadata_checks_run_on_fake_tensors(monkeypatch):
             checks.metadata(call._replace(k=call.k[..., :K // 2]), opts)
         with pytest.raises(ValueError, match="^scale:"):
             checks.metadata(call._replace(scale=-1.0), opts)
+
+
+# ------------------------------------------------------------ every tensor argument, mutated
+FUZZ_PROBLEMS = ("k128-varlen-pool-int64-out-null", "k64-ckpt-every-pool-varlen",
+                 "k128-ckpt-offsets-serial", "k128-strided-rows", "k64-pool-read-only-bf16",
+                 "k128-dense-has-init")
+TOKEN_ARGS = ("q", "k", "v", "g", "beta", "out")
+CUDA_ONLY = "q: expected a CUDA tensor"  # the last check: everything before it passed
+
+
+def _mutations(x: torch.Tensor):
+    """tests/test_serving.py's mutations of one tensor argument."""
+    from tests.test_serving import _mutations as serving_mutations
+    return serving_mutations(x)
+
+
+@pytest.mark.parametrize("name", FUZZ_PROBLEMS)
+def test_every_fwd_tensor_argument_mutated(name):
+    """Each tensor argument of a valid forward (tests/launch_record.py's problems: varlen, the
+    pool with int64 indices and null_slot, both checkpoint forms, strided rows, a read-only
+    bf16 pool, dense has_initial_state) replaced by each mutation: the forward raises TypeError
+    or ValueError naming its own arguments, or passes every check but the CUDA requirement;
+    never another exception. A token tensor of another dtype, rank or size is always refused,
+    as is an index, offset or slot table of floating point values."""
+    import inspect
+
+    from tests.launch_record import PROBLEMS, make_call
+    x = make_call(PROBLEMS[name])
+    names = set(inspect.signature(fwd).parameters)
+    with pytest.raises(ValueError, match=CUDA_ONLY):
+        fwd(**x)
+    refused = 0
+    for arg, value in x.items():
+        if not isinstance(value, torch.Tensor):
+            continue
+        for what, bad in _mutations(value):
+            try:
+                fwd(**{**x, arg: bad})
+            except (TypeError, ValueError) as e:
+                said = str(e).split(": ")[0]
+                assert said and {p.strip() for p in said.split("/")} <= names, (arg, what, str(e))
+                if not str(e).startswith(CUDA_ONLY):
+                    refused += 1
+                    continue
+            token_shape = (arg in TOKEN_ARGS and what.startswith(("dtype", "one ", "dim "))
+                           and "every other" not in what)
+            float_table = (arg in ("cu_seqlens", "state_indices", "output_state_indices",
+                                   "checkpoint_offsets", "checkpoint_slots", "checkpoint_first")
+                           and what in ("dtype torch.float16", "dtype torch.float32",
+                                        "dtype torch.bfloat16", "dtype torch.float64"))
+            assert not token_shape and not float_table, f"{name}: {arg} ({what}) accepted"
+    assert refused > 20
