@@ -460,8 +460,10 @@ def forward(c: Call, opts: Options, check_seqlens: bool = False, cuda: bool = Tr
     (`check_seqlens`, a host sync; not during capture: the offsets kernel checks them on the
     device either way), a shipped or given config for the head dims (`config`), the CUDA
     requirement (`cuda`). Returns its Problem."""
+    # (the two host values with their types: null_slot=False is refused, 0 is not)
     key = (opts, tuple(map(_meta, c[:11])), tuple(map(_meta, c[13:16])), c.null_slot,
-           tuple(map(_meta, c[17:])), c.checkpoint_every)
+           type(c.null_slot), tuple(map(_meta, c[17:])), c.checkpoint_every,
+           type(c.checkpoint_every))
     p = _passed.get(key)
     if p is None:
         p = problem(c, opts)

@@ -210,6 +210,12 @@ def _meta(t):
     return t if t is None or isinstance(t, (bool, int, float, str)) else (type(t), id(t))
 
 
+def _typed(*values) -> tuple:
+    """A memo key's scalars and options with their types: True is not 1 (a bool scale is
+    refused, 1 is not), False not 0 (null_slot=False is refused, 0 is not)."""
+    return (*values, *map(type, values))
+
+
 def _remember(key, *value):
     """The memo's entry for `key`: `value` and a dict for launch.again (the resolved steps of
     this metadata's calls, by their tensors' addresses)."""
@@ -276,7 +282,7 @@ def decode(q, k, v, g, beta, state, state_indices=None, *, out=None, output_stat
                               null_slot=null_slot, config=config, stream=stream, bind=bind)
     key = ("decode", *map(_meta, (q, k, v, g, beta, state, state_indices, out,
                                    output_state_indices, has_initial_state, A_log, dt_bias)),
-           scale, lower_bound, gate, qk_l2norm, beta_sigmoid, null_slot, config)
+           *_typed(scale, lower_bound, gate, qk_l2norm, beta_sigmoid, null_slot, config))
     hit = _memo.get(key)
     if hit is None:
         hit = _remember(key, *_decode_plan(q, k, v, g, beta, state, state_indices, out,
@@ -365,8 +371,8 @@ def verify(q, k, v, g, beta, state, *, cu_seqlens=None, ssm_state_indices=None,
     tensors = (q, k, v, g, beta, state, cu_seqlens, ssm_state_indices, num_accepted_tokens,
                state_indices, intermediate_states, intermediate_state_indices,
                retrieve_parent_token, out, A_log, dt_bias)
-    key = ("verify", *map(_meta, tensors), scale, lower_bound, gate, qk_l2norm, beta_sigmoid,
-           null_slot, config)
+    key = ("verify", *map(_meta, tensors),
+           *_typed(scale, lower_bound, gate, qk_l2norm, beta_sigmoid, null_slot, config))
     hit = _memo.get(key)
     if hit is None:
         hit = _remember(key, *_verify_plan(*tensors, scale, lower_bound, gate, qk_l2norm,
@@ -500,7 +506,7 @@ def commit(state, intermediate_states, state_indices, accepted_step,
                               bind=bind)
     tensors = (state, intermediate_states, state_indices, accepted_step,
                intermediate_state_indices)
-    key = ("commit", *map(_meta, tensors), null_slot)
+    key = ("commit", *map(_meta, tensors), *_typed(null_slot))
     hit = _memo.get(key)
     if hit is None:
         hit = _remember(key, _commit_plan(*tensors, null_slot))
@@ -644,8 +650,8 @@ def recurrent(q, k, v, g, beta, initial_state=None, final_state=None, *, cu_seql
                                  qk_l2norm=qk_l2norm, beta_sigmoid=beta_sigmoid, config=config,
                                  stream=stream, bind=bind)
     tensors = (q, k, v, g, beta, initial_state, final_state, cu_seqlens, out, A_log, dt_bias)
-    key = ("recurrent", *map(_meta, tensors), scale, lower_bound, gate, qk_l2norm, beta_sigmoid,
-           config)
+    key = ("recurrent", *map(_meta, tensors),
+           *_typed(scale, lower_bound, gate, qk_l2norm, beta_sigmoid, config))
     hit = _memo.get(key)
     made = None  # the out the checks allocated (out None), on a first call
     if hit is None:

@@ -33,7 +33,14 @@ from kda_cute.plans.steps import At, Buffer, Copy, Scalar
 from kda_cute.problem import Call, Options
 from kda_cute.specs import args_for
 from kda_cute.specs.step import ERRORS
-from tests.launch_record import CUBIN_DIR, FakeDriver, counting, fake_device, make_call
+from tests.launch_record import (
+    CUBIN_DIR,
+    PROBLEMS,
+    FakeDriver,
+    counting,
+    fake_device,
+    make_call,
+)
 
 pytestmark = pytest.mark.skipif(not CUBIN_DIR.exists(), reason="cubins not built (`make kernels`)")
 
@@ -538,6 +545,16 @@ def test_a_bad_argument_after_a_repeated_call_still_raises(drv, monkeypatch):
     with pytest.raises(TypeError, match="q"):
         kda_cute.fwd(**{**x, "q": x["q"].float()})
     assert len(problem) == 2
+
+
+def test_a_remembered_forward_does_not_take_false_for_null_slot_zero(drv):
+    """The checks' memo keys null_slot with its type: after null_slot=0 (index 0 is padding),
+    null_slot=False is checked (and refused), not taken for 0."""
+    x = {**make_call(PROBLEMS["k128-varlen-pool"]), "null_slot": 0}
+    checks.clear()
+    _fwd(x)
+    with pytest.raises(ValueError, match="null_slot"):
+        kda_cute.fwd(**{**x, "null_slot": False})
 
 
 # change -> whether the tensors' metadata checks run again (the scalars' always do)

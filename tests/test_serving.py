@@ -464,3 +464,18 @@ def test_every_tensor_argument_mutated(entry, planned):
                                     "dtype torch.bfloat16", "dtype torch.float64"))
             assert not token_shape and not float_index, f"{entry}: {arg} ({what}) accepted"
     assert len(refused) > 20
+
+
+def test_a_remembered_call_does_not_pass_a_bool_for_a_number(planned):
+    """The memo keys scalars with their types: after scale=1 (valid), scale=True (a bool,
+    refused) is checked, not taken for the remembered call."""
+    a = decode_args()
+    kda_cute.decode(*a, lower_bound=-5.0, scale=1)
+    _raises(lambda: kda_cute.decode(*a, lower_bound=-5.0, scale=True), ValueError, "scale")
+    kda_cute.commit(torch.zeros(9, H, K, K), torch.zeros(8, 2, H, K, K),
+                    torch.arange(8, dtype=torch.int32), torch.ones(8, dtype=torch.int32),
+                    null_slot=0)
+    _raises(lambda: kda_cute.commit(torch.zeros(9, H, K, K), torch.zeros(8, 2, H, K, K),
+                                    torch.arange(8, dtype=torch.int32),
+                                    torch.ones(8, dtype=torch.int32), null_slot=False),
+            ValueError, "null_slot")
