@@ -41,6 +41,8 @@ def tensor(name, t, dtypes, ndim=None, device=None):
     if t.dtype not in dtypes:
         exp = " or ".join(_dtype_name(d) for d in dtypes)
         raise TypeError(f"{name}: expected dtype {exp}, got {_dtype_name(t.dtype)}")
+    if t.layout != torch.strided:  # (a sparse tensor's strides read as zeros)
+        raise TypeError(f"{name}: expected a dense (strided) tensor, got layout {t.layout}")
     if ndim is not None and t.dim() != ndim:
         raise err(name, f"a {ndim}-d tensor", f"shape {tuple(t.shape)}")
     if device is not None and t.device != device:
@@ -443,7 +445,10 @@ def workspace(ws: torch.Tensor, need: int, dev) -> None:
 def _meta(t):
     """What the metadata checks read of an argument (hashable)."""
     if isinstance(t, torch.Tensor):
-        return t.dtype, t.shape, t.stride(), t.device
+        try:
+            return t.dtype, t.shape, t.stride(), t.device
+        except RuntimeError:  # no strides (a sparse tensor, in some torch versions): checked
+            return t.dtype, t.shape, t.layout, t.device
     return None if t is None else ("not a tensor", type(t))
 
 

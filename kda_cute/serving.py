@@ -206,7 +206,10 @@ _MEMO_MAX = 256
 
 def _meta(t):
     if isinstance(t, torch.Tensor):
-        return t.dtype, t.shape, t.stride(), t.device
+        try:
+            return t.dtype, t.shape, t.stride(), t.device
+        except RuntimeError:  # no strides (a sparse tensor, in some torch versions): checked
+            return t.dtype, t.shape, t.layout, t.device
     return t if t is None or isinstance(t, (bool, int, float, str)) else (type(t), id(t))
 
 

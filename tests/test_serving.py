@@ -412,14 +412,16 @@ def _fuzz_calls():
 def _mutations(x: torch.Tensor):
     """(name, tensor or other value) for one argument: other dtypes, one more or one fewer
     dimension, each size one larger and one smaller, every other element of a dimension, a
-    base one element off, the last two dimensions swapped, no rows, a list, None."""
+    base one element off, the last two dimensions swapped, no rows, a sparse tensor, a list,
+    None."""
     out = [(f"dtype {d}", x.to(d)) for d in (torch.float16, torch.float32, torch.bfloat16,
                                               torch.int32, torch.int64, torch.bool,
                                               torch.float64) if d != x.dtype]
     out += [("one more dim", x.unsqueeze(0)), ("one fewer dim", x[0]),
             ("base off by one", torch.zeros(x.numel() + 1, dtype=x.dtype)[1:].view(x.shape)),
             ("swapped", x.transpose(-1, -2) if x.dim() >= 2 else x.flip(0)),
-            ("no rows", x[:0]), ("a list", x.flatten()[:4].tolist()), ("None", None)]
+            ("no rows", x[:0]), ("sparse", x.to_sparse()), ("a list", x.flatten()[:4].tolist()),
+            ("None", None)]
     for i in range(x.dim()):
         grown = list(x.shape)
         grown[i] += 1
@@ -439,7 +441,8 @@ def test_every_tensor_argument_mutated(entry, planned):
     either goes through (the plan made) or raises TypeError / ValueError whose message starts
     with the names of the call's own arguments; never another exception. A token tensor
     (q, k, v, g, beta, out) of another dtype, of another rank or of another size in any
-    dimension is always refused, as is an index table of floating point values."""
+    dimension is always refused, as is an index table of floating point values and any sparse
+    tensor."""
     fn, positional, kw = _fuzz_calls()[entry]
     names = set(inspect.signature(fn).parameters)
     fn(*(kw[n] for n in positional), **{n: v for n, v in kw.items() if n not in positional})
@@ -462,7 +465,8 @@ def test_every_tensor_argument_mutated(entry, planned):
             float_index = (arg.endswith(("indices", "_step", "tokens", "_token")) and
                            what in ("dtype torch.float16", "dtype torch.float32",
                                     "dtype torch.bfloat16", "dtype torch.float64"))
-            assert not token_shape and not float_index, f"{entry}: {arg} ({what}) accepted"
+            assert not token_shape and not float_index and what != "sparse", \
+                f"{entry}: {arg} ({what}) accepted"
     assert len(refused) > 20
 
 
