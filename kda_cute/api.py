@@ -141,11 +141,18 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
         return out, initial_state if output_final_state else None
 
     def to_vfirst(s):
-        return s if s is None or state_v_first else s.transpose(-1, -2).contiguous()
+        if s is None or state_v_first:
+            return s
+        checks.tensor("initial_state", s, (torch.float32, torch.bfloat16), 4)
+        return s.transpose(-1, -2).contiguous()
 
     s0 = to_vfirst(initial_state)
     s1 = None
     if output_final_state:
+        if cu_seqlens is not None:
+            checks.tensor("cu_seqlens", cu_seqlens, checks.INDEX_DTYPES, 1)
+            if cu_seqlens.numel() < 1:
+                raise checks.err("cu_seqlens", "N+1 >= 1 offsets", "none")
         N = q.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
         s1 = torch.empty(N, q.shape[2], v.shape[-1], K, dtype=torch.float32, device=q.device)
     fwd(q, k, v, g, beta, float(scale), out, A_log, dt_bias, lower_bound, s0, s1, cu_seqlens,

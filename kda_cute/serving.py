@@ -591,6 +591,7 @@ def fused_recurrent_kda_fwd(q, k, v, g, beta, A_log=None, dt_bias=None, initial_
     tensor("v", v, (BF16,), 4)
     if v.shape[2] != q.shape[2]:
         raise err("v", f"{q.shape[2]} heads as q (GVA is not supported)", v.shape[2])
+    tensor("beta", beta, (BF16,))
     if beta.dim() == v.dim():
         raise err("beta", "one value per head [B, T, H] (headwise beta is not supported)",
                   tuple(beta.shape))
@@ -613,6 +614,7 @@ def fused_recurrent_kda_fwd(q, k, v, g, beta, A_log=None, dt_bias=None, initial_
                       "not supported)", False)
         if not inplace_final_state:
             raise err("inplace_final_state", "True with ssm_state_indices", False)
+        tensor("ssm_state_indices", ssm_state_indices, INDEX_DTYPES)
         idx = ssm_state_indices if ssm_state_indices.dim() == 2 else \
             ssm_state_indices.unsqueeze(1)
         verify(q, k, v, g, beta, initial_state, cu_seqlens=cu_seqlens, ssm_state_indices=idx,
@@ -624,8 +626,9 @@ def fused_recurrent_kda_fwd(q, k, v, g, beta, A_log=None, dt_bias=None, initial_
     if s0 is not None and not state_v_first:
         if inplace_final_state:
             raise err("state_v_first", "True to update initial_state in place", False)
+        tensor("initial_state", s0, POOL_DTYPES, 4)
         s0 = s0.transpose(-1, -2).contiguous()
-    N = q.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
+    N = q.shape[0] if cu_seqlens is None else _cu(cu_seqlens, q.device)
     if inplace_final_state:
         if initial_state is None:
             raise err("initial_state", "a tensor with inplace_final_state=True", None)

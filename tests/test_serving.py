@@ -406,6 +406,15 @@ def _fuzz_calls():
         "recurrent": (serving.recurrent, tokens, dict(
             **toks(T), initial_state=torch.randn(B, H, d, d),
             final_state=torch.randn(B, H, d, d), **gates)),
+        # fla's call: through verify (the pool) and recurrent (dense K-first states)
+        "fla-pool": (kda_cute.fused_recurrent_kda_fwd, tokens, dict(
+            **toks(T), initial_state=torch.randn(9, H, d, d), state_v_first=True,
+            ssm_state_indices=ints(B, T), num_accepted_tokens=torch.ones(B, dtype=torch.int32),
+            use_gate_in_kernel=True, A_log=gates["A_log"], dt_bias=gates["dt_bias"].flatten(),
+            lower_bound=-5.0)),
+        "fla-dense": (kda_cute.fused_recurrent_kda_fwd, tokens, dict(
+            **toks(T), initial_state=torch.randn(B, H, d, d), inplace_final_state=False,
+            output_final_state=True)),
     }
 
 
@@ -435,7 +444,8 @@ def _mutations(x: torch.Tensor):
 TOKEN_ARGS = ("q", "k", "v", "g", "beta", "out")
 
 
-@pytest.mark.parametrize("entry", ["decode", "verify", "verify-scratch", "commit", "recurrent"])
+@pytest.mark.parametrize("entry", ["decode", "verify", "verify-scratch", "commit", "recurrent",
+                                   "fla-pool", "fla-dense"])
 def test_every_tensor_argument_mutated(entry, planned):
     """Each tensor argument of a valid call replaced by each of _mutations' values: the call
     either goes through (the plan made) or raises TypeError / ValueError whose message starts
@@ -445,6 +455,9 @@ def test_every_tensor_argument_mutated(entry, planned):
     tensor."""
     fn, positional, kw = _fuzz_calls()[entry]
     names = set(inspect.signature(fn).parameters)
+    if entry.startswith("fla"):  # (fla's call names the arguments of the call it makes)
+        names |= set(inspect.signature(kda_cute.verify).parameters)
+        names |= set(inspect.signature(serving.recurrent).parameters)
     fn(*(kw[n] for n in positional), **{n: v for n, v in kw.items() if n not in positional})
     refused = []
     for arg, value in kw.items():

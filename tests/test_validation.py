@@ -547,3 +547,28 @@ def test_every_fwd_tensor_argument_mutated(name):
             assert not token_shape and not float_table and what != "sparse", \
                 f"{name}: {arg} ({what}) accepted"
     assert refused > 20
+
+
+def test_every_chunk_kda_tensor_argument_mutated():
+    """chunk_kda (fla's call: K-first states, transposed before the forward) under the same
+    mutations: a named TypeError / ValueError or every check passed, never another exception."""
+    import inspect
+
+    from tests.test_serving import _mutations as mutations
+    T_ = 130
+    kw = dict(q=rand(1, T_, H, K), k=rand(1, T_, H, K), v=rand(1, T_, H, K),
+              g=rand(1, T_, H, K), beta=rand(1, T_, H), initial_state=rand(2, H, K, K, dtype=F32),
+              output_final_state=True, cu_seqlens=cu(0, 60, T_))
+    names = set(inspect.signature(chunk_kda).parameters) | set(inspect.signature(fwd).parameters)
+    with pytest.raises(ValueError, match=CUDA_ONLY):
+        chunk_kda(**kw)
+    for arg, value in kw.items():
+        if not isinstance(value, torch.Tensor):
+            continue
+        for what, bad in mutations(value):
+            try:
+                chunk_kda(**{**kw, arg: bad})
+            except (TypeError, ValueError) as e:
+                said = str(e).split(": ")[0]
+                assert said and {p.strip() for p in said.split("/")} <= names, \
+                    (arg, what, str(e))
