@@ -122,6 +122,12 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     K = q.shape[-1]
     if scale is None:
         scale = K ** -0.5
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise checks.err("scale", "a finite positive float", repr(scale))
+    (output_final_state, use_gate_in_kernel, safe_gate, state_v_first) = (
+        checks.flag(n, v) for n, v in (
+            ("output_final_state", output_final_state), ("use_gate_in_kernel", use_gate_in_kernel),
+            ("safe_gate", safe_gate), ("state_v_first", state_v_first)))
     if use_gate_in_kernel:
         gate = "bounded" if (safe_gate or lower_bound is not None) else "unbounded"
         if gate == "bounded" and lower_bound is None:

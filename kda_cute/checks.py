@@ -130,11 +130,21 @@ def flags(name, t, n: int, dev) -> None:
                   f"shape {tuple(t.shape)}, strides {tuple(t.stride())}")
 
 
+def flag(name: str, v) -> bool:
+    """A switch: a bool, an int 0 or 1, or None (off); anything else (a tensor, a list, a
+    string) is refused rather than read by its truth value."""
+    if v is None or isinstance(v, bool):
+        return bool(v)
+    if isinstance(v, int) and v in (0, 1):
+        return bool(v)
+    raise TypeError(f"{name}: expected a bool, got {type(v).__name__} {str(v)[:40]}")
+
+
 def null_min(null_slot) -> int:
     """The least index that is not padding: 0, or 1 with null_slot=0 (vLLM's null block)."""
     if null_slot is None:
         return 0
-    if isinstance(null_slot, bool) or null_slot != 0:
+    if isinstance(null_slot, bool) or not isinstance(null_slot, (int, float)) or null_slot != 0:
         raise err("null_slot", "None or 0 (index 0 marks padding too)", repr(null_slot))
     return 1
 
@@ -172,12 +182,12 @@ def _options(gate="bounded", qk_l2norm=True, beta_sigmoid=True, segments=None, c
         raise err("wy", f"one of {WY_MODES}", repr(wy))
     switches = {}  # the environment's defaults unless given
     if alongside is not None:
-        switches["alongside"] = bool(alongside)
+        switches["alongside"] = flag("alongside", alongside)
     if wy is not None:
         switches["wy"] = wy
-    return Options(precision=precision, gate=gate, qk_l2norm=bool(qk_l2norm),
-                   beta_sigmoid=bool(beta_sigmoid), segments=segments, config=config,
-                   **switches)
+    return Options(precision=precision, gate=gate, qk_l2norm=flag("qk_l2norm", qk_l2norm),
+                   beta_sigmoid=flag("beta_sigmoid", beta_sigmoid), segments=segments,
+                   config=config, **switches)
 
 
 def config_for(p: Problem, opts: Options | None = None) -> FwdConfig:
@@ -469,12 +479,18 @@ def forward(c: Call, opts: Options, check_seqlens: bool = False, cuda: bool = Tr
     key = (opts, tuple(map(_meta, c[:11])), tuple(map(_meta, c[13:16])), c.null_slot,
            type(c.null_slot), tuple(map(_meta, c[17:])), c.checkpoint_every,
            type(c.checkpoint_every))
-    p = _passed.get(key)
+    try:
+        p = _passed.get(key)
+    except TypeError:  # an unhashable value (a list): checked, and refused, below
+        p = key = None
     if p is None:
         p = problem(c, opts)
-        if len(_passed) >= _PASSED_MAX:
-            _passed.clear()
-        _passed[key] = p
+        if key is not None:
+            if len(_passed) >= _PASSED_MAX:
+                _passed.clear()
+            _passed[key] = p
+    if check_seqlens is not False:
+        check_seqlens = flag("check_seqlens", check_seqlens)
     scalars(c, opts)
     if memory:
         addresses(c)

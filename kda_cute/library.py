@@ -324,7 +324,7 @@ def verify(q, k, v, g, beta, state, *, cu_seqlens=None, ssm_state_indices=None,
     scale, lower_bound = _step_scalars(scale, lower_bound)
     from .serving import verify_style
     if verify_style(ssm_state_indices, num_accepted_tokens, state_indices, intermediate_states,
-                    retrieve_parent_token) == "a":
+                    retrieve_parent_token, intermediate_state_indices) == "a":
         _verify_op(q, k, v, g, beta, state, cu_seqlens, ssm_state_indices, num_accepted_tokens,
                    out, A_log, dt_bias, scale, lower_bound, gate, qk_l2norm, beta_sigmoid,
                    null_slot)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from . import errors, launch, library
-from .checks import INDEX_DTYPES, POOL_DTYPES, _dtype_name, err, flags, tensor
+from .checks import INDEX_DTYPES, POOL_DTYPES, _dtype_name, err, flag, flags, tensor
 from .checks import index_table as _index
 from .checks import index_words as _words
 from .checks import is_wide as _wide
@@ -26,7 +26,15 @@ from .checks import pool as _pool
 from .plans import device_info
 from .plans.step import step_config, step_plan
 from .problem import StepCall, StepOptions, StepProblem
-from .specs.step import STEP_GATES, WRITE_ALL, WRITE_LAST, WRITE_NONE, WRITE_START, supports
+from .specs.step import (
+    STEP_GATES,
+    WRITE_ALL,
+    WRITE_LAST,
+    WRITE_NONE,
+    WRITE_START,
+    StepConfig,
+    supports,
+)
 
 BF16 = torch.bfloat16
 ROW_DIV = 8  # token strides in elements (abi.SYM_DIV of sQ .. sO)
@@ -83,7 +91,10 @@ def _beta(t, rows, lead, H, dev):
 def _opts(gate, qk_l2norm, beta_sigmoid, config) -> StepOptions:
     if not isinstance(gate, str) or gate not in STEP_GATES:
         raise err("gate", f"one of {sorted(STEP_GATES)}", repr(gate))
-    return StepOptions(gate, bool(qk_l2norm), bool(beta_sigmoid), config)
+    if config is not None and not isinstance(config, StepConfig):
+        raise TypeError(f"config: expected a StepConfig or None, got {type(config).__name__}")
+    return StepOptions(gate, flag("qk_l2norm", qk_l2norm),
+                       flag("beta_sigmoid", beta_sigmoid), config)
 
 
 def _scalars(scale, lower_bound, gate, K):
@@ -95,11 +106,18 @@ def _scalars(scale, lower_bound, gate, K):
     if gate == "bounded":
         if not isinstance(lower_bound, (int, float)) or not -5.0 <= lower_bound < 0.0:
             raise err("lower_bound", "a float in [-5, 0) for the bounded gate", repr(lower_bound))
+    elif lower_bound is not None and (isinstance(lower_bound, bool)
+                                      or not isinstance(lower_bound, (int, float))):
+        raise err("lower_bound", "a float or None", repr(lower_bound))
     return float(scale), (float(lower_bound) if lower_bound is not None else None)
 
 
 def _gate_params(A_log, dt_bias, gate, H, K, dev):
-    if gate == "none":
+    if gate == "none":  # (given ones are not read; they must still be tensors)
+        for name, t in (("A_log", A_log), ("dt_bias", dt_bias)):
+            if t is not None and not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name}: expected a torch.Tensor or None, got "
+                                f"{type(t).__name__}")
         return False, False
     if A_log is None and gate == "unbounded":
         raise err("A_log", "a float32 tensor [H] for the unbounded gate", None)
@@ -219,12 +237,26 @@ def _typed(*values) -> tuple:
     return (*values, *map(type, values))
 
 
+def _recall(key):
+    """The memo's entry for `key`, or None (also for a key holding an unhashable value: a
+    list given for a scalar, refused by the checks or not read)."""
+    try:
+        return _memo.get(key)
+    except TypeError:
+        return None
+
+
 def _remember(key, *value):
     """The memo's entry for `key`: `value` and a dict for launch.again (the resolved steps of
-    this metadata's calls, by their tensors' addresses)."""
+    this metadata's calls, by their tensors' addresses); not kept for an unhashable key."""
+    hit = (*value, {})
+    try:
+        hash(key)
+    except TypeError:
+        return hit
     if len(_memo) >= _MEMO_MAX:
         _memo.clear()
-    _memo[key] = hit = (*value, {})
+    _memo[key] = hit
     return hit
 
 
@@ -283,10 +315,12 @@ def decode(q, k, v, g, beta, state, state_indices=None, *, out=None, output_stat
                               dt_bias=dt_bias, scale=scale, lower_bound=lower_bound, gate=gate,
                               qk_l2norm=qk_l2norm, beta_sigmoid=beta_sigmoid,
                               null_slot=null_slot, config=config, stream=stream, bind=bind)
+    if bind.__class__ is not bool:
+        bind = flag("bind", bind)
     key = ("decode", *map(_meta, (q, k, v, g, beta, state, state_indices, out,
                                    output_state_indices, has_initial_state, A_log, dt_bias)),
            *_typed(scale, lower_bound, gate, qk_l2norm, beta_sigmoid, null_slot, config))
-    hit = _memo.get(key)
+    hit = _recall(key)
     if hit is None:
         hit = _remember(key, *_decode_plan(q, k, v, g, beta, state, state_indices, out,
                                           output_state_indices, has_initial_state, A_log,
@@ -371,12 +405,14 @@ def verify(q, k, v, g, beta, state, *, cu_seqlens=None, ssm_state_indices=None,
                               dt_bias=dt_bias, scale=scale, lower_bound=lower_bound, gate=gate,
                               qk_l2norm=qk_l2norm, beta_sigmoid=beta_sigmoid,
                               null_slot=null_slot, config=config, stream=stream, bind=bind)
+    if bind.__class__ is not bool:
+        bind = flag("bind", bind)
     tensors = (q, k, v, g, beta, state, cu_seqlens, ssm_state_indices, num_accepted_tokens,
                state_indices, intermediate_states, intermediate_state_indices,
                retrieve_parent_token, out, A_log, dt_bias)
     key = ("verify", *map(_meta, tensors),
            *_typed(scale, lower_bound, gate, qk_l2norm, beta_sigmoid, null_slot, config))
-    hit = _memo.get(key)
+    hit = _recall(key)
     if hit is None:
         hit = _remember(key, *_verify_plan(*tensors, scale, lower_bound, gate, qk_l2norm,
                                           beta_sigmoid, null_slot, config))
@@ -400,13 +436,16 @@ def verify(q, k, v, g, beta, state, *, cu_seqlens=None, ssm_state_indices=None,
 
 
 def verify_style(ssm_state_indices, num_accepted_tokens, state_indices, intermediate_states,
-                 retrieve_parent_token) -> str:
+                 retrieve_parent_token, intermediate_state_indices=None) -> str:
     """Which verify style the arguments ask for, "a" (ssm_state_indices) or "b" (state_indices
     with intermediate_states), or ValueError naming what mixes or lacks them."""
     if ssm_state_indices is not None:
         if state_indices is not None or intermediate_states is not None:
             raise err("ssm_state_indices", "not together with state_indices / "
                       "intermediate_states (two verify styles)", "both")
+        if intermediate_state_indices is not None:
+            raise err("intermediate_state_indices", "None in style a (ssm_state_indices)",
+                      type(intermediate_state_indices).__name__)
         if retrieve_parent_token is not None:
             raise err("retrieve_parent_token", "tree drafts with intermediate_states (style b)",
                       "ssm_state_indices")
@@ -445,7 +484,8 @@ def _verify_plan(q, k, v, g, beta, state, cu_seqlens, ssm_state_indices, num_acc
     par = (0, 0, 0, 0)
     npa = 0
     if verify_style(ssm_state_indices, num_accepted_tokens, state_indices,
-                    intermediate_states, retrieve_parent_token) == "a":
+                    intermediate_states, retrieve_parent_token,
+                    intermediate_state_indices) == "a":
         st = _index("ssm_state_indices", ssm_state_indices, (N, None), dev)
         S1 = ssm_state_indices.shape[1]
         if per_row is not None and per_row > S1:
@@ -507,10 +547,12 @@ def commit(state, intermediate_states, state_indices, accepted_step,
         return library.commit(state, intermediate_states, state_indices, accepted_step,
                               intermediate_state_indices, null_slot=null_slot, stream=stream,
                               bind=bind)
+    if bind.__class__ is not bool:
+        bind = flag("bind", bind)
     tensors = (state, intermediate_states, state_indices, accepted_step,
                intermediate_state_indices)
     key = ("commit", *map(_meta, tensors), *_typed(null_slot))
-    hit = _memo.get(key)
+    hit = _recall(key)
     if hit is None:
         hit = _remember(key, _commit_plan(*tensors, null_slot))
     plan, again = hit
@@ -585,6 +627,11 @@ def fused_recurrent_kda_fwd(q, k, v, g, beta, A_log=None, dt_bias=None, initial_
     (state_v_first=False) updated in place or through indices."""
     if kwargs:
         raise TypeError(f"fused_recurrent_kda_fwd: unknown arguments {sorted(kwargs)}")
+    (output_final_state, inplace_final_state, state_v_first, use_gate_in_kernel,
+     allow_neg_eigval) = (flag(n, v) for n, v in (
+        ("output_final_state", output_final_state), ("inplace_final_state", inplace_final_state),
+        ("state_v_first", state_v_first), ("use_gate_in_kernel", use_gate_in_kernel),
+        ("allow_neg_eigval", allow_neg_eigval)))
     if allow_neg_eigval:
         raise err("allow_neg_eigval", "False (not supported)", True)
     tensor("q", q, (BF16,), 4)
@@ -655,10 +702,12 @@ def recurrent(q, k, v, g, beta, initial_state=None, final_state=None, *, cu_seql
                                  scale=scale, lower_bound=lower_bound, gate=gate,
                                  qk_l2norm=qk_l2norm, beta_sigmoid=beta_sigmoid, config=config,
                                  stream=stream, bind=bind)
+    if bind.__class__ is not bool:
+        bind = flag("bind", bind)
     tensors = (q, k, v, g, beta, initial_state, final_state, cu_seqlens, out, A_log, dt_bias)
     key = ("recurrent", *map(_meta, tensors),
            *_typed(scale, lower_bound, gate, qk_l2norm, beta_sigmoid, config))
-    hit = _memo.get(key)
+    hit = _recall(key)
     made = None  # the out the checks allocated (out None), on a first call
     if hit is None:
         plan, sc, lb, made = _recurrent_plan(*tensors[:9], A_log, dt_bias, scale, lower_bound,

@@ -496,3 +496,33 @@ def test_a_remembered_call_does_not_pass_a_bool_for_a_number(planned):
                                     torch.arange(8, dtype=torch.int32),
                                     torch.ones(8, dtype=torch.int32), null_slot=False),
             ValueError, "null_slot")
+
+
+# odd values for any argument: what a caller may pass by mistake
+ODD = [None, float("nan"), float("inf"), -1, 0, 10**30, "x", [], True, False, object(), 1.5,
+       -5.0, 64, "bounded", torch.zeros(3)]
+
+
+@pytest.mark.parametrize("entry", ["decode", "verify", "verify-scratch", "commit", "recurrent",
+                                   "fla-pool", "fla-dense"])
+def test_every_argument_given_odd_values(entry, planned):
+    """Each keyword argument of a valid call (tensor or not) given each of ODD: a TypeError /
+    ValueError naming the call's arguments, or the call goes through; never another
+    exception (an AttributeError of a value taken for a tensor or a config)."""
+    fn, positional, kw = _fuzz_calls()[entry]
+    names = set(inspect.signature(fn).parameters)
+    if entry.startswith("fla"):
+        names |= set(inspect.signature(kda_cute.verify).parameters)
+        names |= set(inspect.signature(serving.recurrent).parameters)
+    for arg, prm in inspect.signature(fn).parameters.items():
+        if arg in positional or prm.kind in (prm.VAR_KEYWORD, prm.VAR_POSITIONAL):
+            continue
+        for odd in ODD:
+            a = {**kw, arg: odd}
+            try:
+                fn(*(a[n] for n in positional),
+                   **{n: v for n, v in a.items() if n not in positional})
+            except (TypeError, ValueError) as e:
+                said = str(e).split(": ")[0]
+                assert said and {p.strip() for p in said.split("/")} <= names, \
+                    (arg, repr(odd), str(e))

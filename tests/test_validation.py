@@ -572,3 +572,30 @@ def test_every_chunk_kda_tensor_argument_mutated():
                 said = str(e).split(": ")[0]
                 assert said and {p.strip() for p in said.split("/")} <= names, \
                     (arg, what, str(e))
+
+
+def test_every_fwd_and_chunk_kda_argument_given_odd_values():
+    """tests/test_serving.py's ODD values for each keyword argument of fwd (the varlen pool
+    with checkpoints every 64 tokens) and of chunk_kda: a named TypeError / ValueError, or
+    every check passed; never another exception."""
+    import inspect
+
+    from tests.launch_record import PROBLEMS, make_call
+    from tests.test_serving import ODD
+    T_ = 130
+    calls = [(fwd, make_call(PROBLEMS["k64-ckpt-every-pool-varlen"])),
+             (chunk_kda, dict(q=rand(1, T_, H, K), k=rand(1, T_, H, K), v=rand(1, T_, H, K),
+                              g=rand(1, T_, H, K), beta=rand(1, T_, H), cu_seqlens=cu(0, 60, T_),
+                              output_final_state=True))]
+    names = set(inspect.signature(chunk_kda).parameters) | set(inspect.signature(fwd).parameters)
+    for fn, kw in calls:
+        for arg, prm in inspect.signature(fn).parameters.items():
+            if prm.kind in (prm.VAR_KEYWORD, prm.VAR_POSITIONAL):
+                continue
+            for odd in ODD:
+                try:
+                    fn(**{**kw, arg: odd})
+                except (TypeError, ValueError) as e:
+                    said = str(e).split(": ")[0]
+                    assert said and {p.strip() for p in said.split("/")} <= names, \
+                        (fn.__name__, arg, repr(odd), str(e))
