@@ -264,6 +264,9 @@ class Bound:
         if self._check and not capturing:
             checks.seqlens(self.call.cu_seqlens, self.plan.problem.T)
         ordered = self.plan.alongside and not capturing
+        if not ordered and not self._torch:  # the serving steps: launches alone
+            _execute(self._ops, self.call)
+            return
         on = torch.cuda.stream(self.stream) if self._torch else contextlib.nullcontext()
         with on, alongside_order(self._device, self.stream.cuda_stream, ordered):
             _execute(self._ops, self.call)
