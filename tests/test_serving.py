@@ -13,6 +13,7 @@ from kda_cute.ladder import STEP, select_step
 from kda_cute.plans.step import step_plan
 from kda_cute.plans.steps import At, Errors, Role
 from kda_cute.specs.step import WRITE_ALL, WRITE_LAST, WRITE_START, StepConfig, supports
+from tests.mutations import must_refuse, odd_swaps, outcome, tensor_swaps
 
 BF = torch.bfloat16
 H, K = 4, 128
@@ -418,69 +419,34 @@ def _fuzz_calls():
     }
 
 
-def _mutations(x: torch.Tensor):
-    """(name, tensor or other value) for one argument: other dtypes, one more or one fewer
-    dimension, each size one larger and one smaller, every other element of a dimension, a
-    base one element off, the last two dimensions swapped, no rows, a sparse tensor, a list,
-    None."""
-    out = [(f"dtype {d}", x.to(d)) for d in (torch.float16, torch.float32, torch.bfloat16,
-                                              torch.int32, torch.int64, torch.bool,
-                                              torch.float64) if d != x.dtype]
-    out += [("one more dim", x.unsqueeze(0)), ("one fewer dim", x[0]),
-            ("base off by one", torch.zeros(x.numel() + 1, dtype=x.dtype)[1:].view(x.shape)),
-            ("swapped", x.transpose(-1, -2) if x.dim() >= 2 else x.flip(0)),
-            ("no rows", x[:0]), ("sparse", x.to_sparse()), ("a list", x.flatten()[:4].tolist()),
-            ("None", None)]
-    for i in range(x.dim()):
-        grown = list(x.shape)
-        grown[i] += 1
-        out.append((f"dim {i} + 1", torch.zeros(grown, dtype=x.dtype)))
-        if x.shape[i] > 1:
-            out += [(f"dim {i} - 1", x.narrow(i, 0, x.shape[i] - 1)),
-                    (f"dim {i} every other", x[(slice(None),) * i + (slice(None, None, 2),)])]
-    return out
-
-
-TOKEN_ARGS = ("q", "k", "v", "g", "beta", "out")
-
-
-@pytest.mark.parametrize("entry", ["decode", "verify", "verify-scratch", "commit", "recurrent",
-                                   "fla-pool", "fla-dense"])
-def test_every_tensor_argument_mutated(entry, planned):
-    """Each tensor argument of a valid call replaced by each of _mutations' values: the call
-    either goes through (the plan made) or raises TypeError / ValueError whose message starts
-    with the names of the call's own arguments; never another exception. A token tensor
-    (q, k, v, g, beta, out) of another dtype, of another rank or of another size in any
-    dimension is always refused, as is an index table of floating point values and any sparse
-    tensor."""
-    fn, positional, kw = _fuzz_calls()[entry]
+def _names(entry: str, fn) -> set:
     names = set(inspect.signature(fn).parameters)
     if entry.startswith("fla"):  # (fla's call names the arguments of the call it makes)
         names |= set(inspect.signature(kda_cute.verify).parameters)
         names |= set(inspect.signature(serving.recurrent).parameters)
-    fn(*(kw[n] for n in positional), **{n: v for n, v in kw.items() if n not in positional})
-    refused = []
-    for arg, value in kw.items():
-        if not isinstance(value, torch.Tensor):
-            continue
-        for what, bad in _mutations(value):
-            a = {**kw, arg: bad}
-            try:
-                fn(*(a[n] for n in positional),
-                   **{n: v for n, v in a.items() if n not in positional})
-            except (TypeError, ValueError) as e:
-                said = str(e).split(": ")[0]
-                assert said and {p.strip() for p in said.split("/")} <= names, (arg, what, str(e))
-                refused.append((arg, what))
-                continue
-            token_shape = (arg in TOKEN_ARGS and what.startswith(("dtype", "one ", "dim "))
-                           and "every other" not in what)
-            float_index = (arg.endswith(("indices", "_step", "tokens", "_token")) and
-                           what in ("dtype torch.float16", "dtype torch.float32",
-                                    "dtype torch.bfloat16", "dtype torch.float64"))
-            assert not token_shape and not float_index and what != "sparse", \
-                f"{entry}: {arg} ({what}) accepted"
-    assert len(refused) > 20
+    return names
+
+
+ENTRIES = ["decode", "verify", "verify-scratch", "commit", "recurrent", "fla-pool", "fla-dense"]
+
+
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_every_tensor_argument_mutated(entry, planned):
+    """Each tensor argument of a valid call replaced by each of tests/mutations.py's values:
+    the call either goes through (the plan made) or raises TypeError / ValueError whose message
+    starts with the names of the call's own arguments; never another exception. What
+    mutations.must_refuse names (a token tensor of another dtype, rank or size, an index table
+    of floating point values, a sparse tensor) is always refused."""
+    fn, positional, kw = _fuzz_calls()[entry]
+    names = _names(entry, fn)
+    assert outcome(fn, kw, names, positional) is None
+    refused = 0
+    for arg, what, bad in tensor_swaps(kw):
+        if outcome(fn, bad, names, positional, (arg, what)) is not None:
+            refused += 1
+        else:
+            assert not must_refuse(arg, what), f"{entry}: {arg} ({what}) accepted"
+    assert refused > 20
 
 
 def test_a_remembered_call_does_not_pass_a_bool_for_a_number(planned):
@@ -498,31 +464,12 @@ def test_a_remembered_call_does_not_pass_a_bool_for_a_number(planned):
             ValueError, "null_slot")
 
 
-# odd values for any argument: what a caller may pass by mistake
-ODD = [None, float("nan"), float("inf"), -1, 0, 10**30, "x", [], True, False, object(), 1.5,
-       -5.0, 64, "bounded", torch.zeros(3)]
-
-
-@pytest.mark.parametrize("entry", ["decode", "verify", "verify-scratch", "commit", "recurrent",
-                                   "fla-pool", "fla-dense"])
+@pytest.mark.parametrize("entry", ENTRIES)
 def test_every_argument_given_odd_values(entry, planned):
-    """Each keyword argument of a valid call (tensor or not) given each of ODD: a TypeError /
-    ValueError naming the call's arguments, or the call goes through; never another
+    """Each keyword argument of a valid call (tensor or not) given each of mutations.ODD: a
+    TypeError / ValueError naming the call's arguments, or the call goes through; never another
     exception (an AttributeError of a value taken for a tensor or a config)."""
     fn, positional, kw = _fuzz_calls()[entry]
-    names = set(inspect.signature(fn).parameters)
-    if entry.startswith("fla"):
-        names |= set(inspect.signature(kda_cute.verify).parameters)
-        names |= set(inspect.signature(serving.recurrent).parameters)
-    for arg, prm in inspect.signature(fn).parameters.items():
-        if arg in positional or prm.kind in (prm.VAR_KEYWORD, prm.VAR_POSITIONAL):
-            continue
-        for odd in ODD:
-            a = {**kw, arg: odd}
-            try:
-                fn(*(a[n] for n in positional),
-                   **{n: v for n, v in a.items() if n not in positional})
-            except (TypeError, ValueError) as e:
-                said = str(e).split(": ")[0]
-                assert said and {p.strip() for p in said.split("/")} <= names, \
-                    (arg, repr(odd), str(e))
+    names = _names(entry, fn)
+    for arg, odd, bad in odd_swaps(fn, kw, positional):
+        outcome(fn, bad, names, positional, (arg, odd))

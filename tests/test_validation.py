@@ -8,11 +8,15 @@ and `fwd` reaches it only once every other check has passed.
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
 from kda_cute import Problem, api, chunk_kda, fwd
 from kda_cute import validate as validate_on_cuda
+from tests.launch_record import PROBLEMS, make_call
+from tests.mutations import must_refuse, odd_swaps, outcome, tensor_swaps
 
 BF16, F32 = torch.bfloat16, torch.float32
 # K != V everywhere, so a state or output given in the [.., K, V] layout instead of [.., V, K]
@@ -500,102 +504,56 @@ def test_metadata_checks_run_on_fake_tensors(monkeypatch):
 FUZZ_PROBLEMS = ("k128-varlen-pool-int64-out-null", "k64-ckpt-every-pool-varlen",
                  "k128-ckpt-offsets-serial", "k128-strided-rows", "k64-pool-read-only-bf16",
                  "k128-dense-has-init")
-TOKEN_ARGS = ("q", "k", "v", "g", "beta", "out")
 CUDA_ONLY = "q: expected a CUDA tensor"  # the last check: everything before it passed
+NAMES = set(inspect.signature(chunk_kda).parameters) | set(inspect.signature(fwd).parameters)
 
 
-def _mutations(x: torch.Tensor):
-    """tests/test_serving.py's mutations of one tensor argument."""
-    from tests.test_serving import _mutations as serving_mutations
-    return serving_mutations(x)
+def _chunk_kda_call() -> dict:
+    T_ = 130
+    return dict(q=rand(1, T_, H, K), k=rand(1, T_, H, K), v=rand(1, T_, H, K),
+                g=rand(1, T_, H, K), beta=rand(1, T_, H), initial_state=rand(2, H, K, K, dtype=F32),
+                output_final_state=True, cu_seqlens=cu(0, 60, T_))
+
+
+def _passed(e) -> bool:
+    """Every check passed (the CUDA requirement, last, is what raised)."""
+    return e is None or str(e).startswith(CUDA_ONLY)
 
 
 @pytest.mark.parametrize("name", FUZZ_PROBLEMS)
 def test_every_fwd_tensor_argument_mutated(name):
     """Each tensor argument of a valid forward (tests/launch_record.py's problems: varlen, the
     pool with int64 indices and null_slot, both checkpoint forms, strided rows, a read-only
-    bf16 pool, dense has_initial_state) replaced by each mutation: the forward raises TypeError
-    or ValueError naming its own arguments, or passes every check but the CUDA requirement;
-    never another exception. A token tensor of another dtype, rank or size is always refused,
-    as is an index, offset or slot table of floating point values and any sparse tensor."""
-    import inspect
-
-    from tests.launch_record import PROBLEMS, make_call
+    bf16 pool, dense has_initial_state) replaced by each of tests/mutations.py's values: the
+    forward raises TypeError or ValueError naming its own arguments, or passes every check but
+    the CUDA requirement; never another exception; what mutations.must_refuse names is
+    refused."""
     x = make_call(PROBLEMS[name])
-    names = set(inspect.signature(fwd).parameters)
-    with pytest.raises(ValueError, match=CUDA_ONLY):
-        fwd(**x)
+    assert _passed(outcome(fwd, x, NAMES))
     refused = 0
-    for arg, value in x.items():
-        if not isinstance(value, torch.Tensor):
-            continue
-        for what, bad in _mutations(value):
-            try:
-                fwd(**{**x, arg: bad})
-            except (TypeError, ValueError) as e:
-                said = str(e).split(": ")[0]
-                assert said and {p.strip() for p in said.split("/")} <= names, (arg, what, str(e))
-                if not str(e).startswith(CUDA_ONLY):
-                    refused += 1
-                    continue
-            token_shape = (arg in TOKEN_ARGS and what.startswith(("dtype", "one ", "dim "))
-                           and "every other" not in what)
-            float_table = (arg in ("cu_seqlens", "state_indices", "output_state_indices",
-                                   "checkpoint_offsets", "checkpoint_slots", "checkpoint_first")
-                           and what in ("dtype torch.float16", "dtype torch.float32",
-                                        "dtype torch.bfloat16", "dtype torch.float64"))
-            assert not token_shape and not float_table and what != "sparse", \
-                f"{name}: {arg} ({what}) accepted"
+    for arg, what, bad in tensor_swaps(x):
+        if _passed(outcome(fwd, bad, NAMES, (), (arg, what))):
+            assert not must_refuse(arg, what), f"{name}: {arg} ({what}) accepted"
+        else:
+            refused += 1
     assert refused > 20
 
 
 def test_every_chunk_kda_tensor_argument_mutated():
     """chunk_kda (fla's call: K-first states, transposed before the forward) under the same
     mutations: a named TypeError / ValueError or every check passed, never another exception."""
-    import inspect
-
-    from tests.test_serving import _mutations as mutations
-    T_ = 130
-    kw = dict(q=rand(1, T_, H, K), k=rand(1, T_, H, K), v=rand(1, T_, H, K),
-              g=rand(1, T_, H, K), beta=rand(1, T_, H), initial_state=rand(2, H, K, K, dtype=F32),
-              output_final_state=True, cu_seqlens=cu(0, 60, T_))
-    names = set(inspect.signature(chunk_kda).parameters) | set(inspect.signature(fwd).parameters)
-    with pytest.raises(ValueError, match=CUDA_ONLY):
-        chunk_kda(**kw)
-    for arg, value in kw.items():
-        if not isinstance(value, torch.Tensor):
-            continue
-        for what, bad in mutations(value):
-            try:
-                chunk_kda(**{**kw, arg: bad})
-            except (TypeError, ValueError) as e:
-                said = str(e).split(": ")[0]
-                assert said and {p.strip() for p in said.split("/")} <= names, \
-                    (arg, what, str(e))
+    kw = _chunk_kda_call()
+    assert _passed(outcome(chunk_kda, kw, NAMES))
+    for arg, what, bad in tensor_swaps(kw):
+        if _passed(outcome(chunk_kda, bad, NAMES, (), (arg, what))):
+            assert not must_refuse(arg, what), f"chunk_kda: {arg} ({what}) accepted"
 
 
 def test_every_fwd_and_chunk_kda_argument_given_odd_values():
-    """tests/test_serving.py's ODD values for each keyword argument of fwd (the varlen pool
-    with checkpoints every 64 tokens) and of chunk_kda: a named TypeError / ValueError, or
-    every check passed; never another exception."""
-    import inspect
-
-    from tests.launch_record import PROBLEMS, make_call
-    from tests.test_serving import ODD
-    T_ = 130
-    calls = [(fwd, make_call(PROBLEMS["k64-ckpt-every-pool-varlen"])),
-             (chunk_kda, dict(q=rand(1, T_, H, K), k=rand(1, T_, H, K), v=rand(1, T_, H, K),
-                              g=rand(1, T_, H, K), beta=rand(1, T_, H), cu_seqlens=cu(0, 60, T_),
-                              output_final_state=True))]
-    names = set(inspect.signature(chunk_kda).parameters) | set(inspect.signature(fwd).parameters)
-    for fn, kw in calls:
-        for arg, prm in inspect.signature(fn).parameters.items():
-            if prm.kind in (prm.VAR_KEYWORD, prm.VAR_POSITIONAL):
-                continue
-            for odd in ODD:
-                try:
-                    fn(**{**kw, arg: odd})
-                except (TypeError, ValueError) as e:
-                    said = str(e).split(": ")[0]
-                    assert said and {p.strip() for p in said.split("/")} <= names, \
-                        (fn.__name__, arg, repr(odd), str(e))
+    """mutations.ODD for each keyword argument of fwd (the varlen pool with checkpoints every
+    64 tokens) and of chunk_kda: a named TypeError / ValueError, or every check passed; never
+    another exception."""
+    for fn, kw in ((fwd, make_call(PROBLEMS["k64-ckpt-every-pool-varlen"])),
+                   (chunk_kda, _chunk_kda_call())):
+        for arg, odd, bad in odd_swaps(fn, kw):
+            outcome(fn, bad, NAMES, (), (fn.__name__, arg, odd))
