@@ -254,9 +254,8 @@ def _remember(key, *value):
         hash(key)
     except TypeError:
         return hit
-    if len(_memo) >= _MEMO_MAX:
-        _memo.clear()
-    _memo[key] = hit
+    # the oldest entry dropped when full: a batch size that changes every step stays remembered
+    launch.remember(_memo, _MEMO_MAX, key, hit)
     return hit
 
 

@@ -889,3 +889,22 @@ def test_a_workspace_allocated_per_run_is_kept_by_its_address(drv, monkeypatch):
         ranges = [(t.data_ptr(), t.data_ptr() + t.numel()) for t in blocks]
         inside = [any(lo <= v < hi for v in ptrs) for lo, hi in ranges]
         assert inside == [b == 0, b == 1]
+
+
+def test_a_models_layers_repeat_their_own_launches(steps, monkeypatch):
+    """Forty layers' decodes (one metadata; each layer its own pool, gate weights and output)
+    in turn, step after step: after the first step every call repeats its layer's launch (the
+    cache holds more than a model's layers; the oldest entry goes first when it is full)."""
+    layers = [_decode_x() for _ in range(40)]
+    shared = layers[0]
+    for x in layers[1:]:  # the tokens and slots of one step, shared by the layers
+        for name in ("q", "k", "v", "g", "beta", "state_indices"):
+            x[name] = shared[name]
+    runs = counting(monkeypatch, launch, "run")
+    for _ in range(3):
+        for x in layers:
+            _decode(x)
+    assert len(runs) == 40
+    by_layer = _step_launches(steps)
+    assert by_layer[40:80] == by_layer[:40] and by_layer[80:] == by_layer[:40]
+    assert len({b"".join(o["params"]) for o in by_layer[:40]}) == 40

@@ -150,7 +150,7 @@ def _workspace(plan, workspace, dev):
 # the entry), the device, the stream, the workspace's and every call tensor's address, and the
 # call's scalars; a repeated call (a serving loop's buffers, a benchmark) launches straight away
 _resolved: dict[tuple, tuple] = {}
-_RESOLVED_MAX = 64
+_RESOLVED_MAX = 256  # (a model's layers: one entry each, as _AGAIN_MAX below)
 
 
 def _key(x):
@@ -183,14 +183,10 @@ def run(plan, call, workspace: torch.Tensor | None = None, stream=None, keep=Non
         ops, src = _ops(plan, call, ws, dev, device, h)
         held = list(src.held.values())
         if key is not None:
-            if len(_resolved) >= _RESOLVED_MAX:
-                _resolved.clear()
-            _resolved[key] = (ops, held, plan)
+            remember(_resolved, _RESOLVED_MAX, key, (ops, held, plan))
     if keep is not None and key is not None and repeatable(plan):
         cache, addresses = keep
-        if len(cache) >= _AGAIN_MAX:
-            cache.clear()
-        cache[(addresses, driver.generation, device, h)] = (ops, held)
+        remember(cache, _AGAIN_MAX, (addresses, driver.generation, device, h), (ops, held))
     ordered = plan.alongside and not capturing
     if stream is None and not ordered:  # the common case, without the contexts' cost
         _execute(ops, call)
@@ -199,8 +195,20 @@ def run(plan, call, workspace: torch.Tensor | None = None, stream=None, keep=Non
             _execute(ops, call)
 
 
-# a caller's cache of resolved steps for `again` holds this many entries at most
-_AGAIN_MAX = 16
+# a caller's cache of resolved steps for `again` holds this many entries at most: a model's
+# layers call with one metadata and their own pools and weights, an entry each
+_AGAIN_MAX = 256
+
+
+def remember(cache: dict, most: int, key, value) -> None:
+    """cache[key] = value, the oldest entry dropped first when `most` are held (a dict keeps
+    insertion order)."""
+    if len(cache) >= most:
+        try:
+            del cache[next(iter(cache))]
+        except (StopIteration, KeyError, RuntimeError):  # (another thread's eviction)
+            pass
+    cache[key] = value
 
 
 def repeatable(plan) -> bool:
@@ -285,4 +293,5 @@ def clear() -> None:
     _resolved.clear()
 
 
-__all__ = ["Bound", "again", "bind", "buffers", "current", "driver", "repeatable", "run"]
+__all__ = ["Bound", "again", "bind", "buffers", "current", "driver", "remember", "repeatable",
+           "run"]
