@@ -500,7 +500,7 @@ def forward(c: Call, opts: Options, check_seqlens: bool = False, cuda: bool = Tr
         cfg = config_for(p, opts)
         if p.ckpt is not None and cfg.recur.mma != "wgmma":
             raise err("config", "a tensor-core forward with checkpoints", cfg.recur.name)
-    if cuda:
+    if flag("cuda", cuda):
         require_cuda(c)
     return p
 

@@ -557,3 +557,15 @@ def test_every_fwd_and_chunk_kda_argument_given_odd_values():
                    (chunk_kda, _chunk_kda_call())):
         for arg, odd, bad in odd_swaps(fn, kw):
             outcome(fn, bad, NAMES, (), (fn.__name__, arg, odd))
+
+
+def test_every_validate_argument_given_odd_values():
+    """validate (fwd's checks alone, cuda=False here) under mutations.ODD and every tensor
+    mutation: a named TypeError / ValueError or a pass, never another exception."""
+    x = make_call(PROBLEMS["k64-ckpt-every-pool-varlen"])
+    sig = inspect.signature(validate_on_cuda)
+    kw = {**{n: x[n] for n in sig.parameters if n in x}, "gate": "bounded", "cuda": False}
+    names = set(sig.parameters)
+    assert outcome(validate_on_cuda, kw, names) is None
+    for arg, what, bad in [*odd_swaps(validate_on_cuda, kw), *tensor_swaps(kw)]:
+        outcome(validate_on_cuda, bad, names, (), (arg, what))
