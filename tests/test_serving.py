@@ -13,7 +13,7 @@ from kda_cute.ladder import STEP, select_step
 from kda_cute.plans.step import step_plan
 from kda_cute.plans.steps import At, Errors, Role
 from kda_cute.specs.step import WRITE_ALL, WRITE_LAST, WRITE_START, StepConfig, supports
-from tests.mutations import must_refuse, odd_swaps, outcome, tensor_swaps
+from tests.mutations import ODD, must_refuse, odd_swaps, outcome, tensor_swaps
 
 BF = torch.bfloat16
 H, K = 4, 128
@@ -473,3 +473,18 @@ def test_every_argument_given_odd_values(entry, planned):
     names = _names(entry, fn)
     for arg, odd, bad in odd_swaps(fn, kw, positional):
         outcome(fn, bad, names, positional, (arg, odd))
+
+
+def test_check_errors_arguments_named():
+    """check_errors' device (None, an index, a torch.device or "cuda:N") and sync (a switch):
+    anything else a named TypeError / ValueError (values that need no GPU to judge)."""
+    for odd in [v for v in ODD if v is not None and not isinstance(v, bool)
+                and not (isinstance(v, int) and v >= 0)] + ["cpu", "bogus", torch.device("cpu")]:
+        with pytest.raises((TypeError, ValueError), match="^device: expected"):
+            kda_cute.check_errors(device=odd)
+    switches = (None, True, False, 0, 1)  # (what flag takes)
+    for odd in ODD:
+        if any(odd is w or (type(odd) is type(w) and odd == w) for w in switches):
+            continue
+        with pytest.raises(TypeError, match="^sync: expected a bool"):
+            kda_cute.check_errors(device=0, sync=odd)
