@@ -131,11 +131,13 @@ def flags(name, t, n: int, dev) -> None:
 
 
 def flag(name: str, v) -> bool:
-    """A switch: a bool, an int 0 or 1, or None (off); anything else (a tensor, a list, a
-    string) is refused rather than read by its truth value."""
+    """A switch: a bool, an int 0 or 1 (numpy's scalars too), or None (off); anything else (a
+    tensor, a list, a string) is refused rather than read by its truth value."""
     if v is None or isinstance(v, bool):
         return bool(v)
-    if isinstance(v, int) and v in (0, 1):
+    numpy_scalar = (type(v).__module__ == "numpy" and getattr(v, "ndim", 1) == 0
+                    and v.dtype.kind in "biu")
+    if (isinstance(v, int) or numpy_scalar) and v in (0, 1):
         return bool(v)
     raise TypeError(f"{name}: expected a bool, got {type(v).__name__} {str(v)[:40]}")
 

@@ -569,3 +569,18 @@ def test_every_validate_argument_given_odd_values():
     assert outcome(validate_on_cuda, kw, names) is None
     for arg, what, bad in [*odd_swaps(validate_on_cuda, kw), *tensor_swaps(kw)]:
         outcome(validate_on_cuda, bad, names, (), (arg, what))
+
+
+def test_switches_take_bools_and_refuse_the_rest():
+    """checks.flag, every switch's check: bools, ints and numpy scalars 0 / 1, None (off); a
+    tensor (whose truth value on a GPU is a host sync), a list, a string, a 2 are refused."""
+    import numpy as np
+
+    from kda_cute.checks import flag
+    for v, want in ((True, True), (False, False), (1, True), (0, False), (None, False),
+                    (np.True_, True), (np.False_, False), (np.int64(1), True),
+                    (np.int32(0), False)):
+        assert flag("x", v) is want
+    for v in (2, -1, 1.0, np.int64(2), np.float64(1.0), torch.tensor(True), "True", [1], object()):
+        with pytest.raises(TypeError, match="^x: expected a bool"):
+            flag("x", v)
