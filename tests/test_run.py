@@ -908,3 +908,25 @@ def test_a_models_layers_repeat_their_own_launches(steps, monkeypatch):
     by_layer = _step_launches(steps)
     assert by_layer[40:80] == by_layer[:40] and by_layer[80:] == by_layer[:40]
     assert len({b"".join(o["params"]) for o in by_layer[:40]}) == 40
+
+
+@pytest.mark.parametrize("entry", ["decode", "bind", "fwd"])
+def test_a_stream_that_is_not_one_is_named(steps, entry):
+    """stream= anything but a torch.cuda.Stream (or None): a TypeError naming stream, from the
+    full path, the repeat path and bind alike; nothing launched."""
+    x = _decode_x()
+    _decode(x)  # (the repeat path holds this call's launch)
+    for odd in ("x", 7, object(), SimpleNamespace(cuda_stream="7"), torch.zeros(2)):
+        with pytest.raises(TypeError, match="^stream: expected a torch.cuda.Stream"):
+            if entry == "decode":
+                kda_cute.decode(x["q"], x["k"], x["v"], x["g"], x["beta"], x["state"],
+                                x["state_indices"], out=x["out"], A_log=x["A_log"],
+                                dt_bias=x["dt_bias"], lower_bound=-5.0, stream=odd)
+            elif entry == "bind":
+                kda_cute.decode(x["q"], x["k"], x["v"], x["g"], x["beta"], x["state"],
+                                x["state_indices"], out=x["out"], A_log=x["A_log"],
+                                dt_bias=x["dt_bias"], lower_bound=-5.0, stream=odd, bind=True)
+            else:
+                y = _x()
+                launch.run(_plan(y), _call(y), y["workspace"], stream=odd)
+    assert len(_step_launches(steps)) == 1

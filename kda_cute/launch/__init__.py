@@ -128,7 +128,21 @@ def _where(call, stream):
     dev = device_of(call)
     device = dev.index if dev.index is not None else torch.cuda.current_device()
     s = torch.cuda.current_stream(dev) if stream is None else stream
+    _handle(s)
     return dev, device, s
+
+
+def _handle(stream) -> int:
+    """A given stream's handle (a torch.cuda.Stream, or anything with its cuda_stream)."""
+    try:
+        h = stream.cuda_stream
+    except AttributeError:
+        raise TypeError(f"stream: expected a torch.cuda.Stream or None, got "
+                        f"{type(stream).__name__}") from None
+    if isinstance(h, bool) or not isinstance(h, int):
+        raise TypeError(f"stream: expected a torch.cuda.Stream or None, got a cuda_stream of "
+                        f"{type(h).__name__}")
+    return h
 
 
 _no_workspace: dict = {}
@@ -170,7 +184,7 @@ def run(plan, call, workspace: torch.Tensor | None = None, stream=None, keep=Non
         with torch.cuda.device(device):
             return run(plan, call, workspace, stream, keep)
     ws = _workspace(plan, workspace, dev)
-    h = current.stream(device) if stream is None else stream.cuda_stream
+    h = current.stream(device) if stream is None else _handle(stream)
     capturing = current.capturing()
     # not kept: buffers made for one capture. A workspace allocated here is kept by its
     # address, as a caller's is: the allocator mostly hands the same block to the next call
@@ -229,7 +243,7 @@ def again(cache: dict, addresses: tuple, dev: torch.device, stream=None) -> bool
     device = dev.index if dev.index is not None else here
     if device != here or current.capturing():
         return False
-    h = current.stream(device) if stream is None else stream.cuda_stream
+    h = current.stream(device) if stream is None else _handle(stream)
     hit = cache.get((addresses, driver.generation, device, h))
     if hit is None:
         return False
