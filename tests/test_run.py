@@ -930,3 +930,9 @@ def test_a_stream_that_is_not_one_is_named(steps, entry):
                 y = _x()
                 launch.run(_plan(y), _call(y), y["workspace"], stream=odd)
     assert len(_step_launches(steps)) == 1
+
+
+def test_bind_check_seqlens_is_a_switch(drv):
+    x = _x()
+    with pytest.raises(TypeError, match="^check_seqlens: expected a bool"):
+        launch.bind(_plan(x), _call(x), x["workspace"], check_seqlens=torch.zeros(2))

@@ -273,7 +273,8 @@ class Bound:
         self._held = list(src.held.values())  # the buffers its launches read
         self._torch = any(isinstance(x, Copy) for x in plan.steps)
         self._device = device
-        self._check = check_seqlens and getattr(plan.problem, "varlen", False)
+        self._check = checks.flag("check_seqlens", check_seqlens) and getattr(
+            plan.problem, "varlen", False)
 
     def _capturing(self) -> bool:
         with torch.cuda.device(self._device):
