@@ -850,3 +850,17 @@ def test_serving_head_dim_is_the_sweeps(probes):
     with pytest.raises(SystemExit, match="--head-dim: the tile sweep"):
         serving.main(["--head-dim", "64", "--no-fla"])
     assert serving.K == serving.V == 128
+
+
+def test_host_stub_probe_table(probes):
+    """bench/probes/host_stub_probe.py's --merge: a row a call of the newer run, old / new / the
+    ratio, '-' for a call the older run did not time."""
+    probe = probes("host_stub_probe")
+    old = {"commit": "aaa", "machine": "x86_64", "torch": "2.x",
+           "calls": {"decode, eager": {"us": 15.0}}}
+    new = {"commit": "bbb", "machine": "x86_64", "torch": "2.x",
+           "calls": {"decode, eager": {"us": 10.0}, "commit, eager": {"us": 6.0}}}
+    lines = probe.merge(old, new).splitlines()
+    assert "aaa against bbb" in lines[0]
+    assert "| decode, eager | 15.00 | 10.00 | 0.67 |" in lines
+    assert "| commit, eager | - | 6.00 | - |" in lines
