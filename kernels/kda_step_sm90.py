@@ -34,6 +34,7 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.utils as utils
 from cutlass.cute.nvgpu import cpasync
+from cutlass.cute.nvgpu import warp as warp_mma
 
 from kda_cute.specs.step import ERRORS, WRITE_ALL, WRITE_LAST, WRITE_START, StepConfig
 from kernels.common import StateSlots  # _word: an index table entry, int64 as word pairs
@@ -57,7 +58,12 @@ class KdaStepSm90(StateSlots):
         self.R = cfg.block_v // self.G
         self.U = cfg.unroll  # the row loops' unroll (0: whole; fewer registers otherwise)
         self.OUT_LANE = 1 if cfg.tpr > 1 else 0  # the lane of a row that writes its output
-        self.C = cfg.prep  # tokens a chunk prepared together (0: every group does its own)
+        # tokens a chunk prepared together (0: every group does its own); the chunked kernel
+        # prepares a row's tokens (at most cfg.chunk) the same way
+        self.C = cfg.prep or cfg.chunk
+        self.CH = cfg.chunk
+        self.NP = max(8, 2 * cfg.chunk)  # the chunked kernel's product columns (n8 tiles)
+        self.KP = self.K + 8  # its staged tile's row stride: rows 16 bytes apart in banks
         self.NVP = -(-cfg.block_v // cfg.tpr)  # v values a lane of a preparing group loads
         self.smem_bytes = 0
         self.tma_meta = []
@@ -107,6 +113,17 @@ class KdaStepSm90(StateSlots):
             ).launch(grid=(num_rows, 1, 1), block=(self.threads, 1, 1), smem=self.smem_bytes,
                      stream=stream, **self._occupancy())
             return
+        if cutlass.const_expr(self.CH != 0):
+            self.kernel_chunk(
+                mQ, mK, mG, mV, mBeta, mOut, mALog, mDtBias, mPool, mDst, mCu, mRIdx, mWIdx,
+                mAcc, mParent, mHasInit, mErr, fixed_len, cu_wide, max_tokens, read_mode, r_sn,
+                r_st, r_wide, r_mul, r_add, acc_on, acc_wide, acc_base, acc_skip, max_sel,
+                hi_on, r_null, w_null, write_mode, w_sn, w_st, w_wide, w_mul, w_add, parent_on,
+                p_sn, p_st, p_wide, gate, has_a, has_bias, qk_l2norm, beta_sigmoid, scale,
+                lower_bound,
+            ).launch(grid=(self.V // self.BV, num_heads, num_rows), block=(self.threads, 1, 1),
+                     smem=self.smem_bytes, stream=stream)
+            return
         self.kernel(
             mQ, mK, mG, mV, mBeta, mOut, mALog, mDtBias, mPool, mDst, mCu, mRIdx, mWIdx, mAcc,
             mParent, mHasInit, mErr, fixed_len, cu_wide, max_tokens, read_mode, r_sn, r_st,
@@ -125,11 +142,19 @@ class KdaStepSm90(StateSlots):
         A, MR, f32 = cute.struct.Align, cute.struct.MemRange, cutlass.Float32
         n_el, C, K, BV = self.BV * self.K, self.C, self.K, self.BV
         fields = {"stage": A[MR[self.pdt, (2 if self.cfg.persist else 1) * n_el], 128]}
+        if self.CH:  # the chunked kernel: the start state row-major, rows KP apart
+            fields["stage"] = A[MR[self.pdt, BV * self.KP], 128]
         if C:
             fields.update(tq=A[MR[f32, C * K], 128], tk=A[MR[f32, C * K], 128],
                           td=A[MR[f32, C * K], 128], tv=A[MR[f32, C * BV], 128],
                           ts=A[MR[f32, 2 * C], 128], tw=A[MR[cutlass.Int32, C], 128])
-        if not self.cfg.persist and self.pdt is not f32:
+        if self.CH:
+            CH, NP = self.CH, self.NP
+            fields.update(ta=A[MR[f32, CH * CH], 128], tb=A[MR[f32, CH * CH], 128],
+                          bh=A[MR[cutlass.BFloat16, NP * self.KP], 128],
+                          bl=A[MR[cutlass.BFloat16, NP * self.KP], 128],
+                          tp=A[MR[f32, BV * NP], 128])
+        elif not self.cfg.persist and self.pdt is not f32:
             fields["keep"] = A[MR[f32, n_el], 128]
         return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
@@ -842,6 +867,275 @@ class KdaStepSm90(StateSlots):
                     self._put(x, self._row_vecs(mDst, w * w_mul, h, vb * self.BV + grp
                                                 + self.G * r), sub, self.pdt)
         cute.arch.cp_async_wait_group(0)  # nothing in flight when the CTA exits
+
+    # --------------------------------------------- the chunked multi-token kernel (cfg.chunk)
+    @cute.jit
+    def _stage_tile(self, tile, src: cute.Tensor, row, h, vb, grp, sub):
+        """cp.async this thread's columns of its R rows of src[row, h] into the row-major tile
+        (one commit group)."""
+        atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
+                                   self.pdt, num_bits_per_copy=128)
+        for r in cutlass.range(self.R, unroll=self.U, unroll_full=self.U == 0):
+            rho = grp + self.G * r
+            vecs = self._row_vecs(src, row, h, vb * self.BV + rho)
+            dst = cute.logical_divide(tile[rho, None], cute.make_layout(self.VEC))
+            for j in cutlass.range_constexpr(self.NJ):
+                cute.copy(atom, vecs[None, sub + self.TPR * j], dst[None, sub + self.TPR * j])
+        cute.arch.cp_async_commit_group()
+
+    @cute.jit
+    def _zero_tile(self, tile, grp, sub):
+        z = cute.make_rmem_tensor((self.VEC,), self.pdt)
+        z.fill(0.0)
+        for r in cutlass.range(self.R, unroll=self.U, unroll_full=self.U == 0):
+            dst = cute.logical_divide(tile[grp + self.G * r, None], cute.make_layout(self.VEC))
+            for j in cutlass.range_constexpr(self.NJ):
+                dst[None, sub + self.TPR * j].store(z.load())
+
+    @cute.jit
+    def _chunk_products(self, areas, ta, tb, bh, bl, live_len, grp, sub):
+        """Group t (< chunk) makes token t's row of A (A[t][i] = sum kn_t kn_i prod_{s=i+1..t}
+        d_s, i < t) and B (B[t][i] = sum qn_t kn_i prod_{s=i+1..t} d_s, i <= t; B[t][t] = k . q)
+        and its operand columns kn_t D_t (column t) and qn_t D_t (column chunk + t), D_t =
+        prod_{s <= t} d_s, split into bf16 hi and lo planes; zeros past the row's `live_len`
+        tokens. Every lane of a group runs every shuffle (the conditions are selects)."""
+        f32, bf16, NC, CH, VEC = cutlass.Float32, cutlass.BFloat16, self.NC, self.CH, self.VEC
+        tq, tk, td, tv, ts, tw = areas
+        t = grp
+        live = t < live_len
+        kn = cute.make_rmem_tensor((NC,), f32)
+        qn = cute.make_rmem_tensor((NC,), f32)
+        d = cute.make_rmem_tensor((NC,), f32)
+        ki = cute.make_rmem_tensor((NC,), f32)
+        cum = cute.make_rmem_tensor((NC,), f32)
+        r = cute.make_rmem_tensor((NC,), f32)
+        self._tok_get(tk, t, sub, kn)
+        self._tok_get(tq, t, sub, qn)
+        cum.fill(1.0)
+        r.fill(1.0)
+        for s in cutlass.range_constexpr(CH):
+            self._tok_get(td, s, sub, d)
+            use = s <= t
+            for c in cutlass.range_constexpr(NC):
+                cum[c] = cum[c] * f32(cutlass.select_(use, d[c], f32(1.0)))
+        if sub == 0:
+            for i in cutlass.range_constexpr(CH):
+                ta[t * CH + i] = f32(0.0)
+                tb[t * CH + i] = f32(0.0)
+        for ii in cutlass.range_constexpr(CH - 1):
+            i = t - 1 - ii
+            ok = i >= 0
+            ic = cutlass.max(i, 0)
+            self._tok_get(td, ic + 1, sub, d)
+            self._tok_get(tk, ic, sub, ki)
+            pa = f32(0.0)
+            pb = f32(0.0)
+            for c in cutlass.range_constexpr(NC):
+                r[c] = r[c] * f32(cutlass.select_(ok, d[c], f32(1.0)))
+                w = ki[c] * r[c]
+                pa = pa + kn[c] * w
+                pb = pb + qn[c] * w
+            pa = self._lanes_sum(pa)
+            pb = self._lanes_sum(pb)
+            if sub == 0 and ok and live:
+                ta[t * CH + ic] = pa
+                tb[t * CH + ic] = pb
+        if sub == 0 and live:
+            tb[t * CH + t] = ts[2 * t + 1]
+        for j in cutlass.range_constexpr(self.NJ):
+            for e in cutlass.range_constexpr(VEC):
+                col = (sub + self.TPR * j) * VEC + e
+                xk = f32(cutlass.select_(live, kn[j * VEC + e] * cum[j * VEC + e], f32(0.0)))
+                xq = f32(cutlass.select_(live, qn[j * VEC + e] * cum[j * VEC + e], f32(0.0)))
+                hk = xk.to(bf16)
+                hq = xq.to(bf16)
+                bh[t, col] = hk
+                bl[t, col] = (xk - hk.to(f32)).to(bf16)
+                bh[CH + t, col] = hq
+                bl[CH + t, col] = (xq - hq.to(f32)).to(bf16)
+
+    @cute.jit
+    def _chunk_mma(self, tile, bh, bl, tp, warp, lane):
+        """Rows 16 warp .. + 15 of the start state times the operand planes (hi and lo into one
+        fp32 accumulator): every token's k . S0 and q . S0 products, into tp[row, column]."""
+        bf16, f32, K, KP, NP = cutlass.BFloat16, cutlass.Float32, self.K, self.KP, self.NP
+        mma = cute.make_tiled_mma(warp_mma.MmaF16BF16Op(bf16, f32, (16, 8, 16)))
+        thr = mma.get_slice(lane)
+        c_shape = thr.partition_shape_C((16, 8))
+        accs = [cute.make_rmem_tensor(c_shape, f32) for _ in range(NP // 8)]
+        for acc in accs:
+            acc.fill(0.0)
+        row0 = 16 * warp
+        for kt in cutlass.range_constexpr(K // 16):
+            va = cute.make_tensor(tile.iterator + row0 * KP + 16 * kt,
+                                  cute.make_layout((16, 16), stride=(KP, 1)))
+            pa = thr.partition_A(va)
+            fa = cute.make_rmem_tensor(pa.shape, bf16)
+            fa.store(pa.load())
+            for nt in cutlass.range_constexpr(NP // 8):
+                for plane in (bh, bl):
+                    vb_ = cute.make_tensor(plane.iterator + nt * 8 * KP + 16 * kt,
+                                           cute.make_layout((8, 16), stride=(KP, 1)))
+                    pb = thr.partition_B(vb_)
+                    fb = cute.make_rmem_tensor(pb.shape, bf16)
+                    fb.store(pb.load())
+                    cute.gemm(mma, accs[nt], fa, fb, accs[nt])
+        cC = thr.partition_C(cute.make_identity_tensor((16, 8)))
+        for nt in cutlass.range_constexpr(NP // 8):
+            for e in cutlass.range_constexpr(cute.size(cC)):
+                i, jj = cC[e]
+                tp[(row0 + i) * NP + nt * 8 + jj] = accs[nt][e]
+
+    @cute.kernel
+    def kernel_chunk(
+        self, mQ: cute.Tensor, mK: cute.Tensor, mG: cute.Tensor, mV: cute.Tensor,
+        mBeta: cute.Tensor, mOut: cute.Tensor, mALog: cute.Tensor, mDtBias: cute.Tensor,
+        mPool: cute.Tensor, mDst: cute.Tensor, mCu: cute.Tensor, mRIdx: cute.Tensor,
+        mWIdx: cute.Tensor, mAcc: cute.Tensor, mParent: cute.Tensor, mHasInit: cute.Tensor,
+        mErr: cute.Tensor,
+        fixed_len: cutlass.Int32, cu_wide: cutlass.Int32, max_tokens: cutlass.Int32,
+        read_mode: cutlass.Int32, r_sn: cutlass.Int32, r_st: cutlass.Int32,
+        r_wide: cutlass.Int32, r_mul: cutlass.Int32, r_add: cutlass.Int32,
+        acc_on: cutlass.Int32, acc_wide: cutlass.Int32, acc_base: cutlass.Int32,
+        acc_skip: cutlass.Int32, max_sel: cutlass.Int32,
+        hi_on: cutlass.Int32, r_null: cutlass.Int32, w_null: cutlass.Int32,
+        write_mode: cutlass.Int32, w_sn: cutlass.Int32, w_st: cutlass.Int32,
+        w_wide: cutlass.Int32, w_mul: cutlass.Int32, w_add: cutlass.Int32,
+        parent_on: cutlass.Int32, p_sn: cutlass.Int32, p_st: cutlass.Int32,
+        p_wide: cutlass.Int32,
+        gate: cutlass.Int32, has_a: cutlass.Int32, has_bias: cutlass.Int32,
+        qk_l2norm: cutlass.Int32, beta_sigmoid: cutlass.Int32,
+        scale: cutlass.Float32, lower_bound: cutlass.Float32,
+    ):
+        """A row's tokens (at most cfg.chunk; no tree parents, no commit: the plan's choice)
+        as one chunk. The start state is staged row-major; group t prepares token t
+        (_prep_store: q, k normed, the decay, v, beta, k . q, its write row); group t then
+        makes row t of the tokens' products among themselves and its operand columns
+        (_chunk_products); each warp takes 16 rows of the start state through warp MMA against
+        the operand planes (_chunk_mma): P_t = S0 (k_t D_t), Q_t = S0 (q_t D_t) for every
+        token at once. Per row (the one-tile kernel's lanes): delta_t = beta_t (v_t - P_t -
+        sum_{i<t} delta_i A[t][i]), o_t = Q_t + sum_{i<=t} delta_i B[t][i], then the states
+        after each token by S = S d_t + delta_t k_t, each to its write row (the solve by one lane
+        a row, its deltas handed to the row's lanes through tp)."""
+        f32, i32 = cutlass.Float32, cutlass.Int32
+        K, NC, CH, NP, VEC = self.K, self.NC, self.CH, self.NP, self.VEC
+        tidx, _, _ = cute.arch.thread_idx()
+        vb, h, n = cute.arch.block_idx()
+        grp = tidx // self.TPR
+        sub = tidx - grp * self.TPR
+        warp = tidx // 32
+        lane = tidx - warp * 32
+        lead = self._lead(tidx, vb, h)
+        num_tokens = mQ.shape[0]
+        slots = mPool.shape[0]
+        dst_rows = mDst.shape[0]
+
+        bos, length = self._row_tokens(mCu, mErr, n, lead, num_tokens, fixed_len, cu_wide,
+                                       max_tokens)
+        pad, sel, slot, start = self._row_slot(
+            mRIdx, mAcc, mHasInit, mErr, n, lead, slots, read_mode, r_sn, r_st, r_wide, r_mul,
+            r_add, acc_on, acc_wide, acc_base, acc_skip, max_sel, hi_on, r_null)
+        if length > CH:  # the plan bounds max_tokens by the chunk: never taken
+            self._flag(mErr, E_LEN, lead)
+            pad = i32(1)
+
+        smem = utils.SmemAllocator()
+        shared = smem.allocate(self.shared_storage)
+        tile = shared.stage.get_tensor(cute.make_layout((self.BV, K), stride=(self.KP, 1)))
+        if pad == 0 and start != 0:
+            self._stage_tile(tile, mPool, slot, h, vb, grp, sub)
+        else:
+            self._zero_tile(tile, grp, sub)
+        bias = cute.make_rmem_tensor((NC,), f32)
+        a_log = self._gate_consts(bias, mALog, mDtBias, h, sub, has_a, has_bias)
+        a_exp = cute.math.exp(a_log)
+        qv = cute.make_rmem_tensor((NC,), f32)
+        kv = cute.make_rmem_tensor((NC,), f32)
+        dv = cute.make_rmem_tensor((NC,), f32)
+        x = cute.make_rmem_tensor((NC,), f32)
+        areas = self._tok_areas(shared)
+        rq, rk, rg = self._raw_tensor(), self._raw_tensor(), self._raw_tensor()
+        rv = cute.make_rmem_tensor((self.NVP,), cutlass.BFloat16)
+        lead_p = i32(0)  # reports a prepared token's bad write entry
+        if sub == 0 and vb == 0 and h == 0:
+            lead_p = i32(1)
+        live_len = i32(0)
+        if pad == 0:
+            live_len = length
+        if grp < CH and live_len > 0:
+            tt = cutlass.min(grp, live_len - 1)
+            writes = self._writes(write_mode, tt, live_len)
+            b_raw, w_lo, w_hi = self._prep_issue(rq, rk, rg, rv, mQ, mK, mG, mBeta, mV, mWIdx,
+                                                 bos + tt, tt, n, h, vb, sub, writes, w_sn,
+                                                 w_st, w_wide)
+            self._prep_store(areas, grp, rq, rk, rg, rv, b_raw, w_lo, w_hi, qv, kv, dv, bias,
+                             a_exp, mErr, tt, grp < live_len, lead_p, sub, writes, dst_rows,
+                             w_wide, w_mul, w_add, w_null, gate, qk_l2norm, beta_sigmoid, scale,
+                             lower_bound)
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.sync_threads()
+        ta = shared.ta.get_tensor(cute.make_layout(CH * CH))
+        tb = shared.tb.get_tensor(cute.make_layout(CH * CH))
+        bh = shared.bh.get_tensor(cute.make_layout((NP, K), stride=(self.KP, 1)))
+        bl = shared.bl.get_tensor(cute.make_layout((NP, K), stride=(self.KP, 1)))
+        tp = shared.tp.get_tensor(cute.make_layout(self.BV * NP))
+        if grp < CH:
+            self._chunk_products(areas, ta, tb, bh, bl, live_len, grp, sub)
+        if cutlass.const_expr(NP > 2 * CH):  # the planes' columns past 2 chunk: zeros
+            for i in cutlass.range(tidx, (NP - 2 * CH) * K, self.threads):
+                bh[2 * CH + i // K, i % K] = cutlass.BFloat16(0.0)
+                bl[2 * CH + i // K, i % K] = cutlass.BFloat16(0.0)
+        cute.arch.sync_threads()
+        self._chunk_mma(tile, bh, bl, tp, warp, lane)
+        cute.arch.sync_threads()
+
+        tq, tk, td, tv, ts, tw = areas
+        # the rows' solves, one lane a row (lanes sub < R of a group: its R rows): the deltas
+        # over the row's products in tp (read by that lane alone), the outputs
+        if pad == 0 and sub < self.R:
+            rho = grp + self.G * sub
+            v_idx = vb * self.BV + rho
+            dl = cute.make_rmem_tensor((CH,), f32)
+            for t in cutlass.range_constexpr(CH):
+                acc = f32(0.0)
+                if t < length:
+                    acc = tv[t * self.BV + rho] - tp[rho * NP + t]
+                    for i in cutlass.range_constexpr(t):
+                        acc = acc - dl[i] * ta[t * CH + i]
+                    acc = ts[2 * t] * acc
+                dl[t] = acc
+            for t in cutlass.range_constexpr(CH):
+                if t < length:
+                    o = tp[rho * NP + CH + t]
+                    for i in cutlass.range_constexpr(t + 1):
+                        o = o + dl[i] * tb[t * CH + i]
+                    mOut[bos + t, h * self.V + v_idx] = o.to(cutlass.BFloat16)
+            for t in cutlass.range_constexpr(CH):  # over the row's P (read above)
+                tp[rho * NP + t] = dl[t]
+        cute.arch.sync_warp()  # a group's rows are its warp's
+        for r in cutlass.range(self.R, unroll=self.U, unroll_full=self.U == 0):
+            rho = grp + self.G * r
+            v_idx = vb * self.BV + rho
+            if pad != 0:
+                for t in cutlass.range(length):
+                    if sub == 0:
+                        mOut[bos + t, h * self.V + v_idx] = f32(0.0).to(cutlass.BFloat16)
+            else:
+                src = cute.logical_divide(tile[rho, None], cute.make_layout(VEC))
+                for j in cutlass.range_constexpr(self.NJ):
+                    y = src[None, sub + self.TPR * j].load().to(f32)
+                    for e in cutlass.range_constexpr(VEC):
+                        x[j * VEC + e] = y[e]
+                for t in cutlass.range_constexpr(CH):
+                    if t < length:
+                        self._tok_get(td, t, sub, dv)
+                        self._tok_get(tk, t, sub, kv)
+                        u = tp[rho * NP + t]
+                        for c in cutlass.range_constexpr(NC):
+                            x[c] = x[c] * dv[c] + u * kv[c]
+                        wrow = tw[t]
+                        if wrow >= 0:
+                            self._put(x, self._row_vecs(mDst, wrow, h, v_idx), sub, self.pdt)
 
     # ------------------------------------------------- the persistent single-token kernel
     @cute.kernel

@@ -153,14 +153,31 @@ def _prep_tile(dtype):
     return StepConfig(128, 128, "bfloat16", 64, 16, 128, unroll=2, prep=4)
 
 
+def _chunk_tile():
+    """The chunked tile: a row's tokens (up to 8) as one chunk (StepConfig.chunk)."""
+    from kda_cute.specs.step import StepConfig
+    return StepConfig(128, 128, "bfloat16", 64, 16, 128, unroll=2, chunk=8)
+
+
+def _tile(tile, dtype):
+    """The config a test runs: the plan's (ladder), a prep tile, or the chunked tile (bf16)."""
+    if tile == "chunk" and dtype != torch.bfloat16:
+        pytest.skip("the chunked tile is for bf16 pools")
+    return {"ladder": {}, "prep": dict(config=_prep_tile(dtype)),
+            "chunk": dict(config=_chunk_tile())}[tile]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("varlen", [False, True], ids=["fixed", "varlen"])
-@pytest.mark.parametrize("prep", [False, True], ids=["ladder", "prep"])
-def test_verify_slot_per_token(dtype, varlen, prep):
+@pytest.mark.parametrize("tile", ["ladder", "prep", "chunk"])
+def test_verify_slot_per_token(dtype, varlen, tile):
     """Style (a): ssm_state_indices [N, 1+S], num_accepted_tokens; the start slot is one of the
     write slots (read before any write); padding entries are skipped, padding rows output
     zeros; varlen rows of 0 .. 1+S tokens. `prep`: a tile that prepares chunks of 4 tokens,
-    with rows of up to 7 (two chunks)."""
+    with rows of up to 7 (two chunks); `chunk`: the chunked tile (rows of up to 8 as one
+    chunk), rows of up to 7."""
+    cfg = _tile(tile, dtype)
+    prep = tile != "ladder"
     N, S1, H, K = 10, 7 if prep else 4, 4, 128
     gate = "bounded"
     gen = torch.Generator(device="cuda").manual_seed(11)
@@ -181,7 +198,6 @@ def test_verify_slot_per_token(dtype, varlen, prep):
     idx[4, 3] = -1  # a skipped entry
     acc[4] = min(int(acc[4]), 3)
     before = pool.clone()
-    cfg = dict(config=_prep_tile(dtype)) if prep else {}
     cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32,
                       device="cuda")
     if varlen:
@@ -220,11 +236,15 @@ def test_verify_slot_per_token(dtype, varlen, prep):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
-@pytest.mark.parametrize("prep", [False, True], ids=["ladder", "prep"])
-def test_verify_scratch_and_commit(dtype, tree, prep):
+@pytest.mark.parametrize("tile", ["ladder", "prep", "chunk"])
+def test_verify_scratch_and_commit(dtype, tree, tile):
     """Style (b): the pool is read only, the state after each token goes to the scratch;
     tree drafts start tokens from their parents; commit copies the accepted step. `prep`: a
-    tile that prepares chunks of 4 tokens (the 5 tokens a row take two)."""
+    tile that prepares chunks of 4 tokens (the 5 tokens a row take two); `chunk`: the chunked
+    tile (chains only: it refuses tree parents)."""
+    if tile == "chunk" and tree:
+        pytest.skip("the chunked tile refuses tree parents (CPU test)")
+    cfg = _tile(tile, dtype)
     N, S, H, K = 6, 5, 2, 128
     gate = "unbounded"
     gen = torch.Generator(device="cuda").manual_seed(21)
@@ -244,7 +264,6 @@ def test_verify_scratch_and_commit(dtype, tree, prep):
                [-1, 0, 1, 1, 3], [-1, 0, 0, 2, 2]]
         parents = torch.tensor(par, dtype=torch.int64, device="cuda")
     out = torch.full((N, S, H, K), float("nan"), dtype=torch.bfloat16, device="cuda")
-    cfg = dict(config=_prep_tile(dtype)) if prep else {}
     kda_cute.verify(q, k, v, g, beta, pool, state_indices=sidx, intermediate_states=inter,
                     intermediate_state_indices=iidx, retrieve_parent_token=parents, out=out,
                     **cfg, **_kw(gate, A_log, dt_bias))

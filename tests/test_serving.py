@@ -345,6 +345,50 @@ def test_step_prep_config():
         assert not ok and word in why, (bad, why)
 
 
+def test_step_chunk_config(planned):
+    """The chunked tile (a row's tokens as one chunk, products by warp MMA): a bf16 pool's
+    one-tile kernel, 16 rows a warp; its shared memory (chunk_bytes, what the build's manifest
+    says) kept whole even by a single-token plan; refused by plans with rows of more tokens
+    than its chunk, tree parents or a commit."""
+    from kda_cute import cubin
+
+    c = StepConfig(128, 128, "bfloat16", 64, 16, 128, unroll=2, chunk=8)
+    assert supports(c) == (True, "") and c.name.endswith("_u2_k8")
+    assert c.stage_bytes == c.chunk_bytes
+    for ch in (2, 4, 8):  # the built cubins' (make kernels runs before the tests)
+        cc = StepConfig(128, 128, "bfloat16", 64, 16, 128, unroll=2, chunk=ch)
+        assert cubin.manifest(cc.name, "sm_90a")["dynamic_smem_bytes"] == cc.chunk_bytes, ch
+    for bad, word in ((dict(pool="float32", tpr=32, block_v=64), "bf16"),
+                      (dict(prep=4), "without prep"), (dict(persist=5), "without prep"),
+                      (dict(chunk=1), "chunk must be in"), (dict(chunk=9), "chunk must be in"),
+                      (dict(block_v=32), "16 rows a warp")):
+        ok, why = supports(StepConfig(**{**dict(head_dim_k=128, head_dim_v=128,
+                                                  pool="bfloat16", block_v=64, tpr=16,
+                                                  threads=128, unroll=2, chunk=8), **bad}))
+        assert not ok and word in why, (bad, why)
+    c4 = StepConfig(128, 128, "bfloat16", 64, 16, 128, unroll=2, chunk=4)
+    for B in (3, 200):  # a decode keeps the whole storage
+        kda_cute.decode(*decode_args(B, B + 4, BF), lower_bound=-5.0, config=c4)
+        assert planned["plan"].launches()[0].smem == c4.chunk_bytes
+    q = tok(4, 4)
+    pool = torch.zeros(32, H, K, K, dtype=BF)
+    b = torch.randn(4, 4, H).to(BF)
+    kda_cute.verify(q, q, q, q, b, pool, ssm_state_indices=torch.zeros(4, 4, dtype=torch.int32),
+                    lower_bound=-5.0, config=c4)
+    assert planned["plan"].launches()[0].kernel.name == c4.name
+    q5 = tok(4, 5)
+    with pytest.raises(ValueError, match="config: a chunked tile"):
+        kda_cute.verify(q5, q5, q5, q5, torch.randn(4, 5, H).to(BF), pool,
+                        ssm_state_indices=torch.zeros(4, 5, dtype=torch.int32),
+                        lower_bound=-5.0, config=c4)
+    inter = torch.zeros(4, 4, H, K, K, dtype=BF)
+    with pytest.raises(ValueError, match="config: a chunked tile.*tree parents"):
+        kda_cute.verify(q, q, q, q, b, pool, state_indices=torch.zeros(4, dtype=torch.int32),
+                        intermediate_states=inter,
+                        retrieve_parent_token=torch.full((4, 4), -1, dtype=torch.int64),
+                        lower_bound=-5.0, config=c4)
+
+
 def test_error_words_name_the_argument_and_clear():
     """kda_cute.errors: a word set by a kernel is raised once, naming its argument; a
     forward's non-finite state is named `precision` without the bad-index wording."""

@@ -29,9 +29,20 @@ def _persistent_ok(p: StepProblem) -> bool:
     return _single(p) and p.max_tokens == 1 and p.write[0] != WRITE_START
 
 
+def _chunk_ok(p: StepProblem, chunk: int) -> bool:
+    """A chunked tile runs rows of at most `chunk` tokens, without tree parents or commits."""
+    return p.max_tokens <= chunk and not p.parent[0] and p.write[0] != WRITE_START
+
+
 def step_config(p: StepProblem, opts: StepOptions):
     if opts.config is not None:
         cfg = opts.config
+        if cfg.chunk and not _chunk_ok(p, cfg.chunk):
+            raise ValueError(
+                f"config: a chunked tile ({cfg.name}) runs rows of at most {cfg.chunk} tokens "
+                f"without tree parents or commits; got {p.form} with up to {p.max_tokens} tokens "
+                "a row" + (", tree parents" if p.parent[0] else "")
+                + (", a commit" if p.write[0] == WRITE_START else ""))
         if cfg.persist and not _persistent_ok(p):
             raise ValueError(
                 f"config: a persistent tile ({cfg.name}) runs single-token steps only (decode, "

@@ -60,6 +60,10 @@ class StepConfig:
     # shared memory that every group reads (two CTA barriers per such chunk), instead of every
     # group doing each token's math itself
     prep: int = 0
+    # > 0: a multi-token row's tokens (at most this many) as one chunk: every token's row dot
+    # products taken from the start state at once by warp MMA, a T x T solve per row, then the
+    # states after each token by the plain update (no reduction in the token loop)
+    chunk: int = 0
 
     @property
     def vec(self) -> int:
@@ -72,7 +76,22 @@ class StepConfig:
         stages two tiles) and the prepared tokens' area (prep); a bf16 pool's fp32 keep area,
         for the states between a row's tokens, follows them."""
         tile = self.block_v * self.head_dim_k * (4 if self.pool == "float32" else 2)
+        if self.chunk:  # every area is used at every token count: the whole storage
+            return self.chunk_bytes
         return (2 * tile if self.persist else tile) + self.prep_bytes
+
+    @property
+    def chunk_bytes(self) -> int:
+        """The chunked kernel's shared memory, each part 128-byte aligned: the start state's
+        tile (rows K + 8 elements apart), the tokens' area (prep_bytes' parts), the T x T
+        products (two), the operand planes (hi, lo: 2 chunk columns, at least 8, rows K + 8 apart) and the
+        rows' products (block_v x the planes' columns)."""
+        def up(n):
+            return -(-n // 128) * 128
+        c, K, BV = self.chunk, self.head_dim_k, self.block_v
+        cols = max(8, 2 * c)
+        return (up(2 * BV * (K + 8)) + 3 * up(4 * c * K) + up(4 * c * BV) + up(8 * c)
+                + up(4 * c) + 2 * up(4 * c * c) + 2 * up(2 * cols * (K + 8)) + up(4 * BV * cols))
 
     @property
     def prep_bytes(self) -> int:
@@ -98,8 +117,9 @@ class StepConfig:
         ps = "" if not self.persist else f"_p{self.persist}"
         ah = "_n" if self.ahead else ""
         pr = "" if not self.prep else f"_c{self.prep}"
+        ch = "" if not self.chunk else f"_k{self.chunk}"
         return (f"kda_step_k{self.head_dim_k}_v{self.head_dim_v}_{p}_bv{self.block_v}"
-                f"_r{self.tpr}_t{self.threads}{a}{u}{m}{ps}{ah}{pr}")
+                f"_r{self.tpr}_t{self.threads}{a}{u}{m}{ps}{ah}{pr}{ch}")
 
     @property
     def block_threads(self) -> int:
@@ -136,6 +156,17 @@ def supports(cfg: StepConfig) -> tuple[bool, str]:
     if cfg.prep * cfg.tpr % 32:  # the math's shuffles take whole warps
         return False, (f"prep * tpr must be a multiple of 32 (the preparing groups fill whole "
                        f"warps), got {cfg.prep} * {cfg.tpr}")
+    if cfg.chunk:
+        if cfg.pool != "bfloat16" or cfg.prep or cfg.persist or cfg.ahead:
+            return False, ("chunk is for a bf16 pool's one-tile kernel without prep, persist or "
+                           f"ahead, got pool={cfg.pool!r}, prep={cfg.prep}, "
+                           f"persist={cfg.persist}, ahead={cfg.ahead}")
+        if not 2 <= cfg.chunk <= cfg.threads // cfg.tpr or cfg.chunk * cfg.tpr % 32:
+            return False, (f"chunk must be in [2, threads / tpr = {cfg.threads // cfg.tpr}] "
+                           f"with chunk * tpr a multiple of 32, got {cfg.chunk}")
+        if cfg.block_v != 16 * (cfg.threads // 32) or K % 16:
+            return False, (f"chunk: block_v must be 16 rows a warp ({16 * (cfg.threads // 32)})"
+                           f" and head_dim_k a multiple of 16, got {cfg.block_v}, {K}")
     if cfg.min_blocks < 0 or cfg.min_blocks * cfg.threads > 2048:
         return False, (f"min_blocks must be in [0, 2048 / threads], got {cfg.min_blocks} "
                        f"at {cfg.threads} threads")
