@@ -288,6 +288,14 @@ STEP_MULTI: tuple[tuple[int, StepConfig], ...] = (
     (4, StepConfig(128, 128, "bfloat16", 64, 16, 128, unroll=2, prep=4)),
 )
 
+# Multi-token plans on a bf16 pool whose rows hold at most `most` tokens, without tree parents
+# or commits (those take STEP_MULTI's or STEP's): the row's tokens as one chunk
+# (StepConfig.chunk): every token's products with the start state by warp MMA, a T x T solve a
+# row, then the states after each token by the plain update; the tile of the fewest tokens that
+# holds the rows.
+STEP_CHUNK: tuple[tuple[int, StepConfig], ...] = tuple(
+    (c, StepConfig(128, 128, "bfloat16", 64, 16, 128, unroll=2, chunk=c)) for c in (2, 4, 8))
+
 # other tiles, built for the tile sweep (bench/serving.py --sweep): fewer and more rows per CTA
 STEP_VARIANTS: tuple[StepConfig, ...] = tuple(c for c in dict.fromkeys(
     [_step(128, p, bv) for p in ("float32", "bfloat16") for bv in (8, 16, 32, 64)]
@@ -329,17 +337,23 @@ STEP_VARIANTS: tuple[StepConfig, ...] = tuple(c for c in dict.fromkeys(
     # 8 lanes a row (16 columns a thread): one shuffle level fewer a reduction
     + [StepConfig(128, 128, "bfloat16", bv, 8, 128, unroll=u, ahead=a)
        for bv, u, a in ((64, 2, False), (64, 2, True), (128, 2, False), (128, 4, False),
-                        (32, 0, False))]
-    # a row's tokens as one chunk: every token's products from the start state by warp MMA
-    # (StepConfig.chunk), rows of up to 2, 4 or 8 tokens
-    + [StepConfig(128, 128, "bfloat16", 64, 16, 128, unroll=2, chunk=c) for c in (2, 4, 8)])
-    if c not in STEP + tuple(c for _, c in STEP_SINGLE + STEP_MULTI))
+                        (32, 0, False))])
+    if c not in STEP + tuple(c for _, c in STEP_SINGLE + STEP_MULTI + STEP_CHUNK))
 
 
 def step_tiles() -> tuple[StepConfig, ...]:
     """Every built token-step tile once: STEP's, STEP_SINGLE's, then the sweep's variants."""
-    return tuple(dict.fromkeys(STEP + tuple(c for _, c in STEP_SINGLE + STEP_MULTI)
+    return tuple(dict.fromkeys(STEP + tuple(c for _, c in STEP_SINGLE + STEP_MULTI + STEP_CHUNK)
                                + STEP_VARIANTS))
+
+
+def select_chunk(head_dim_k: int, head_dim_v: int, pool: str, tokens: int) -> StepConfig | None:
+    """STEP_CHUNK's tile of the fewest tokens that holds rows of up to `tokens` (at least two)
+    for (K, V) and the pool's dtype name, or None (the caller has ruled out tree parents and
+    commits)."""
+    fits = [(most, c) for most, c in STEP_CHUNK if 2 <= tokens <= most
+            and (c.head_dim_k, c.head_dim_v, c.pool) == (head_dim_k, head_dim_v, pool)]
+    return min(fits, key=lambda x: x[0])[1] if fits else None
 
 
 def select_step(head_dim_k: int, head_dim_v: int, pool: str, heads: int = 0,
@@ -391,7 +405,8 @@ def all_kernels() -> tuple:
     for cfg in [c for f in SHIPPED + EXPERIMENTAL + ALONGSIDE for c in (f.prep, f.recur)] + [
             *SEGMENT_RUNS, *WY_RUNS, *CHECKPOINT_RUNS, *SIDE_PREPS, *RESCALE_RUNS, *COMBINE,
             *STEP,
-            *(c for _, c in STEP_SINGLE + STEP_MULTI), *STEP_VARIANTS, OFFSETS, CHECKPOINTS]:
+            *(c for _, c in STEP_SINGLE + STEP_MULTI + STEP_CHUNK), *STEP_VARIANTS, OFFSETS,
+            CHECKPOINTS]:
         if cfg not in seen:
             seen.add(cfg)
             out.append(cfg)

@@ -24,6 +24,7 @@ from kda_cute.ladder import (
     SIDE_PREPS,
     SIMT,
     STEP,
+    STEP_CHUNK,
     STEP_MULTI,
     STEP_SINGLE,
     STEP_VARIANTS,
@@ -223,7 +224,8 @@ def test_all_kernels_once_each():
     assert set(kernels) == ({f.prep for f in forwards} | {f.recur for f in forwards}
                             | set(SEGMENT_RUNS) | set(WY_RUNS) | set(CHECKPOINT_RUNS)
                             | set(SIDE_PREPS) | set(RESCALE_RUNS) | set(COMBINE) | set(STEP)
-                            | {c for _, c in STEP_SINGLE + STEP_MULTI} | set(STEP_VARIANTS)
+                            | {c for _, c in STEP_SINGLE + STEP_MULTI + STEP_CHUNK}
+                            | set(STEP_VARIANTS)
                             | {OFFSETS, CHECKPOINTS})
     assert set(kernels[:2 * len(SHIPPED)]) == ({f.prep for f in SHIPPED}
                                                 | {f.recur for f in SHIPPED})

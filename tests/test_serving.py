@@ -88,13 +88,14 @@ def test_single_token_tiles_for_single_tokens_only(planned):
     q = tok(B, 2)
     kda_cute.verify(q, q, q, q, torch.randn(B, 2, H).to(BF), torch.zeros(slots, H, K, K, dtype=BF),
                     ssm_state_indices=torch.zeros(B, 2, dtype=torch.int32), lower_bound=-5.0)
-    assert planned["plan"].launches()[0].kernel in STEP
+    got = planned["plan"].launches()[0].kernel
+    assert got not in single and got.chunk == 2
 
 
 def test_multi_token_tiles_by_tokens(planned):
-    """STEP_MULTI: a multi-token plan whose rows may hold at least its threshold of tokens
-    takes its tile (a verify of 4 tokens a row, a bf16 pool); fewer tokens, another pool or a
-    single-token plan take the others."""
+    """STEP_MULTI: a multi-token plan whose rows may hold at least its threshold of tokens, and
+    more than the chunked tiles take, takes its tile (a verify of 9 tokens a row, a bf16 pool);
+    fewer tokens, another pool or a single-token plan take the others."""
     from kda_cute.ladder import STEP_MULTI
     assert STEP_MULTI
     for least, cfg in STEP_MULTI:
@@ -105,17 +106,72 @@ def test_multi_token_tiles_by_tokens(planned):
         assert select_step(d, d, pool, 0, tokens=least - 1) != cfg
         assert select_step(d, d, pool, 64, tokens=least) != cfg  # single-token plans
     B, slots = 8, 64
-    for t, want in ((4, STEP_MULTI[0][1]), (3, None)):
+    for t in (9, 16):
         q = tok(B, t)
         kda_cute.verify(q, q, q, q, torch.randn(B, t, H).to(BF),
                         torch.zeros(slots, H, K, K, dtype=BF),
                         ssm_state_indices=torch.zeros(B, t, dtype=torch.int32), lower_bound=-5.0)
-        got = planned["plan"].launches()[0].kernel
-        assert got == want if want is not None else got in STEP
+        assert planned["plan"].launches()[0].kernel == STEP_MULTI[0][1]
     q = tok(B, 4)
     kda_cute.verify(q, q, q, q, torch.randn(B, 4, H).to(BF), torch.zeros(slots, H, K, K),
                     ssm_state_indices=torch.zeros(B, 4, dtype=torch.int32), lower_bound=-5.0)
     assert planned["plan"].launches()[0].kernel in STEP  # an fp32 pool
+
+
+def test_chunk_tiles_by_tokens(planned):
+    """STEP_CHUNK: a bf16 verify of chains (style (a), with or without accepted counts or
+    cu_seqlens; style (b) without tree parents) of 2-8 tokens a row takes the chunked tile of
+    the fewest tokens that holds them; tree drafts, commits, single tokens, more tokens or an
+    fp32 pool take the others."""
+    from kda_cute.ladder import STEP_CHUNK, STEP_MULTI, STEP_SINGLE, select_chunk
+    assert [m for m, _ in STEP_CHUNK] == [2, 4, 8]
+    for most, cfg in STEP_CHUNK:
+        assert cfg.chunk == most and supports(cfg) == (True, "")
+    for t, most in ((2, 2), (3, 4), (4, 4), (5, 8), (8, 8)):
+        assert select_chunk(128, 128, "bfloat16", t).chunk == most
+    assert select_chunk(128, 128, "bfloat16", 9) is None
+    assert select_chunk(128, 128, "bfloat16", 1) is None
+    assert select_chunk(128, 128, "float32", 4) is None
+    assert select_chunk(64, 64, "bfloat16", 4) is None
+    B, slots = 8, 64
+
+    def kernel():
+        return planned["plan"].launches()[0].kernel
+
+    for t in range(2, 9):  # style (a)
+        q = tok(B, t)
+        kda_cute.verify(q, q, q, q, torch.randn(B, t, H).to(BF),
+                        torch.zeros(slots, H, K, K, dtype=BF),
+                        ssm_state_indices=torch.zeros(B, t, dtype=torch.int32),
+                        num_accepted_tokens=torch.ones(B, dtype=torch.int32), lower_bound=-5.0)
+        assert kernel() == select_chunk(128, 128, "bfloat16", t), t
+    q = tok(1, 10)  # varlen: rows of up to 3 tokens (ssm_state_indices' columns)
+    kda_cute.verify(q, q, q, q, torch.randn(1, 10, H).to(BF),
+                    torch.zeros(slots, H, K, K, dtype=BF),
+                    cu_seqlens=torch.tensor([0, 3, 5, 8, 10], dtype=torch.int32),
+                    ssm_state_indices=torch.zeros(4, 3, dtype=torch.int32), lower_bound=-5.0)
+    assert kernel().chunk == 4
+    pool = torch.zeros(slots, H, K, K, dtype=BF)
+    for t, parents, want in ((3, False, 4), (3, True, 0), (5, True, 0)):  # style (b)
+        q = tok(B, t)
+        kda_cute.verify(q, q, q, q, torch.randn(B, t, H).to(BF), pool,
+                        state_indices=torch.zeros(B, dtype=torch.int32),
+                        intermediate_states=torch.zeros(B, t, H, K, K, dtype=BF),
+                        retrieve_parent_token=torch.full((B, t), -1, dtype=torch.int64)
+                        if parents else None, lower_bound=-5.0)
+        assert kernel().chunk == want, (t, parents)
+    assert kernel() == STEP_MULTI[0][1]  # a tree of 5 tokens a row
+    kda_cute.commit(pool, torch.zeros(B, 2, H, K, K, dtype=BF),
+                    torch.arange(B, dtype=torch.int32), torch.zeros(B, dtype=torch.int32))
+    assert not kernel().chunk
+    q = tok(B, 1)
+    kda_cute.verify(q, q, q, q, torch.randn(B, 1, H).to(BF), pool,
+                    ssm_state_indices=torch.zeros(B, 1, dtype=torch.int32), lower_bound=-5.0)
+    assert kernel() in {c for _, c in STEP_SINGLE} | set(STEP)
+    q = tok(B, 4)
+    kda_cute.verify(q, q, q, q, torch.randn(B, 4, H).to(BF), torch.zeros(slots, H, K, K),
+                    ssm_state_indices=torch.zeros(B, 4, dtype=torch.int32), lower_bound=-5.0)
+    assert kernel() in STEP  # an fp32 pool
 
 
 def test_shipped_step_configs_supported():

@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import torch
 
-from ..ladder import select_step
+from ..ladder import select_chunk, select_step
 from ..problem import StepOptions, StepProblem
 from ..specs.step import STEP_GATES, WRITE_START
 from .device import H200, DeviceInfo
@@ -53,7 +53,12 @@ def step_config(p: StepProblem, opts: StepOptions):
     # the single-token tiles (ladder.STEP_SINGLE) only where a row has one token: between
     # tokens a bf16 pool keeps an fp32 copy of the tile in shared memory (96 KB at 128 rows:
     # two CTAs per SM), and their register caps were measured on decode
-    # multi-token plans: STEP_MULTI's tile where rows may hold enough tokens
+    # multi-token plans: a chunked tile (ladder.STEP_CHUNK) for chains of few enough tokens,
+    # else STEP_MULTI's tile where rows may hold enough tokens
+    if p.max_tokens >= 2 and _chunk_ok(p, p.max_tokens):
+        cfg = select_chunk(p.K, p.V, p.pool, p.max_tokens)
+        if cfg is not None:
+            return cfg
     return select_step(p.K, p.V, p.pool, p.N * p.H if _single(p) else 0, _persistent_ok(p),
                        p.max_tokens)
 

@@ -84,8 +84,8 @@ class StepConfig:
     def chunk_bytes(self) -> int:
         """The chunked kernel's shared memory, each part 128-byte aligned: the start state's
         tile (rows K + 8 elements apart), the tokens' area (prep_bytes' parts), the T x T
-        products (two), the operand planes (hi, lo: 2 chunk columns, at least 8, rows K + 8 apart) and the
-        rows' products (block_v x the planes' columns)."""
+        products (two), the operand planes (hi, lo: 2 chunk columns, at least 8, rows K + 8
+        apart) and the rows' products (block_v x the planes' columns)."""
         def up(n):
             return -(-n // 128) * 128
         c, K, BV = self.chunk, self.head_dim_k, self.block_v
