@@ -40,12 +40,13 @@ def _tokens(R, H, K, V, gate, seed, lead=None):
     return q, k, g, v, beta, A_log, dt_bias
 
 
-def _steps(q, k, g, v, beta, S0, gate, A_log, dt_bias, lb, scale, parents=None):
+def _steps(q, k, g, v, beta, S0, gate, A_log, dt_bias, lb, scale, parents=None, **flags):
     """float64: outputs [L, H, V] and the states after each token [L, H, V, K] of one row whose
-    tokens are q.. [L, H, *] from S0 [H, V, K] (parents: token t starts from parent's state)."""
+    tokens are q.. [L, H, *] from S0 [H, V, K] (parents: token t starts from parent's state;
+    flags: qk_l2norm, beta_sigmoid)."""
     L = q.shape[0]
     qn, kn, a, b = preprocess(q[None], k[None], g[None], beta[None], A_log=A_log,
-                              dt_bias=dt_bias, lower_bound=lb, gate=gate)
+                              dt_bias=dt_bias, lower_bound=lb, gate=gate, **flags)
     qn, kn, a, b = qn[0], kn[0], a[0], b[0]
     v = v.double()
     S = S0.double()
@@ -228,6 +229,84 @@ def test_verify_slot_per_token(dtype, varlen, tile):
             s = int(idx[n, t])
             if s >= 0:
                 assert rel_err(pool[s], states[t]) < STATE_TOL[dtype], (n, t)
+                written.add(s)
+    rest = [s for s in range(slots) if s not in written]
+    assert torch.equal(_bits(pool[rest]), _bits(before[rest]))
+    assert _guards_ok(buf)
+
+
+@pytest.mark.parametrize("chunk", [2, 4, 8])
+@pytest.mark.parametrize("form", ["bounded", "unbounded", "none", "raw"])
+def test_chunk_tiles_forms(chunk, form):
+    """Each chunked tile (rows of up to 2, 4, 8 tokens as one chunk) over every gate form and
+    "raw" (gate none, q and k not normed, beta as given): q, k, v as row-strided views of one
+    projection, g and beta of another, int64 indices with null_slot=0 (a padding row, a
+    skipped entry), varlen rows of 0 .. chunk tokens, accepted counts, and a row whose decays
+    underflow fp32 over its tokens."""
+    from kda_cute.specs.step import StepConfig
+    cfg = StepConfig(128, 128, "bfloat16", 64, 16, 128, unroll=2, chunk=chunk)
+    gate = "none" if form == "raw" else form
+    flags = dict(qk_l2norm=False, beta_sigmoid=False) if form == "raw" else {}
+    H, K = 3, 128
+    lens = [chunk, 0, chunk, 1, chunk, max(1, chunk - 1), chunk, chunk // 2]
+    N, Ttot = len(lens), sum(lens)
+    gen = torch.Generator(device="cuda").manual_seed(90 + chunk)
+    width = 3 * H * K + 24
+    mixed = torch.randn(Ttot, width, generator=gen, device="cuda").to(torch.bfloat16)
+    if form == "raw":
+        mixed[:, :2 * H * K] *= 0.1
+    q, k, v = (mixed[:, i * H * K:(i + 1) * H * K].view(Ttot, H, K) for i in range(3))
+    gb = torch.randn(Ttot, H * K + 8 + H, generator=gen, device="cuda")
+    if gate == "none":
+        gb[:, :H * K] = -torch.rand(Ttot, H * K, generator=gen, device="cuda") * 0.5
+    if form == "raw":
+        gb[:, H * K + 8:] = torch.rand(Ttot, H, generator=gen, device="cuda")
+    gb = gb.to(torch.bfloat16)
+    g = gb[:, :H * K].view(Ttot, H, K)
+    beta = gb[:, H * K + 8:]
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32,
+                      device="cuda")
+    t6 = int(cu[6])
+    if gate == "none":  # row 6: exp(-40) a token, below fp32's range after three
+        g[t6:t6 + lens[6]] = -40.0
+    A_log = torch.randn(H, generator=gen, device="cuda") * 0.5
+    dt_bias = torch.randn(H * K, generator=gen, device="cuda") * 0.5
+    slots = 4 * N * chunk + 1
+    pool, buf = _guarded((slots, H, K, K), torch.bfloat16)
+    idx = (1 + torch.randperm(slots - 1, generator=gen, device="cuda")[:N * chunk]).view(
+        N, chunk).to(torch.int64)
+    acc = torch.randint(1, chunk + 1, (N,), generator=gen, device="cuda", dtype=torch.int32)
+    for n in range(N):
+        pool[idx[n, acc[n] - 1]] = (torch.randn(H, K, K, generator=gen, device="cuda")
+                                    * 0.3).to(torch.bfloat16)
+    idx[2, :] = 0  # a padding row (null_slot=0)
+    if chunk > 2:
+        idx[4, 1] = 0  # a skipped entry
+        acc[4] = 1
+    before = pool.clone()
+    out = torch.full((Ttot, H * K), float("nan"), dtype=torch.bfloat16, device="cuda")
+    kw = _kw(gate, A_log, dt_bias)
+    kda_cute.verify(q, k, v, g, beta, pool, cu_seqlens=cu, ssm_state_indices=idx,
+                    num_accepted_tokens=acc, out=out, null_slot=0, config=cfg, **kw, **flags)
+    kda_cute.check_errors(sync=True)
+    out = out.view(Ttot, H, K)
+    written = set()
+    for n in range(N):
+        t0, L = int(cu[n]), lens[n]
+        if L == 0:
+            continue
+        if n == 2:
+            assert (out[t0:t0 + L] == 0).all()
+            continue
+        rows = slice(t0, t0 + L)
+        o, states = _steps(q[rows], k[rows], g[rows], v[rows], beta[rows],
+                           before[idx[n, acc[n] - 1]], gate, A_log, dt_bias, kw["lower_bound"],
+                           K ** -0.5, **flags)
+        assert rel_err(out[rows], o) < OUT_TOL, n
+        for t in range(L):
+            s = int(idx[n, t])
+            if s > 0:
+                assert rel_err(pool[s], states[t]) < STATE_TOL[torch.bfloat16], (n, t)
                 written.add(s)
     rest = [s for s in range(slots) if s not in written]
     assert torch.equal(_bits(pool[rest]), _bits(before[rest]))
@@ -533,7 +612,8 @@ def _tiles():
 @pytest.mark.parametrize("cfg", _tiles(), ids=lambda c: c.name)
 def test_every_tile(cfg):
     """Each built token-step tile (shipped, wide, sweep variants): a decode and a 3-token verify
-    against the float64 reference, through StepOptions.config."""
+    (a chunked tile of 2: its refusal, then 2 tokens) against the float64 reference, through
+    StepOptions.config."""
     K = cfg.head_dim_k
     dtype = torch.float32 if cfg.pool == "float32" else torch.bfloat16
     N, T, H = 6, 3, 3
@@ -556,12 +636,18 @@ def test_every_tile(cfg):
         with pytest.raises(ValueError, match="config"):
             kda_cute.verify(*args, pool, ssm_state_indices=idx, **kw)
         return
+    S = T
+    if cfg.chunk and cfg.chunk < T:  # a chunked tile: rows of at most its chunk of tokens
+        with pytest.raises(ValueError, match="config: a chunked tile"):
+            kda_cute.verify(*args, pool, ssm_state_indices=idx, **kw)
+        S = cfg.chunk
+        args, idx = tuple(x[:, :S] for x in args), idx[:, :S]
     out = kda_cute.verify(*args, pool, ssm_state_indices=idx, **kw)
     kda_cute.check_errors(sync=True)
     for n in range(N):
-        o, states = _steps(q[n * T:(n + 1) * T], k[n * T:(n + 1) * T], g[n * T:(n + 1) * T],
-                           v[n * T:(n + 1) * T], beta[n * T:(n + 1) * T], before[idx[n, 0]],
+        rows = slice(n * T, n * T + S)
+        o, states = _steps(q[rows], k[rows], g[rows], v[rows], beta[rows], before[idx[n, 0]],
                            "unbounded", A_log, dt_bias, None, K ** -0.5)
         assert rel_err(out[n], o) < OUT_TOL
-        for t in range(T):
+        for t in range(S):
             assert rel_err(pool[idx[n, t]], states[t]) < STATE_TOL[dtype]
