@@ -338,9 +338,12 @@ STEP_VARIANTS: tuple[StepConfig, ...] = tuple(c for c in dict.fromkeys(
     + [StepConfig(128, 128, "bfloat16", bv, 8, 128, unroll=u, ahead=a)
        for bv, u, a in ((64, 2, False), (64, 2, True), (128, 2, False), (128, 4, False),
                         (32, 0, False))]
-    # the chunked tiles (StepConfig.chunk) with the row loop whole, and at 128 rows (8 warps)
+    # the chunked tiles (StepConfig.chunk) with the row loop whole; at 128 rows (8 warps); at
+    # 16 and 32 rows (one and two warps: more CTAs an SM, for decode and small batches)
     + [StepConfig(128, 128, "bfloat16", 64, 16, 128, chunk=2)]
-    + [StepConfig(128, 128, "bfloat16", 128, 16, 256, unroll=2, chunk=c) for c in (2, 4, 8)])
+    + [StepConfig(128, 128, "bfloat16", 128, 16, 256, unroll=2, chunk=c) for c in (2, 4, 8)]
+    + [StepConfig(128, 128, "bfloat16", bv, 16, 2 * bv, chunk=c)
+       for bv, c in ((16, 2), (32, 2), (32, 4))])
     if c not in STEP + tuple(c for _, c in STEP_SINGLE + STEP_MULTI + STEP_CHUNK))
 
 
