@@ -235,26 +235,27 @@ def test_verify_slot_per_token(dtype, varlen, tile):
     assert _guards_ok(buf)
 
 
-@pytest.mark.parametrize("chunk", [2, 4, 8])
+@pytest.mark.parametrize("K,tpr,chunk", [(128, 16, 2), (128, 16, 4), (128, 16, 8), (64, 8, 4),
+                                         (64, 8, 8), (256, 16, 2), (256, 16, 8)])
 @pytest.mark.parametrize("form", ["bounded", "unbounded", "none", "raw"])
-def test_chunk_tiles_forms(chunk, form):
-    """Each chunked tile (rows of up to 2, 4, 8 tokens as one chunk) over every gate form and
-    "raw" (gate none, q and k not normed, beta as given): q, k, v as row-strided views of one
-    projection, g and beta of another, int64 indices with null_slot=0 (a padding row, a
-    skipped entry), varlen rows of 0 .. chunk tokens, accepted counts, and a row whose decays
-    underflow fp32 over its tokens."""
+def test_chunk_tiles_forms(K, tpr, chunk, form):
+    """Chunked tiles (rows of up to 2, 4, 8 tokens as one chunk; K = 64, 128, 256) over every
+    gate form and "raw" (gate none, q and k not normed, beta as given): q, k, v as row-strided
+    views of one projection, g and beta of another, int64 indices with null_slot=0 (a padding
+    row, a skipped entry), varlen rows of 0 .. chunk tokens, accepted counts, and a row whose
+    decays underflow fp32 over its tokens."""
     from kda_cute.specs.step import StepConfig
-    cfg = StepConfig(128, 128, "bfloat16", 64, 16, 128, unroll=2, chunk=chunk)
+    cfg = StepConfig(K, K, "bfloat16", 64, tpr, 128, unroll=2, chunk=chunk)
     gate = "none" if form == "raw" else form
     flags = dict(qk_l2norm=False, beta_sigmoid=False) if form == "raw" else {}
-    H, K = 3, 128
+    H = 3
     lens = [chunk, 0, chunk, 1, chunk, max(1, chunk - 1), chunk, chunk // 2]
     N, Ttot = len(lens), sum(lens)
     gen = torch.Generator(device="cuda").manual_seed(90 + chunk)
     width = 3 * H * K + 24
     mixed = torch.randn(Ttot, width, generator=gen, device="cuda").to(torch.bfloat16)
     if form == "raw":
-        mixed[:, :2 * H * K] *= 0.1
+        mixed[:, :2 * H * K] *= 0.9 / K ** 0.5  # |q|, |k| about 0.9
     q, k, v = (mixed[:, i * H * K:(i + 1) * H * K].view(Ttot, H, K) for i in range(3))
     gb = torch.randn(Ttot, H * K + 8 + H, generator=gen, device="cuda")
     if gate == "none":
