@@ -257,14 +257,14 @@ def test_chunk_tiles_forms(K, tpr, chunk, form):
     if form == "raw":
         mixed[:, :2 * H * K] *= 0.9 / K ** 0.5  # |q|, |k| about 0.9
     q, k, v = (mixed[:, i * H * K:(i + 1) * H * K].view(Ttot, H, K) for i in range(3))
-    gb = torch.randn(Ttot, H * K + 8 + H, generator=gen, device="cuda")
+    gb = torch.randn(Ttot, H * K + 16, generator=gen, device="cuda")
     if gate == "none":
         gb[:, :H * K] = -torch.rand(Ttot, H * K, generator=gen, device="cuda") * 0.5
     if form == "raw":
-        gb[:, H * K + 8:] = torch.rand(Ttot, H, generator=gen, device="cuda")
+        gb[:, H * K + 8:H * K + 8 + H] = torch.rand(Ttot, H, generator=gen, device="cuda")
     gb = gb.to(torch.bfloat16)
     g = gb[:, :H * K].view(Ttot, H, K)
-    beta = gb[:, H * K + 8:]
+    beta = gb[:, H * K + 8:H * K + 8 + H]
     cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32,
                       device="cuda")
     t6 = int(cu[6])
