@@ -62,6 +62,33 @@ def _steps(q, k, g, v, beta, S0, gate, A_log, dt_bias, lb, scale, parents=None, 
     return torch.stack(outs) if L else v.new_zeros(0), states
 
 
+def _check_rows(out, pool, before, idx, acc, cu, lens, tokens, pad, dtype, gate, A_log,
+                dt_bias, lb, first_slot=0, **flags):
+    """A style (a) verify's rows against float64: row `pad` (padding) outputs zeros; every other
+    row starts from slot idx[n, acc[n] - 1] of `before`, and its outputs and the state after each
+    of its tokens (into slot idx[n, t]; entries below first_slot skipped) are checked. Returns
+    the slots written."""
+    q, k, g, v, beta = tokens
+    written = set()
+    for n, L in enumerate(lens):
+        rows = slice(int(cu[n]), int(cu[n]) + L)
+        if L == 0:
+            continue
+        if n == pad:
+            assert (out[rows] == 0).all()
+            continue
+        o, states = _steps(q[rows], k[rows], g[rows], v[rows], beta[rows],
+                           before[idx[n, acc[n] - 1]], gate, A_log, dt_bias, lb,
+                           q.shape[-1] ** -0.5, **flags)
+        assert rel_err(out[rows], o) < OUT_TOL, n
+        for t in range(L):
+            s = int(idx[n, t])
+            if s >= first_slot:
+                assert rel_err(pool[s], states[t]) < STATE_TOL[dtype], (n, t)
+                written.add(s)
+    return written
+
+
 def _kw(gate, A_log, dt_bias):
     return dict(A_log=A_log if gate != "none" else None,
                 dt_bias=dt_bias if gate != "none" else None,
@@ -212,24 +239,8 @@ def test_verify_slot_per_token(dtype, varlen, tile):
     kda_cute.verify(*args, pool, ssm_state_indices=idx, num_accepted_tokens=acc, out=out,
                     **kw, **cfg, **_kw(gate, A_log, dt_bias))
     kda_cute.check_errors(sync=True)
-    out = out.view(Ttot, H, K)
-    written = set()
-    for n in range(N):
-        t0, L = int(cu[n]), lens[n]
-        if L == 0:
-            continue
-        if n == 2:
-            assert (out[t0:t0 + L] == 0).all()
-            continue
-        start = before[idx[n, acc[n] - 1]]
-        o, states = _steps(q[t0:t0 + L], k[t0:t0 + L], g[t0:t0 + L], v[t0:t0 + L],
-                           beta[t0:t0 + L], start, gate, A_log, dt_bias, -5.0, K ** -0.5)
-        assert rel_err(out[t0:t0 + L], o) < OUT_TOL, n
-        for t in range(L):
-            s = int(idx[n, t])
-            if s >= 0:
-                assert rel_err(pool[s], states[t]) < STATE_TOL[dtype], (n, t)
-                written.add(s)
+    written = _check_rows(out.view(Ttot, H, K), pool, before, idx, acc, cu, lens,
+                          (q, k, g, v, beta), 2, dtype, gate, A_log, dt_bias, -5.0)
     rest = [s for s in range(slots) if s not in written]
     assert torch.equal(_bits(pool[rest]), _bits(before[rest]))
     assert _guards_ok(buf)
@@ -290,25 +301,9 @@ def test_chunk_tiles_forms(K, tpr, chunk, form):
     kda_cute.verify(q, k, v, g, beta, pool, cu_seqlens=cu, ssm_state_indices=idx,
                     num_accepted_tokens=acc, out=out, null_slot=0, config=cfg, **kw, **flags)
     kda_cute.check_errors(sync=True)
-    out = out.view(Ttot, H, K)
-    written = set()
-    for n in range(N):
-        t0, L = int(cu[n]), lens[n]
-        if L == 0:
-            continue
-        if n == 2:
-            assert (out[t0:t0 + L] == 0).all()
-            continue
-        rows = slice(t0, t0 + L)
-        o, states = _steps(q[rows], k[rows], g[rows], v[rows], beta[rows],
-                           before[idx[n, acc[n] - 1]], gate, A_log, dt_bias, kw["lower_bound"],
-                           K ** -0.5, **flags)
-        assert rel_err(out[rows], o) < OUT_TOL, n
-        for t in range(L):
-            s = int(idx[n, t])
-            if s > 0:
-                assert rel_err(pool[s], states[t]) < STATE_TOL[torch.bfloat16], (n, t)
-                written.add(s)
+    written = _check_rows(out.view(Ttot, H, K), pool, before, idx, acc, cu, lens,
+                          (q, k, g, v, beta), 2, torch.bfloat16, gate, A_log, dt_bias,
+                          kw["lower_bound"], first_slot=1, **flags)
     rest = [s for s in range(slots) if s not in written]
     assert torch.equal(_bits(pool[rest]), _bits(before[rest]))
     assert _guards_ok(buf)
