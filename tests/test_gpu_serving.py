@@ -405,14 +405,16 @@ def test_fla_compatible_call():
                                          state_v_first=True, ssm_state_indices=idx, foo=1)
 
 
-def test_graph_replay_new_indices_and_counts():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_graph_replay_new_indices_and_counts(dtype):
     """A verify captured once, replayed with new slots, counts and lengths in the same
-    buffers: each replay matches an eager call on the same values."""
+    buffers: each replay matches an eager call on the same values (a bf16 pool: the chunked
+    tile)."""
     N, S1, H, K = 8, 3, 4, 128
     gen = torch.Generator(device="cuda").manual_seed(31)
     q, k, g, v, beta, A_log, dt_bias = _tokens(N * S1, H, K, K, "bounded", seed=12)
     slots = 64
-    pool = torch.randn(slots, H, K, K, device="cuda") * 0.3
+    pool = (torch.randn(slots, H, K, K, device="cuda") * 0.3).to(dtype)
     idx = torch.zeros(N, S1, dtype=torch.int32, device="cuda")
     acc = torch.ones(N, dtype=torch.int32, device="cuda")
     cu = torch.arange(0, N * S1 + 1, S1, dtype=torch.int32, device="cuda")
