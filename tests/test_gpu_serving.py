@@ -475,12 +475,15 @@ def test_four_streams():
 
 
 @pytest.mark.parametrize("bad", ["read", "write", "accepted", "cu", "parent", "wide"])
-def test_bad_values_reported_and_contained(bad):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_bad_values_reported_and_contained(bad, dtype):
     """A bad index / count / offset value touches nothing outside the tensors (poisoned guard
-    regions), makes its row padding, and is reported by check_errors naming the argument."""
-    N, S1, H, K = 4, 3, 2, 64
+    regions), makes its row padding, and is reported by check_errors naming the argument (fp32
+    at K = 64; a bf16 pool at K = 128: the chunked tile, but for tree parents)."""
+    N, S1, H = 4, 3, 2
+    K = 64 if dtype == torch.float32 else 128
     q, k, g, v, beta, *_ = _tokens(N * S1, H, K, K, "none", seed=50)
-    pool, buf = _guarded((16, H, K, K), torch.float32)
+    pool, buf = _guarded((16, H, K, K), dtype)
     kda_cute.check_errors(sync=True)
     before = pool.clone()
     idx = torch.arange(N * S1, dtype=torch.int32, device="cuda").view(N, S1)
@@ -503,7 +506,7 @@ def test_bad_values_reported_and_contained(bad):
         idx64[1, 0] = (1 << 32) + 3  # the low word alone would look valid
         kw["ssm_state_indices"] = idx64
     if bad == "parent":
-        inter, ibuf = _guarded((N, S1, H, K, K), torch.float32)
+        inter, ibuf = _guarded((N, S1, H, K, K), dtype)
         par = torch.tensor([[-1, 0, 5]] * N, dtype=torch.int32, device="cuda")
         kda_cute.verify(q, k, v, g, beta, pool, state_indices=idx[:, 0].contiguous(),
                         intermediate_states=inter, retrieve_parent_token=par, gate="none",
