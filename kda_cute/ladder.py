@@ -344,6 +344,9 @@ STEP_VARIANTS: tuple[StepConfig, ...] = tuple(c for c in dict.fromkeys(
     + [StepConfig(128, 128, "bfloat16", 128, 16, 256, unroll=2, chunk=c) for c in (2, 4, 8)]
     + [StepConfig(128, 128, "bfloat16", bv, 16, 2 * bv, chunk=c)
        for bv, c in ((16, 2), (32, 2), (32, 4))]
+    # ... persistent (a CTA stages its next tile while it computes this one)
+    + [StepConfig(128, 128, "bfloat16", bv, 16, 2 * bv, unroll=u, chunk=2, persist=p)
+       for bv, u, p in ((64, 2, 5), (32, 0, 8), (16, 0, 12))]
     # ... and at K = 64 (8 lanes a row: chunks of 4 and 8, the preparing groups whole warps)
     # and K = 256
     + [StepConfig(64, 64, "bfloat16", 64, 8, 128, unroll=2, chunk=c) for c in (4, 8)]

@@ -113,17 +113,6 @@ class KdaStepSm90(StateSlots):
             ).launch(grid=(num_rows, 1, 1), block=(self.threads, 1, 1), smem=self.smem_bytes,
                      stream=stream, **self._occupancy())
             return
-        if cutlass.const_expr(self.CH != 0):
-            self.kernel_chunk(
-                mQ, mK, mG, mV, mBeta, mOut, mALog, mDtBias, mPool, mDst, mCu, mRIdx, mWIdx,
-                mAcc, mParent, mHasInit, mErr, fixed_len, cu_wide, max_tokens, read_mode, r_sn,
-                r_st, r_wide, r_mul, r_add, acc_on, acc_wide, acc_base, acc_skip, max_sel,
-                hi_on, r_null, w_null, write_mode, w_sn, w_st, w_wide, w_mul, w_add, parent_on,
-                p_sn, p_st, p_wide, gate, has_a, has_bias, qk_l2norm, beta_sigmoid, scale,
-                lower_bound,
-            ).launch(grid=(self.V // self.BV, num_heads, num_rows), block=(self.threads, 1, 1),
-                     smem=self.smem_bytes, stream=stream)
-            return
         self.kernel(
             mQ, mK, mG, mV, mBeta, mOut, mALog, mDtBias, mPool, mDst, mCu, mRIdx, mWIdx, mAcc,
             mParent, mHasInit, mErr, fixed_len, cu_wide, max_tokens, read_mode, r_sn, r_st,
@@ -143,7 +132,8 @@ class KdaStepSm90(StateSlots):
         n_el, C, K, BV = self.BV * self.K, self.C, self.K, self.BV
         fields = {"stage": A[MR[self.pdt, (2 if self.cfg.persist else 1) * n_el], 128]}
         if self.CH:  # the chunked kernel: the start state row-major, rows KP apart
-            fields["stage"] = A[MR[self.pdt, BV * self.KP], 128]
+            fields["stage"] = A[MR[self.pdt, (2 if self.cfg.persist else 1) * BV * self.KP],
+                                128]
         if C:
             fields.update(tq=A[MR[f32, C * K], 128], tk=A[MR[f32, C * K], 128],
                           td=A[MR[f32, C * K], 128], tv=A[MR[f32, C * BV], 128],
@@ -716,6 +706,32 @@ class KdaStepSm90(StateSlots):
         qk_l2norm: cutlass.Int32, beta_sigmoid: cutlass.Int32,
         scale: cutlass.Float32, lower_bound: cutlass.Float32,
     ):
+        if cutlass.const_expr(self.CH != 0):
+            # the chunked tile (cfg.chunk): a row's tokens (at most the chunk; no tree parents,
+            # no commit: the plan's choice) as one chunk (_chunk_issue, _chunk_prep, _chunk_rows)
+            tidx, _, _ = cute.arch.thread_idx()
+            vb, h, n = cute.arch.block_idx()
+            grp = tidx // self.TPR
+            sub = tidx - grp * self.TPR
+            shared, areas, area, rq, rk, rg, rv, bias, qv, kv, dv, x = self._chunk_setup()
+            regs = (rq, rk, rg, rv, bias)
+            ins = (mQ, mK, mG, mBeta, mV, mALog, mDtBias, mPool, mCu, mRIdx, mWIdx, mAcc,
+                   mHasInit, mErr)
+            modes = (fixed_len, cu_wide, max_tokens, read_mode, r_sn, r_st, r_wide, r_mul, r_add,
+                     acc_on, acc_wide, acc_base, acc_skip, max_sel, hi_on, r_null, write_mode,
+                     w_sn, w_st, w_wide, has_a, has_bias)
+            tile = self._chunk_tile(area, 0)
+            bos, live_len, length, b_raw, w_lo, w_hi, a_log = self._chunk_issue(
+                True, vb, h, n, tile, regs, ins, modes, tidx, grp, sub)
+            self._chunk_prep(areas, live_len, rq, rk, rg, rv, b_raw, w_lo, w_hi, qv, kv, dv, bias,
+                             a_log, mErr, vb, h, grp, sub, write_mode, mDst.shape[0], w_wide,
+                             w_mul, w_add, w_null, gate, qk_l2norm, beta_sigmoid, scale,
+                             lower_bound)
+            cute.arch.cp_async_wait_group(0)
+            cute.arch.sync_threads()
+            self._chunk_rows(tile, shared, areas, bos, live_len, length, x, dv, kv, mOut, mDst,
+                             vb, h, tidx, grp, sub)
+            return
         f32, i32 = cutlass.Float32, cutlass.Int32
         K, NC = self.K, self.NC
         tidx, _, _ = cute.arch.thread_idx()
@@ -872,7 +888,7 @@ class KdaStepSm90(StateSlots):
     @cute.jit
     def _stage_tile(self, tile, src: cute.Tensor, row, h, vb, grp, sub):
         """cp.async this thread's columns of its R rows of src[row, h] into the row-major tile
-        (one commit group)."""
+        (committed by the caller)."""
         atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
                                    self.pdt, num_bits_per_copy=128)
         for r in cutlass.range(self.R, unroll=self.U, unroll_full=self.U == 0):
@@ -881,7 +897,6 @@ class KdaStepSm90(StateSlots):
             dst = cute.logical_divide(tile[rho, None], cute.make_layout(self.VEC))
             for j in cutlass.range_constexpr(self.NJ):
                 cute.copy(atom, vecs[None, sub + self.TPR * j], dst[None, sub + self.TPR * j])
-        cute.arch.cp_async_commit_group()
 
     @cute.jit
     def _zero_tile(self, tile, grp, sub):
@@ -986,94 +1001,99 @@ class KdaStepSm90(StateSlots):
                 i, jj = cC[e]
                 tp[(row0 + i) * NP + nt * 8 + jj] = accs[nt][e]
 
-    @cute.kernel
-    def kernel_chunk(
-        self, mQ: cute.Tensor, mK: cute.Tensor, mG: cute.Tensor, mV: cute.Tensor,
-        mBeta: cute.Tensor, mOut: cute.Tensor, mALog: cute.Tensor, mDtBias: cute.Tensor,
-        mPool: cute.Tensor, mDst: cute.Tensor, mCu: cute.Tensor, mRIdx: cute.Tensor,
-        mWIdx: cute.Tensor, mAcc: cute.Tensor, mParent: cute.Tensor, mHasInit: cute.Tensor,
-        mErr: cute.Tensor,
-        fixed_len: cutlass.Int32, cu_wide: cutlass.Int32, max_tokens: cutlass.Int32,
-        read_mode: cutlass.Int32, r_sn: cutlass.Int32, r_st: cutlass.Int32,
-        r_wide: cutlass.Int32, r_mul: cutlass.Int32, r_add: cutlass.Int32,
-        acc_on: cutlass.Int32, acc_wide: cutlass.Int32, acc_base: cutlass.Int32,
-        acc_skip: cutlass.Int32, max_sel: cutlass.Int32,
-        hi_on: cutlass.Int32, r_null: cutlass.Int32, w_null: cutlass.Int32,
-        write_mode: cutlass.Int32, w_sn: cutlass.Int32, w_st: cutlass.Int32,
-        w_wide: cutlass.Int32, w_mul: cutlass.Int32, w_add: cutlass.Int32,
-        parent_on: cutlass.Int32, p_sn: cutlass.Int32, p_st: cutlass.Int32,
-        p_wide: cutlass.Int32,
-        gate: cutlass.Int32, has_a: cutlass.Int32, has_bias: cutlass.Int32,
-        qk_l2norm: cutlass.Int32, beta_sigmoid: cutlass.Int32,
-        scale: cutlass.Float32, lower_bound: cutlass.Float32,
-    ):
-        """A row's tokens (at most cfg.chunk; no tree parents, no commit: the plan's choice)
-        as one chunk. The start state is staged row-major; group t prepares token t
-        (_prep_store: q, k normed, the decay, v, beta, k . q, its write row); group t then
-        makes row t of the tokens' products among themselves and its operand columns
-        (_chunk_products); each warp takes 16 rows of the start state through warp MMA against
-        the operand planes (_chunk_mma): P_t = S0 (k_t D_t), Q_t = S0 (q_t D_t) for every
-        token at once. Per row (the one-tile kernel's lanes): delta_t = beta_t (v_t - P_t -
-        sum_{i<t} delta_i A[t][i]), o_t = Q_t + sum_{i<=t} delta_i B[t][i], then the states
-        after each token by S = S d_t + delta_t k_t, each to its write row (the solve by one lane
-        a row, its deltas handed to the row's lanes through tp)."""
-        f32, i32 = cutlass.Float32, cutlass.Int32
-        K, NC, CH, NP, VEC = self.K, self.NC, self.CH, self.NP, self.VEC
-        tidx, _, _ = cute.arch.thread_idx()
-        vb, h, n = cute.arch.block_idx()
-        grp = tidx // self.TPR
-        sub = tidx - grp * self.TPR
-        warp = tidx // 32
-        lane = tidx - warp * 32
-        lead = self._lead(tidx, vb, h)
-        num_tokens = mQ.shape[0]
-        slots = mPool.shape[0]
-        dst_rows = mDst.shape[0]
-
-        bos, length = self._row_tokens(mCu, mErr, n, lead, num_tokens, fixed_len, cu_wide,
-                                       max_tokens)
-        pad, sel, slot, start = self._row_slot(
-            mRIdx, mAcc, mHasInit, mErr, n, lead, slots, read_mode, r_sn, r_st, r_wide, r_mul,
-            r_add, acc_on, acc_wide, acc_base, acc_skip, max_sel, hi_on, r_null)
-        if length > CH:  # the plan bounds max_tokens by the chunk: never taken
-            self._flag(mErr, E_LEN, lead)
-            pad = i32(1)
-
+    def _chunk_setup(self):
+        """The chunked kernel's shared memory (its storage, the prepared tokens' areas, the
+        staging area) and registers (a token's raw loads; its gate constants, q, k, decay and
+        a row's state, fp32)."""
         smem = utils.SmemAllocator()
         shared = smem.allocate(self.shared_storage)
-        tile = shared.stage.get_tensor(cute.make_layout((self.BV, K), stride=(self.KP, 1)))
-        if pad == 0 and start != 0:
-            self._stage_tile(tile, mPool, slot, h, vb, grp, sub)
-        else:
-            self._zero_tile(tile, grp, sub)
-        bias = cute.make_rmem_tensor((NC,), f32)
-        a_log = self._gate_consts(bias, mALog, mDtBias, h, sub, has_a, has_bias)
-        a_exp = cute.math.exp(a_log)
-        qv = cute.make_rmem_tensor((NC,), f32)
-        kv = cute.make_rmem_tensor((NC,), f32)
-        dv = cute.make_rmem_tensor((NC,), f32)
-        x = cute.make_rmem_tensor((NC,), f32)
-        areas = self._tok_areas(shared)
-        rq, rk, rg = self._raw_tensor(), self._raw_tensor(), self._raw_tensor()
-        rv = cute.make_rmem_tensor((self.NVP,), cutlass.BFloat16)
-        lead_p = i32(0)  # reports a prepared token's bad write entry
-        if sub == 0 and vb == 0 and h == 0:
-            lead_p = i32(1)
-        live_len = i32(0)
-        if pad == 0:
-            live_len = length
-        if grp < CH and live_len > 0:
+        halves = 2 if self.cfg.persist else 1
+        area = shared.stage.get_tensor(cute.make_layout(halves * self.BV * self.KP))
+        regs = [cute.make_rmem_tensor((self.NC,), cutlass.Float32) for _ in range(5)]
+        return (shared, self._tok_areas(shared), area, self._raw_tensor(), self._raw_tensor(),
+                self._raw_tensor(), cute.make_rmem_tensor((self.NVP,), cutlass.BFloat16), *regs)
+
+    def _chunk_tile(self, area, buf):
+        """Half `buf` (0 or 1) of the chunked kernel's staging area, as the row-major tile."""
+        n_el = self.BV * self.KP
+        layout = cute.make_layout((self.BV, self.K), stride=(self.KP, 1))
+        if isinstance(buf, int):
+            return cute.make_tensor(area.iterator + buf * n_el, layout)
+        off = cute.assume(buf * n_el, divby=n_el)  # keeps the 16-byte alignment of the copies
+        return cute.make_tensor(area.iterator + off, layout)
+
+    @cute.jit
+    def _chunk_issue(self, ok, vb, h, n, tile, regs, ins, modes, tidx, grp, sub):
+        """Tile (vb, h, n) of the chunked kernel (nothing where not `ok`): its row's tokens and
+        read slot (bad values flagged, the row then padding), its start state staged into
+        `tile` (zeros for a row that starts from zeros, or is padding), one commit group either
+        way; the head's gate constants into bias and, in the preparing groups (grp < chunk),
+        their token's loads into rq, rk, rg, rv. Nothing waits for the loads here. Returns
+        (bos, the row's live tokens (0 for padding), its tokens, beta as loaded, the words of
+        the token's write entry, A_log). regs: (rq, rk, rg, rv, bias); ins and modes: the
+        kernel's tensors and scalars it reads, in the order unpacked below."""
+        rq, rk, rg, rv, bias = regs
+        (mQ, mK, mG, mBeta, mV, mALog, mDtBias, mPool, mCu, mRIdx, mWIdx, mAcc, mHasInit,
+         mErr) = ins
+        (fixed_len, cu_wide, max_tokens, read_mode, r_sn, r_st, r_wide, r_mul, r_add, acc_on,
+         acc_wide, acc_base, acc_skip, max_sel, hi_on, r_null, write_mode, w_sn, w_st, w_wide,
+         has_a, has_bias) = modes
+        i32 = cutlass.Int32
+        bos, length, live_len = i32(0), i32(0), i32(0)
+        b_raw, w_lo, w_hi, a_log = cutlass.BFloat16(0.0), i32(-1), i32(-1), cutlass.Float32(0.0)
+        if ok:
+            lead = self._lead(tidx, vb, h)
+            bos, length = self._row_tokens(mCu, mErr, n, lead, mQ.shape[0], fixed_len, cu_wide,
+                                           max_tokens)
+            pad, _, slot, start = self._row_slot(
+                mRIdx, mAcc, mHasInit, mErr, n, lead, mPool.shape[0], read_mode, r_sn, r_st,
+                r_wide, r_mul, r_add, acc_on, acc_wide, acc_base, acc_skip, max_sel, hi_on,
+                r_null)
+            if length > self.CH:  # the plan bounds max_tokens by the chunk: never taken
+                self._flag(mErr, E_LEN, lead)
+                pad = i32(1)
+            if pad == 0 and start != 0:
+                self._stage_tile(tile, mPool, slot, h, vb, grp, sub)
+            else:
+                self._zero_tile(tile, grp, sub)
+            if pad == 0:
+                live_len = length
+            a_log = self._gate_consts(bias, mALog, mDtBias, h, sub, has_a, has_bias)
+            if grp < self.CH and live_len > 0:
+                tt = cutlass.min(grp, live_len - 1)
+                b_raw, w_lo, w_hi = self._prep_issue(
+                    rq, rk, rg, rv, mQ, mK, mG, mBeta, mV, mWIdx, bos + tt, tt, n, h, vb, sub,
+                    self._writes(write_mode, tt, live_len), w_sn, w_st, w_wide)
+        cute.arch.cp_async_commit_group()
+        return bos, live_len, length, b_raw, w_lo, w_hi, a_log
+
+    @cute.jit
+    def _chunk_prep(self, areas, live_len, rq, rk, rg, rv, b_raw, w_lo, w_hi, qv, kv, dv, bias,
+                    a_log, mErr: cute.Tensor, vb, h, grp, sub, write_mode, dst_rows, w_wide,
+                    w_mul, w_add, w_null, gate, qk_l2norm, beta_sigmoid, scale, lower_bound):
+        """The preparing groups: group g's token (the row's g-th; a group past the row's last
+        token works on that one again without storing it) from its loads (_chunk_issue) into
+        prepared slot g."""
+        if grp < self.CH and live_len > 0:
             tt = cutlass.min(grp, live_len - 1)
-            writes = self._writes(write_mode, tt, live_len)
-            b_raw, w_lo, w_hi = self._prep_issue(rq, rk, rg, rv, mQ, mK, mG, mBeta, mV, mWIdx,
-                                                 bos + tt, tt, n, h, vb, sub, writes, w_sn,
-                                                 w_st, w_wide)
+            lead_p = cutlass.Int32(0)  # reports a prepared token's bad write entry
+            if sub == 0 and vb == 0 and h == 0:
+                lead_p = cutlass.Int32(1)
             self._prep_store(areas, grp, rq, rk, rg, rv, b_raw, w_lo, w_hi, qv, kv, dv, bias,
-                             a_exp, mErr, tt, grp < live_len, lead_p, sub, writes, dst_rows,
-                             w_wide, w_mul, w_add, w_null, gate, qk_l2norm, beta_sigmoid, scale,
-                             lower_bound)
-        cute.arch.cp_async_wait_group(0)
-        cute.arch.sync_threads()
+                             cute.math.exp(a_log), mErr, tt, grp < live_len, lead_p, sub,
+                             self._writes(write_mode, tt, live_len), dst_rows, w_wide, w_mul,
+                             w_add, w_null, gate, qk_l2norm, beta_sigmoid, scale, lower_bound)
+
+    @cute.jit
+    def _chunk_rows(self, tile, shared, areas, bos, live_len, length, x, dv, kv,
+                    mOut: cute.Tensor, mDst: cute.Tensor, vb, h, tidx, grp, sub):
+        """A staged and prepared tile (after a CTA barrier): the tokens' products among
+        themselves and the operand planes (_chunk_products), every token's products with the
+        start state (_chunk_mma), the rows' solves (one lane a row: the deltas over the row's
+        products in tp, read by that lane alone; the outputs) and the states after each token,
+        each to its write row; a padding row's outputs zeros. Three CTA barriers."""
+        f32 = cutlass.Float32
+        K, NC, CH, NP, VEC = self.K, self.NC, self.CH, self.NP, self.VEC
         ta = shared.ta.get_tensor(cute.make_layout(CH * CH))
         tb = shared.tb.get_tensor(cute.make_layout(CH * CH))
         bh = shared.bh.get_tensor(cute.make_layout((NP, K), stride=(self.KP, 1)))
@@ -1086,26 +1106,25 @@ class KdaStepSm90(StateSlots):
                 bh[2 * CH + i // K, i % K] = cutlass.BFloat16(0.0)
                 bl[2 * CH + i // K, i % K] = cutlass.BFloat16(0.0)
         cute.arch.sync_threads()
-        self._chunk_mma(tile, bh, bl, tp, warp, lane)
+        warp = tidx // 32
+        self._chunk_mma(tile, bh, bl, tp, warp, tidx - 32 * warp)
         cute.arch.sync_threads()
 
         tq, tk, td, tv, ts, tw = areas
-        # the rows' solves, one lane a row (lanes sub < R of a group: its R rows): the deltas
-        # over the row's products in tp (read by that lane alone), the outputs
-        if pad == 0 and sub < self.R:
+        if live_len > 0 and sub < self.R:  # lanes sub < R of a group: its R rows
             rho = grp + self.G * sub
             v_idx = vb * self.BV + rho
             dl = cute.make_rmem_tensor((CH,), f32)
             for t in cutlass.range_constexpr(CH):
                 acc = f32(0.0)
-                if t < length:
+                if t < live_len:
                     acc = tv[t * self.BV + rho] - tp[rho * NP + t]
                     for i in cutlass.range_constexpr(t):
                         acc = acc - dl[i] * ta[t * CH + i]
                     acc = ts[2 * t] * acc
                 dl[t] = acc
             for t in cutlass.range_constexpr(CH):
-                if t < length:
+                if t < live_len:
                     o = tp[rho * NP + CH + t]
                     for i in cutlass.range_constexpr(t + 1):
                         o = o + dl[i] * tb[t * CH + i]
@@ -1116,7 +1135,7 @@ class KdaStepSm90(StateSlots):
         for r in cutlass.range(self.R, unroll=self.U, unroll_full=self.U == 0):
             rho = grp + self.G * r
             v_idx = vb * self.BV + rho
-            if pad != 0:
+            if live_len == 0:
                 for t in cutlass.range(length):
                     if sub == 0:
                         mOut[bos + t, h * self.V + v_idx] = f32(0.0).to(cutlass.BFloat16)
@@ -1127,7 +1146,7 @@ class KdaStepSm90(StateSlots):
                     for e in cutlass.range_constexpr(VEC):
                         x[j * VEC + e] = y[e]
                 for t in cutlass.range_constexpr(CH):
-                    if t < length:
+                    if t < live_len:
                         self._tok_get(td, t, sub, dv)
                         self._tok_get(tk, t, sub, kv)
                         u = tp[rho * NP + t]
@@ -1168,7 +1187,52 @@ class KdaStepSm90(StateSlots):
         Each thread reads back only what it staged itself, so the halves need no barrier: the
         next tile's copies (or zeros) go to the half the previous tile was read from, and every
         value read from it there fed that tile's row loop, which comes before them in program
-        order (in-order issue: the reads have returned before the copies are issued)."""
+        order (in-order issue: the reads have returned before the copies are issued).
+
+        A chunked tile (cfg.chunk) walks its tiles the same way: before a tile's products and
+        rows it stages the next tile into the other half and issues that tile's token loads
+        (after its own prepared tokens are stored: they share the registers); a CTA barrier
+        after the rows frees the half and the prepared tokens' area."""
+        if cutlass.const_expr(self.CH != 0):
+            NVB = self.V // self.BV
+            tidx, _, _ = cute.arch.thread_idx()
+            bid, _, _ = cute.arch.block_idx()
+            nb, _, _ = cute.arch.grid_dim()
+            grp = tidx // self.TPR
+            sub = tidx - grp * self.TPR
+            tiles = NVB * num_heads * num_rows
+            shared, areas, area, rq, rk, rg, rv, bias, qv, kv, dv, x = self._chunk_setup()
+            regs = (rq, rk, rg, rv, bias)
+            ins = (mQ, mK, mG, mBeta, mV, mALog, mDtBias, mPool, mCu, mRIdx, mWIdx, mAcc,
+                   mHasInit, mErr)
+            modes = (fixed_len, cu_wide, max_tokens, read_mode, r_sn, r_st, r_wide, r_mul, r_add,
+                     acc_on, acc_wide, acc_base, acc_skip, max_sel, hi_on, r_null, write_mode,
+                     w_sn, w_st, w_wide, has_a, has_bias)
+            bos, live_len, length, b_raw, w_lo, w_hi, a_log = self._chunk_issue(
+                bid < tiles, bid % NVB, (bid // NVB) % num_heads, bid // (NVB * num_heads),
+                self._chunk_tile(area, 0), regs, ins, modes, tidx, grp, sub)
+            buf = cutlass.Int32(0)
+            for t in cutlass.range(bid, tiles, nb):
+                vb = t % NVB
+                h = (t // NVB) % num_heads
+                self._chunk_prep(areas, live_len, rq, rk, rg, rv, b_raw, w_lo, w_hi, qv, kv, dv,
+                                 bias, a_log, mErr, vb, h, grp, sub, write_mode, mDst.shape[0],
+                                 w_wide, w_mul, w_add, w_null, gate, qk_l2norm, beta_sigmoid,
+                                 scale, lower_bound)
+                u = t + nb
+                bos2, live2, len2, b_raw2, w_lo2, w_hi2, a_log2 = self._chunk_issue(
+                    u < tiles, u % NVB, (u // NVB) % num_heads, u // (NVB * num_heads),
+                    self._chunk_tile(area, 1 - buf), regs, ins, modes, tidx, grp, sub)
+                cute.arch.cp_async_wait_group(1)  # this tile's staged rows have landed
+                cute.arch.sync_threads()
+                self._chunk_rows(self._chunk_tile(area, buf), shared, areas, bos, live_len,
+                                 length, x, dv, kv, mOut, mDst, vb, h, tidx, grp, sub)
+                cute.arch.sync_threads()  # the half and the prepared tokens' area are free
+                bos, live_len, length, b_raw, w_lo, w_hi, a_log = (
+                    bos2, live2, len2, b_raw2, w_lo2, w_hi2, a_log2)
+                buf = 1 - buf
+            cute.arch.cp_async_wait_group(0)  # nothing in flight when the CTA exits
+            return
         f32, i32 = cutlass.Float32, cutlass.Int32
         NVB, n_el = self.V // self.BV, self.BV * self.K
         tidx, _, _ = cute.arch.thread_idx()

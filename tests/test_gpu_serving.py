@@ -62,9 +62,9 @@ def _steps(q, k, g, v, beta, S0, gate, A_log, dt_bias, lb, scale, parents=None, 
     return torch.stack(outs) if L else v.new_zeros(0), states
 
 
-def _check_rows(out, pool, before, idx, acc, cu, lens, tokens, pad, dtype, gate, A_log,
+def _check_rows(out, pool, before, idx, acc, cu, lens, tokens, pads, dtype, gate, A_log,
                 dt_bias, lb, first_slot=0, **flags):
-    """A style (a) verify's rows against float64: row `pad` (padding) outputs zeros; every other
+    """A style (a) verify's rows against float64: rows `pads` (padding) output zeros; every other
     row starts from slot idx[n, acc[n] - 1] of `before`, and its outputs and the state after each
     of its tokens (into slot idx[n, t]; entries below first_slot skipped) are checked. Returns
     the slots written."""
@@ -74,7 +74,7 @@ def _check_rows(out, pool, before, idx, acc, cu, lens, tokens, pad, dtype, gate,
         rows = slice(int(cu[n]), int(cu[n]) + L)
         if L == 0:
             continue
-        if n == pad:
+        if n in pads:
             assert (out[rows] == 0).all()
             continue
         o, states = _steps(q[rows], k[rows], g[rows], v[rows], beta[rows],
@@ -240,7 +240,7 @@ def test_verify_slot_per_token(dtype, varlen, tile):
                     **kw, **cfg, **_kw(gate, A_log, dt_bias))
     kda_cute.check_errors(sync=True)
     written = _check_rows(out.view(Ttot, H, K), pool, before, idx, acc, cu, lens,
-                          (q, k, g, v, beta), 2, dtype, gate, A_log, dt_bias, -5.0)
+                          (q, k, g, v, beta), {2}, dtype, gate, A_log, dt_bias, -5.0)
     rest = [s for s in range(slots) if s not in written]
     assert torch.equal(_bits(pool[rest]), _bits(before[rest]))
     assert _guards_ok(buf)
@@ -302,8 +302,51 @@ def test_chunk_tiles_forms(K, tpr, chunk, form):
                     num_accepted_tokens=acc, out=out, null_slot=0, config=cfg, **kw, **flags)
     kda_cute.check_errors(sync=True)
     written = _check_rows(out.view(Ttot, H, K), pool, before, idx, acc, cu, lens,
-                          (q, k, g, v, beta), 2, torch.bfloat16, gate, A_log, dt_bias,
+                          (q, k, g, v, beta), {2}, torch.bfloat16, gate, A_log, dt_bias,
                           kw["lower_bound"], first_slot=1, **flags)
+    rest = [s for s in range(slots) if s not in written]
+    assert torch.equal(_bits(pool[rest]), _bits(before[rest]))
+    assert _guards_ok(buf)
+
+
+def _chunk_persistent():
+    from kda_cute.ladder import step_tiles
+    return [c for c in step_tiles() if c.chunk and c.persist]
+
+
+@pytest.mark.parametrize("cfg", _chunk_persistent(), ids=lambda c: c.name)
+def test_chunk_persistent_verify(cfg):
+    """A persistent chunked tile on a verify of more tiles than its CTAs several times over
+    (each CTA walks several, staging the next while it computes this one): varlen rows of 0 ..
+    chunk tokens, accepted counts, padding rows."""
+    N, H, K, S1 = 300, 4, 128, cfg.chunk
+    assert K // cfg.block_v * H * N > 132 * cfg.persist, "every CTA should run several tiles"
+    gen = torch.Generator(device="cuda").manual_seed(95)
+    lens = torch.randint(0, S1 + 1, (N,), generator=gen, device="cuda").tolist()
+    lens[0] = S1
+    Ttot = sum(lens)
+    q, k, g, v, beta, A_log, dt_bias = _tokens(Ttot, H, K, K, "bounded", seed=96)
+    slots = N * S1 + 8
+    pool, buf = _guarded((slots, H, K, K), torch.bfloat16)
+    idx = torch.randperm(slots, generator=gen, device="cuda")[:N * S1].view(N, S1).to(
+        torch.int32)
+    acc = torch.randint(1, S1 + 1, (N,), generator=gen, device="cuda", dtype=torch.int32)
+    for n in range(N):
+        pool[idx[n, acc[n] - 1]] = (torch.randn(H, K, K, generator=gen, device="cuda")
+                                    * 0.3).to(torch.bfloat16)
+    pads = {7, 150, 299}
+    for n in pads:
+        idx[n, :] = -1
+    before = pool.clone()
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32,
+                      device="cuda")
+    out = torch.full((Ttot, H, K), float("nan"), dtype=torch.bfloat16, device="cuda")
+    kda_cute.verify(q, k, v, g, beta, pool, cu_seqlens=cu, ssm_state_indices=idx,
+                    num_accepted_tokens=acc, out=out, config=cfg,
+                    **_kw("bounded", A_log, dt_bias))
+    kda_cute.check_errors(sync=True)
+    written = _check_rows(out, pool, before, idx, acc, cu, lens, (q, k, g, v, beta), pads,
+                          torch.bfloat16, "bounded", A_log, dt_bias, -5.0)
     rest = [s for s in range(slots) if s not in written]
     assert torch.equal(_bits(pool[rest]), _bits(before[rest]))
     assert _guards_ok(buf)

@@ -415,7 +415,7 @@ def test_step_chunk_config(planned):
         cc = StepConfig(128, 128, "bfloat16", 64, 16, 128, unroll=2, chunk=ch)
         assert cubin.manifest(cc.name, "sm_90a")["dynamic_smem_bytes"] == cc.chunk_bytes, ch
     for bad, word in ((dict(pool="float32", tpr=32, block_v=64), "bf16"),
-                      (dict(prep=4), "without prep"), (dict(persist=5), "without prep"),
+                      (dict(prep=4), "without prep"), (dict(ahead=True), "without prep"),
                       (dict(chunk=1), "chunk must be in"), (dict(chunk=9), "chunk must be in"),
                       (dict(block_v=32), "16 rows a warp")):
         ok, why = supports(StepConfig(**{**dict(head_dim_k=128, head_dim_v=128,
@@ -437,6 +437,27 @@ def test_step_chunk_config(planned):
         kda_cute.verify(q5, q5, q5, q5, torch.randn(4, 5, H).to(BF), pool,
                         ssm_state_indices=torch.zeros(4, 5, dtype=torch.int32),
                         lower_bound=-5.0, config=c4)
+    # persistent (two tiles staged): a grid of persist CTAs an SM, rows and heads as kernel
+    # parameters, on decode and on verify alike
+    cp = StepConfig(128, 128, "bfloat16", 64, 16, 128, unroll=2, chunk=2, persist=5)
+    assert supports(cp) == (True, "") and cp.name.endswith("_u2_p5_k2")
+    assert cp.chunk_bytes - StepConfig(128, 128, "bfloat16", 64, 16, 128, unroll=2,
+                                       chunk=2).chunk_bytes == 64 * (128 + 8) * 2
+    assert cubin.manifest(cp.name, "sm_90a")["dynamic_smem_bytes"] == cp.chunk_bytes
+    for B in (3, 200):
+        kda_cute.decode(*decode_args(B, B + 4, BF), lower_bound=-5.0, config=cp)
+        launch = planned["plan"].launches()[0]
+        assert launch.grid == (min(2 * H * B, 132 * 5), 1, 1) and launch.smem == cp.chunk_bytes
+        src = dict(zip(launch.args, launch.sources, strict=True))
+        assert (src["num_rows"].value, src["num_heads"].value) == (B, H)
+    q2 = tok(4, 2)
+    kda_cute.verify(q2, q2, q2, q2, torch.randn(4, 2, H).to(BF), pool,
+                    ssm_state_indices=torch.zeros(4, 2, dtype=torch.int32), lower_bound=-5.0,
+                    config=cp)
+    assert planned["plan"].launches()[0].kernel.name == cp.name
+    with pytest.raises(ValueError, match="config: a chunked tile"):
+        kda_cute.verify(q, q, q, q, b, pool, ssm_state_indices=torch.zeros(4, 4, dtype=torch.int32),
+                        lower_bound=-5.0, config=cp)
     inter = torch.zeros(4, 4, H, K, K, dtype=BF)
     with pytest.raises(ValueError, match="config: a chunked tile.*tree parents"):
         kda_cute.verify(q, q, q, q, b, pool, state_indices=torch.zeros(4, dtype=torch.int32),

@@ -43,7 +43,7 @@ def step_config(p: StepProblem, opts: StepOptions):
                 f"without tree parents or commits; got {p.form} with up to {p.max_tokens} tokens "
                 "a row" + (", tree parents" if p.parent[0] else "")
                 + (", a commit" if p.write[0] == WRITE_START else ""))
-        if cfg.persist and not _persistent_ok(p):
+        if cfg.persist and not cfg.chunk and not _persistent_ok(p):
             raise ValueError(
                 f"config: a persistent tile ({cfg.name}) runs single-token steps only (decode, "
                 f"or a verify of one token a row); got {p.form} with up to {p.max_tokens} "

@@ -51,7 +51,9 @@ class StepConfig:
     access: int = 16  # bytes per pool access (16, or 8)
     unroll: int = 0  # the row loop's unroll (0: whole)
     min_blocks: int = 0  # CTAs per SM that ptxas must fit (registers capped to match; 0: free)
-    persist: int = 0  # > 0: a persistent grid of this many CTAs per SM, single-token plans only
+    # > 0: a persistent grid of this many CTAs per SM: single-token plans only, but for a chunked
+    # tile (chunk), which takes the rows of up to its chunk of tokens either way
+    persist: int = 0
     # a token's loads issued a step ahead: the first token's with the staging, each next
     # one's during the previous token's rows (more registers: the loads stay live)
     ahead: bool = False
@@ -83,14 +85,16 @@ class StepConfig:
     @property
     def chunk_bytes(self) -> int:
         """The chunked kernel's shared memory, each part 128-byte aligned: the start state's
-        tile (rows K + 8 elements apart), the tokens' area (prep_bytes' parts), the T x T
-        products (two), the operand planes (hi, lo: 2 chunk columns, at least 8, rows K + 8
-        apart) and the rows' products (block_v x the planes' columns)."""
+        tile (rows K + 8 elements apart; two for a persistent tile), the tokens' area
+        (prep_bytes' parts), the T x T products (two), the operand planes (hi, lo: 2 chunk
+        columns, at least 8, rows K + 8 apart) and the rows' products (block_v x the planes'
+        columns)."""
         def up(n):
             return -(-n // 128) * 128
         c, K, BV = self.chunk, self.head_dim_k, self.block_v
         cols = max(8, 2 * c)
-        return (up(2 * BV * (K + 8)) + 3 * up(4 * c * K) + up(4 * c * BV) + up(8 * c)
+        tiles = 2 if self.persist else 1
+        return (up(tiles * 2 * BV * (K + 8)) + 3 * up(4 * c * K) + up(4 * c * BV) + up(8 * c)
                 + up(4 * c) + 2 * up(4 * c * c) + 2 * up(2 * cols * (K + 8)) + up(4 * BV * cols))
 
     @property
@@ -157,10 +161,9 @@ def supports(cfg: StepConfig) -> tuple[bool, str]:
         return False, (f"prep * tpr must be a multiple of 32 (the preparing groups fill whole "
                        f"warps), got {cfg.prep} * {cfg.tpr}")
     if cfg.chunk:
-        if cfg.pool != "bfloat16" or cfg.prep or cfg.persist or cfg.ahead:
-            return False, ("chunk is for a bf16 pool's one-tile kernel without prep, persist or "
-                           f"ahead, got pool={cfg.pool!r}, prep={cfg.prep}, "
-                           f"persist={cfg.persist}, ahead={cfg.ahead}")
+        if cfg.pool != "bfloat16" or cfg.prep or cfg.ahead:
+            return False, ("chunk is for a bf16 pool's tiles without prep or ahead, got "
+                           f"pool={cfg.pool!r}, prep={cfg.prep}, ahead={cfg.ahead}")
         if not 2 <= cfg.chunk <= cfg.threads // cfg.tpr or cfg.chunk * cfg.tpr % 32:
             return False, (f"chunk must be in [2, threads / tpr = {cfg.threads // cfg.tpr}] "
                            f"with chunk * tpr a multiple of 32, got {cfg.chunk}")
