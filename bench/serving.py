@@ -247,14 +247,15 @@ VERIFY_SWEEP = [(64, 2), (64, 8), (256, 4), (256, 8)]
 def verify_sweep(bw, iters, flush, match=(), pools=("float32", "bfloat16"),
                  shapes=VERIFY_SWEEP, H=32) -> list[dict]:
     """Verify (style (a), every token accepted) at K (128, or --head-dim) and H 32 with every
-    built tile of that K that runs multi-token steps (not the persistent ones; those whose name
-    holds one of `match`, when given), CUDA graph."""
+    built tile of that K that runs multi-token steps (not the persistent ones but chunked; a
+    chunked tile at the shapes of up to its chunk; those whose name holds one of `match`, when
+    given), CUDA graph."""
     from kda_cute.ladder import step_tiles
     rows = []
     for dtype in (getattr(torch, p) for p in pools):
         pool = "float32" if dtype == torch.float32 else "bfloat16"
         cfgs = [c for c in step_tiles() if c.head_dim_k == K and c.pool == pool
-                and not c.persist and (not match or any(m in c.name for m in match))]
+                and (not c.persist or c.chunk) and (not match or any(m in c.name for m in match))]
         for N, T in shapes:
             x = inputs(N, T, H, dtype, seed=9)
             acc = torch.full((N,), T, device="cuda", dtype=torch.int32)
