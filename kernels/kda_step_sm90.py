@@ -900,6 +900,7 @@ class KdaStepSm90(StateSlots):
 
     @cute.jit
     def _zero_tile(self, tile, grp, sub):
+        """Zeros over this thread's columns of its R rows of the row-major tile."""
         z = cute.make_rmem_tensor((self.VEC,), self.pdt)
         z.fill(0.0)
         for r in cutlass.range(self.R, unroll=self.U, unroll_full=self.U == 0):
@@ -957,17 +958,22 @@ class KdaStepSm90(StateSlots):
                 tb[t * CH + ic] = pb
         if sub == 0 and live:
             tb[t * CH + t] = ts[2 * t + 1]
+        # the columns as 16-byte vectors: hi and lo of k D and of q D
+        fr = [cute.make_rmem_tensor((VEC,), bf16) for _ in range(4)]
+        rows = [cute.logical_divide(pl[row, None], cute.make_layout(VEC))
+                for pl, row in ((bh, t), (bl, t), (bh, CH + t), (bl, CH + t))]
         for j in cutlass.range_constexpr(self.NJ):
             for e in cutlass.range_constexpr(VEC):
-                col = (sub + self.TPR * j) * VEC + e
                 xk = f32(cutlass.select_(live, kn[j * VEC + e] * cum[j * VEC + e], f32(0.0)))
                 xq = f32(cutlass.select_(live, qn[j * VEC + e] * cum[j * VEC + e], f32(0.0)))
                 hk = xk.to(bf16)
                 hq = xq.to(bf16)
-                bh[t, col] = hk
-                bl[t, col] = (xk - hk.to(f32)).to(bf16)
-                bh[CH + t, col] = hq
-                bl[CH + t, col] = (xq - hq.to(f32)).to(bf16)
+                fr[0][e] = hk
+                fr[1][e] = (xk - hk.to(f32)).to(bf16)
+                fr[2][e] = hq
+                fr[3][e] = (xq - hq.to(f32)).to(bf16)
+            for f, dst in zip(fr, rows, strict=True):
+                dst[None, sub + self.TPR * j].store(f.load())
 
     @cute.jit
     def _chunk_mma(self, tile, bh, bl, tp, warp, lane):
