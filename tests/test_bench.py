@@ -864,3 +864,32 @@ def test_host_stub_probe_table(probes):
     assert "aaa against bbb" in lines[0]
     assert "| decode, eager | 15.00 | 10.00 | 0.67 |" in lines
     assert "| commit, eager | - | 6.00 | - |" in lines
+
+
+def test_gather_stream_probe_plan(probes):
+    """bench/probes/gather_stream_probe.py: its shapes parsed (a bad one named), every variant's
+    kernel defined in probe.cu, whole tiles of a head, the bulk variants' stages within an SM's
+    shared memory, and its parameter block laid out as probe.cu's struct."""
+    import ctypes
+    import re
+
+    probe = probes("gather_stream_probe")
+    assert probe.parse_shapes("64:32,256:12") == [(64, 32), (256, 12)]
+    for bad in ("64", "64:0", "a:32", "64:32:1"):
+        with pytest.raises(SystemExit, match="shapes"):
+            probe.parse_shapes(bad)
+    src = (ROOT / "bench/probes/gather_stream/probe.cu").read_text()
+    defined = {f"vec_{a}_{b}" for a, b in re.findall(r"^VEC\((\d+), (\d+)\)", src, re.M)}
+    defined |= {f"flat_{a}" for a in re.findall(r"^FLAT\((\d+)\)", src, re.M)}
+    defined |= {f"bulk_{a}" for a in re.findall(r"^BULK\((\d+)\)", src, re.M)}
+    for head_bytes in (128 * 128 * 2, 128 * 128 * 4):
+        vs = probe.variants(132, head_bytes)
+        assert {v[1] for v in vs} <= defined and {"flat_8", "bulk_4"} <= {v[1] for v in vs}
+        for name, kernel, tile, grid, threads, smem in vs:
+            assert head_bytes % tile == 0 and tile % 16 == 0, name
+            if kernel.startswith("vec"):
+                assert tile // 16 % threads == 0, name
+            if kernel.startswith("bulk"):
+                stages = int(kernel.split("_")[1])
+                assert smem == stages * tile and grid // 132 * (smem + 1024) <= 228 * 1024
+    assert ctypes.sizeof(probe.Tiles) == 56  # 3 pointers, a long long, 5 ints, padded to 8
