@@ -893,3 +893,10 @@ def test_gather_stream_probe_plan(probes):
                 stages = int(kernel.split("_")[1])
                 assert smem == stages * tile and grid // 132 * (smem + 1024) <= 228 * 1024
     assert ctypes.sizeof(probe.Tiles) == 56  # 3 pointers, a long long, 5 ints, padded to 8
+    res = {"copy_bandwidth": 4.2e12, "rows": [
+        {"pool": "bfloat16", "N": 64, "H": 32, "decode_pct": 76.1,
+         "pct": {"copy_": 80.0, "vec 16 KB 128 thr": 84.0, "vec 4 KB 128 thr": 85.5,
+                 "flat unroll 4 (8 CTAs/SM)": 83.0, "bulk 32 KB x 4 stages, 1/SM": None}}]}
+    md = probe.markdown(res).splitlines()
+    assert md[-1] == ("| bfloat16 | 64 | 32 | 76.1% | 85.5% (vec 4 KB 128 thr) | "
+                      "83.0% (flat unroll 4 (8 CTAs/SM)) | - | 80.0% |")

@@ -157,6 +157,56 @@ def one_shape(probe: Probe, N, H, dtype, sms, bw, flush, iters) -> dict:
     return row
 
 
+def kind(name: str) -> str:
+    """A variant's family: vec, flat, bulk, or the name itself (copy_)."""
+    return name.split(" ")[0]
+
+
+def markdown(res) -> str:
+    """Per shape: the decode, each family's best variant and copy_, as % of the copy ceiling on
+    the state bytes."""
+    lines = [f"Copy bandwidth {res['copy_bandwidth'] / 1e9:.0f} GB/s. % of the state bytes "
+             "(touched slots read and written) at that bandwidth (the decode's: of its state "
+             "and token bytes, as bench/serving.py counts them); CUDA graph, cold L2, median.",
+             "", "| pool | N | H | decode | best vec | best flat | best bulk | copy_ |",
+             "|---|---:|---:|---:|---|---|---|---:|"]
+    for r in res["rows"]:
+        best = {}
+        for name, pct in r["pct"].items():
+            if pct and (kind(name) not in best or pct > best[kind(name)][1]):
+                best[kind(name)] = (name, pct)
+
+        def cell(k, best=best):
+            return f"{best[k][1]:.1f}% ({best[k][0]})" if k in best else "-"
+        lines.append(f"| {r['pool']} | {r['N']} | {r['H']} | {r['decode_pct']:.1f}% | "
+                     f"{cell('vec')} | {cell('flat')} | {cell('bulk')} | "
+                     f"{r['pct']['copy_']:.1f}% |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(res, path):
+    """Each shape's variants as % of the copy ceiling, the decode's as a line."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    rows = res["rows"]
+    fig, axes = plt.subplots(len(rows), 1, figsize=(9, 3.2 * len(rows)), squeeze=False)
+    for ax, r in zip(axes[:, 0], rows, strict=True):
+        items = sorted((v, k) for k, v in r["pct"].items() if v)
+        ax.barh(range(len(items)), [v for v, _ in items])
+        ax.set_yticks(range(len(items)), [k for _, k in items], fontsize=6)
+        ax.axvline(r["decode_pct"], color="k", linestyle="--", label="kda_cute decode")
+        ax.set_xlim(0, 100)
+        ax.set_title(f"{r['pool']} N{r['N']} H{r['H']}", fontsize=8)
+        ax.legend(fontsize=6)
+    axes[-1, 0].set_xlabel("% of the copy ceiling on the state bytes (CUDA graph, cold L2)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="64:32,256:12,256:32,1024:32")
@@ -181,7 +231,10 @@ def main(argv=None):
                   + f" | copy_ {row['pct']['copy_']:.1f}%", flush=True)
     res = {"versions": versions(), "copy_bandwidth": bw, "rows": rows}
     if a.out:
-        Path(a.out).write_text(json.dumps(res, indent=1) + "\n")
+        out = Path(a.out)
+        out.write_text(json.dumps(res, indent=1) + "\n")
+        out.with_suffix(".md").write_text(markdown(res))
+        plot(res, out.with_suffix(".png"))
 
 
 if __name__ == "__main__":
