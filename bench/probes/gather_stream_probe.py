@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from serving import K, V, _flusher, decode_case, graphed, time_ms  # noqa: E402
 
-from bench import copy_bandwidth, versions  # noqa: E402
+from bench import copy_bandwidth, pyplot, versions  # noqa: E402
 from kda_cute.launch.driver import bindings, check  # noqa: E402
 
 SRC = Path(__file__).resolve().parent / "gather_stream" / "probe.cu"
@@ -186,11 +186,8 @@ def markdown(res) -> str:
 
 def plot(res, path):
     """Each shape's variants as % of the copy ceiling, the decode's as a line."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return
     rows = res["rows"]
     fig, axes = plt.subplots(len(rows), 1, figsize=(9, 3.2 * len(rows)), squeeze=False)
