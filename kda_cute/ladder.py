@@ -350,7 +350,13 @@ STEP_VARIANTS: tuple[StepConfig, ...] = tuple(c for c in dict.fromkeys(
     # ... and at K = 64 (8 lanes a row: chunks of 4 and 8, the preparing groups whole warps)
     # and K = 256
     + [StepConfig(64, 64, "bfloat16", 64, 8, 128, unroll=2, chunk=c) for c in (4, 8)]
-    + [StepConfig(256, 256, "bfloat16", 64, 16, 128, unroll=2, chunk=c) for c in (2, 4, 8)])
+    + [StepConfig(256, 256, "bfloat16", 64, 16, 128, unroll=2, chunk=c) for c in (2, 4, 8)]
+    # ... and on fp32 pools (the start state split into tf32 hi and lo for m16n8k8): 64 rows,
+    # 32 rows (two warps), persistent
+    + [StepConfig(128, 128, "float32", 64, 16, 128, unroll=2, chunk=c) for c in (2, 4, 8)]
+    + [StepConfig(128, 128, "float32", 32, 16, 64, chunk=c) for c in (2, 4)]
+    + [StepConfig(128, 128, "float32", bv, 16, 2 * bv, unroll=u, chunk=2, persist=p)
+       for bv, u, p in ((64, 2, 2), (32, 0, 4))])
     if c not in STEP + tuple(c for _, c in STEP_SINGLE + STEP_MULTI + STEP_CHUNK))
 
 

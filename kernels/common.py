@@ -270,6 +270,17 @@ def bulk_store(gaddr, saddr, nbytes, *, loc=None, ip=None):
                     asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
 
 
+@dsl_user_op
+def tf32_rna(x, *, loc=None, ip=None) -> cutlass.Float32:
+    """x rounded to tf32 (to nearest, ties away: cvt.rna.tf32.f32), as the fp32 value whose low
+    13 mantissa bits are zero: x - tf32_rna(x) is exact, and a tf32 MMA reads the value as is."""
+    v = cutlass.Float32(x).ir_value(loc=loc, ip=ip)
+    return bits_f32(cutlass.Int32(llvm.inline_asm(
+        T.i32(), [v], "cvt.rna.tf32.f32 $0, $1;", "=r,f",
+        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc, ip=ip)), loc=loc, ip=ip)
+
+
 def bf16x2_lo(w) -> cutlass.Float32:
     """The low bf16 of a word, as fp32 (exact: a shift)."""
     return bits_f32(w << 16)

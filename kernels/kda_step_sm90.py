@@ -37,7 +37,7 @@ from cutlass.cute.nvgpu import cpasync
 from cutlass.cute.nvgpu import warp as warp_mma
 
 from kda_cute.specs.step import ERRORS, WRITE_ALL, WRITE_LAST, WRITE_START, StepConfig
-from kernels.common import StateSlots  # _word: an index table entry, int64 as word pairs
+from kernels.common import StateSlots, tf32_rna  # StateSlots._word: an index table entry
 
 E_CU, E_LEN, E_ACC, E_READ, E_WRITE, E_PARENT = range(6)  # the words of specs.step.ERRORS
 assert ERRORS[E_PARENT] == "retrieve_parent_token"
@@ -63,7 +63,10 @@ class KdaStepSm90(StateSlots):
         self.C = cfg.prep or cfg.chunk
         self.CH = cfg.chunk
         self.NP = max(8, 2 * cfg.chunk)  # the chunked kernel's product columns (n8 tiles)
-        self.KP = self.K + 8  # its staged tile's row stride: rows 16 bytes apart in banks
+        # its staged tile's and operand planes' row stride: rows 16 bytes apart in banks (a
+        # bf16 pool's planes bf16 hi / lo for m16n8k16, an fp32 pool's fp32 words rounded to
+        # tf32 hi / lo for m16n8k8)
+        self.KP = self.K + (4 if self.pdt is cutlass.Float32 else 8)
         self.NVP = -(-cfg.block_v // cfg.tpr)  # v values a lane of a preparing group loads
         self.smem_bytes = 0
         self.tma_meta = []
@@ -141,8 +144,8 @@ class KdaStepSm90(StateSlots):
         if self.CH:
             CH, NP = self.CH, self.NP
             fields.update(ta=A[MR[f32, CH * CH], 128], tb=A[MR[f32, CH * CH], 128],
-                          bh=A[MR[cutlass.BFloat16, NP * self.KP], 128],
-                          bl=A[MR[cutlass.BFloat16, NP * self.KP], 128],
+                          bh=A[MR[self.pdt, NP * self.KP], 128],
+                          bl=A[MR[self.pdt, NP * self.KP], 128],
                           tp=A[MR[f32, BV * NP], 128])
         elif not self.cfg.persist and self.pdt is not f32:
             fields["keep"] = A[MR[f32, n_el], 128]
@@ -913,9 +916,10 @@ class KdaStepSm90(StateSlots):
         """Group t (< chunk) makes token t's row of A (A[t][i] = sum kn_t kn_i prod_{s=i+1..t}
         d_s, i < t) and B (B[t][i] = sum qn_t kn_i prod_{s=i+1..t} d_s, i <= t; B[t][t] = k . q)
         and its operand columns kn_t D_t (column t) and qn_t D_t (column chunk + t), D_t =
-        prod_{s <= t} d_s, split into bf16 hi and lo planes; zeros past the row's `live_len`
-        tokens. Every lane of a group runs every shuffle (the conditions are selects)."""
-        f32, bf16, NC, CH, VEC = cutlass.Float32, cutlass.BFloat16, self.NC, self.CH, self.VEC
+        prod_{s <= t} d_s, split into hi and lo planes (bf16 for a bf16 pool, tf32 values in
+        fp32 words for an fp32 one); zeros past the row's `live_len` tokens. Every lane of a
+        group runs every shuffle (the conditions are selects)."""
+        f32, NC, CH, VEC, pdt = cutlass.Float32, self.NC, self.CH, self.VEC, self.pdt
         tq, tk, td, tv, ts, tw = areas
         t = grp
         live = t < live_len
@@ -959,48 +963,80 @@ class KdaStepSm90(StateSlots):
         if sub == 0 and live:
             tb[t * CH + t] = ts[2 * t + 1]
         # the columns as 16-byte vectors: hi and lo of k D and of q D
-        fr = [cute.make_rmem_tensor((VEC,), bf16) for _ in range(4)]
+        fr = [cute.make_rmem_tensor((VEC,), pdt) for _ in range(4)]
         rows = [cute.logical_divide(pl[row, None], cute.make_layout(VEC))
                 for pl, row in ((bh, t), (bl, t), (bh, CH + t), (bl, CH + t))]
         for j in cutlass.range_constexpr(self.NJ):
             for e in cutlass.range_constexpr(VEC):
                 xk = f32(cutlass.select_(live, kn[j * VEC + e] * cum[j * VEC + e], f32(0.0)))
                 xq = f32(cutlass.select_(live, qn[j * VEC + e] * cum[j * VEC + e], f32(0.0)))
-                hk = xk.to(bf16)
-                hq = xq.to(bf16)
-                fr[0][e] = hk
-                fr[1][e] = (xk - hk.to(f32)).to(bf16)
-                fr[2][e] = hq
-                fr[3][e] = (xq - hq.to(f32)).to(bf16)
+                if cutlass.const_expr(pdt is f32):
+                    hk = tf32_rna(xk)
+                    hq = tf32_rna(xq)
+                    fr[0][e] = hk
+                    fr[1][e] = xk - hk  # exact; the MMA reads its top 19 bits
+                    fr[2][e] = hq
+                    fr[3][e] = xq - hq
+                else:
+                    hk = xk.to(pdt)
+                    hq = xq.to(pdt)
+                    fr[0][e] = hk
+                    fr[1][e] = (xk - hk.to(f32)).to(pdt)
+                    fr[2][e] = hq
+                    fr[3][e] = (xq - hq.to(f32)).to(pdt)
             for f, dst in zip(fr, rows, strict=True):
                 dst[None, sub + self.TPR * j].store(f.load())
 
     @cute.jit
     def _chunk_mma(self, tile, bh, bl, tp, warp, lane):
-        """Rows 16 warp .. + 15 of the start state times the operand planes (hi and lo into one
-        fp32 accumulator): every token's k . S0 and q . S0 products, into tp[row, column]."""
-        bf16, f32, K, KP, NP = cutlass.BFloat16, cutlass.Float32, self.K, self.KP, self.NP
-        mma = cute.make_tiled_mma(warp_mma.MmaF16BF16Op(bf16, f32, (16, 8, 16)))
+        """Rows 16 warp .. + 15 of the start state times the operand planes, into one fp32
+        accumulator a column tile: every token's k . S0 and q . S0 products, into tp[row,
+        column]. A bf16 state is an exact operand (m16n8k16: S hi + S lo); an fp32 state is
+        split into tf32 hi and lo in registers (m16n8k8: S_hi hi + S_hi lo + S_lo hi, the
+        products to about fp32's precision: the states within 1e-7 of float64 as the token by
+        token fp32 loop's, in a float64 model of these roundings)."""
+        f32, K, KP, NP = cutlass.Float32, self.K, self.KP, self.NP
+        is_f32 = self.pdt is f32
+        op_t = cutlass.TFloat32 if is_f32 else cutlass.BFloat16
+        KT = 8 if is_f32 else 16  # the MMA's k
+        mma = cute.make_tiled_mma(warp_mma.MmaTF32Op((16, 8, 8)) if is_f32 else
+                                  warp_mma.MmaF16BF16Op(op_t, f32, (16, 8, 16)))
         thr = mma.get_slice(lane)
         c_shape = thr.partition_shape_C((16, 8))
         accs = [cute.make_rmem_tensor(c_shape, f32) for _ in range(NP // 8)]
         for acc in accs:
             acc.fill(0.0)
         row0 = 16 * warp
-        for kt in cutlass.range_constexpr(K // 16):
-            va = cute.make_tensor(tile.iterator + row0 * KP + 16 * kt,
-                                  cute.make_layout((16, 16), stride=(KP, 1)))
+        for kt in cutlass.range_constexpr(K // KT):
+            va = cute.make_tensor(tile.iterator + row0 * KP + KT * kt,
+                                  cute.make_layout((16, KT), stride=(KP, 1)))
             pa = thr.partition_A(va)
-            fa = cute.make_rmem_tensor(pa.shape, bf16)
-            fa.store(pa.load())
+            fa = cute.make_rmem_tensor(pa.shape, op_t)
+            fl = cute.make_rmem_tensor(pa.shape, op_t)  # an fp32 state's lo part
+            if cutlass.const_expr(is_f32):
+                xa = cute.make_rmem_tensor(pa.shape, f32)
+                xa.store(pa.load())
+                for e in cutlass.range_constexpr(cute.size(xa)):
+                    hi = tf32_rna(xa[e])
+                    fa[e] = hi
+                    fl[e] = xa[e] - hi  # exact; the MMA reads its top 19 bits
+            else:
+                fa.store(pa.load())
             for nt in cutlass.range_constexpr(NP // 8):
+                fbs = []
                 for plane in (bh, bl):
-                    vb_ = cute.make_tensor(plane.iterator + nt * 8 * KP + 16 * kt,
-                                           cute.make_layout((8, 16), stride=(KP, 1)))
+                    vb_ = cute.make_tensor(plane.iterator + nt * 8 * KP + KT * kt,
+                                           cute.make_layout((8, KT), stride=(KP, 1)))
                     pb = thr.partition_B(vb_)
-                    fb = cute.make_rmem_tensor(pb.shape, bf16)
-                    fb.store(pb.load())
+                    fb = cute.make_rmem_tensor(pb.shape, op_t)
+                    if cutlass.const_expr(is_f32):
+                        fb.store(pb.load().to(op_t))
+                    else:
+                        fb.store(pb.load())
                     cute.gemm(mma, accs[nt], fa, fb, accs[nt])
+                    fbs.append(fb)
+                if cutlass.const_expr(is_f32):
+                    cute.gemm(mma, accs[nt], fl, fbs[0], accs[nt])
         cC = thr.partition_C(cute.make_identity_tensor((16, 8)))
         for nt in cutlass.range_constexpr(NP // 8):
             for e in cutlass.range_constexpr(cute.size(cC)):
@@ -1109,8 +1145,8 @@ class KdaStepSm90(StateSlots):
             self._chunk_products(areas, ta, tb, bh, bl, live_len, grp, sub)
         if cutlass.const_expr(NP > 2 * CH):  # the planes' columns past 2 chunk: zeros
             for i in cutlass.range(tidx, (NP - 2 * CH) * K, self.threads):
-                bh[2 * CH + i // K, i % K] = cutlass.BFloat16(0.0)
-                bl[2 * CH + i // K, i % K] = cutlass.BFloat16(0.0)
+                bh[2 * CH + i // K, i % K] = self.pdt(0.0)
+                bl[2 * CH + i // K, i % K] = self.pdt(0.0)
         cute.arch.sync_threads()
         warp = tidx // 32
         self._chunk_mma(tile, bh, bl, tp, warp, tidx - 32 * warp)

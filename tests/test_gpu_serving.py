@@ -181,18 +181,17 @@ def _prep_tile(dtype):
     return StepConfig(128, 128, "bfloat16", 64, 16, 128, unroll=2, prep=4)
 
 
-def _chunk_tile():
+def _chunk_tile(dtype):
     """The chunked tile: a row's tokens (up to 8) as one chunk (StepConfig.chunk)."""
     from kda_cute.specs.step import StepConfig
-    return StepConfig(128, 128, "bfloat16", 64, 16, 128, unroll=2, chunk=8)
+    pool = "float32" if dtype == torch.float32 else "bfloat16"
+    return StepConfig(128, 128, pool, 64, 16, 128, unroll=2, chunk=8)
 
 
 def _tile(tile, dtype):
-    """The config a test runs: the plan's (ladder), a prep tile, or the chunked tile (bf16)."""
-    if tile == "chunk" and dtype != torch.bfloat16:
-        pytest.skip("the chunked tile is for bf16 pools")
+    """The config a test runs: the plan's (ladder), a prep tile, or the chunked tile."""
     return {"ladder": {}, "prep": dict(config=_prep_tile(dtype)),
-            "chunk": dict(config=_chunk_tile())}[tile]
+            "chunk": dict(config=_chunk_tile(dtype))}[tile]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
@@ -246,17 +245,21 @@ def test_verify_slot_per_token(dtype, varlen, tile):
     assert _guards_ok(buf)
 
 
-@pytest.mark.parametrize("K,tpr,chunk", [(128, 16, 2), (128, 16, 4), (128, 16, 8), (64, 8, 4),
-                                         (64, 8, 8), (256, 16, 2), (256, 16, 8)])
+@pytest.mark.parametrize("K,tpr,chunk,pool", [
+    (128, 16, 2, "bfloat16"), (128, 16, 4, "bfloat16"), (128, 16, 8, "bfloat16"),
+    (64, 8, 4, "bfloat16"), (64, 8, 8, "bfloat16"), (256, 16, 2, "bfloat16"),
+    (256, 16, 8, "bfloat16"), (128, 16, 2, "float32"), (128, 16, 4, "float32"),
+    (128, 16, 8, "float32")])
 @pytest.mark.parametrize("form", ["bounded", "unbounded", "none", "raw"])
-def test_chunk_tiles_forms(K, tpr, chunk, form):
-    """Chunked tiles (rows of up to 2, 4, 8 tokens as one chunk; K = 64, 128, 256) over every
-    gate form and "raw" (gate none, q and k not normed, beta as given): q, k, v as row-strided
-    views of one projection, g and beta of another, int64 indices with null_slot=0 (a padding
-    row, a skipped entry), varlen rows of 0 .. chunk tokens, accepted counts, and a row whose
-    decays underflow fp32 over its tokens."""
+def test_chunk_tiles_forms(K, tpr, chunk, pool, form):
+    """Chunked tiles (rows of up to 2, 4, 8 tokens as one chunk; K = 64, 128, 256; bf16 pools,
+    and fp32 ones at K = 128) over every gate form and "raw" (gate none, q and k not normed,
+    beta as given): q, k, v as row-strided views of one projection, g and beta of another,
+    int64 indices with null_slot=0 (a padding row, a skipped entry), varlen rows of 0 .. chunk
+    tokens, accepted counts, and a row whose decays underflow fp32 over its tokens."""
     from kda_cute.specs.step import StepConfig
-    cfg = StepConfig(K, K, "bfloat16", 64, tpr, 128, unroll=2, chunk=chunk)
+    cfg = StepConfig(K, K, pool, 64, tpr, 128, unroll=2, chunk=chunk)
+    dtype = getattr(torch, pool)
     gate = "none" if form == "raw" else form
     flags = dict(qk_l2norm=False, beta_sigmoid=False) if form == "raw" else {}
     H = 3
@@ -284,13 +287,13 @@ def test_chunk_tiles_forms(K, tpr, chunk, form):
     A_log = torch.randn(H, generator=gen, device="cuda") * 0.5
     dt_bias = torch.randn(H * K, generator=gen, device="cuda") * 0.5
     slots = 4 * N * chunk + 1
-    pool, buf = _guarded((slots, H, K, K), torch.bfloat16)
+    pool, buf = _guarded((slots, H, K, K), dtype)
     idx = (1 + torch.randperm(slots - 1, generator=gen, device="cuda")[:N * chunk]).view(
         N, chunk).to(torch.int64)
     acc = torch.randint(1, chunk + 1, (N,), generator=gen, device="cuda", dtype=torch.int32)
     for n in range(N):
         pool[idx[n, acc[n] - 1]] = (torch.randn(H, K, K, generator=gen, device="cuda")
-                                    * 0.3).to(torch.bfloat16)
+                                    * 0.3).to(dtype)
     idx[2, :] = 0  # a padding row (null_slot=0)
     if chunk > 2:
         idx[4, 1] = 0  # a skipped entry
@@ -302,7 +305,7 @@ def test_chunk_tiles_forms(K, tpr, chunk, form):
                     num_accepted_tokens=acc, out=out, null_slot=0, config=cfg, **kw, **flags)
     kda_cute.check_errors(sync=True)
     written = _check_rows(out.view(Ttot, H, K), pool, before, idx, acc, cu, lens,
-                          (q, k, g, v, beta), {2}, torch.bfloat16, gate, A_log, dt_bias,
+                          (q, k, g, v, beta), {2}, dtype, gate, A_log, dt_bias,
                           kw["lower_bound"], first_slot=1, **flags)
     rest = [s for s in range(slots) if s not in written]
     assert torch.equal(_bits(pool[rest]), _bits(before[rest]))
@@ -316,10 +319,11 @@ def _chunk_persistent():
 
 @pytest.mark.parametrize("cfg", _chunk_persistent(), ids=lambda c: c.name)
 def test_chunk_persistent_verify(cfg):
-    """A persistent chunked tile on a verify of more tiles than its CTAs several times over
-    (each CTA walks several, staging the next while it computes this one): varlen rows of 0 ..
-    chunk tokens, accepted counts, padding rows."""
+    """A persistent chunked tile (bf16 and fp32 pools) on a verify of more tiles than its CTAs
+    several times over (each CTA walks several, staging the next while it computes this one):
+    varlen rows of 0 .. chunk tokens, accepted counts, padding rows."""
     N, H, K, S1 = 300, 4, 128, cfg.chunk
+    dtype = getattr(torch, cfg.pool)
     assert K // cfg.block_v * H * N > 132 * cfg.persist, "every CTA should run several tiles"
     gen = torch.Generator(device="cuda").manual_seed(95)
     lens = torch.randint(0, S1 + 1, (N,), generator=gen, device="cuda").tolist()
@@ -327,13 +331,13 @@ def test_chunk_persistent_verify(cfg):
     Ttot = sum(lens)
     q, k, g, v, beta, A_log, dt_bias = _tokens(Ttot, H, K, K, "bounded", seed=96)
     slots = N * S1 + 8
-    pool, buf = _guarded((slots, H, K, K), torch.bfloat16)
+    pool, buf = _guarded((slots, H, K, K), dtype)
     idx = torch.randperm(slots, generator=gen, device="cuda")[:N * S1].view(N, S1).to(
         torch.int32)
     acc = torch.randint(1, S1 + 1, (N,), generator=gen, device="cuda", dtype=torch.int32)
     for n in range(N):
         pool[idx[n, acc[n] - 1]] = (torch.randn(H, K, K, generator=gen, device="cuda")
-                                    * 0.3).to(torch.bfloat16)
+                                    * 0.3).to(dtype)
     pads = {7, 150, 299}
     for n in pads:
         idx[n, :] = -1
@@ -346,7 +350,7 @@ def test_chunk_persistent_verify(cfg):
                     **_kw("bounded", A_log, dt_bias))
     kda_cute.check_errors(sync=True)
     written = _check_rows(out, pool, before, idx, acc, cu, lens, (q, k, g, v, beta), pads,
-                          torch.bfloat16, "bounded", A_log, dt_bias, -5.0)
+                          dtype, "bounded", A_log, dt_bias, -5.0)
     rest = [s for s in range(slots) if s not in written]
     assert torch.equal(_bits(pool[rest]), _bits(before[rest]))
     assert _guards_ok(buf)

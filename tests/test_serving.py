@@ -402,19 +402,25 @@ def test_step_prep_config():
 
 
 def test_step_chunk_config(planned):
-    """The chunked tile (a row's tokens as one chunk, products by warp MMA): a bf16 pool's
-    one-tile kernel, 16 rows a warp; its shared memory (chunk_bytes, what the build's manifest
-    says) kept whole even by a single-token plan; refused by plans with rows of more tokens
-    than its chunk, tree parents or a commit."""
+    """The chunked tile (a row's tokens as one chunk, products by warp MMA): 16 rows a warp,
+    bf16 or fp32 pools (the tile and the operand planes in the pool's dtype, rows 16 bytes
+    longer than K); its shared memory (chunk_bytes, what the build's manifest says) kept whole
+    even by a single-token plan; refused by plans with rows of more tokens than its chunk, tree
+    parents or a commit."""
     from kda_cute import cubin
 
     c = StepConfig(128, 128, "bfloat16", 64, 16, 128, unroll=2, chunk=8)
     assert supports(c) == (True, "") and c.name.endswith("_u2_k8")
     assert c.stage_bytes == c.chunk_bytes
     for ch in (2, 4, 8):  # the built cubins' (make kernels runs before the tests)
-        cc = StepConfig(128, 128, "bfloat16", 64, 16, 128, unroll=2, chunk=ch)
-        assert cubin.manifest(cc.name, "sm_90a")["dynamic_smem_bytes"] == cc.chunk_bytes, ch
-    for bad, word in ((dict(pool="float32", tpr=32, block_v=64), "bf16"),
+        for pool in ("bfloat16", "float32"):
+            cc = StepConfig(128, 128, pool, 64, 16, 128, unroll=2, chunk=ch)
+            assert cubin.manifest(cc.name, "sm_90a")["dynamic_smem_bytes"] == cc.chunk_bytes, ch
+    f2 = StepConfig(128, 128, "float32", 64, 16, 128, unroll=2, chunk=2)
+    assert (f2.chunk_bytes - StepConfig(128, 128, "bfloat16", 64, 16, 128, unroll=2,
+                                        chunk=2).chunk_bytes
+            == 64 * (128 * 4 - 128 * 2) + 2 * 8 * (128 * 4 - 128 * 2))  # tile, planes
+    for bad, word in ((dict(access=8), "16-byte accesses"),
                       (dict(prep=4), "without prep"), (dict(ahead=True), "without prep"),
                       (dict(chunk=1), "chunk must be in"), (dict(chunk=9), "chunk must be in"),
                       (dict(block_v=32), "16 rows a warp")):

@@ -85,17 +85,19 @@ class StepConfig:
     @property
     def chunk_bytes(self) -> int:
         """The chunked kernel's shared memory, each part 128-byte aligned: the start state's
-        tile (rows K + 8 elements apart; two for a persistent tile), the tokens' area
-        (prep_bytes' parts), the T x T products (two), the operand planes (hi, lo: 2 chunk
-        columns, at least 8, rows K + 8 apart) and the rows' products (block_v x the planes'
-        columns)."""
+        tile (in the pool's dtype, rows 16 bytes longer than K; two for a persistent tile), the
+        tokens' area (prep_bytes' parts), the T x T products (two), the operand planes (hi, lo
+        in the pool's dtype: 2 chunk columns, at least 8, rows as the tile's) and the rows'
+        products (block_v x the planes' columns)."""
         def up(n):
             return -(-n // 128) * 128
         c, K, BV = self.chunk, self.head_dim_k, self.block_v
+        es = 4 if self.pool == "float32" else 2
+        row = es * K + 16
         cols = max(8, 2 * c)
         tiles = 2 if self.persist else 1
-        return (up(tiles * 2 * BV * (K + 8)) + 3 * up(4 * c * K) + up(4 * c * BV) + up(8 * c)
-                + up(4 * c) + 2 * up(4 * c * c) + 2 * up(2 * cols * (K + 8)) + up(4 * BV * cols))
+        return (up(tiles * BV * row) + 3 * up(4 * c * K) + up(4 * c * BV) + up(8 * c)
+                + up(4 * c) + 2 * up(4 * c * c) + 2 * up(cols * row) + up(4 * BV * cols))
 
     @property
     def prep_bytes(self) -> int:
@@ -161,9 +163,9 @@ def supports(cfg: StepConfig) -> tuple[bool, str]:
         return False, (f"prep * tpr must be a multiple of 32 (the preparing groups fill whole "
                        f"warps), got {cfg.prep} * {cfg.tpr}")
     if cfg.chunk:
-        if cfg.pool != "bfloat16" or cfg.prep or cfg.ahead:
-            return False, ("chunk is for a bf16 pool's tiles without prep or ahead, got "
-                           f"pool={cfg.pool!r}, prep={cfg.prep}, ahead={cfg.ahead}")
+        if cfg.prep or cfg.ahead or cfg.access != 16:
+            return False, ("chunk is for tiles of 16-byte accesses without prep or ahead, got "
+                           f"access={cfg.access}, prep={cfg.prep}, ahead={cfg.ahead}")
         if not 2 <= cfg.chunk <= cfg.threads // cfg.tpr or cfg.chunk * cfg.tpr % 32:
             return False, (f"chunk must be in [2, threads / tpr = {cfg.threads // cfg.tpr}] "
                            f"with chunk * tpr a multiple of 32, got {cfg.chunk}")
