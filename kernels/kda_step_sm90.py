@@ -15,7 +15,8 @@ two values: _update_row).
 The kernel is a stream of state bytes, so what sets its speed is how many are in flight: the
 start state goes to shared memory by cp.async (cfg.access bytes a copy, every one of a thread's
 issued at once, none holding a register), and each thread reads back only what it copied itself,
-so a cp.async.wait_group is all the synchronisation there is (no CTA barrier anywhere). A row's
+so a cp.async.wait_group is all the synchronisation there is (no CTA barrier in the per-token
+tiles; the chunked tile, cfg.chunk, shares its rows' products through three). A row's
 state comes into registers for its token's update and goes out to the pool at once; between
 tokens (verify) it is kept in shared memory in fp32 (a bf16 pool's staging area stays as it was
 loaded; its fp32 keep area follows the staging one, and a single-token plan reserves only the
@@ -146,7 +147,7 @@ class KdaStepSm90(StateSlots):
             fields.update(ta=A[MR[f32, CH * CH], 128], tb=A[MR[f32, CH * CH], 128],
                           bh=A[MR[self.pdt, NP * self.KP], 128],
                           bl=A[MR[self.pdt, NP * self.KP], 128],
-                          tp=A[MR[f32, BV * NP], 128])
+                          tp=A[MR[f32, (BV + 4) * NP], 128])
         elif not self.cfg.persist and self.pdt is not f32:
             fields["keep"] = A[MR[f32, n_el], 128]
         return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
@@ -990,11 +991,11 @@ class KdaStepSm90(StateSlots):
     @cute.jit
     def _chunk_mma(self, tile, bh, bl, tp, warp, lane):
         """Rows 16 warp .. + 15 of the start state times the operand planes, into one fp32
-        accumulator a column tile: every token's k . S0 and q . S0 products, into tp[row,
-        column]. A bf16 state is an exact operand (m16n8k16: S hi + S lo); an fp32 state is
-        split into tf32 hi and lo in registers (m16n8k8: S_hi hi + S_hi lo + S_lo hi, the
-        products to about fp32's precision: the states within 1e-7 of float64 as the token by
-        token fp32 loop's, in a float64 model of these roundings)."""
+        accumulator a column tile: every token's k . S0 and q . S0 products, into tp (column-
+        major: tp[column (BV + 4) + row]). A bf16 state is an exact operand (m16n8k16: S hi +
+        S lo); an fp32 state is split into tf32 hi and lo in registers (m16n8k8: S_hi hi +
+        S_hi lo + S_lo hi, the products to about fp32's precision: the states within 1e-7 of
+        float64 as the token by token fp32 loop's, in a float64 model of these roundings)."""
         f32, K, KP, NP = cutlass.Float32, self.K, self.KP, self.NP
         is_f32 = self.pdt is f32
         op_t = cutlass.TFloat32 if is_f32 else cutlass.BFloat16
@@ -1041,7 +1042,7 @@ class KdaStepSm90(StateSlots):
         for nt in cutlass.range_constexpr(NP // 8):
             for e in cutlass.range_constexpr(cute.size(cC)):
                 i, jj = cC[e]
-                tp[(row0 + i) * NP + nt * 8 + jj] = accs[nt][e]
+                tp[(nt * 8 + jj) * (self.BV + 4) + row0 + i] = accs[nt][e]
 
     def _chunk_setup(self):
         """The chunked kernel's shared memory (its storage, the prepared tokens' areas, the
@@ -1094,7 +1095,7 @@ class KdaStepSm90(StateSlots):
             if length > self.CH:  # the plan bounds max_tokens by the chunk: never taken
                 self._flag(mErr, E_LEN, lead)
                 pad = i32(1)
-            if pad == 0 and start != 0:
+            if pad == 0 and start != 0 and length > 0:
                 self._stage_tile(tile, mPool, slot, h, vb, grp, sub)
             else:
                 self._zero_tile(tile, grp, sub)
@@ -1133,14 +1134,17 @@ class KdaStepSm90(StateSlots):
         themselves and the operand planes (_chunk_products), every token's products with the
         start state (_chunk_mma), the rows' solves (one lane a row: the deltas over the row's
         products in tp, read by that lane alone; the outputs) and the states after each token,
-        each to its write row; a padding row's outputs zeros. Three CTA barriers."""
+        each to its write row; a padding row's outputs zeros. Two CTA barriers (after the
+        caller's). The rows' products tp are column-major, columns BV + 4 apart, so that the
+        MMA's stores and the solving lanes' reads (rows G apart) take distinct banks."""
         f32 = cutlass.Float32
         K, NC, CH, NP, VEC = self.K, self.NC, self.CH, self.NP, self.VEC
         ta = shared.ta.get_tensor(cute.make_layout(CH * CH))
         tb = shared.tb.get_tensor(cute.make_layout(CH * CH))
         bh = shared.bh.get_tensor(cute.make_layout((NP, K), stride=(self.KP, 1)))
         bl = shared.bl.get_tensor(cute.make_layout((NP, K), stride=(self.KP, 1)))
-        tp = shared.tp.get_tensor(cute.make_layout(self.BV * NP))
+        BVP = self.BV + 4  # tp's column stride
+        tp = shared.tp.get_tensor(cute.make_layout(BVP * NP))
         if grp < CH:
             self._chunk_products(areas, ta, tb, bh, bl, live_len, grp, sub)
         if cutlass.const_expr(NP > 2 * CH):  # the planes' columns past 2 chunk: zeros
@@ -1160,19 +1164,19 @@ class KdaStepSm90(StateSlots):
             for t in cutlass.range_constexpr(CH):
                 acc = f32(0.0)
                 if t < live_len:
-                    acc = tv[t * self.BV + rho] - tp[rho * NP + t]
+                    acc = tv[t * self.BV + rho] - tp[t * BVP + rho]
                     for i in cutlass.range_constexpr(t):
                         acc = acc - dl[i] * ta[t * CH + i]
                     acc = ts[2 * t] * acc
                 dl[t] = acc
             for t in cutlass.range_constexpr(CH):
                 if t < live_len:
-                    o = tp[rho * NP + CH + t]
+                    o = tp[(CH + t) * BVP + rho]
                     for i in cutlass.range_constexpr(t + 1):
                         o = o + dl[i] * tb[t * CH + i]
                     mOut[bos + t, h * self.V + v_idx] = o.to(cutlass.BFloat16)
             for t in cutlass.range_constexpr(CH):  # over the row's P (read above)
-                tp[rho * NP + t] = dl[t]
+                tp[t * BVP + rho] = dl[t]
         cute.arch.sync_warp()  # a group's rows are its warp's
         for r in cutlass.range(self.R, unroll=self.U, unroll_full=self.U == 0):
             rho = grp + self.G * r
@@ -1191,7 +1195,7 @@ class KdaStepSm90(StateSlots):
                     if t < live_len:
                         self._tok_get(td, t, sub, dv)
                         self._tok_get(tk, t, sub, kv)
-                        u = tp[rho * NP + t]
+                        u = tp[t * BVP + rho]
                         for c in cutlass.range_constexpr(NC):
                             x[c] = x[c] * dv[c] + u * kv[c]
                         wrow = tw[t]

@@ -88,7 +88,7 @@ class StepConfig:
         tile (in the pool's dtype, rows 16 bytes longer than K; two for a persistent tile), the
         tokens' area (prep_bytes' parts), the T x T products (two), the operand planes (hi, lo
         in the pool's dtype: 2 chunk columns, at least 8, rows as the tile's) and the rows'
-        products (block_v x the planes' columns)."""
+        products (the planes' columns x block_v + 4)."""
         def up(n):
             return -(-n // 128) * 128
         c, K, BV = self.chunk, self.head_dim_k, self.block_v
@@ -97,7 +97,7 @@ class StepConfig:
         cols = max(8, 2 * c)
         tiles = 2 if self.persist else 1
         return (up(tiles * BV * row) + 3 * up(4 * c * K) + up(4 * c * BV) + up(8 * c)
-                + up(4 * c) + 2 * up(4 * c * c) + 2 * up(cols * row) + up(4 * BV * cols))
+                + up(4 * c) + 2 * up(4 * c * c) + 2 * up(cols * row) + up(4 * (BV + 4) * cols))
 
     @property
     def prep_bytes(self) -> int:
