@@ -38,7 +38,7 @@ from cutlass.cute.nvgpu import cpasync
 from cutlass.cute.nvgpu import warp as warp_mma
 
 from kda_cute.specs.step import ERRORS, WRITE_ALL, WRITE_LAST, WRITE_START, StepConfig
-from kernels.common import StateSlots, tf32_rna  # StateSlots._word: an index table entry
+from kernels.common import StateSlots, bits_f32, f32_bits, tf32_rna  # StateSlots._word: an entry
 
 E_CU, E_LEN, E_ACC, E_READ, E_WRITE, E_PARENT = range(6)  # the words of specs.step.ERRORS
 assert ERRORS[E_PARENT] == "retrieve_parent_token"
@@ -1018,7 +1018,9 @@ class KdaStepSm90(StateSlots):
                 xa = cute.make_rmem_tensor(pa.shape, f32)
                 xa.store(pa.load())
                 for e in cutlass.range_constexpr(cute.size(xa)):
-                    hi = tf32_rna(xa[e])
+                    # hi truncated (one AND; the planes' hi are rounded): with lo, the
+                    # products lose 2^-20 of |S| instead of 2^-21
+                    hi = bits_f32(f32_bits(xa[e]) & cutlass.Int32(-8192))
                     fa[e] = hi
                     fl[e] = xa[e] - hi  # exact; the MMA reads its top 19 bits
             else:
