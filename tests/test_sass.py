@@ -1,5 +1,7 @@
 """The built K2 cubins keep their warpgroup MMAs asynchronous (CPU, with the nvdisasm that
-ships in triton's wheel).
+ships in triton's wheel); and other properties of the built cubins' SASS that only a benchmark
+would otherwise show (the last tests: K2's shuffles and dependent launches, the chunked token
+step's tensor-core products).
 
 When ptxas cannot prove an asynchronous wgmma's registers safe (an MMA accumulating into a view
 of part of another MMA's accumulator registers, or a wgmma still in flight across a loop's
@@ -146,3 +148,28 @@ def test_rescale_runs_wait_for_the_k2_that_releases_them(cfg):
     else:
         assert "ACQBULK" not in sass, cfg.name
 
+
+
+def _chunk_tiles():
+    from kda_cute.ladder import step_tiles
+    return [c for c in step_tiles() if c.chunk]
+
+
+@pytest.mark.skipif(NVDISASM is None, reason="no nvdisasm (triton's wheel ships one)")
+@pytest.mark.parametrize("cfg", _chunk_tiles(), ids=lambda c: c.name)
+def test_chunk_tiles_products_on_tensor_cores(cfg):
+    """A chunked token-step tile (StepConfig.chunk) takes every token's products with the start
+    state by warp MMA, written once in its body (a persistent tile's loop too): a bf16 state
+    against the hi and lo planes, m16n8k16 bf16 twice a k step of 16; an fp32 state split into
+    tf32 hi and lo against the planes, m16n8k8 tf32 three times a k step of 8 (S_hi hi, S_hi lo,
+    S_lo hi); one n8 tile per 8 of the planes' columns (max(8, 2 chunk)). Nothing else in the
+    kernel runs on tensor cores, and nothing spills."""
+    from kda_cute import cubin
+    sass = _sass(cfg)
+    K, cols = cfg.head_dim_k, max(8, 2 * cfg.chunk)
+    if cfg.pool == "float32":
+        want, form = 3 * (K // 8) * (cols // 8), "HMMA.1688.F32.TF32"
+    else:
+        want, form = 2 * (K // 16) * (cols // 8), "HMMA.16816.F32.BF16"
+    assert sass.count("HMMA") == sass.count(form) == want, cfg.name
+    assert cubin.manifest(cfg.name, "sm_90a")["frame_bytes"] == 0, cfg.name
