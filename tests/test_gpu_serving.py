@@ -689,7 +689,7 @@ def test_every_tile(cfg):
         with pytest.raises(ValueError, match="config: a chunked tile"):
             kda_cute.verify(*args, pool, ssm_state_indices=idx, **kw)
         S = cfg.chunk
-        args, idx = tuple(x[:, :S] for x in args), idx[:, :S]
+        args, idx = tuple(x[:, :S].contiguous() for x in args), idx[:, :S]
     out = kda_cute.verify(*args, pool, ssm_state_indices=idx, **kw)
     kda_cute.check_errors(sync=True)
     for n in range(N):
