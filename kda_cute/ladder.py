@@ -293,8 +293,11 @@ STEP_MULTI: tuple[tuple[int, StepConfig], ...] = (
 # (StepConfig.chunk): every token's products with the start state by warp MMA, a T x T solve a
 # row, then the states after each token by the plain update; the tile of the fewest tokens that
 # holds the rows.
-STEP_CHUNK: tuple[tuple[int, StepConfig], ...] = tuple(
-    (c, StepConfig(128, 128, "bfloat16", 64, 16, 128, unroll=2, chunk=c)) for c in (2, 4, 8))
+STEP_CHUNK: tuple[tuple[int, StepConfig], ...] = (
+    *((c, StepConfig(128, 128, "bfloat16", 64, 16, 128, unroll=2, chunk=c)) for c in (2, 4)),
+    # 5-8 tokens: 128 rows and 256 threads a CTA, 82.1% / 87.8% at N 64 / 256 T 8 against the
+    # 64-row tile's 80.1% / 85.9% (bench/results/chunk-verify-sweep-h200-2026-12-05.md)
+    (8, StepConfig(128, 128, "bfloat16", 128, 16, 256, unroll=2, chunk=8)))
 
 # other tiles, built for the tile sweep (bench/serving.py --sweep): fewer and more rows per CTA
 STEP_VARIANTS: tuple[StepConfig, ...] = tuple(c for c in dict.fromkeys(
