@@ -89,13 +89,18 @@ class Probe:
         self.fns = {}
 
     def fn(self, name: str, smem: int):
-        if name not in self.fns:
+        """The kernel, allowed `smem` bytes of dynamic shared memory (the attribute raised to what
+        a launch asks, never to the whole 227 KB: the kernel's static shared memory counts too)."""
+        f, allowed = self.fns.get(name, (None, 0))
+        if f is None:
             f = check(self.cu.cuModuleGetFunction(self.mod, name.encode()))
+        if smem > allowed:
             A = self.cu.CUfunction_attribute
             check(self.cu.cuFuncSetAttribute(
-                f, A.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, 227 * 1024))
-            self.fns[name] = f
-        return self.fns[name]
+                f, A.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem))
+            allowed = smem
+        self.fns[name] = (f, allowed)
+        return f
 
     def launcher(self, kernel, grid, threads, smem, p: Tiles):
         f = self.fn(kernel, smem)
