@@ -344,6 +344,8 @@ STEP_VARIANTS: tuple[StepConfig, ...] = tuple(c for c in dict.fromkeys(
     # the chunked tiles (StepConfig.chunk) with the row loop whole; at 128 rows (8 warps); at
     # 16 and 32 rows (one and two warps: more CTAs an SM, for decode and small batches)
     + [StepConfig(128, 128, "bfloat16", 64, 16, 128, chunk=2)]
+    # (the 64-row chunk of 8, STEP_CHUNK's before the 128-row one: kept for the sweep)
+    + [StepConfig(128, 128, "bfloat16", 64, 16, 128, unroll=2, chunk=8)]
     + [StepConfig(128, 128, "bfloat16", 128, 16, 256, unroll=2, chunk=c) for c in (2, 4, 8)]
     + [StepConfig(128, 128, "bfloat16", bv, 16, 2 * bv, chunk=c)
        for bv, c in ((16, 2), (32, 2), (32, 4))]
