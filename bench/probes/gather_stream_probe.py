@@ -79,11 +79,14 @@ def variants(sms: int, head_bytes: int) -> list[tuple[str, str, int, int, int, i
 
 
 class Probe:
-    def __init__(self, cubin: Path):
+    """A CUDA C++ probe's cubin (built from `src` with nvcc where `cubin` does not exist) and
+    launchers of its kernels, each taking one ctypes structure."""
+
+    def __init__(self, cubin: Path, src: Path = SRC):
         self.cu = cu = bindings()
         torch.zeros(1, device="cuda")  # the primary context
         if not cubin.exists():
-            subprocess.run(["nvcc", "-arch=sm_90a", "-cubin", "-O3", "-o", str(cubin), str(SRC)],
+            subprocess.run(["nvcc", "-arch=sm_90a", "-cubin", "-O3", "-o", str(cubin), str(src)],
                            check=True)
         self.mod = check(cu.cuModuleLoad(str(cubin).encode()))
         self.fns = {}
@@ -102,7 +105,7 @@ class Probe:
         self.fns[name] = (f, allowed)
         return f
 
-    def launcher(self, kernel, grid, threads, smem, p: Tiles):
+    def launcher(self, kernel, grid, threads, smem, p: ctypes.Structure):
         f = self.fn(kernel, smem)
         ptrs = (ctypes.c_void_p * 1)(ctypes.addressof(p))
         cu = self.cu
