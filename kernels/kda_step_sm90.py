@@ -718,11 +718,12 @@ class KdaStepSm90(StateSlots):
             grp = tidx // self.TPR
             sub = tidx - grp * self.TPR
             shared, areas, area, rq, rk, rg, rv, bias, qv, kv, dv, x = self._chunk_setup()
-            regs, ins, modes = self._chunk_args(
-                (rq, rk, rg, rv, bias), mQ, mK, mG, mBeta, mV, mALog, mDtBias, mPool, mCu, mRIdx,
-                mWIdx, mAcc, mHasInit, mErr, fixed_len, cu_wide, max_tokens, read_mode, r_sn,
-                r_st, r_wide, r_mul, r_add, acc_on, acc_wide, acc_base, acc_skip, max_sel, hi_on,
-                r_null, write_mode, w_sn, w_st, w_wide, has_a, has_bias)
+            regs = (rq, rk, rg, rv, bias)
+            ins = (mQ, mK, mG, mBeta, mV, mALog, mDtBias, mPool, mCu, mRIdx, mWIdx, mAcc,
+                   mHasInit, mErr)
+            modes = (fixed_len, cu_wide, max_tokens, read_mode, r_sn, r_st, r_wide, r_mul, r_add,
+                     acc_on, acc_wide, acc_base, acc_skip, max_sel, hi_on, r_null, write_mode,
+                     w_sn, w_st, w_wide, has_a, has_bias)
             tile = self._chunk_tile(area, 0)
             bos, live_len, length, b_raw, w_lo, w_hi, a_log = self._chunk_issue(
                 True, vb, h, n, tile, regs, ins, modes, tidx, grp, sub)
@@ -1066,19 +1067,6 @@ class KdaStepSm90(StateSlots):
         off = cute.assume(buf * n_el, divby=n_el)  # keeps the 16-byte alignment of the copies
         return cute.make_tensor(area.iterator + off, layout)
 
-    def _chunk_args(self, regs, mQ, mK, mG, mBeta, mV, mALog, mDtBias, mPool, mCu, mRIdx,
-                    mWIdx, mAcc, mHasInit, mErr, fixed_len, cu_wide, max_tokens, read_mode, r_sn,
-                    r_st, r_wide, r_mul, r_add, acc_on, acc_wide, acc_base, acc_skip, max_sel,
-                    hi_on, r_null, write_mode, w_sn, w_st, w_wide, has_a, has_bias):
-        """_chunk_issue's bundles, in its order: the registers its loads fill, the tensors it
-        reads and the kernel's mode words (both kernels' chunk branches pass the same)."""
-        ins = (mQ, mK, mG, mBeta, mV, mALog, mDtBias, mPool, mCu, mRIdx, mWIdx, mAcc, mHasInit,
-               mErr)
-        modes = (fixed_len, cu_wide, max_tokens, read_mode, r_sn, r_st, r_wide, r_mul, r_add,
-                 acc_on, acc_wide, acc_base, acc_skip, max_sel, hi_on, r_null, write_mode, w_sn,
-                 w_st, w_wide, has_a, has_bias)
-        return regs, ins, modes
-
     @cute.jit
     def _chunk_issue(self, ok, vb, h, n, tile, regs, ins, modes, tidx, grp, sub):
         """Tile (vb, h, n) of the chunked kernel (nothing where not `ok`): its row's tokens and
@@ -1262,11 +1250,12 @@ class KdaStepSm90(StateSlots):
             sub = tidx - grp * self.TPR
             tiles = NVB * num_heads * num_rows
             shared, areas, area, rq, rk, rg, rv, bias, qv, kv, dv, x = self._chunk_setup()
-            regs, ins, modes = self._chunk_args(
-                (rq, rk, rg, rv, bias), mQ, mK, mG, mBeta, mV, mALog, mDtBias, mPool, mCu, mRIdx,
-                mWIdx, mAcc, mHasInit, mErr, fixed_len, cu_wide, max_tokens, read_mode, r_sn,
-                r_st, r_wide, r_mul, r_add, acc_on, acc_wide, acc_base, acc_skip, max_sel, hi_on,
-                r_null, write_mode, w_sn, w_st, w_wide, has_a, has_bias)
+            regs = (rq, rk, rg, rv, bias)
+            ins = (mQ, mK, mG, mBeta, mV, mALog, mDtBias, mPool, mCu, mRIdx, mWIdx, mAcc,
+                   mHasInit, mErr)
+            modes = (fixed_len, cu_wide, max_tokens, read_mode, r_sn, r_st, r_wide, r_mul, r_add,
+                     acc_on, acc_wide, acc_base, acc_skip, max_sel, hi_on, r_null, write_mode,
+                     w_sn, w_st, w_wide, has_a, has_bias)
             bos, live_len, length, b_raw, w_lo, w_hi, a_log = self._chunk_issue(
                 bid < tiles, bid % NVB, (bid // NVB) % num_heads, bid // (NVB * num_heads),
                 self._chunk_tile(area, 0), regs, ins, modes, tidx, grp, sub)
