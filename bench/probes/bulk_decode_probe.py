@@ -29,11 +29,11 @@ sys.path.insert(0, str(ROOT.parent))
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "probes"))
 
-from gather_stream_probe import Probe, parse_shapes  # noqa: E402
+from gather_stream_probe import Probe, parse_shapes, plot  # noqa: E402
 from serving import K, V, _flusher, graphed, inputs, step_bytes, time_ms  # noqa: E402
 
 import kda_cute  # noqa: E402
-from bench import copy_bandwidth, pyplot, versions  # noqa: E402
+from bench import copy_bandwidth, versions  # noqa: E402
 
 SRC = Path(__file__).resolve().parent / "bulk_decode" / "probe.cu"
 KERNELS = [(32, 4, 4), (32, 6, 4), (32, 6, 8), (32, 8, 4), (64, 3, 4), (64, 3, 8), (64, 6, 4),
@@ -144,26 +144,6 @@ def markdown(res) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(res, path):
-    plt = pyplot()
-    if plt is None:
-        return
-    rows = res["rows"]
-    fig, axes = plt.subplots(len(rows), 1, figsize=(9, 3.4 * len(rows)), squeeze=False)
-    for ax, r in zip(axes[:, 0], rows, strict=True):
-        items = sorted((v, k) for k, v in r["pct"].items() if v)
-        ax.barh(range(len(items)), [v for v, _ in items])
-        ax.set_yticks(range(len(items)), [k for _, k in items], fontsize=6)
-        ax.axvline(88, color="r", linestyle=":", label="bar (88%)")
-        ax.set_xlim(0, 100)
-        ax.set_title(f"{r['pool']} N{r['N']} H{r['H']}", fontsize=8)
-        ax.legend(fontsize=6)
-    axes[-1, 0].set_xlabel("% of the copy ceiling on a decode's compulsory bytes "
-                           "(CUDA graph, cold L2)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="64:32,256:12,256:32,1024:32")
@@ -189,7 +169,8 @@ def main(argv=None):
         out = Path(a.out)
         out.write_text(json.dumps(res, indent=1) + "\n")
         out.with_suffix(".md").write_text(markdown(res))
-        plot(res, out.with_suffix(".png"))
+        plot(res, out.with_suffix(".png"), line=lambda r: (88, "the serving bar (88%)"),
+             xlabel="% of the copy ceiling on a decode's compulsory bytes (CUDA graph, cold L2)")
 
 
 if __name__ == "__main__":

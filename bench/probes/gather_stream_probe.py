@@ -192,8 +192,10 @@ def markdown(res) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(res, path):
-    """Each shape's variants as % of the copy ceiling, the decode's as a line."""
+def plot(res, path, line=lambda r: (r["decode_pct"], "kda_cute decode"),
+         xlabel="% of the copy ceiling on the state bytes (CUDA graph, cold L2)"):
+    """Each shape's variants (a row's "pct") as % of the copy ceiling, a panel a shape, with
+    line(row) = (x, label) drawn across it (here the decode's %)."""
     plt = pyplot()
     if plt is None:
         return
@@ -203,11 +205,12 @@ def plot(res, path):
         items = sorted((v, k) for k, v in r["pct"].items() if v)
         ax.barh(range(len(items)), [v for v, _ in items])
         ax.set_yticks(range(len(items)), [k for _, k in items], fontsize=6)
-        ax.axvline(r["decode_pct"], color="k", linestyle="--", label="kda_cute decode")
+        x, label = line(r)
+        ax.axvline(x, color="k", linestyle="--", label=label)
         ax.set_xlim(0, 100)
         ax.set_title(f"{r['pool']} N{r['N']} H{r['H']}", fontsize=8)
         ax.legend(fontsize=6)
-    axes[-1, 0].set_xlabel("% of the copy ceiling on the state bytes (CUDA graph, cold L2)")
+    axes[-1, 0].set_xlabel(xlabel)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
