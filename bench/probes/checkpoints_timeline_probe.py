@@ -35,9 +35,7 @@ def record(case: str, mode: str, calls: int = 8) -> list:
     cp.give_workspace(sets, [kw])
     run = cp.runner(kw)
     graph = bench.graph_runner(run, sets)
-    for _ in range(30):
-        run(sets[0])
-    torch.cuda.synchronize()
+    cp._warm(run, sets, 2.0)  # (the clocks settle under load first)
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
         for fn in (run, graph):
             for _ in range(calls):
