@@ -62,6 +62,13 @@ class Checkpoints:
         multiple of 64): no partial chunk, so no side slots or side runs."""
         return self.every > 0 and not self.first_on
 
+    @property
+    def shifts(self) -> bool:
+        """The every-n form from first boundaries: a forward that runs its rows whole (every
+        schedule but segments) shifts each row's chunk grid to its first boundary's phase, so
+        that every boundary ends a chunk (kda_cute.specs.checkpoints)."""
+        return self.every > 0 and bool(self.first_on)
+
 
 @dataclass(frozen=True)
 class Problem:

@@ -11,6 +11,10 @@ global counter: its partial chunk's tokens, workspace chunk, scratch row and des
 fp32 destination is its own scratch row: `in_place`). A
 padding row (the pool form) has no entries; a bad slot is skipped and sets the write slot's
 error word (kda_cute.errors).
+
+Shifted (the every-n form with first boundaries, K2 run over the rows whole): each row's chunk
+grid starts sigma = (C - first % C) % C tokens before it (kernels/kda_offsets_sm90.py), so a
+boundary o is after (o + sigma) / C chunks, every one ends a chunk, and no side slot is taken.
 """
 
 import cutlass
@@ -44,6 +48,7 @@ class KdaCheckpointsSm90(StateSlots):
         first_on: cutlass.Int32, f_sn: cutlass.Int32, f_wide: cutlass.Int32,
         dest_rows: cutlass.Int32, dest_min: cutlass.Int32, side_slots: cutlass.Int32,
         side_base: cutlass.Int32, chunk_shift: cutlass.Int32, in_place: cutlass.Int32,
+        shifted: cutlass.Int32,
         stream,
     ):
         @cute.struct
@@ -57,7 +62,7 @@ class KdaCheckpointsSm90(StateSlots):
         self.kernel(mCuSeq, mEntries, mFirst, mCkAt, mCkTo, mSideCu, mK1Chunks, mSideChunk,
                     mSideRead, mSideWrite, mRIdx, mWIdx, mHasInit, mErr, idx, row_segments,
                     per_row, e_sn, e_se, e_wide, every, first_on, f_sn, f_wide, dest_rows,
-                    dest_min, side_slots, side_base, chunk_shift, in_place).launch(
+                    dest_min, side_slots, side_base, chunk_shift, in_place, shifted).launch(
             grid=(num_rows, 1, 1), block=(self.threads, 1, 1), smem=self.smem_bytes,
             stream=stream)
 
@@ -79,7 +84,7 @@ class KdaCheckpointsSm90(StateSlots):
                e_wide: cutlass.Int32, every: cutlass.Int32, first_on: cutlass.Int32,
                f_sn: cutlass.Int32, f_wide: cutlass.Int32, dest_rows: cutlass.Int32,
                dest_min: cutlass.Int32, side_slots: cutlass.Int32, side_base: cutlass.Int32,
-               chunk_shift: cutlass.Int32, in_place: cutlass.Int32):
+               chunk_shift: cutlass.Int32, in_place: cutlass.Int32, shifted: cutlass.Int32):
         i32 = cutlass.Int32
         NT = self.threads
         tid, _, _ = cute.arch.thread_idx()
@@ -97,6 +102,10 @@ class KdaCheckpointsSm90(StateSlots):
         first = every
         if first_on != 0:
             first, _ = self._word(mFirst, n * f_sn, f_wide)
+        # the row's grid starts sigma tokens before it (shifted; 0 otherwise)
+        sigma = i32(0)
+        if shifted != 0:
+            sigma = (i32(0) - first) & cmask
         # K1's chunk table for the side slots as pairs (constant; this row's share)
         for i in cutlass.range(tid, E, NT):
             k = n * E + i
@@ -117,10 +126,13 @@ class KdaCheckpointsSm90(StateSlots):
                 if dest < dest_min:  # -1 (and the null slot): skipped
                     ok = i32(0)
             if live != 0 and ok != 0 and o >= 1 and o <= length:
-                q = o >> chunk_shift
-                r = o & cmask
+                u = o + sigma  # (from the grid's start)
+                q = u >> chunk_shift
+                r = u & cmask
                 if o == length:  # the sequence's final state: after its last chunk
-                    q = (o + cmask) >> chunk_shift
+                    q = (u + cmask) >> chunk_shift
+                    r = i32(0)
+                if shifted != 0:  # (every boundary ends a chunk: n is a multiple of 64)
                     r = i32(0)
                 key = (q << 6) + r
             sKey[e] = key

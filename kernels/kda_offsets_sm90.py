@@ -7,6 +7,13 @@ high word not zero). The threads' findings meet in one shared word between two b
 every entry is written: as given with its chunk slot cu // chunk + s, or, where any entry was
 bad, 0 with slot s (every sequence empty: K1 and K2 read and write no token of the batch) and
 the error word set (kda_cute.errors), so nothing downstream follows a bad offset.
+
+Shifted (a forward whose every-n checkpoints start at per-row first boundaries: each row's chunk
+grid starts sigma = (C - first % C) % C tokens before the row, so that every boundary ends a
+chunk): K1's table splits each row n in two, [bos, min(bos + f, eos)) (f = first % C; the row's
+partial first chunk, at slot bos // C + 2n) and the rest (from slot bos // C + 2n + 1), and
+K2's cu_chunks holds chunk0 * C + sigma, chunk0 the slot of the row's first chunk (an empty row
+and f = 0: no partial first chunk, sigma 0). The slots between rows hold no tokens.
 """
 
 import cutlass
@@ -31,10 +38,16 @@ class KdaOffsetsSm90:
         mCuSeq: cute.Tensor,  # (N + 1,) int32: the checked copy
         mCuChunk: cute.Tensor,  # (N + 1,) int32: each sequence's first chunk slot
         mErr: cute.Tensor,  # (8,) int32: the error words
+        mFirst: cute.Tensor,  # shifted: the rows' first boundaries (int32 words)
+        mCu1: cute.Tensor,  # shifted: K1's cu_seqlens, (2N + 1,) int32
+        mCc1: cute.Tensor,  # shifted: K1's cu_chunks, (2N + 1,) int32
         wide: cutlass.Int32,  # 1: mCuIn holds int64 entries (word pairs)
         entries: cutlass.Int32,  # N + 1
         tokens: cutlass.Int32,  # T
         chunk_shift: cutlass.Int32,  # log2 of the chunk
+        shifted: cutlass.Int32,
+        f_sn: cutlass.Int32,  # mFirst's row stride (entries)
+        f_wide: cutlass.Int32,  # 1: int64 entries
         stream,
     ):
         @cute.struct
@@ -43,7 +56,8 @@ class KdaOffsetsSm90:
 
         self.shared_storage = SharedStorage
         self.smem_bytes = SharedStorage.size_in_bytes()
-        self.kernel(mCuIn, mCuSeq, mCuChunk, mErr, wide, entries, tokens, chunk_shift).launch(
+        self.kernel(mCuIn, mCuSeq, mCuChunk, mErr, mFirst, mCu1, mCc1, wide, entries, tokens,
+                    chunk_shift, shifted, f_sn, f_wide).launch(
             grid=(1, 1, 1), block=(self.threads, 1, 1), smem=self.smem_bytes, stream=stream)
 
     # ---------------------------------------------------------------- device
@@ -58,10 +72,42 @@ class KdaOffsetsSm90:
                 ok = cutlass.Int32(0)
         return v, ok
 
+    @cute.jit
+    def _shifted(self, mCuIn: cute.Tensor, mCuChunk: cute.Tensor, mFirst: cute.Tensor,
+                 mCu1: cute.Tensor, mCc1: cute.Tensor, i, v, any_bad, wide, entries,
+                 chunk_shift, f_sn, f_wide):
+        """Entry i's share of the shifted tables (v: its checked offset). Only first's low word
+        is read: f = first % C is its low bits whatever its width or sign (the checkpoints
+        kernel reads the same word)."""
+        i32 = cutlass.Int32
+        cmask = (i32(1) << chunk_shift) - 1
+        base = (v >> chunk_shift) + 2 * i
+        mCu1[2 * i] = v
+        mCc1[2 * i] = base
+        if i + 1 < entries:
+            e, _ = self._entry(mCuIn, i + 1, wide)
+            if any_bad != 0:
+                e = i32(0)
+            f = mFirst[i * f_sn] & cmask
+            if f_wide != 0:
+                f = mFirst[2 * i * f_sn] & cmask
+            if e == v:
+                f = i32(0)
+            mCu1[2 * i + 1] = cutlass.min(v + f, e)
+            mCc1[2 * i + 1] = base + 1
+            chunk0 = base
+            if f == 0:
+                chunk0 = base + 1
+            mCuChunk[i] = (chunk0 << chunk_shift) + ((i32(0) - f) & cmask)
+        else:
+            mCuChunk[i] = base << chunk_shift
+
     @cute.kernel
     def kernel(self, mCuIn: cute.Tensor, mCuSeq: cute.Tensor, mCuChunk: cute.Tensor,
-               mErr: cute.Tensor, wide: cutlass.Int32, entries: cutlass.Int32,
-               tokens: cutlass.Int32, chunk_shift: cutlass.Int32):
+               mErr: cute.Tensor, mFirst: cute.Tensor, mCu1: cute.Tensor, mCc1: cute.Tensor,
+               wide: cutlass.Int32, entries: cutlass.Int32, tokens: cutlass.Int32,
+               chunk_shift: cutlass.Int32, shifted: cutlass.Int32, f_sn: cutlass.Int32,
+               f_wide: cutlass.Int32):
         i32 = cutlass.Int32
         tid, _, _ = cute.arch.thread_idx()
         smem = utils.SmemAllocator()
@@ -91,7 +137,11 @@ class KdaOffsetsSm90:
             if any_bad != 0:
                 v = i32(0)
             mCuSeq[i] = v
-            mCuChunk[i] = (v >> chunk_shift) + i
+            if shifted != 0:
+                self._shifted(mCuIn, mCuChunk, mFirst, mCu1, mCc1, i, v, any_bad, wide,
+                              entries, chunk_shift, f_sn, f_wide)
+            else:
+                mCuChunk[i] = (v >> chunk_shift) + i
         if any_bad != 0:
             if tid == 0:
                 mErr[E_PREFILL_CU] = i32(1)

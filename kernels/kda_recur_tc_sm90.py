@@ -364,9 +364,14 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
         # table's last word) and its sequences' bounds are pairs
         num_seqs = cutlass.Int32(cute.size(mCuSeq) - 1)
         step = cutlass.Int32(1)
-        if side != 0:
-            num_seqs = mCuSeq[num_seqs]
-            step = cutlass.Int32(2)
+        if cutlass.const_expr(self.checkpoints):  # (side 2: a main run, its grids shifted)
+            if side == 1:
+                num_seqs = mCuSeq[num_seqs]
+                step = cutlass.Int32(2)
+        else:
+            if side != 0:
+                num_seqs = mCuSeq[num_seqs]
+                step = cutlass.Int32(2)
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         v0 = vb * BV
         if cutlass.const_expr(self.rescale):
@@ -439,18 +444,26 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
             for seq in cutlass.range(z, num_seqs, nz):
                 bos = mCuSeq[seq * step]
                 chunk0 = mCuChunk[seq]
+                if cutlass.const_expr(self.checkpoints):
+                    chunk0, vs = self._grid(mCuChunk, seq, bos, side)
                 # a padding row runs no chunk (the consumers agree: _slots)
                 live, _, _, _ = self._slots(mRIdx, mWIdx, mHasInit, mErr, seq, idx,
                                             cutlass.Int32(0))
                 if cutlass.const_expr(self.rescale):  # only the items a warp of overflowed
                     live = live * self._fixes(mFix, seq, nh, h, vb)[0]
-                nch = (mCuSeq[seq * step + 1] - bos + C - 1) // C * live
+                if cutlass.const_expr(self.checkpoints):
+                    nch = (mCuSeq[seq * step + 1] - vs + C - 1) // C * live
+                else:
+                    nch = (mCuSeq[seq * step + 1] - bos + C - 1) // C * live
                 flagged = cutlass.Int32(-1)  # chunks 0 .. flagged known written (K1 alongside)
                 for c in cutlass.range(nch):
                     pipe.producer_acquire(state)
                     bar = pipe.producer_get_barrier(state)
                     s = state.index
-                    t0 = bos + c * C
+                    if cutlass.const_expr(self.checkpoints):
+                        t0 = cutlass.max(bos, vs + c * C)
+                    else:
+                        t0 = bos + c * C
                     r0 = (chunk0 + c) * C  # the chunk's first workspace row
                     if cutlass.const_expr(self.alongside):
                         if c > flagged:
@@ -478,8 +491,31 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
             self._consume(pipe, sKg, sQg, sKdh, sKdl, sAwh, sAwl, sMqh, sMql, sGl, sV, sO,
                           l_slab, mOut, (tma_o, tO), mS0f, mS0h, mS1f, mS1h, state_in,
                           state_out, (mma_p, mma_q), mma_s, tidx, warp, h, vb, mCuSeq,
-                          (z, num_seqs, nz, step), ready, (mRIdx, mWIdx, mHasInit, mErr), idx,
-                          ckpt, side, sCk, (mFix, fix_on, nh))
+                          (z, num_seqs, nz, step, mCuChunk), ready,
+                          (mRIdx, mWIdx, mHasInit, mErr), idx, ckpt, side, sCk,
+                          (mFix, fix_on, nh))
+
+    @cute.jit
+    def _grid(self, mCuChunk: cute.Tensor, seq, bos, side):
+        """The checkpoints builds: (row `seq`'s first workspace chunk, the token its chunk
+        grid starts at). Side 2, the main run of a forward whose every-n checkpoints start at a
+        first boundary (kda_cute.specs.offsets: shifted): cu_chunks holds chunk0 * C + sigma,
+        the grid starting sigma < C tokens before the row so that every boundary ends a chunk
+        (its first chunk partial, as a row's last may be); otherwise the row's first token."""
+        mask, shift = self.C - 1, self.C.bit_length() - 1
+        chunk0 = mCuChunk[seq]
+        vs = bos
+        if side == 2:
+            vs = bos - (chunk0 & mask)
+            chunk0 = chunk0 >> shift
+        return chunk0, vs
+
+    @cute.jit
+    def _extent(self, bos, a, rem):
+        """(first token, length) of the grid's chunk [a, a + C) cut to a row starting at bos
+        with `rem` = its end - a tokens (a >= bos - C)."""
+        t0 = cutlass.max(bos, a)
+        return t0, cutlass.min(self.C, rem) + a - t0
 
     @cute.jit
     def _wy_operand(self, pipe, wstate, sKg, sAwh, ready):
@@ -609,7 +645,7 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
         aUl = cute.make_rmem_tensor_like(vU, bf16)
 
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-        z, num_seqs, nz, step = seqs
+        z, num_seqs, nz, step, mCuChunk = seqs
         mRIdx, mWIdx, mHasInit, mErr = tables
         mCkAt, mCkTo, mCkF, mCkH, mCkS, ck_rows, ck_dtype = ckpt
         mFix, fix_on, nh = fix
@@ -619,9 +655,13 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
         sig = cute.make_rmem_tensor((4,), f32) if self.rescale else None
         # the side run stores no output (its partial chunks' outputs are the forward's)
         keep = 1 - side
+        if cutlass.const_expr(self.checkpoints):
+            keep = 1 - (side & 1)  # (side 2: a main run, its grids shifted)
         for seq in cutlass.range(z, num_seqs, nz):
             bos = mCuSeq[seq * step]
             eos = mCuSeq[seq * step + 1]
+            if cutlass.const_expr(self.checkpoints):
+                _, vs = self._grid(mCuChunk, seq, bos, side)
             # the rows of the state read and written; a padding row neither reads nor writes,
             # runs no chunk (the producer loads none) and its outputs are zeros
             live, rs, ws, init = self._slots(mRIdx, mWIdx, mHasInit, mErr, seq, idx,
@@ -634,10 +674,17 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
                 anyf, mine = self._fixes(mFix, seq, nh, h, vb, warp)
                 live = live * anyf
                 sig.fill(1.0)
-            num_chunks = (eos - bos + C - 1) // C * live
+            if cutlass.const_expr(self.checkpoints):
+                num_chunks = (eos - vs + C - 1) // C * live
+            else:
+                num_chunks = (eos - bos + C - 1) // C * live
             if cutlass.const_expr(self.outputs and not self.rescale):
-                if live == 0 and side == 0:
-                    self._zero_rows(mOut, bos, eos, h, v0, tidx, self.mma_threads)
+                if cutlass.const_expr(self.checkpoints):
+                    if live == 0 and keep != 0:
+                        self._zero_rows(mOut, bos, eos, h, v0, tidx, self.mma_threads)
+                else:
+                    if live == 0 and side == 0:
+                        self._zero_rows(mOut, bos, eos, h, v0, tidx, self.mma_threads)
             s_in = state_in
             if live == 0 or init == 0:
                 s_in = cutlass.Int32(0)
@@ -692,7 +739,10 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
                 ready_tok = cutlass.Boolean(False)
                 # (self.carry: the chunk's first token, the tokens left from it and the output
                 # buffer carried from chunk to chunk)
-                t_run = bos + c0 * C - C
+                if cutlass.const_expr(self.checkpoints):
+                    t_run = vs + c0 * C - C
+                else:
+                    t_run = bos + c0 * C - C
                 r_run = eos - t_run
                 b_run = (c0 & 1) ^ 1
                 for c in cutlass.range(c0, stop):
@@ -711,13 +761,21 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
                                 cute.arch.mbarrier_wait(ready + s, state.phase)
                         else:
                             cute.arch.mbarrier_wait(ready + s, state.phase)
-                    if cutlass.const_expr(self.carry):
-                        t0 = t_run
-                        rem = r_run
+                    if cutlass.const_expr(self.checkpoints):
+                        # the chunk [a, a + C) of the row's grid, cut to the row
+                        if cutlass.const_expr(self.carry):
+                            t0, length = self._extent(bos, t_run, r_run)
+                        else:
+                            a = vs + c * C
+                            t0, length = self._extent(bos, a, eos - a)
                     else:
-                        t0 = bos + c * C
-                        rem = eos - t0
-                    length = cutlass.min(C, rem)
+                        if cutlass.const_expr(self.carry):
+                            t0 = t_run
+                            rem = r_run
+                        else:
+                            t0 = bos + c * C
+                            rem = eos - t0
+                        length = cutlass.min(C, rem)
                     out_len = length * keep  # the tokens whose outputs are stored
                     if cutlass.const_expr(self.rescale):
                         out_len = out_len * mine
@@ -804,7 +862,8 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
                         # the run's last chunk stored its output whole (a bulk group younger
                         # than the slab's last store; read by the tensor-map builds only, never
                         # a rescale build)
-                        held = cutlass.min(C, eos - (bos + (c0 - 1) * C)) * keep
+                        a_end = vs + (c0 - 1) * C
+                        held = self._extent(bos, a_end, eos - a_end)[1] * keep
                         if cutlass.const_expr(self.defer):
                             if (c0 < num_chunks and ck[3] != c0 and ck[2] >= 0
                                     and ck_dtype == STATE_BF16):

@@ -529,8 +529,7 @@ def test_side_runs_probe_edits_only_the_side_steps(probes, monkeypatch):
     from tests.test_plan import _plan
 
     probe = probes("side_runs_probe")
-    pl = _plan(B=1, T=300, H=4, K=128,
-               ckpt=dict(every=64, per_row=5, slots=5, first=True, dtype="bf16"))
+    pl = _plan(B=1, T=300, H=4, K=128, ckpt=dict(offsets=5, dtype="bf16"))
     vs = probe.variants(pl)
     side = pl.step("K2 side")
     assert side.grid[2] > 1 and not side.programmatic
@@ -549,8 +548,7 @@ def test_side_runs_probe_edits_only_the_side_steps(probes, monkeypatch):
     assert before.kernel == dataclasses.replace(k1.kernel, looped=False)
     assert before.grid == (4, 5, 1)
     assert (before.args, before.sources, before.smem) == (k1.args, k1.sources, k1.smem)
-    big = _plan(B=1, T=8192, H=64, K=128,
-                ckpt=dict(every=64, per_row=128, slots=128, first=True, dtype="bf16"))
+    big = _plan(B=1, T=8192, H=64, K=128, ckpt=dict(offsets=128, dtype="bf16"))
     bv = probe.variants(big)
     # K128's f16 K1 holds 5 CTAs an SM (88 registers): 660 over 64 heads
     assert big.step("K1 side").grid == (64, 10, 1)

@@ -201,12 +201,112 @@ def test_aligned_every_form_runs_no_side():
     assert pl.step("K2").kernel.checkpoints
     with_first = _plan(_call(seqlens=[300, 0, 1700, 5], H=4,
                              **_slots(N=4, M=30, dtype=F32, slots=130, first=True)))
-    assert "K2 side" in [s.name for s in with_first.steps]
+    assert "K2 side" not in [s.name for s in with_first.steps]
     # both say so in words
     assert ("checkpoints: 30 a sequence, every 64 tokens, on chunk boundaries (no side runs)"
             in pl.notes)
-    assert "checkpoints: 30 a sequence, every 64 tokens" in with_first.notes
-    assert "checkpoints: 30 a sequence, every 64 tokens" in with_first.describe()
+    shifted = ("checkpoints: 30 a sequence, every 64 tokens, the rows' chunk grids shifted to "
+               "their first boundaries (no side runs)")
+    assert shifted in with_first.notes and shifted in with_first.describe()
+
+
+@pytest.mark.parametrize("kw", [dict(seqlens=[300, 0, 1700, 5], H=4),
+                                dict(B=3, T=300, H=64), dict(B=1, T=8192, H=32)],
+                         ids=["varlen", "fixed", "alongside"])
+def test_every_form_from_first_boundaries_shifts_the_grids(kw):
+    """checkpoint_first: the offsets kernel (a fixed-length batch's too, from the launcher's
+    offsets) writes the shifted tables from it before K1; K1 runs each row in two (2N
+    sequences: its partial first chunk, then the rest) over N more chunk slots; K2 reads
+    cu_chunks as chunk0 * C + sigma (side 2) and its rescale run likewise; the checkpoints
+    kernel keys from the shifted grid; no side slots, side runs or their zeroing."""
+    N = len(kw["seqlens"]) if "seqlens" in kw else kw["B"]
+    plain = _plan(_call(**kw))
+    pl = _plan(_call(**kw, **_slots(N=N, M=30, H=kw["H"], dtype=BF16, slots=130, first=True)))
+    names = [s.name for s in pl.steps]
+    assert not {"K1 side", "K2 side", "K2 side rescale", "zero side slots"} & set(names)
+    assert names[0] == "offsets" and names.index("offsets") < names.index("K1")
+    offs, k1, k2 = pl.step("offsets"), pl.step("K1"), pl.step("K2")
+    assert offs.source("shifted") == Scalar(1)
+    assert offs.source("first") == Role("checkpoint_first")
+    if "seqlens" not in kw:  # the launcher's offsets of the fixed-length rows
+        assert offs.source("cu_in").buffer.kind == "segments"
+    assert k1.source("cu_seqlens") == offs.source("k1_cu_seqlens")
+    assert k1.source("cu_chunks") == offs.source("k1_cu_chunks")
+    assert k1.source("num_seqs") == Scalar(2 * N) and k1.source("seq_len") == Scalar(0)
+    assert dict(k1.syms)["N1"] == 2 * N + 1
+    assert k2.source("cu_chunks") == offs.source("cu_chunks")
+    assert k2.source("cu_seqlens") == offs.source("cu_seqlens")
+    assert k2.source("side") == Scalar(2) and k2.kernel.checkpoints
+    assert pl.step("K2 rescale").source("side") == Scalar(2)
+    assert pl.step("checkpoints").source("shifted") == Scalar(1)
+    p = pl.problem
+    assert workspace.main_slots(p, 16) == workspace.main_slots(plain.problem, 16) + N
+    assert workspace.side_slots(p) == (0 if "seqlens" in kw else N * 30)
+    assert workspace.rows(p, 16)[0] * 16 <= pl.workspace_bytes
+    # the K1 grid covers the slots
+    assert k1.grid[1] * k1.grid[2] >= workspace.main_slots(p, 16)
+
+
+def test_segments_keep_the_side_runs_with_first_boundaries():
+    """The segments do not shift: a fixed-length batch that runs in segments takes the side
+    runs for mid-chunk boundaries, in the side slots its workspace keeps."""
+    ck = _slots(N=1, M=30, H=4, dtype=BF16, slots=130, first=True)
+    pl = _plan(_call(B=1, T=8192, H=4, **ck), segments=4)
+    assert str(pl.schedule) == "segments 4"
+    names = [s.name for s in pl.steps]
+    assert {"K1 side", "K2 side", "zero side slots"} <= set(names)
+    assert "offsets" not in names
+    assert pl.step("checkpoints").source("shifted") == Scalar(0)
+    assert pl.step("K2 from starts").source("side") == Scalar(0)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_shifted_tables_tile_every_row(seed):
+    """workspace.shifted_tables (the offsets kernel's reference): K1's two pieces of each row
+    tile it, the first no longer than the chunk; K2's chunk j of row n, [vs + jC, vs + (j+1)C)
+    cut to the row (vs = bos - sigma), is K1's chunk in the same slot; every boundary first[n]
+    + i * 64 ends a chunk; the rows' slots do not overlap and stay below the bound (the last
+    cu_chunks entry) and the workspace's main slots."""
+    from kda_cute.plans.workspace import shifted_tables
+    g = torch.Generator().manual_seed(seed)
+    C = 16
+    N = int(torch.randint(1, 40, (1,), generator=g))
+    lens = torch.randint(0, 300, (N,), generator=g)
+    lens[torch.rand(N, generator=g) < 0.2] = 0
+    cu = torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)])
+    first = torch.randint(-200, 400, (N,), generator=g)
+    cu1, cc1, cc2 = (t.long() for t in shifted_tables(cu, first, C))
+    T = int(cu[-1])
+    bound = int(cc1[-1])
+    assert bound == T // C + 2 * N and int(cc2[-1]) == bound * C
+    assert bool((cc1[1:] > cc1[:-1]).all())
+    # K1's chunks: slot -> tokens
+    k1 = {}
+    for s in range(2 * N):
+        a, b, c0 = int(cu1[s]), int(cu1[s + 1]), int(cc1[s])
+        for j, t in enumerate(range(a, b, C)):
+            assert c0 + j < int(cc1[s + 1]) and c0 + j < bound
+            k1[c0 + j] = (t, min(C, b - t))
+    for n in range(N):
+        bos, eos = int(cu[n]), int(cu[n + 1])
+        assert int(cu1[2 * n]) == bos and bos <= int(cu1[2 * n + 1]) <= min(eos, bos + C - 1)
+        chunk0, sigma = int(cc2[n]) // C, int(cc2[n]) % C
+        vs = bos - sigma
+        nch = (eos - vs + C - 1) // C if eos > bos else 0
+        assert (sigma == 0) if eos == bos else sigma == (-int(first[n])) % C
+        ends = set()
+        for j in range(nch):
+            a = vs + j * C
+            t0 = max(bos, a)
+            length = min(a + C, eos) - t0
+            assert length >= 1 and k1[chunk0 + j] == (t0, length), (n, j)
+            ends.add(t0 + length - bos)
+        for i in range(10):
+            o = int(first[n]) + 64 * i
+            if 1 <= o <= eos - bos:
+                assert o in ends, (n, o)
+        # (o + sigma) / C chunks before the boundary, as the checkpoints kernel keys it
+        assert all((o + sigma) % C == 0 or o == eos - bos for o in ends)
 
 
 def test_checkpoint_state_must_be_aligned():

@@ -5,7 +5,10 @@ float64; every destination row or slot not asked for untouched (poisoned before 
 
 Both forms: checkpoint_offsets [N, C] into checkpoint_state [N, C, H, V, K], and checkpoint_slots
 [N, M] with checkpoint_every (from checkpoint_first[n]) into a pool. Offsets cut chunks anywhere:
-1, 15, 16, 17, mid-sequence, the length itself, and unused ones (-1, 0, past the length)."""
+1, 15, 16, 17, mid-sequence, the length itself, and unused ones (-1, 0, past the length). With
+checkpoint_first the rows' chunk grids shift to their first boundaries' phase: each checkpoint is
+then bit-identical to its prefix alone with the same checkpoint_first, within 1e-5 (fp32) of one
+without, and the forward's outputs and final state meet the float64 bar."""
 
 import pytest
 import torch
@@ -50,16 +53,27 @@ def _bounds(inp):
     return [(n * T, (n + 1) * T) for n in range(N)]
 
 
-def _prefix(inp, n, o, s0, dtype, opts):
-    """The final state of a forward of sequence n's first o tokens alone, from s0."""
+def _shifted_by(first, H, V, K):
+    """A forward's checkpoint arguments that ask for nothing but shift its one row's grid as
+    checkpoint_first = first does (every slot -1)."""
+    return dict(checkpoint_state=torch.empty(1, H, V, K, device="cuda"),
+                checkpoint_slots=torch.full((1, 1), -1, dtype=torch.int32, device="cuda"),
+                checkpoint_every=64,
+                checkpoint_first=torch.tensor([first], dtype=torch.int32, device="cuda"))
+
+
+def _prefix(inp, n, o, s0, dtype, opts, first=None):
+    """The final state of a forward of sequence n's first o tokens alone, from s0; its grid
+    shifted as checkpoint_first = `first` shifts it, if given."""
     b, _ = _bounds(inp)[n]
     flat = {x: inp[x].flatten(0, 1)[None] for x in ("q", "k", "v", "g", "beta")}
     sub = dict(inp, **flat)
     H, V, K = inp["v"].shape[2], inp["v"].shape[3], inp["q"].shape[3]
     out = torch.empty(1, o, H, V, dtype=torch.bfloat16, device="cuda")
     final = torch.full((1, H, V, K), float("nan"), dtype=dtype, device="cuda")
+    kw = {} if first is None else _shifted_by(first, H, V, K)
     _run(sub, out, None if s0 is None else s0[None].clone(), final, opts,
-         rows=slice(b, b + o))
+         rows=slice(b, b + o), **kw)
     return final[0]
 
 
@@ -199,8 +213,11 @@ def test_every_into_pool(dtype, precision, with_first):
             if n == 5 or s < 0 or not 1 <= o <= e - b:
                 continue
             written.add(s)
-            want = _prefix(inp, n, o, before[read[n]], dtype, opts)
+            f = int(first[n]) if with_first else None
+            want = _prefix(inp, n, o, before[read[n]], dtype, opts, first=f)
             assert _same(pool[s], want), (n, i, o)
+            if f is not None and dtype == torch.float32:  # the unshifted grid: rounding apart
+                assert _close(pool[s], _prefix(inp, n, o, before[read[n]], dtype, opts))
             assert rel_err(pool[s], _ref_state(inp, n, o, before[read[n]])) < STATE_TOL[dtype]
     rest = [s for s in range(pool.shape[0]) if s not in written]
     assert _same(pool[rest], before[rest])
@@ -235,19 +252,23 @@ def test_every_into_a_strided_pool(K, dtype):
             if not 1 <= o <= e - b:
                 continue
             written.add(s)
-            assert _same(pool[s], _prefix(inp, n, o, None, dtype, opts)), (n, i, o)
+            want = _prefix(inp, n, o, None, dtype, opts, first=int(first[n]))
+            assert _same(pool[s], want), (n, i, o)
     assert written
     rest = [s for s in range(slots) if s not in written]
     assert _same(big[rest], before[rest])
     assert _same(big[:, H * V * K:], before[:, H * V * K:])  # the gaps between slots
 
 
+@pytest.mark.parametrize("form", ["every", "offsets"])
 @pytest.mark.parametrize("K,precision,dtype,H", [(128, "fast", torch.bfloat16, 48),
                                                    (64, "precise", torch.float32, 96)])
-def test_every_many_heads_and_side_slots(K, precision, dtype, H):
-    """Many heads, many mid-chunk boundaries (side slots past a row's end or skipped among
-    them), K1's side run looped (a CTA several side slots in turn): every checkpoint
-    bit-identical to its prefix alone, every other slot untouched."""
+def test_many_heads_and_mid_chunk_boundaries(K, precision, dtype, H, form):
+    """Many heads, many boundaries inside the rows' chunks (some past a row's end or skipped
+    among them). The every-n form from first boundaries: no side run (the grids shifted),
+    every checkpoint bit-identical to its prefix alone with the same checkpoint_first. The
+    same boundaries as offsets: side slots, K1's side run looped (a CTA several side slots
+    in turn), every checkpoint bit-identical to its prefix alone. Every other slot untouched."""
     seqlens = [700, 300, 520]
     inp = make_inputs(seqlens=seqlens, H=H, K=K, seed=17)
     N, M = len(seqlens), 11
@@ -258,14 +279,24 @@ def test_every_many_heads_and_side_slots(K, precision, dtype, H):
     before = pool.clone()
     out = torch.empty_like(inp["v"])
     opts = _opts(inp, precision, **SERIAL)
-    pl = _run(inp, out, None, None, opts, cu=inp["cu_seqlens"], checkpoint_state=pool,
-              checkpoint_slots=cs, checkpoint_every=64, checkpoint_first=first)
+    if form == "every":
+        kw = dict(checkpoint_state=pool, checkpoint_slots=cs, checkpoint_every=64,
+                  checkpoint_first=first)
+    else:  # row n's entry i at row n * M + i of [N, M, H, V, K]
+        offs = first[:, None] + 64 * torch.arange(M, device="cuda")[None]
+        offs[cs < 0] = -1
+        kw = dict(checkpoint_state=pool.view(N, M, H, K, K), checkpoint_offsets=offs)
+    pl = _run(inp, out, None, None, opts, cu=inp["cu_seqlens"], **kw)
     torch.cuda.synchronize()
     kda_cute.check_errors(sync=True)
-    # K1's side run, looped: fewer grid rows (one resident wave over H heads) than the 23
-    # side slots in use, so some CTAs prepare two partial chunks in turn
-    side = pl.step("K1 side")
-    assert side.kernel.looped and side.grid[0] == H and side.grid[1] < 23, side.grid
+    names = [s.name for s in pl.steps]
+    if form == "every":
+        assert not {"K1 side", "K2 side"} & set(names), names
+    else:
+        # K1's side run, looped: fewer grid rows (one resident wave over H heads) than the 23
+        # side slots in use, so some CTAs prepare two partial chunks in turn
+        side = pl.step("K1 side")
+        assert side.kernel.looped and side.grid[0] == H and side.grid[1] < 23, side.grid
     written = set()
     for n, (b, e) in enumerate(_bounds(inp)):
         for i in range(M):
@@ -273,13 +304,104 @@ def test_every_many_heads_and_side_slots(K, precision, dtype, H):
             if s < 0 or not 1 <= o <= e - b:
                 continue
             written.add(s)
-            assert _same(pool[s], _prefix(inp, n, o, None, dtype, opts)), (n, i, o)
+            f = int(first[n]) if form == "every" else None
+            assert _same(pool[s], _prefix(inp, n, o, None, dtype, opts, first=f)), (n, i, o)
     assert len(written) == 11 + 4 + 8
     for n, i in ((0, 0), (0, 10), (2, 7)):  # and within the bar of float64
         o = int(first[n]) + 64 * i
         assert rel_err(pool[int(cs[n, i])], _ref_state(inp, n, o, None)) < STATE_TOL[dtype]
     rest = [s for s in range(N * M) if s not in written]
     assert _same(pool[rest], before[rest])
+
+
+@pytest.mark.parametrize("varlen", [True, False], ids=["varlen", "fixed"])
+def test_shifted_tables_on_the_device(varlen):
+    """The offsets kernel's shifted tables equal workspace.shifted_tables: more rows than its
+    threads (a loop), empty rows, first boundaries of every phase (negative, past the row)
+    as a strided int64 view; a fixed-length batch's from the launcher's offsets."""
+    from kda_cute.launch import buffers
+    from kda_cute.plans.workspace import shifted_tables
+
+    gen = torch.Generator().manual_seed(9)
+    if varlen:
+        lens = torch.randint(0, 40, (300,), generator=gen)
+        lens[::7] = 0
+        inp = make_inputs(seqlens=lens.tolist(), H=2, K=64, seed=3)
+        cu = inp["cu_seqlens"]
+    else:
+        inp = make_inputs(B=5, T=77, H=2, K=64, seed=3)
+        cu = torch.arange(6, device="cuda") * 77
+    N = cu.numel() - 1
+    first = torch.randint(-100, 300, (N, 2), generator=gen).cuda()[:, 1]
+    out = torch.empty_like(inp["v"])
+    call = Call(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], out, inp["A_log"],
+                inp["dt_bias"], None, None, inp["cu_seqlens"], inp["scale"],
+                inp["lower_bound"], checkpoint_state=torch.empty(4, 2, 64, 64, device="cuda"),
+                checkpoint_slots=torch.full((N, 2), -1, dtype=torch.int32, device="cuda"),
+                checkpoint_every=64, checkpoint_first=first)
+    opts = _opts(inp, **SERIAL)
+    pl = plans.plan(checks.forward(call, opts), opts, plans.device_info(0))
+    offs = pl.step("offsets")
+    launch.run(pl.only("offsets"), call)
+    torch.cuda.synchronize()
+    kda_cute.check_errors(sync=True)
+    stream = torch.cuda.current_stream().cuda_stream
+    got = [buffers.get(offs.source(name).buffer, out.device, stream).cpu()
+           for name in ("k1_cu_seqlens", "k1_cu_chunks", "cu_chunks", "cu_seqlens")]
+    want = shifted_tables(cu, first, pl.config.chunk)
+    for name, g, w in zip(("k1 cu_seqlens", "k1 cu_chunks", "cu_chunks"), got, want,
+                          strict=False):
+        assert torch.equal(g, w), name
+    assert torch.equal(got[3].long(), cu.cpu().long())
+
+
+OUT_TOL = 3.5e-3
+
+
+@pytest.mark.parametrize("sched", ["serial", "wy", "alongside"])
+@pytest.mark.parametrize("K", [64, 128, 256])
+def test_shifted_forward_meets_the_reference(K, sched):
+    """A forward whose grids are shifted (every-n checkpoints from first boundaries with every
+    phase: 0, 1, 15, 16, past a short row, negative, int64 and strided): its outputs (the
+    partial first chunks' stored token by token) and final states within the float64 bar,
+    the output buffer's guard rows untouched; within rounding of the forward without
+    checkpoints, its final states within 1e-5 (fp32)."""
+    if sched == "alongside":
+        seqlens = [2048, 1000]
+        opts_kw = dict(segments=1, alongside=True, wy="off")
+    else:
+        seqlens = [200, 0, 7, 130, 64, 301, 33, 16]
+        opts_kw = SERIAL if sched == "serial" else WY
+    inp = make_inputs(seqlens=seqlens, H=2, K=K, seed=K + 3)
+    N = len(seqlens)
+    phases = [5, 1, 15, 16, 64, 40, -3, 0]
+    wide = torch.tensor(phases[:N], dtype=torch.int64, device="cuda")
+    first = torch.stack([wide, wide], 1)[:, 0]  # (a strided int64 view)
+    M, H = 8, 2
+    pool = torch.full((N * M, H, K, K), SENTINEL, device="cuda")
+    slots = torch.arange(N * M, dtype=torch.int32, device="cuda").view(N, M)
+    pad = 32
+    T = inp["q"].shape[1]
+    buf = torch.full((T + 2 * pad, H, K), float("nan"), dtype=torch.bfloat16, device="cuda")
+    out = buf[pad:pad + T].unsqueeze(0)
+    final = torch.full((N, H, K, K), float("nan"), device="cuda")
+    opts = _opts(inp, **opts_kw)
+    pl = _run(inp, out, inp["initial_state"], final, opts, cu=inp["cu_seqlens"],
+              checkpoint_state=pool, checkpoint_slots=slots, checkpoint_every=64,
+              checkpoint_first=first)
+    torch.cuda.synchronize()
+    kda_cute.check_errors(sync=True)
+    assert pl.step("K2").source("side").value == 2
+    assert str(pl.schedule) == ("alongside" if sched == "alongside" else "serial")
+    ref_o, ref_s = reference(inp)
+    assert torch.isfinite(out.float()).all() and torch.isfinite(final).all()
+    assert rel_err(out, ref_o) < OUT_TOL and rel_err(final, ref_s) < STATE_TOL[torch.float32]
+    assert bool(torch.isnan(buf[:pad].float()).all() and torch.isnan(buf[-pad:].float()).all())
+    out2, final2 = torch.empty_like(out), torch.empty_like(final)
+    _run(inp, out2, inp["initial_state"], final2, opts, cu=inp["cu_seqlens"])
+    torch.cuda.synchronize()
+    assert _close(final, final2)
+    assert rel_err(out, out2) < 2e-3
 
 
 def test_every_bad_slot_raises():
@@ -352,10 +474,11 @@ def test_checkpoints_in_a_cuda_graph():
     _check_offsets(inp, offs, cs, inp["initial_state"], opts, opts)
 
 
-def _scratch_case(seed=29, varlen=True):
+def _scratch_case(seed=29, varlen=True, form="every"):
     """A forward (varlen, or fixed-length: its offsets the launcher's constants) with
-    checkpoints every 64 tokens from mid-chunk first boundaries (every side run and the
-    launcher's checkpoint tables in use) and the bf16 pool it writes."""
+    checkpoints every 64 tokens from mid-chunk first boundaries (the grids shifted, the
+    launcher's checkpoint and shifted tables in use), or at the same offsets (every side run
+    in use), and the bf16 pool it writes."""
     if varlen:
         inp = make_inputs(seqlens=[300, 17, 700, 450], H=4, K=128, seed=seed)
     else:
@@ -369,6 +492,10 @@ def _scratch_case(seed=29, varlen=True):
     kw = dict(cu=inp["cu_seqlens"] if varlen else None, checkpoint_state=pool,
               checkpoint_slots=slots,
               checkpoint_every=64, checkpoint_first=first)
+    if form == "offsets":
+        offs = first[:, None] + 64 * torch.arange(M, device="cuda", dtype=torch.int32)[None]
+        kw = dict(cu=kw["cu"], checkpoint_state=pool.view(N, M, 4, 128, 128),
+                  checkpoint_offsets=offs)
     return inp, out, final, pool, kw
 
 
@@ -376,15 +503,17 @@ def _junk(t: torch.Tensor, byte: int) -> None:
     t.view(torch.uint8).fill_(byte)
 
 
-def test_the_launchers_scratch_is_written_before_it_is_read():
-    """Every scratch tensor the launcher keeps for a checkpointed varlen forward (its tables,
-    side slots, scratch states, rescale words, offsets) filled with junk between two calls:
-    the second call's outputs are bit-identical to the first's and no error is reported (each
-    forward writes what it reads of them)."""
+@pytest.mark.parametrize("form", ["every", "offsets"])
+@pytest.mark.parametrize("varlen", [True, False], ids=["varlen", "fixed"])
+def test_the_launchers_scratch_is_written_before_it_is_read(varlen, form):
+    """Every scratch tensor the launcher keeps for a checkpointed forward (its tables, side
+    slots, scratch states, rescale words, offsets, shifted tables) filled with junk between
+    two calls: the second call's outputs are bit-identical to the first's and no error is
+    reported (each forward writes what it reads of them)."""
     from kda_cute.launch import buffers
     from kda_cute.plans.steps import At
 
-    inp, out, final, pool, kw = _scratch_case()
+    inp, out, final, pool, kw = _scratch_case(varlen=varlen, form=form)
     opts = _opts(inp, **SERIAL)
     pl = _run(inp, out, inp["initial_state"], final, opts, **kw)
     torch.cuda.synchronize()
@@ -393,7 +522,10 @@ def test_the_launchers_scratch_is_written_before_it_is_read():
     stream = torch.cuda.current_stream().cuda_stream
     made = {x.buffer for s in pl.launches() for x in s.sources
             if isinstance(x, At) and x.buffer.kind == "scratch"}
-    assert {b.params[0] for b in made} >= {"checkpoints", "cu_seqlens"}
+    uses = {b.params[0] for b in made}
+    assert "checkpoints" in uses and (not varlen or "cu_seqlens" in uses), uses
+    if form == "every":
+        assert {"k1 cu_seqlens", "k1 cu_chunks", "cu_chunks"} <= uses, uses
     for byte in (0xFF, 0x7F, 0x41):
         for b in made:
             _junk(buffers.get(b, out.device, stream), byte)
@@ -407,8 +539,9 @@ def test_the_launchers_scratch_is_written_before_it_is_read():
             assert _same(got, w), byte
 
 
+@pytest.mark.parametrize("form", ["every", "offsets"])
 @pytest.mark.parametrize("varlen", [True, False], ids=["varlen", "fixed"])
-def test_a_graph_outlives_the_launchers_caches(varlen):
+def test_a_graph_outlives_the_launchers_caches(varlen, form):
     """A forward run eagerly on a stream, then captured on it: the launcher's caches emptied
     (kda_cute.clear_caches) and the memory they freed taken by junk-filled tensors of the same
     sizes on that stream; the graph's replay still gives the eager call's outputs bit for bit
@@ -417,7 +550,7 @@ def test_a_graph_outlives_the_launchers_caches(varlen):
 
     from kda_cute.plans.steps import At
 
-    inp, out, final, pool, kw = _scratch_case(seed=31, varlen=varlen)
+    inp, out, final, pool, kw = _scratch_case(seed=31, varlen=varlen, form=form)
     opts = _opts(inp, **SERIAL)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())

@@ -6,6 +6,10 @@ programmatic dependent, left out, or its rescale run alone; K1's side run left o
 cut to about two CTAs an SM: timing only, mid-chunk checkpoints are then wrong), against the
 same checkpoints without the first offset (no side runs) and the forward without checkpoints.
 K = V = 128, fast precision; graph (two timings) and eager, CUDA events, cold L2, median of 100.
+Since the rows' chunk grids shift to their first boundaries (kda_cute.specs.checkpoints), a plan
+of the every-n form with a first offset has no side runs and so no variants here (the segments
+schedule still has them): each mode then times the shift (the offsets kernel's tables, K1 over
+each row in two) against the same boundaries without the first offset.
 
     python3 bench/probes/side_runs_probe.py ["B1 T8192 H64" ["every 64 bf16,every 1024 fp32"]]
     (the results of 2026-12-04: bench/results/wy-eight-stages-h200-2026-12-04.md)

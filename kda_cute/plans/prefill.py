@@ -142,8 +142,10 @@ class _Checkpoints:
     run after the forward."""
 
     def __init__(self, p: Problem, cfg: FwdConfig, sched, offs, vals1: dict, syms: dict,
-                 dev: DeviceInfo):
+                 dev: DeviceInfo, shift: bool):
         self.p, self.cfg, self.dev, self.vals1, self.syms = p, cfg, dev, vals1, syms
+        # shift: the rows' grids start at their first boundaries' phase (no partial chunks)
+        self.shift = shift
         ck = p.ckpt
         self.E = ck.per_row
         self.S = S = p.N * ck.per_row  # side slots: one an entry
@@ -182,11 +184,11 @@ class _Checkpoints:
                 "side_slots": Scalar(S),
                 "side_base": Scalar(workspace.main_slots(p, C)),
                 "chunk_shift": Scalar(C.bit_length() - 1),
-                "in_place": Scalar(int(self.in_place))}
+                "in_place": Scalar(int(self.in_place)), "shifted": Scalar(int(self.shift))}
         syms = {"N1": self.rows + 1, "NCE": max(1, ck.e_words), "NCF": max(1, ck.f_words),
                 "NCT": self.rows * (self.E + 1) + 2, "NSC": 2 * S + 1, **_index_syms(p)}
         launch = _launch("checkpoints", CHECKPOINTS, (p.N, 1, 1), vals, syms, self.dev)
-        if ck.aligned:  # no partial chunks: no side slots, no side runs
+        if not self.side_runs:  # no partial chunks: no side slots, no side runs
             return [launch]
         steps = [Memset("zero side slots", self.side_cu, 0, 2 * S + 1), launch]
         # K1 on the side slots: slot k the partial chunk side_cu[2k] .. side_cu[2k + 1] (a
@@ -210,12 +212,18 @@ class _Checkpoints:
         steps.append(_launch("K1 side", k1 or self.cfg.prep, grid, vals1, syms1, self.dev))
         return steps
 
+    @property
+    def side_runs(self) -> bool:
+        """Whether a boundary may fall inside a chunk (so the side runs are needed)."""
+        return not (self.p.ckpt.aligned or self.shift)
+
     def k2_values(self) -> dict:
         ck = self.p.ckpt
         dest = Role("checkpoint_state")
+        # (side 2: a main run over shifted grids, cu_chunks as chunk0 * C + sigma)
         return {"ck_at": self.at, "ck_to": self.to, "ck_f": dest, "ck_h": dest,
                 "ck_s": self.states, "ck_rows": Scalar(self.E + 1),
-                "ck_dtype": Scalar(_STATE_CODE[ck.dtype]), "side": Scalar(0)}
+                "ck_dtype": Scalar(_STATE_CODE[ck.dtype]), "side": Scalar(2 if self.shift else 0)}
 
     def k2_syms(self) -> dict:
         ck = self.p.ckpt
@@ -263,19 +271,40 @@ def forward_plan(p: Problem, opts: Options, cfg: FwdConfig, dev: DeviceInfo) -> 
     nmain = workspace.main_slots(p, C)  # K1's main run: the sequences' own chunks
     ws = {name: Plane(name, off) for name, off in workspace.operand_offsets(p, cfg).items()}
     steps = []
-    if p.varlen:
+    sched = sch.decide(p, opts, cfg, dev)
+    # every-n checkpoints from first boundaries: each row's chunk grid starts at its first
+    # boundary's phase, so that every boundary ends a chunk (the segments do not shift)
+    shift = (p.ckpt is not None and p.ckpt.shifts and sched.kind != "segments"
+             and sched.k2_grid is not None)
+    k1_tables = None
+    if p.varlen or shift:
         # cu_seqlens checked and copied on the device, and the chunk slots from it: the
         # kernels read only the checked copy (a bad batch runs as empty sequences and sets
-        # the error word), so no value of the caller's is followed and nothing syncs
+        # the error word), so no value of the caller's is followed and nothing syncs. Shifted
+        # grids: K1's split table and K2's chunk slots with each row's shift, from
+        # checkpoint_first (a fixed-length batch's offsets from the launcher's table)
         cs = Buffer("scratch", (p.N + 1,), I32, ("cu_seqlens",))
         cc = Buffer("scratch", (p.N + 1,), I32, ("cu_chunks",))
+        n2 = 2 * p.N + 1 if shift else 1
+        cu1 = Buffer("scratch", (n2,), I32, ("k1 cu_seqlens",))
+        cc1 = Buffer("scratch", (n2,), I32, ("k1 cu_chunks",))
+        pk = p.ckpt
         steps.append(_launch(
             "offsets", OFFSETS, (1, 1, 1),
-            {"cu_in": Role("cu_seqlens"), "cu_seqlens": At(cs), "cu_chunks": At(cc),
-             "errors": Errors(), "wide": Scalar(int(p.cu_int64)), "entries": Scalar(p.N + 1),
-             "tokens": Scalar(Tt), "chunk_shift": Scalar(C.bit_length() - 1)},
-            {"NCW": (p.N + 1) * (2 if p.cu_int64 else 1), "N1": p.N + 1}, dev))
+            {"cu_in": Role("cu_seqlens") if p.varlen else _segment_offsets(p.B, p.T, C, 1)[0],
+             "cu_seqlens": At(cs), "cu_chunks": At(cc), "errors": Errors(),
+             "first": Role("checkpoint_first") if shift else Errors(),
+             "k1_cu_seqlens": At(cu1) if shift else Errors(),
+             "k1_cu_chunks": At(cc1) if shift else Errors(),
+             "wide": Scalar(int(p.cu_int64)), "entries": Scalar(p.N + 1),
+             "tokens": Scalar(Tt), "chunk_shift": Scalar(C.bit_length() - 1),
+             "shifted": Scalar(int(shift)), "f_sn": Scalar(pk.f_sn if shift else 0),
+             "f_wide": Scalar(pk.f_wide if shift else 0)},
+            {"NCW": (p.N + 1) * (2 if p.cu_int64 else 1), "N1": p.N + 1, "N2": n2,
+             "NCF": max(1, pk.f_words) if shift else 1}, dev))
         offs = (At(cs), At(cc))
+        if shift:
+            k1_tables = (At(cu1), At(cc1))
     else:
         offs = _segment_offsets(p.B, p.T, C, 1)
     a_log = Role("A_log") if p.A_log else At(Buffer("zeros", (H,), F32))
@@ -287,7 +316,6 @@ def forward_plan(p: Problem, opts: Options, cfg: FwdConfig, dev: DeviceInfo) -> 
             # the states' rows: the sequences', or the pool's slots
             "NS": p.pool[0] if p.pool else p.N, "sS": p.pool[1] if p.pool else H * V * K,
             **_index_syms(p), **_NO_CHECKPOINTS_SYMS, "sCK": H * V * K}
-    sched = sch.decide(p, opts, cfg, dev)
     # the rescale words: 4 per (K2 row, head, block of state rows); a fast forward's K2s flag
     # the warps whose state overflowed and the rescale run after each redoes them
     fix_on = int(rescale_of(cfg.recur) is not None)
@@ -303,19 +331,24 @@ def forward_plan(p: Problem, opts: Options, cfg: FwdConfig, dev: DeviceInfo) -> 
              "gate_mode": Scalar(GATE_MODES[opts.gate]),
              "qk_l2norm": Scalar(int(bool(opts.qk_l2norm))),
              "beta_sigmoid": Scalar(int(bool(opts.beta_sigmoid)))}
+    syms1 = syms
+    if k1_tables:  # K1 over each row in two: its partial first chunk, then the rest
+        vals1.update({"cu_seqlens": k1_tables[0], "cu_chunks": k1_tables[1],
+                      "num_seqs": Scalar(2 * p.N), "seq_len": Scalar(0)})
+        syms1 = {**syms, "N1": 2 * p.N + 1}
     k1_grid = (H, min(nmain, K1_GRID_Y), -(-nmain // K1_GRID_Y))  # heads fastest; chunks y, z
     ck = None
     # K1 a launch of its own before K2: the checkpoints' preparation (read by K2 and its side
     # run only) runs beside it on the side stream, off the forward's path
     k1_first = sched.kind != "alongside" and Tt > 0 and H > 0
     if p.ckpt is not None and sched.k2_grid is not None:
-        ck = _Checkpoints(p, cfg, sched, offs, vals1, syms, dev)
+        ck = _Checkpoints(p, cfg, sched, offs, vals1, syms, dev, shift)
         if k1_first:
             steps += [Fork("fork: checkpoints beside K1"), *ck.prepare(), Merge("merge: K1")]
         else:
             steps += ck.prepare()
     if k1_first:
-        steps.append(_launch("K1", cfg.prep, k1_grid, vals1, syms, dev))
+        steps.append(_launch("K1", cfg.prep, k1_grid, vals1, syms1, dev))
         if ck:
             steps.append(Join("join: checkpoints"))
     s_in = Role("initial_state") if p.state_in is not None else Role("out")
@@ -343,7 +376,7 @@ def forward_plan(p: Problem, opts: Options, cfg: FwdConfig, dev: DeviceInfo) -> 
         steps.append(_launch("K2", _stores(acfg.recur, ck), grid, vals2, syms, dev,
                              dev.smem_per_block))
         # always K1 work here (alongside needs 32 chunks a sequence): K2 waits on its flags
-        steps.append(_launch("K1", acfg.prep, k1_grid, vals1, syms, dev,
+        steps.append(_launch("K1", acfg.prep, k1_grid, vals1, syms1, dev,
                              sch.k1_alongside_smem(dev, ctas), programmatic=True))
         steps += _rescale_run("K2", acfg.recur, grid, vals2, syms, dev)
         k2 = cfg.recur  # (the side run's: the same steps as the alongside build's)
@@ -357,11 +390,13 @@ def forward_plan(p: Problem, opts: Options, cfg: FwdConfig, dev: DeviceInfo) -> 
         steps.append(_launch("K2", _stores(k2, ck), grid, vals2, syms, dev))
         steps += _rescale_run("K2", k2, grid, vals2, syms, dev)
     if ck:
-        if not p.ckpt.aligned:
+        if ck.side_runs:
             steps += ck.side_run(k2, vals2, syms)
         notes.append(f"checkpoints: {p.ckpt.per_row} a sequence, "
                      + (f"every {p.ckpt.every} tokens" if p.ckpt.every else "at offsets")
-                     + (", on chunk boundaries (no side runs)" if p.ckpt.aligned else ""))
+                     + (", on chunk boundaries (no side runs)" if p.ckpt.aligned else "")
+                     + (", the rows' chunk grids shifted to their first boundaries (no side "
+                        "runs)" if shift else ""))
     return Plan(p, opts, cfg, dev, sched, workspace.workspace_bytes(p, cfg), tuple(steps),
                 alongside=sched.kind == "alongside", notes=tuple(notes))
 

@@ -18,14 +18,22 @@ ALIGN = 256
 def main_slots(p: Problem, chunk: int) -> int:
     """The chunk slots of the sequences' own chunks: B*T // chunk + N (a sequence's last chunk
     padded to `chunk` rows, which K1 writes as zeros); a varlen batch's sequence s starts at
-    slot cu_seqlens[s] // chunk + s (`chunk_slots`)."""
-    return p.B * p.T // chunk + p.N
+    slot cu_seqlens[s] // chunk + s (`chunk_slots`). Grids shifted to first checkpoint
+    boundaries (Checkpoints.shifts): N more, row n from slot cu_seqlens[n] // chunk + 2n
+    (`shifted_tables`: its partial first chunk one more)."""
+    shifts = p.ckpt is not None and p.ckpt.shifts
+    return p.B * p.T // chunk + p.N * (2 if shifts else 1)
 
 
 def side_slots(p: Problem) -> int:
     """The chunk slots after the main ones for mid-chunk checkpoints' partial chunks (one per
-    checkpoint entry: kda_cute.specs.checkpoints)."""
-    return p.N * p.ckpt.per_row if p.ckpt is not None and not p.ckpt.aligned else 0
+    checkpoint entry: kda_cute.specs.checkpoints): none where every boundary ends a chunk, nor
+    for a varlen batch whose grids are shifted (a fixed-length one may run in segments, which
+    do not shift)."""
+    ck = p.ckpt
+    if ck is None or ck.aligned or (ck.shifts and p.varlen):
+        return 0
+    return p.N * ck.per_row
 
 
 def rows(p: Problem, chunk: int) -> tuple[int, int]:
@@ -74,13 +82,15 @@ def _planes(p: Problem, cfg: FwdConfig) -> tuple[tuple, int]:
 def _sized(p: Problem) -> Problem:
     """The fields the workspace depends on (so problems differing elsewhere share a cache
     entry)."""
-    return Problem(p.B, p.T, p.H, p.K, p.V, p.N, p.varlen,
-                   ckpt=None if not side_slots(p) else _side_only(p.ckpt.per_row))
+    ck = p.ckpt
+    keep = ck is not None and (side_slots(p) or ck.shifts)
+    return Problem(p.B, p.T, p.H, p.K, p.V, p.N, p.varlen, ckpt=_stand_in(ck) if keep else None)
 
 
-def _side_only(per_row: int) -> Checkpoints:
-    """A stand-in ckpt with the same side slots (the workspace depends on nothing else)."""
-    return Checkpoints(0, per_row, 0, 0, torch.float32, 0, 0, 0, 0)
+def _stand_in(ck: Checkpoints) -> Checkpoints:
+    """A stand-in ckpt with the same slots (the workspace depends on nothing else)."""
+    return Checkpoints(64 if ck.shifts else 0, ck.per_row, 0, 0, torch.float32, 0, 0, 0, 0,
+                       first_on=int(ck.shifts))
 
 
 def workspace_bytes(p: Problem, cfg: FwdConfig) -> int:
@@ -136,3 +146,26 @@ def chunk_slots(cu_seqlens: torch.Tensor, chunk: int, ramp: torch.Tensor) -> tor
     offsets). The offsets kernel (kernels/kda_offsets_sm90.py) computes the same on the device;
     this is its host-side reference (tests, kda_cute.testing)."""
     return torch.div(cu_seqlens, chunk, rounding_mode="floor").add_(ramp)
+
+
+def shifted_tables(cu_seqlens: torch.Tensor, first: torch.Tensor, chunk: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The offsets kernel's shifted tables (its host-side reference, for tests): row n's chunk
+    grid starts sigma = (chunk - f) % chunk tokens before it, f = first[n] % chunk (0 for an
+    empty row). K1's cu_seqlens and cu_chunks (2N + 1 entries): row n split at min(bos + f,
+    eos), its partial first chunk at slot bos // chunk + 2n and the rest from the slot after;
+    K2's cu_chunks (N + 1): chunk0 * chunk + sigma, chunk0 the slot of the row's first chunk
+    (the last entry: the slot bound * chunk). Integer tensors on the CPU."""
+    cu = cu_seqlens.to(torch.int64).cpu()
+    N = cu.numel() - 1
+    f = first.to(torch.int64).cpu().reshape(-1)[:N] % chunk
+    bos, eos = cu[:-1], cu[1:]
+    f = torch.where(eos == bos, torch.zeros_like(f), f)
+    base = torch.div(cu, chunk, rounding_mode="floor") + 2 * torch.arange(N + 1)
+    cu1 = torch.empty(2 * N + 1, dtype=torch.int64)
+    cc1 = torch.empty(2 * N + 1, dtype=torch.int64)
+    cu1[0::2], cc1[0::2] = cu, base
+    cu1[1::2], cc1[1::2] = torch.minimum(bos + f, eos), base[:-1] + 1
+    chunk0 = base[:-1] + (f == 0).to(torch.int64)
+    cc2 = torch.cat([chunk0 * chunk + (-f) % chunk, base[-1:] * chunk])
+    return cu1.to(torch.int32), cc1.to(torch.int32), cc2.to(torch.int32)

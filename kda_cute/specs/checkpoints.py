@@ -8,6 +8,13 @@ its registers after chunk ceil(o / chunk); otherwise K2 stores the state after t
 whole chunks before it to an fp32 scratch row, K1 prepares the partial chunk [chunk start, o) as
 a sequence of its own in the workspace's side slots, and K2's side run (side = 1) finishes each
 from its scratch row into the checkpoint: every step the one a forward of the prefix alone takes.
+
+The every-n form with first boundaries (checkpoint_first) shifts instead, where K2 runs the rows
+whole (every schedule but segments): each row's chunk grid starts sigma = (C - first % C) % C
+tokens before the row, its first chunk partial (kda_cute.specs.offsets: shifted), so every
+boundary ends a chunk and there is no side slot or side run; each checkpoint is then, bit for
+bit, the final state of a forward of its prefix alone with the same checkpoint_first (the same
+grid), and within rounding of one without.
 """
 
 from __future__ import annotations
@@ -90,6 +97,7 @@ def args(cfg: CheckpointsConfig) -> list[Arg]:
         scalar("side_base"),  # the first side slot's workspace chunk
         scalar("chunk_shift"),  # log2 of the chunk
         scalar("in_place"),  # 1: an fp32 destination, its own scratch row
+        scalar("shifted"),  # 1: the rows' grids start at their first boundaries' phase
     ]
 
 

@@ -20,7 +20,10 @@ class OffsetsConfig:
     (0 first, non-decreasing, at most T; an int64 one within int32's range), copied as int32
     into `cu_seqlens` and its sequence's first workspace chunk slot, cu_seqlens[s] // chunk + s,
     into `cu_chunks` (kda_cute.plans.workspace.chunk_slots). A batch with any bad entry runs as
-    N empty sequences (every entry 0, the slots 0, 1, ..., N) and sets the error word."""
+    N empty sequences (every entry 0, the slots 0, 1, ..., N) and sets the error word.
+    `shifted`: each row's chunk grid shifted by its first checkpoint boundary's phase (K1's
+    split table and K2's cu_chunks as chunk0 * C + sigma: kda_cute.plans.workspace.
+    shifted_tables, the kernel's docstring)."""
 
     threads: int = 256
 
@@ -45,17 +48,25 @@ def supports(cfg: OffsetsConfig) -> tuple[bool, str]:
 def args(cfg: OffsetsConfig) -> list[Arg]:
     """The kernel's `__call__` arguments: the caller's cu_seqlens as int32 words (NCW: N + 1,
     or 2 (N + 1) for an int64 one, `wide`), the int32 cu_seqlens and cu_chunks it writes (N1 =
-    N + 1 entries), the error words (kda_cute.errors); the entries, the tokens T and log2 of
-    the chunk."""
+    N + 1 entries), the error words (kda_cute.errors); shifted only: the rows' first
+    boundaries (int32 words, NCF; row stride f_sn entries, int64 for f_wide), K1's cu_seqlens
+    and cu_chunks (N2 = 2N + 1 entries); the entries, the tokens T, log2 of the chunk and the
+    shifted switch."""
     return [
         tensor("cu_in", "int32", ("NCW",), (1,), dsl="mCuIn"),
         tensor("cu_seqlens", "int32", ("N1",), (1,), dsl="mCuSeq"),
         tensor("cu_chunks", "int32", ("N1",), (1,), dsl="mCuChunk"),
         tensor("errors", "int32", (8,), (1,), dsl="mErr"),
+        tensor("first", "int32", ("NCF",), (1,), dsl="mFirst"),
+        tensor("k1_cu_seqlens", "int32", ("N2",), (1,), dsl="mCu1"),
+        tensor("k1_cu_chunks", "int32", ("N2",), (1,), dsl="mCc1"),
         scalar("wide"),
         scalar("entries"),
         scalar("tokens"),
         scalar("chunk_shift"),
+        scalar("shifted"),
+        scalar("f_sn"),
+        scalar("f_wide"),
     ]
 
 
