@@ -163,9 +163,12 @@ class _Checkpoints:
         self.side_chunk = scratch("side chunk", 2 * S + 1)
         self.side_read = scratch("side read", S)
         self.side_write = scratch("side write", S)
-        # a bf16 destination's mid-chunk states wait in fp32 scratch rows (its row stride)
-        self.states = (Role("checkpoint_state") if self.in_place
-                       else scratch("states", S * ck.dest_stride, F32))
+        # a bf16 destination's mid-chunk states wait in fp32 scratch rows (its row stride);
+        # without side runs K2 stores none there (the error words stand in)
+        self.states = Errors()
+        if self.side_runs:
+            self.states = (Role("checkpoint_state") if self.in_place
+                           else scratch("states", S * ck.dest_stride, F32))
 
     def prepare(self) -> list:
         p, ck, S, C = self.p, self.p.ckpt, self.S, self.cfg.chunk
@@ -228,7 +231,7 @@ class _Checkpoints:
     def k2_syms(self) -> dict:
         ck = self.p.ckpt
         return {"NCT": self.rows * (self.E + 1) + 2, "NCK": ck.dest_rows, "sCK": ck.dest_stride,
-                "NSK": self.S}
+                "NSK": self.S if self.side_runs else 1}
 
     def side_run(self, k2, vals2: dict, syms: dict) -> Launch:
         """K2 over the side slots used (their count on the device): each from its scratch row
