@@ -195,6 +195,7 @@ class _Recorder(kdriver.StandIn):
                               "cannot express: export with K2 serial, without segments")
 
     cuEventCreate = cuEventRecord = cuStreamWaitEvent = cuStreamCreate = _no_events  # noqa: N815
+    cuStreamCreateWithPriority = cuCtxGetStreamPriorityRange = _no_events  # noqa: N815
 
     def cuLibraryLoadData(self, addr, *rest):  # noqa: N802
         name = self.images.get(ctypes.string_at(addr, kdriver.image_size(addr)))

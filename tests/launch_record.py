@@ -250,6 +250,14 @@ class FakeDriver(kdriver.StandIn):
         self._streams = getattr(self, "_streams", 0) + 1
         return 0, 2000 + self._streams
 
+    def cuCtxGetStreamPriorityRange(self):  # noqa: N802
+        return 0, 0, -5
+
+    def cuStreamCreateWithPriority(self, flags, priority):  # noqa: N802
+        # (a stream of the greatest priority: 3000 + its number)
+        self._streams = getattr(self, "_streams", 0) + 1
+        return 0, (3000 if priority == -5 else 2000) + self._streams
+
     def cuStreamWaitEvent(self, stream, ev, flags):  # noqa: N802
         self.ops.append({"op": "event_wait", "stream": stream})
         return (0,)

@@ -72,6 +72,7 @@ def _ops(plan, call, workspace, dev, device: int, stream: int) -> tuple[list, _S
     src = _Sources(call, workspace, dev, stream)
     ops = []
     on = stream  # the stream the next launch goes to: the call's, or after a Fork its side's
+    first = False  # (the side stream of the last Fork: its priority)
     for s in plan.steps:
         if isinstance(s, Launch):
             k = driver.get_kernel(s.kernel, plan.device.arch)
@@ -82,13 +83,14 @@ def _ops(plan, call, workspace, dev, device: int, stream: int) -> tuple[list, _S
             ops.append((driver.memset_d32, (src.value(s.target), s.value, s.count, on),
                         False))
         elif isinstance(s, Fork):
-            on, fork, _ = side(device, stream)
+            first = s.first
+            on, fork, _ = side(device, stream, first)
             ops.append((driver.record_event, (fork, stream), False))
             ops.append((driver.wait_event, (on, fork), False))
         elif isinstance(s, Merge):
             on = stream
         elif isinstance(s, Join):
-            aside, _, join = side(device, stream)
+            aside, _, join = side(device, stream, first)
             ops.append((driver.record_event, (join, aside), False))
             ops.append((driver.wait_event, (stream, join), False))
         elif isinstance(s, Copy):

@@ -230,11 +230,16 @@ def new_event() -> int:
     return int(check(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING)))
 
 
-def new_stream() -> int:
+def new_stream(first: bool = False) -> int:
     """A CUDA stream that does not wait for the legacy default stream, on the current
-    context."""
+    context; `first`: of the greatest priority (the device's scheduler hands its blocks to SMs
+    before those of streams of lower priority)."""
     cu = bindings()
-    return int(check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING)))
+    flags = cu.CUstream_flags.CU_STREAM_NON_BLOCKING
+    if not first:
+        return int(check(cu.cuStreamCreate(flags)))
+    _, greatest = check(cu.cuCtxGetStreamPriorityRange())
+    return int(check(cu.cuStreamCreateWithPriority(flags, greatest)))
 
 
 def record_event(event: int, stream: int) -> None:

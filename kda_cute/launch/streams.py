@@ -22,17 +22,18 @@ _lock = threading.Lock()
 # per device: the side stream of every call stream (Fork steps); per (device, call stream): the
 # fork and join events. Work of calls on different streams shares the side stream: ordered
 # after each of their forks, never before one (its own events say what a call waits for).
-_side: dict[int, int] = {}
+_side: dict[tuple[int, bool], int] = {}
 _events: dict[tuple[int, int], tuple[int, int]] = {}
 
 
-def side(device: int, stream: int) -> tuple[int, int, int]:
-    """The side stream of `device` (made on first use, non-blocking) and the fork and join
-    events of `stream` on it, in the current context."""
+def side(device: int, stream: int, first: bool = False) -> tuple[int, int, int]:
+    """The side stream of `device` (made on first use, non-blocking; `first`: the one of the
+    greatest priority, whose blocks the device's scheduler places before the call stream's)
+    and the fork and join events of `stream` on it, in the current context."""
     with _lock:
-        s = _side.get(device)
+        s = _side.get((device, first))
         if s is None:
-            s = _side[device] = driver.new_stream()
+            s = _side[(device, first)] = driver.new_stream(first)
         ev = _events.get((device, stream))
         if ev is None:
             ev = _events[(device, stream)] = (driver.new_event(), driver.new_event())

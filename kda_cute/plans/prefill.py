@@ -347,7 +347,11 @@ def forward_plan(p: Problem, opts: Options, cfg: FwdConfig, dev: DeviceInfo) -> 
     if p.ckpt is not None and sched.k2_grid is not None:
         ck = _Checkpoints(p, cfg, sched, offs, vals1, syms, dev, shift)
         if k1_first:
-            steps += [Fork("fork: checkpoints beside K1"), *ck.prepare(), Merge("merge: K1")]
+            # (of the greatest priority: K1's grid fills the device, and a side stream of
+            # the same priority had the checkpoints kernel start when K1's last blocks did,
+            # K2 waiting for it)
+            steps += [Fork("fork: checkpoints beside K1", first=True), *ck.prepare(),
+                      Merge("merge: K1")]
         else:
             steps += ck.prepare()
     if k1_first:

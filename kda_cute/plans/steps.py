@@ -119,9 +119,11 @@ class Fork:
     """The steps after it, up to the next Merge, run on the launcher's side stream, after the
     work enqueued on the call's stream so far (an event recorded there and waited for): work
     the steps after the Merge do not read runs beside them. A Join later makes the call's
-    stream wait for it."""
+    stream wait for it. `first`: the side stream of the greatest priority, so that its few
+    blocks start beside a grid that fills the device rather than after it."""
 
     name: str
+    first: bool = False
 
 
 @dataclass(frozen=True)
