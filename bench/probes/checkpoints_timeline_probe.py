@@ -9,6 +9,7 @@ eager calls lose the time (the side stream's checkpoints kernel and K1 side run,
 before K2, the side runs after it).
 
     python3 bench/probes/checkpoints_timeline_probe.py --out timeline.json
+    python3 bench/probes/checkpoints_timeline_probe.py --read timeline.json  (the summary)
 """
 
 import argparse
@@ -47,12 +48,54 @@ def record(case: str, mode: str, calls: int = 8) -> list:
     return sorted(ev, key=lambda e: e["start"])
 
 
+# kernel names (the DSL's mangled entry names) by the class they hold
+SHORT = (("KdaOffsets", "offsets"), ("KdaCheckpoints", "ckpts"), ("KdaPrep", "K1"),
+         ("KdaRecurTc", "K2"), ("emset", "memset"))
+
+
+def summary(timelines: dict) -> list[str]:
+    """Per case and mode: the median period of the eight eager calls and of the eight graph
+    replays, and the middle call's kernels as name@start+duration (us from the call's first
+    kernel; s0, s1: the streams in order of their ids). A call starts at its offsets kernel,
+    or without one at its K1 of over 50 us."""
+    import statistics
+
+    def short(n):
+        return next((b for a, b in SHORT if a in n), n[:20])
+
+    lines = []
+    for key, ev in timelines.items():
+        ev = sorted((dict(e, s=short(e["name"])) for e in ev), key=lambda e: e["start"])
+        first = "offsets" if any(e["s"] == "offsets" for e in ev) else "K1"
+        starts = [i for i, e in enumerate(ev) if e["s"] == first
+                  and (first == "offsets" or e["end"] - e["start"] > 50)]
+        calls = [ev[a:b] for a, b in zip(starts, starts[1:] + [len(ev)], strict=True)]
+        lines.append(f"== {key}: {len(calls)} calls")
+        for half, cs in (("eager", calls[:8]), ("graph", calls[8:16])):
+            if not cs:
+                continue
+            gaps = [b[0]["start"] - a[0]["start"] for a, b in zip(cs[:-1], cs[1:], strict=True)]
+            c = cs[len(cs) // 2]
+            streams = sorted({e["stream"] for e in c})
+            lines.append(f"  {half}: period {statistics.median(gaps) if gaps else 0:.1f} us; "
+                         + "; ".join(f"{e['s']}@{e['start'] - c[0]['start']:.0f}"
+                                     f"+{e['end'] - e['start']:.0f} s{streams.index(e['stream'])}"
+                                     for e in c))
+    return lines
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--read", default=None, help="print the summary of an --out file")
+    ap.add_argument("--out", default=None)
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--modes", default=",".join(MODES))
     a = ap.parse_args(argv)
+    if a.read:
+        print("\n".join(summary(json.loads(Path(a.read).read_text())["timelines"])))
+        return
+    if not a.out:
+        ap.error("--out or --read is required")
     import bench
     out = {"versions": bench.versions(), "timelines": {}}
     for case in a.cases.split(","):
@@ -60,6 +103,7 @@ def main(argv=None) -> None:
             out["timelines"][f"{case} | {mode}"] = ev = record(case, mode)
             print(case, mode, len(ev), "events", flush=True)
     Path(a.out).write_text(json.dumps(out) + "\n")
+    print("\n".join(summary(out["timelines"])))
 
 
 if __name__ == "__main__":
