@@ -66,7 +66,10 @@ def fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state
     writes the state every checkpoint_every tokens, from offset checkpoint_first[n] (default
     checkpoint_every) on, the i-th into pool slot checkpoint_slots[n, i] of checkpoint_state
     [slots, H, V, K] (-1 skips; a slot past the pool is never written and is raised like a bad
-    state index). A padding row writes none. Tensor-core forwards only.
+    state index). With checkpoint_first each row's chunk grid starts at its first boundary's
+    phase, so every boundary ends a chunk: the same schedule as a forward of the prefix with the
+    same checkpoint_first (outputs and states within rounding of a forward without it). A
+    padding row writes none. Tensor-core forwards only.
     A repeated call with tensors of the same metadata reuses the checks and the plan; `bind`
     skips the rest too.
     """
