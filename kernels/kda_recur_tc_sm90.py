@@ -444,6 +444,7 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
             for seq in cutlass.range(z, num_seqs, nz):
                 bos = mCuSeq[seq * step]
                 chunk0 = mCuChunk[seq]
+                vs = bos  # the token the row's chunk grid starts at (_grid)
                 if cutlass.const_expr(self.checkpoints):
                     chunk0, vs = self._grid(mCuChunk, seq, bos, side)
                 # a padding row runs no chunk (the consumers agree: _slots)
@@ -451,10 +452,7 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
                                             cutlass.Int32(0))
                 if cutlass.const_expr(self.rescale):  # only the items a warp of overflowed
                     live = live * self._fixes(mFix, seq, nh, h, vb)[0]
-                if cutlass.const_expr(self.checkpoints):
-                    nch = (mCuSeq[seq * step + 1] - vs + C - 1) // C * live
-                else:
-                    nch = (mCuSeq[seq * step + 1] - bos + C - 1) // C * live
+                nch = (mCuSeq[seq * step + 1] - vs + C - 1) // C * live
                 flagged = cutlass.Int32(-1)  # chunks 0 .. flagged known written (K1 alongside)
                 for c in cutlass.range(nch):
                     pipe.producer_acquire(state)
@@ -660,6 +658,7 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
         for seq in cutlass.range(z, num_seqs, nz):
             bos = mCuSeq[seq * step]
             eos = mCuSeq[seq * step + 1]
+            vs = bos  # the token the row's chunk grid starts at (_grid)
             if cutlass.const_expr(self.checkpoints):
                 _, vs = self._grid(mCuChunk, seq, bos, side)
             # the rows of the state read and written; a padding row neither reads nor writes,
@@ -674,10 +673,7 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
                 anyf, mine = self._fixes(mFix, seq, nh, h, vb, warp)
                 live = live * anyf
                 sig.fill(1.0)
-            if cutlass.const_expr(self.checkpoints):
-                num_chunks = (eos - vs + C - 1) // C * live
-            else:
-                num_chunks = (eos - bos + C - 1) // C * live
+            num_chunks = (eos - vs + C - 1) // C * live
             if cutlass.const_expr(self.outputs and not self.rescale):
                 if cutlass.const_expr(self.checkpoints):
                     if live == 0 and keep != 0:
@@ -739,10 +735,7 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
                 ready_tok = cutlass.Boolean(False)
                 # (self.carry: the chunk's first token, the tokens left from it and the output
                 # buffer carried from chunk to chunk)
-                if cutlass.const_expr(self.checkpoints):
-                    t_run = vs + c0 * C - C
-                else:
-                    t_run = bos + c0 * C - C
+                t_run = vs + c0 * C - C
                 r_run = eos - t_run
                 b_run = (c0 & 1) ^ 1
                 for c in cutlass.range(c0, stop):
