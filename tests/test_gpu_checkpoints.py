@@ -284,7 +284,7 @@ def test_many_heads_and_mid_chunk_boundaries(K, precision, dtype, H, form):
         kw = dict(checkpoint_state=pool, checkpoint_slots=cs, checkpoint_every=64,
                   checkpoint_first=first)
     else:  # row n's entry i at row n * M + i of [N, M, H, V, K]
-        offs = first[:, None] + 64 * torch.arange(M, device="cuda")[None]
+        offs = _every_64_from(first, M)
         offs[cs < 0] = -1
         kw = dict(checkpoint_state=pool.view(N, M, H, K, K), checkpoint_offsets=offs)
     pl = _run(inp, out, None, None, opts, cu=inp["cu_seqlens"], **kw)
@@ -477,6 +477,11 @@ def test_checkpoints_in_a_cuda_graph():
     _check_offsets(inp, offs, cs, inp["initial_state"], opts, opts)
 
 
+def _every_64_from(first: torch.Tensor, M: int) -> torch.Tensor:
+    """The every-64 boundaries from first as checkpoint_offsets [N, M] (int32)."""
+    return first[:, None] + 64 * torch.arange(M, device=first.device, dtype=torch.int32)[None]
+
+
 def _scratch_case(seed=29, varlen=True, form="every"):
     """A forward (varlen, or fixed-length: its offsets the launcher's constants) with
     checkpoints every 64 tokens from mid-chunk first boundaries (the grids shifted, the
@@ -496,7 +501,7 @@ def _scratch_case(seed=29, varlen=True, form="every"):
               checkpoint_slots=slots,
               checkpoint_every=64, checkpoint_first=first)
     if form == "offsets":
-        offs = first[:, None] + 64 * torch.arange(M, device="cuda", dtype=torch.int32)[None]
+        offs = _every_64_from(first, M)
         kw = dict(cu=kw["cu"], checkpoint_state=pool.view(N, M, 4, 128, 128),
                   checkpoint_offsets=offs)
     return inp, out, final, pool, kw
