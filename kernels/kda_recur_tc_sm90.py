@@ -725,14 +725,20 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
             pend = cutlass.Int32(0)
             pto = cutlass.Int32(0)
             pheld = cutlass.Boolean(False)
+            # whether the chunk's stage was found full (and, WY, ready) by the test after the
+            # previous chunk's update was issued: its blocking waits are then skipped. The
+            # checkpoints builds carry the test across a checkpoint (a phase found complete
+            # stays so until this consumer releases the stage), so the run after one does not
+            # wait on barriers the last chunk before it found complete
+            full_tok = cutlass.Boolean(False)
+            ready_tok = cutlass.Boolean(False)
             while c0 < num_chunks:
                 stop = num_chunks
                 if ck[1] > c0:
                     stop = cutlass.min(ck[1], num_chunks)
-                # whether the chunk's stage was found full (and, WY, ready) by the test after
-                # the previous chunk's update was issued: its blocking waits are then skipped
-                full_tok = cutlass.Boolean(False)
-                ready_tok = cutlass.Boolean(False)
+                if cutlass.const_expr(not self.checkpoints):
+                    full_tok = cutlass.Boolean(False)
+                    ready_tok = cutlass.Boolean(False)
                 # (self.carry: the chunk's first token, the tokens left from it and the output
                 # buffer carried from chunk to chunk)
                 t_run = vs + c0 * C - C
