@@ -88,9 +88,8 @@ class KdaOffsetsSm90:
             e, _ = self._entry(mCuIn, i + 1, wide)
             if any_bad != 0:
                 e = i32(0)
-            f = mFirst[i * f_sn] & cmask
-            if f_wide != 0:
-                f = mFirst[2 * i * f_sn] & cmask
+            # (an int64 entry's low word: word 2 i f_sn of the int32 view)
+            f = mFirst[(1 + f_wide) * i * f_sn] & cmask
             if e == v:
                 f = i32(0)
             mCu1[2 * i + 1] = cutlass.min(v + f, e)
