@@ -267,6 +267,35 @@ def _segment_offsets(B: int, T: int, C: int, P: int) -> tuple[At, At]:
                  for which in ("cu_seqlens", "cu_chunks"))
 
 
+def _offsets(p: Problem, C: int, shift: bool, dev: DeviceInfo) -> tuple[Launch, tuple, tuple]:
+    """The offsets kernel's launch: cu_seqlens checked and copied on the device, and the chunk
+    slots from it. The kernels read only the checked copy (a bad batch runs as empty sequences
+    and sets the error word), so no value of the caller's is followed and nothing syncs.
+    `shift` (grids shifted to first checkpoint boundaries): also K1's split table and K2's
+    chunk slots with each row's shift, from checkpoint_first (a fixed-length batch's offsets
+    from the launcher's table). Returns (the launch, K2's (cu_seqlens, cu_chunks), K1's or
+    None where K1 reads K2's)."""
+    cs = At(Buffer("scratch", (p.N + 1,), I32, ("cu_seqlens",)))
+    cc = At(Buffer("scratch", (p.N + 1,), I32, ("cu_chunks",)))
+    vals = {"cu_in": Role("cu_seqlens") if p.varlen else _segment_offsets(p.B, p.T, C, 1)[0],
+            "cu_seqlens": cs, "cu_chunks": cc, "errors": Errors(),
+            "first": Errors(), "k1_cu_seqlens": Errors(), "k1_cu_chunks": Errors(),
+            "wide": Scalar(int(p.cu_int64)), "entries": Scalar(p.N + 1),
+            "tokens": Scalar(p.B * p.T), "chunk_shift": Scalar(C.bit_length() - 1),
+            "shifted": Scalar(0), "f_sn": Scalar(0), "f_wide": Scalar(0)}
+    syms = {"NCW": (p.N + 1) * (2 if p.cu_int64 else 1), "N1": p.N + 1, "N2": 1, "NCF": 1}
+    k1 = None
+    if shift:
+        n2, ck = 2 * p.N + 1, p.ckpt
+        k1 = tuple(At(Buffer("scratch", (n2,), I32, (name,)))
+                   for name in ("k1 cu_seqlens", "k1 cu_chunks"))
+        vals.update({"first": Role("checkpoint_first"), "k1_cu_seqlens": k1[0],
+                     "k1_cu_chunks": k1[1], "shifted": Scalar(1), "f_sn": Scalar(ck.f_sn),
+                     "f_wide": Scalar(ck.f_wide)})
+        syms.update({"N2": n2, "NCF": max(1, ck.f_words)})
+    return _launch("offsets", OFFSETS, (1, 1, 1), vals, syms, dev), (cs, cc), k1
+
+
 def forward_plan(p: Problem, opts: Options, cfg: FwdConfig, dev: DeviceInfo) -> Plan:
     C, H, K, V = cfg.chunk, p.H, p.K, p.V
     Tt = p.B * p.T
@@ -281,33 +310,8 @@ def forward_plan(p: Problem, opts: Options, cfg: FwdConfig, dev: DeviceInfo) -> 
              and sched.k2_grid is not None)
     k1_tables = None
     if p.varlen or shift:
-        # cu_seqlens checked and copied on the device, and the chunk slots from it: the
-        # kernels read only the checked copy (a bad batch runs as empty sequences and sets
-        # the error word), so no value of the caller's is followed and nothing syncs. Shifted
-        # grids: K1's split table and K2's chunk slots with each row's shift, from
-        # checkpoint_first (a fixed-length batch's offsets from the launcher's table)
-        cs = Buffer("scratch", (p.N + 1,), I32, ("cu_seqlens",))
-        cc = Buffer("scratch", (p.N + 1,), I32, ("cu_chunks",))
-        n2 = 2 * p.N + 1 if shift else 1
-        cu1 = Buffer("scratch", (n2,), I32, ("k1 cu_seqlens",))
-        cc1 = Buffer("scratch", (n2,), I32, ("k1 cu_chunks",))
-        pk = p.ckpt
-        steps.append(_launch(
-            "offsets", OFFSETS, (1, 1, 1),
-            {"cu_in": Role("cu_seqlens") if p.varlen else _segment_offsets(p.B, p.T, C, 1)[0],
-             "cu_seqlens": At(cs), "cu_chunks": At(cc), "errors": Errors(),
-             "first": Role("checkpoint_first") if shift else Errors(),
-             "k1_cu_seqlens": At(cu1) if shift else Errors(),
-             "k1_cu_chunks": At(cc1) if shift else Errors(),
-             "wide": Scalar(int(p.cu_int64)), "entries": Scalar(p.N + 1),
-             "tokens": Scalar(Tt), "chunk_shift": Scalar(C.bit_length() - 1),
-             "shifted": Scalar(int(shift)), "f_sn": Scalar(pk.f_sn if shift else 0),
-             "f_wide": Scalar(pk.f_wide if shift else 0)},
-            {"NCW": (p.N + 1) * (2 if p.cu_int64 else 1), "N1": p.N + 1, "N2": n2,
-             "NCF": max(1, pk.f_words) if shift else 1}, dev))
-        offs = (At(cs), At(cc))
-        if shift:
-            k1_tables = (At(cu1), At(cc1))
+        launch, offs, k1_tables = _offsets(p, C, shift, dev)
+        steps.append(launch)
     else:
         offs = _segment_offsets(p.B, p.T, C, 1)
     a_log = Role("A_log") if p.A_log else At(Buffer("zeros", (H,), F32))
