@@ -44,6 +44,12 @@ SYM_DIV = {"sQ": 8, "sK": 8, "sG": 8, "sV": 8, "sO": 8, "sW": 8, "sWc": 8, "sP":
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "int32": 4, "int8": 1}
 
+# The dtype a gate parameter (A_log, dt_bias) is held in, passed at run time beside it (K1's and
+# the token step's `a_log_dtype` / `dt_bias_dtype`): the argument is declared fp32 and read in
+# the caller's dtype, so a model cast to bf16 or fp16 runs without a conversion launch; 0 (no
+# parameter) reads zeros
+GATE_PARAM_DTYPES = {"float32": 1, "bfloat16": 2, "float16": 3}
+
 
 @dataclass(frozen=True)
 class Arg:

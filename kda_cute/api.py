@@ -86,14 +86,37 @@ def fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state
                            checkpoint_slots=checkpoint_slots,
                            checkpoint_every=checkpoint_every,
                            checkpoint_first=checkpoint_first)
+    call, opts, p = _fwd_checks(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound,
+                                initial_state, final_state, cu_seqlens, workspace, gate=gate,
+                                qk_l2norm=qk_l2norm, beta_sigmoid=beta_sigmoid,
+                                check_seqlens=check_seqlens, config=config, segments=segments,
+                                precision=precision, state_indices=state_indices,
+                                output_state_indices=output_state_indices,
+                                has_initial_state=has_initial_state, null_slot=null_slot,
+                                checkpoint_state=checkpoint_state,
+                                checkpoint_offsets=checkpoint_offsets,
+                                checkpoint_slots=checkpoint_slots,
+                                checkpoint_every=checkpoint_every,
+                                checkpoint_first=checkpoint_first)
+    errors.raise_pending(q.device)
+    launch.run(plans.plan(p, opts, device_info(q.device)), call, workspace)
+
+
+def _fwd_checks(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state=None,
+                final_state=None, cu_seqlens=None, workspace=None, *, gate="bounded",
+                qk_l2norm=True, beta_sigmoid=True, check_seqlens=False, config=None,
+                segments=None, precision="fast", state_indices=None,
+                output_state_indices=None, has_initial_state=None, null_slot=None,
+                checkpoint_state=None, checkpoint_offsets=None, checkpoint_slots=None,
+                checkpoint_every=None, checkpoint_first=None):
+    """fwd's checks (the workspace's size aside, checked with the plan): (call, options,
+    problem)."""
     opts = checks.options(gate, qk_l2norm, beta_sigmoid, segments, config, precision)
     call = Call(q, k, v, g, beta, out, A_log, dt_bias, initial_state, final_state, cu_seqlens,
                 scale, lower_bound, state_indices, output_state_indices, has_initial_state,
                 null_slot, checkpoint_state, checkpoint_offsets, checkpoint_slots,
                 checkpoint_every, checkpoint_first)
-    p = checks.forward(call, opts, check_seqlens)
-    errors.raise_pending(q.device)
-    launch.run(plans.plan(p, opts, device_info(q.device)), call, workspace)
+    return call, opts, checks.forward(call, opts, check_seqlens)
 
 
 def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
@@ -114,6 +137,39 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     when use_gate_in_kernel alone, and taken as the log-space decay otherwise. precision:
     "fast" or "precise", as in `fwd`.
     """
+    return _chunk_kda(False, q, k, v, g, beta, scale, initial_state, output_final_state,
+                      use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
+                      safe_gate, lower_bound, A_log, dt_bias, state_v_first, cu_seqlens,
+                      workspace, precision, state_indices, output_state_indices,
+                      has_initial_state, null_slot, **kwargs)
+
+
+def check_chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                    use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
+                    use_beta_sigmoid_in_kernel=False, safe_gate=False, lower_bound=None,
+                    A_log=None, dt_bias=None, state_v_first=False, cu_seqlens=None,
+                    workspace=None, precision="fast", state_indices=None,
+                    output_state_indices=None, has_initial_state=None, null_slot=None,
+                    **kwargs) -> None:
+    """chunk_kda's checks alone: raises what a chunk_kda call with these arguments would raise
+    before its launch, and otherwise returns None, reading metadata (and the addresses of
+    tensors that have one) only: the tensors the call would allocate are FakeTensors, nothing
+    is launched or synced. The fla backend's verifier (kda_cute.integrations.fla). The
+    workspace's size is checked by the call (it needs the plan)."""
+    _chunk_kda(True, q, k, v, g, beta, scale, initial_state, output_final_state,
+               use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
+               safe_gate, lower_bound, A_log, dt_bias, state_v_first, cu_seqlens, workspace,
+               precision, state_indices, output_state_indices, has_initial_state, null_slot,
+               **kwargs)
+
+
+def _chunk_kda(dry, q, k, v, g, beta, scale, initial_state, output_final_state,
+               use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
+               safe_gate, lower_bound, A_log, dt_bias, state_v_first, cu_seqlens, workspace,
+               precision, state_indices, output_state_indices, has_initial_state, null_slot,
+               **kwargs):
+    """chunk_kda, or its checks alone (dry: stand-ins for what it allocates, fwd's checks for
+    its launch)."""
     unsupported = sorted(k_ for k_, v_ in kwargs.items() if v_ not in (None, False))
     if unsupported:
         raise ValueError(f"chunk_kda: unsupported options {unsupported}")
@@ -127,49 +183,53 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
         scale = K ** -0.5
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise checks.err("scale", "a finite positive float", repr(scale))
-    (output_final_state, use_gate_in_kernel, safe_gate, state_v_first) = (
-        checks.flag(n, v) for n, v in (
-            ("output_final_state", output_final_state), ("use_gate_in_kernel", use_gate_in_kernel),
-            ("safe_gate", safe_gate), ("state_v_first", state_v_first)))
+    (output_final_state, use_gate_in_kernel, safe_gate, state_v_first, use_qk_l2norm_in_kernel,
+     use_beta_sigmoid_in_kernel) = (checks.flag(n, v) for n, v in (
+         ("output_final_state", output_final_state), ("use_gate_in_kernel", use_gate_in_kernel),
+         ("safe_gate", safe_gate), ("state_v_first", state_v_first),
+         ("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel),
+         ("use_beta_sigmoid_in_kernel", use_beta_sigmoid_in_kernel)))
     if use_gate_in_kernel:
         gate = "bounded" if (safe_gate or lower_bound is not None) else "unbounded"
         if gate == "bounded" and lower_bound is None:
             raise checks.err("lower_bound", "a float in [-5, 0) with safe_gate", None)
     else:
         gate = "none"
-    out = torch.empty(*q.shape[:3], v.shape[-1], dtype=torch.bfloat16, device=q.device)
+    run = _fwd_checks if dry else fwd
     if state_indices is not None:
         if not state_v_first:
             raise checks.err("state_v_first", "True with state_indices (the pool [slots, H, V, "
                              "K] is updated in place; a K-first pool cannot be)", state_v_first)
-        fwd(q, k, v, g, beta, float(scale), out, A_log, dt_bias, lower_bound, initial_state,
+        with checks.standins(dry):
+            out = torch.empty(*q.shape[:3], v.shape[-1], dtype=torch.bfloat16, device=q.device)
+        run(q, k, v, g, beta, float(scale), out, A_log, dt_bias, lower_bound, initial_state,
             initial_state, cu_seqlens, workspace, gate=gate, qk_l2norm=use_qk_l2norm_in_kernel,
             beta_sigmoid=use_beta_sigmoid_in_kernel, precision=precision,
             state_indices=state_indices, output_state_indices=output_state_indices,
             has_initial_state=has_initial_state, null_slot=null_slot)
         return out, initial_state if output_final_state else None
-
-    def to_vfirst(s):
-        if s is None or state_v_first:
-            return s
-        checks.tensor("initial_state", s, (torch.float32, torch.bfloat16), 4)
-        return s.transpose(-1, -2).contiguous()
-
-    s0 = to_vfirst(initial_state)
-    s1 = None
-    if output_final_state:
-        if cu_seqlens is not None:
-            checks.tensor("cu_seqlens", cu_seqlens, checks.INDEX_DTYPES, 1)
-            if cu_seqlens.numel() < 1:
-                raise checks.err("cu_seqlens", "N+1 >= 1 offsets", "none")
-        N = q.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
-        s1 = torch.empty(N, q.shape[2], v.shape[-1], K, dtype=torch.float32, device=q.device)
-    fwd(q, k, v, g, beta, float(scale), out, A_log, dt_bias, lower_bound, s0, s1, cu_seqlens,
+    if initial_state is not None and not state_v_first:
+        checks.tensor("initial_state", initial_state, (torch.float32, torch.bfloat16), 4)
+    if output_final_state and cu_seqlens is not None:
+        checks.tensor("cu_seqlens", cu_seqlens, checks.INDEX_DTYPES, 1)
+        if cu_seqlens.numel() < 1:
+            raise checks.err("cu_seqlens", "N+1 >= 1 offsets", "none")
+    with checks.standins(dry):
+        out = torch.empty(*q.shape[:3], v.shape[-1], dtype=torch.bfloat16, device=q.device)
+        s0 = initial_state
+        if s0 is not None and not state_v_first:  # (a contiguous V-first copy)
+            s0 = s0.transpose(-1, -2).contiguous()
+        s1 = None
+        if output_final_state:
+            N = q.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
+            s1 = torch.empty(N, q.shape[2], v.shape[-1], K, dtype=torch.float32,
+                             device=q.device)
+    run(q, k, v, g, beta, float(scale), out, A_log, dt_bias, lower_bound, s0, s1, cu_seqlens,
         workspace, gate=gate, qk_l2norm=use_qk_l2norm_in_kernel,
         beta_sigmoid=use_beta_sigmoid_in_kernel, precision=precision,
         has_initial_state=has_initial_state, output_state_indices=output_state_indices,
         null_slot=null_slot)
-    if s1 is not None and not state_v_first:
+    if s1 is not None and not state_v_first and not dry:
         s1 = s1.transpose(-1, -2).contiguous()
     return out, s1
 
@@ -207,5 +267,5 @@ def clear_caches() -> None:
     serving.clear()
 
 
-__all__ = ["chunk_kda", "clear_caches", "config_for", "describe", "fwd", "schedule", "validate",
-           "workspace_bytes"]
+__all__ = ["check_chunk_kda", "chunk_kda", "clear_caches", "config_for", "describe", "fwd",
+           "schedule", "validate", "workspace_bytes"]

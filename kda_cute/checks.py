@@ -15,12 +15,13 @@ on a CPU too); `validate` is its form with fwd's argument list.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 
 import torch
 
-from .abi import SYM_DIV
+from .abi import GATE_PARAM_DTYPES, SYM_DIV
 from .ladder import PRECISIONS, FwdConfig, select_config, supports
 from .problem import STATE_DTYPES, WY_MODES, Call, Checkpoints, Options, Problem
 from .specs.checkpoints import MAX_ENTRIES
@@ -151,6 +152,38 @@ def null_min(null_slot) -> int:
     return 1
 
 
+# the dtypes a gate parameter may be held in (the kernels read each as held)
+GATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def gate_params(A_log, dt_bias, gate: str, H: int, K: int, dev) -> tuple[int, int]:
+    """A_log [H] and dt_bias [H, K] (or [H*K]), each None or a contiguous fp32, bf16 or fp16
+    tensor on `dev`; A_log is needed by the unbounded gate. The gate "none" reads neither
+    (given ones must still be tensors). Returns how each is held, the code the kernels read
+    (abi.GATE_PARAM_DTYPES; 0: not given or not read). One check for every call."""
+    if gate == "none":
+        for name, t in (("A_log", A_log), ("dt_bias", dt_bias)):
+            if t is not None and not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name}: expected a torch.Tensor or None, got "
+                                f"{type(t).__name__}")
+        return 0, 0
+    if A_log is None and gate == "unbounded":
+        raise err("A_log", f"a tensor [{H}] (float32, bfloat16 or float16) for the unbounded "
+                  "gate", None)
+    codes = []
+    for name, t, n, want in (("A_log", A_log, H, f"[{H}]"),
+                             ("dt_bias", dt_bias, H * K, f"[{H}, {K}] or [{H * K}]")):
+        if t is None:
+            codes.append(0)
+            continue
+        tensor(name, t, GATE_DTYPES, None, dev)
+        if t.numel() != n or not t.is_contiguous():
+            raise err(name, f"a contiguous tensor {want} ({n} elements)",
+                      f"shape {tuple(t.shape)}, strides {tuple(t.stride())}")
+        codes.append(GATE_PARAM_DTYPES[_dtype_name(t.dtype)])
+    return codes[0], codes[1]
+
+
 def options(gate="bounded", qk_l2norm=True, beta_sigmoid=True, segments=None, config=None,
             precision="fast", alongside=None, wy=None) -> Options:
     """Checked Options (alongside / wy None: the environment's defaults), made once per
@@ -235,19 +268,7 @@ def problem(c: Call, opts: Options) -> Problem:
     _rows("out", out, SYM_DIV["sO"])
     for name, t in (("q", q), ("k", k), ("g", g), ("v", v)):
         _rows(name, t, SYM_DIV["s" + name.upper()])
-    if opts.gate != "none":
-        if c.A_log is None and opts.gate == "unbounded":
-            raise err("A_log", "a float32 tensor [H] for the unbounded gate", None)
-        if c.A_log is not None:
-            tensor("A_log", c.A_log, (torch.float32,), None, dev)
-            if c.A_log.numel() != H or not c.A_log.is_contiguous():
-                raise err("A_log", f"a contiguous float32 tensor of {H} elements",
-                          f"shape {tuple(c.A_log.shape)}")
-        if c.dt_bias is not None:
-            tensor("dt_bias", c.dt_bias, (torch.float32,), None, dev)
-            if c.dt_bias.numel() != H * K or not c.dt_bias.is_contiguous():
-                raise err("dt_bias", f"a contiguous float32 tensor [{H}, {K}] or [{H * K}]",
-                          f"shape {tuple(c.dt_bias.shape)}")
+    a_dt, b_dt = gate_params(c.A_log, c.dt_bias, opts.gate, H, K, dev)
     cu = c.cu_seqlens
     if cu is not None:
         tensor("cu_seqlens", cu, (torch.int64, torch.int32), 1, dev)
@@ -280,15 +301,13 @@ def problem(c: Call, opts: Options) -> Problem:
             raise err("has_initial_state", "None without initial_state", "a tensor")
         flags("has_initial_state", hi, N, dev)
     ckpt = _checkpoints(c, N, H, V, K, dev)
-    # the gate parameters a bounded / unbounded gate reads (zeros where not given)
-    gated = opts.gate != "none"
     return Problem(
         B, T, H, K, V, N, cu is not None,
         strides=(q.stride(1), k.stride(1), g.stride(1), v.stride(1), out.stride(1),
                  beta.stride(1)),
         state_in=None if c.initial_state is None else c.initial_state.dtype,
         state_out=None if c.final_state is None else c.final_state.dtype,
-        A_log=gated and c.A_log is not None, dt_bias=gated and c.dt_bias is not None,
+        A_log=a_dt, dt_bias=b_dt,
         cu_int64=cu is not None and cu.dtype == torch.int64, pool=pool,
         has_init=hi is not None, ckpt=ckpt)
 
@@ -412,16 +431,38 @@ def metadata(c: Call, opts: Options) -> Problem:
 def addresses(c: Call) -> None:
     """The TMA-read and -written tensors' bases are 16-byte aligned, and the states' and
     checkpoint_state's (K2 moves a thread's column pairs of a state row at once; checkpoint
-    rows leave by bulk copies)."""
+    rows leave by bulk copies). A FakeTensor (a dry run's stand-in) has no address."""
     for name in ("out", "q", "k", "g", "v"):
         t = getattr(c, name)
-        if t.data_ptr() % 16:
+        if has_address(t) and t.data_ptr() % 16:
             raise err(name, _tma_rows(SYM_DIV["s" + name[0].upper()]),
                       f"address {t.data_ptr()}")
     for name in ("initial_state", "final_state", "checkpoint_state"):
         t = getattr(c, name)
-        if t is not None and t.data_ptr() % 16:
+        if has_address(t) and t.data_ptr() % 16:
             raise err(name, "a 16-byte aligned base", f"address {t.data_ptr()}")
+
+
+def has_address(t) -> bool:
+    """Whether `t` is a tensor with memory: not None, not a FakeTensor."""
+    return t is not None and not isinstance(t, _fake_tensor())
+
+
+@functools.cache
+def _fake_tensor():
+    from torch._subclasses.fake_tensor import FakeTensor
+    return FakeTensor
+
+
+def standins(dry: bool = True):
+    """A context in which the tensors a call allocates are FakeTensors (metadata, no memory,
+    no kernel), where `dry`: the stand-ins of a dry run of a call's checks (the fla
+    verifiers: kda_cute.api.check_chunk_kda, kda_cute.serving.check_fused_recurrent_kda_fwd);
+    otherwise nothing."""
+    if not dry:
+        return contextlib.nullcontext()
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    return FakeTensorMode(allow_non_fake_inputs=True)
 
 
 def require_cuda(c: Call) -> None:

@@ -75,9 +75,10 @@ class Problem:
     """A forward's metadata. B, T, H: batch, tokens per sequence row, heads; K, V: head dims; N:
     sequences (B, or len(cu_seqlens) - 1 with varlen). The rest, with defaults for a problem
     described by its sizes alone (workspace sizing, scheduling): the token strides of q, k, g,
-    v, out and beta in elements (None: packed rows), the states' dtypes (None: no state), which
-    gate parameters are given, and whether cu_seqlens is int64 (copied to int32 for the
-    kernels). pool: None for dense states ([N, H, V, K], row n sequence n's), or the pool form's
+    v, out and beta in elements (None: packed rows), the states' dtypes (None: no state), how
+    the gate parameters are held (A_log, dt_bias: abi.GATE_PARAM_DTYPES' code, 0 when not given;
+    True is fp32's), and whether cu_seqlens is int64 (copied to int32 for the kernels).
+    pool: None for dense states ([N, H, V, K], row n sequence n's), or the pool form's
     (slots, slot stride in elements, state_indices' entry stride and int64 flag, whether
     output_state_indices is given, its entry stride and int64 flag, the least index that is not
     padding, the two tables' int32 words); has_init: has_initial_state is given; ckpt: the
@@ -93,8 +94,8 @@ class Problem:
     strides: tuple[int, int, int, int, int, int] | None = None
     state_in: torch.dtype | None = None
     state_out: torch.dtype | None = None
-    A_log: bool = True
-    dt_bias: bool = True
+    A_log: int = 1
+    dt_bias: int = 1
     cu_int64: bool = False
     pool: tuple[int, int, int, int, int, int, int, int, int, int] | None = None
     has_init: bool = False
@@ -194,8 +195,8 @@ class StepProblem:
     write: tuple[int, int, int, int, int, int]  # mode, n stride, t stride, wide, mul, add
     parent: tuple[int, int, int, int]  # on, n stride, t stride, wide
     null_min: tuple[int, int]  # read, write: entries below are padding
-    A_log: bool
-    dt_bias: bool
+    A_log: int  # how the gate parameters are held: abi.GATE_PARAM_DTYPES' code, 0 not given
+    dt_bias: int
     lengths: tuple[int, int, int, int, int, int]
 
 

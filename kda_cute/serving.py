@@ -17,7 +17,18 @@ from __future__ import annotations
 import torch
 
 from . import errors, launch, library
-from .checks import INDEX_DTYPES, POOL_DTYPES, _dtype_name, err, flag, flags, tensor
+from .checks import (
+    INDEX_DTYPES,
+    POOL_DTYPES,
+    _dtype_name,
+    err,
+    flag,
+    flags,
+    gate_params,
+    has_address,
+    standins,
+    tensor,
+)
 from .checks import index_table as _index
 from .checks import index_words as _words
 from .checks import is_wide as _wide
@@ -110,28 +121,6 @@ def _scalars(scale, lower_bound, gate, K):
                                       or not isinstance(lower_bound, (int, float))):
         raise err("lower_bound", "a float or None", repr(lower_bound))
     return float(scale), (float(lower_bound) if lower_bound is not None else None)
-
-
-def _gate_params(A_log, dt_bias, gate, H, K, dev):
-    if gate == "none":  # (given ones are not read; they must still be tensors)
-        for name, t in (("A_log", A_log), ("dt_bias", dt_bias)):
-            if t is not None and not isinstance(t, torch.Tensor):
-                raise TypeError(f"{name}: expected a torch.Tensor or None, got "
-                                f"{type(t).__name__}")
-        return False, False
-    if A_log is None and gate == "unbounded":
-        raise err("A_log", "a float32 tensor [H] for the unbounded gate", None)
-    if A_log is not None:
-        tensor("A_log", A_log, (torch.float32,), None, dev)
-        if A_log.numel() != H or not A_log.is_contiguous():
-            raise err("A_log", f"a contiguous float32 tensor of {H} elements",
-                      f"shape {tuple(A_log.shape)}")
-    if dt_bias is not None:
-        tensor("dt_bias", dt_bias, (torch.float32,), None, dev)
-        if dt_bias.numel() != H * K or not dt_bias.is_contiguous():
-            raise err("dt_bias", f"a contiguous float32 tensor [{H}, {K}] or [{H * K}]",
-                      f"shape {tuple(dt_bias.shape)}")
-    return A_log is not None, dt_bias is not None
 
 
 class _Tokens:
@@ -272,7 +261,7 @@ def _again(cache: dict, addresses: tuple, dev, stream) -> bool:
 def _aligned(*named) -> None:
     """The tensors' bases are 16-byte aligned (read every call: addresses change)."""
     for name, t in named:
-        if t is not None and t.data_ptr() % 16:
+        if has_address(t) and t.data_ptr() % 16:
             raise err(name, "a 16-byte aligned base address", t.data_ptr())
 
 
@@ -359,7 +348,7 @@ def _decode_plan(q, k, v, g, beta, state, state_indices, out, output_state_indic
     w = _index("output_state_indices", wi, (B,), dev) if output_state_indices is not None else r
     if has_initial_state is not None:
         flags("has_initial_state", has_initial_state, B, dev)
-    a, b = _gate_params(A_log, dt_bias, opts.gate, H, K, dev)
+    a, b = gate_params(A_log, dt_bias, opts.gate, H, K, dev)
     scale, lb = _scalars(scale, lower_bound, opts.gate, K)
     pool = "float32" if state.dtype == torch.float32 else "bfloat16"
     if state_indices is None and state.shape[0] < B:
@@ -526,7 +515,7 @@ def _verify_plan(q, k, v, g, beta, state, cu_seqlens, ssm_state_indices, num_acc
         dst, drows, form = intermediate_states, R * S_max, "verify scratch"
         ridx, widx = state_indices, intermediate_state_indices
         nulls = (null, 0)
-    a, b = _gate_params(A_log, dt_bias, opts.gate, H, K, dev)
+    a, b = gate_params(A_log, dt_bias, opts.gate, H, K, dev)
     scale, lb = _scalars(scale, lower_bound, opts.gate, K)
     p = StepProblem(
         form, N, tk.rows, H, K, V, pool, state.shape[0], ss, drows, ds, tk.strides, fixed,
@@ -624,13 +613,46 @@ def fused_recurrent_kda_fwd(q, k, v, g, beta, A_log=None, dt_bias=None, initial_
     initial_state, updated in place, when inplace_final_state). Refused (ValueError): any
     other keyword, allow_neg_eigval, headwise beta, GVA (v's heads != q's), a K-first pool
     (state_v_first=False) updated in place or through indices."""
+    return _fla_step(False, q, k, v, g, beta, A_log, dt_bias, initial_state, scale,
+                     output_final_state, inplace_final_state, state_v_first, cu_seqlens,
+                     ssm_state_indices, num_accepted_tokens, use_qk_l2norm_in_kernel,
+                     use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+                     lower_bound, out, **kwargs)
+
+
+def check_fused_recurrent_kda_fwd(q, k, v, g, beta, A_log=None, dt_bias=None,
+                                  initial_state=None, scale=None, output_final_state=False,
+                                  inplace_final_state=True, state_v_first=False, cu_seqlens=None,
+                                  ssm_state_indices=None, num_accepted_tokens=None,
+                                  use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
+                                  use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
+                                  lower_bound=None, out=None, **kwargs) -> None:
+    """fused_recurrent_kda_fwd's checks alone: raises what the call with these arguments would
+    raise before its launch, else returns None, reading metadata (and the addresses of tensors
+    that have one) only: what the call would allocate or copy is a FakeTensor, nothing is
+    launched. The fla backend's verifier (kda_cute.integrations.fla)."""
+    _fla_step(True, q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state,
+              inplace_final_state, state_v_first, cu_seqlens, ssm_state_indices,
+              num_accepted_tokens, use_qk_l2norm_in_kernel, use_gate_in_kernel,
+              use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, out, **kwargs)
+
+
+def _fla_step(dry, q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state,
+              inplace_final_state, state_v_first, cu_seqlens, ssm_state_indices,
+              num_accepted_tokens, use_qk_l2norm_in_kernel, use_gate_in_kernel,
+              use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, out, **kwargs):
+    """fused_recurrent_kda_fwd, or its checks alone (dry: stand-ins for what it allocates,
+    verify's / recurrent's checks for their launch)."""
     if kwargs:
         raise TypeError(f"fused_recurrent_kda_fwd: unknown arguments {sorted(kwargs)}")
     (output_final_state, inplace_final_state, state_v_first, use_gate_in_kernel,
-     allow_neg_eigval) = (flag(n, v) for n, v in (
-        ("output_final_state", output_final_state), ("inplace_final_state", inplace_final_state),
-        ("state_v_first", state_v_first), ("use_gate_in_kernel", use_gate_in_kernel),
-        ("allow_neg_eigval", allow_neg_eigval)))
+     allow_neg_eigval, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel) = (
+        flag(n, v) for n, v in (
+            ("output_final_state", output_final_state),
+            ("inplace_final_state", inplace_final_state), ("state_v_first", state_v_first),
+            ("use_gate_in_kernel", use_gate_in_kernel), ("allow_neg_eigval", allow_neg_eigval),
+            ("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel),
+            ("use_beta_sigmoid_in_kernel", use_beta_sigmoid_in_kernel)))
     if allow_neg_eigval:
         raise err("allow_neg_eigval", "False (not supported)", True)
     tensor("q", q, (BF16,), 4)
@@ -649,7 +671,8 @@ def fused_recurrent_kda_fwd(q, k, v, g, beta, A_log=None, dt_bias=None, initial_
     if scale is None:
         scale = K ** -0.5
     if out is None:
-        out = torch.zeros_like(v)
+        with standins(dry):
+            out = torch.zeros_like(v)
     kw = dict(A_log=A_log, dt_bias=dt_bias, scale=scale, lower_bound=lower_bound, gate=gate,
               qk_l2norm=use_qk_l2norm_in_kernel, beta_sigmoid=use_beta_sigmoid_in_kernel)
     if ssm_state_indices is not None:
@@ -661,10 +684,28 @@ def fused_recurrent_kda_fwd(q, k, v, g, beta, A_log=None, dt_bias=None, initial_
         if not inplace_final_state:
             raise err("inplace_final_state", "True with ssm_state_indices", False)
         tensor("ssm_state_indices", ssm_state_indices, INDEX_DTYPES)
+        if ssm_state_indices.dim() not in (1, 2):
+            raise err("ssm_state_indices", "[N] (a token a row) or [N, 1+S]",
+                      f"shape {tuple(ssm_state_indices.shape)}")
         idx = ssm_state_indices if ssm_state_indices.dim() == 2 else \
             ssm_state_indices.unsqueeze(1)
-        verify(q, k, v, g, beta, initial_state, cu_seqlens=cu_seqlens, ssm_state_indices=idx,
-               num_accepted_tokens=num_accepted_tokens, out=out, **kw)
+        try:
+            if dry:
+                _verify_plan(q, k, v, g, beta, initial_state, cu_seqlens, idx,
+                             num_accepted_tokens, None, None, None, None, out, A_log, dt_bias,
+                             scale, lower_bound, gate, use_qk_l2norm_in_kernel,
+                             use_beta_sigmoid_in_kernel, None, None, dry=True)
+                _aligned(("q", q), ("k", k), ("v", v), ("g", g), ("out", out),
+                         ("state", initial_state))
+            else:
+                verify(q, k, v, g, beta, initial_state, cu_seqlens=cu_seqlens,
+                       ssm_state_indices=idx, num_accepted_tokens=num_accepted_tokens, out=out,
+                       **kw)
+        except (ValueError, TypeError) as e:
+            # verify's pool is the caller's initial_state: the error names what was passed
+            if str(e).startswith("state:") and not isinstance(e, errors.DeviceValueError):
+                raise type(e)("initial_state" + str(e)[len("state"):]) from None
+            raise
         return out, initial_state
     if num_accepted_tokens is not None:
         raise err("num_accepted_tokens", "None without ssm_state_indices", "a tensor")
@@ -673,16 +714,30 @@ def fused_recurrent_kda_fwd(q, k, v, g, beta, A_log=None, dt_bias=None, initial_
         if inplace_final_state:
             raise err("state_v_first", "True to update initial_state in place", False)
         tensor("initial_state", s0, POOL_DTYPES, 4)
-        s0 = s0.transpose(-1, -2).contiguous()
+        with standins(dry):
+            s0 = s0.transpose(-1, -2).contiguous()
     N = q.shape[0] if cu_seqlens is None else _cu(cu_seqlens, q.device)
     if inplace_final_state:
         if initial_state is None:
             raise err("initial_state", "a tensor with inplace_final_state=True", None)
         s1 = s0
     elif output_final_state:
-        s1 = torch.empty(N, H, v.shape[-1], K, dtype=torch.float32, device=q.device)
+        with standins(dry):
+            # fla's final state is fp32: a bf16 initial state is read through an fp32 copy
+            # (the kernel reads and writes one dtype)
+            if isinstance(s0, torch.Tensor) and s0.dtype == BF16:
+                tensor("initial_state", s0, POOL_DTYPES, 4)
+                s0 = s0.float()
+            s1 = torch.empty(N, H, v.shape[-1], K, dtype=torch.float32, device=q.device)
     else:
         s1 = None
+    if dry:
+        _recurrent_plan(q, k, v, g, beta, s0, s1, cu_seqlens, out, A_log, dt_bias, scale,
+                        lower_bound, gate, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel,
+                        None, dry=True)
+        _aligned(("q", q), ("k", k), ("v", v), ("g", g), ("out", out), ("initial_state", s0),
+                 ("final_state", s1))
+        return out, s1
     recurrent(q, k, v, g, beta, s0, s1, cu_seqlens=cu_seqlens, out=out, **kw)
     if s1 is not None and not state_v_first and not inplace_final_state:
         s1 = s1.transpose(-1, -2).contiguous()
@@ -760,7 +815,7 @@ def _recurrent_plan(q, k, v, g, beta, initial_state, final_state, cu_seqlens, ou
             s0s = s
         else:
             s1s = s
-    a, b = _gate_params(A_log, dt_bias, opts.gate, H, K, dev)
+    a, b = gate_params(A_log, dt_bias, opts.gate, H, K, dev)
     scale, lb = _scalars(scale, lower_bound, opts.gate, K)
     pool = "bfloat16" if dt == torch.bfloat16 else "float32"
     n0 = N if initial_state is not None else 0
@@ -775,4 +830,5 @@ def _recurrent_plan(q, k, v, g, beta, initial_state, final_state, cu_seqlens, ou
 
 check_errors = errors.check_errors
 
-__all__ = ["check_errors", "commit", "decode", "fused_recurrent_kda_fwd", "recurrent", "verify"]
+__all__ = ["check_errors", "check_fused_recurrent_kda_fwd", "commit", "decode",
+           "fused_recurrent_kda_fwd", "recurrent", "verify"]

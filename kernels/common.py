@@ -8,6 +8,7 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync
 from cutlass.cutlass_dsl import T, dsl_user_op
 
+from kda_cute.abi import GATE_PARAM_DTYPES
 from kda_cute.specs.recur import INDEX_DENSE, INDEX_POOL
 from kda_cute.specs.step import ERRORS
 
@@ -119,6 +120,30 @@ class ChunkTileLoader(TileCopy):
                             bar)
         self._tile_copy(tma_gl, tGl, sGl[None, None, s], (chunk_id, gl_col), (1, self.K), bar)
         self._tile_copy(tma_v, tV, sV[None, None, s], (t0, v_col), (self.C, self.BV), bar)
+
+
+PARAM_F32, PARAM_BF16, PARAM_F16 = (GATE_PARAM_DTYPES[n]
+                                    for n in ("float32", "bfloat16", "float16"))
+
+
+@cute.jit
+def gate_param(m: cute.Tensor, i, dtype: cutlass.Int32) -> cutlass.Float32:
+    """Element i of a gate parameter (A_log, dt_bias) in the dtype it is held in: `m` is
+    declared fp32, `dtype` (abi.GATE_PARAM_DTYPES) says how to read it; 0 reads 0. A 16-bit
+    view assumes only its element's alignment (a caller's view may start at any element)."""
+    x = cutlass.Float32(0.0)
+    if dtype == PARAM_F32:
+        x = m[i]
+    elif dtype == PARAM_BF16:
+        x = _view16(m, cutlass.BFloat16)[i].to(cutlass.Float32)
+    elif dtype == PARAM_F16:
+        x = _view16(m, cutlass.Float16)[i].to(cutlass.Float32)
+    return x
+
+
+def _view16(m: cute.Tensor, dtype) -> cute.Tensor:
+    ptr = cute.make_ptr(dtype, m.iterator.toint(), cute.AddressSpace.gmem, assumed_align=2)
+    return cute.make_tensor(ptr, m.layout)
 
 
 class StateSlots:

@@ -53,6 +53,7 @@ from kernels.common import (
     LOG2E,
     TileCopy,
     bf16x2,
+    gate_param,
     pack_bf16x2,
     tma_meta,
 )
@@ -116,8 +117,8 @@ class KdaPrepSm90(TileCopy):
         mK: cute.Tensor,
         mG: cute.Tensor,
         mBeta: cute.Tensor,  # (T, H) bf16, row stride dynamic
-        mALog: cute.Tensor,  # (H,) fp32
-        mDtBias: cute.Tensor,  # (H*K,) fp32
+        mALog: cute.Tensor,  # (H,) fp32, bf16 or fp16 (a_log_dtype)
+        mDtBias: cute.Tensor,  # (H*K,) likewise (dt_bias_dtype)
         mCuSeq: cute.Tensor,  # (N+1,) int32
         mCuChunk: cute.Tensor,  # (N+1,) int32
         mQg: cute.Tensor,  # (R, H, K) fp32: R rows of whole chunks
@@ -136,12 +137,15 @@ class KdaPrepSm90(TileCopy):
         gate_mode: cutlass.Int32,
         qk_l2norm: cutlass.Int32,
         beta_sigmoid: cutlass.Int32,
+        a_log_dtype: cutlass.Int32,  # how A_log and dt_bias are held (abi.GATE_PARAM_DTYPES)
+        dt_bias_dtype: cutlass.Int32,
         stream,
     ):
         loads, s_tile = self._make_loads(mQ, mK, mG)
         self._launch((*loads, mBeta, mALog, mDtBias, mCuSeq, mCuChunk,
                       mQg, mKg, mKd, mGl, mAw, mMq, mFlags, num_seqs, seq_len, scale, lower_bound,
-                      gate_mode, qk_l2norm, beta_sigmoid, s_tile), num_chunks,
+                      gate_mode, qk_l2norm, beta_sigmoid, a_log_dtype, dt_bias_dtype,
+                      s_tile), num_chunks,
                      num_heads, stream)
 
     def _launch(self, kernel_args, num_chunks, num_heads, stream):
@@ -209,22 +213,25 @@ class KdaPrepSm90(TileCopy):
         seq_len: cutlass.Int32,
         scale: cutlass.Float32, lower_bound: cutlass.Float32,
         gate_mode: cutlass.Int32, qk_l2norm: cutlass.Int32, beta_sigmoid: cutlass.Int32,
+        a_log_dtype: cutlass.Int32, dt_bias_dtype: cutlass.Int32,
         s_tile: cute.Layout,
     ):
-        self._body(((tma_q, tQ), (tma_k, tK), (tma_g, tG)), mBeta, mALog, mDtBias, mCuSeq,
-                   mCuChunk, (mQg, mKg, mKd, mGl, mAw, mMq), (num_seqs, seq_len), scale,
-                   lower_bound,
+        self._body(((tma_q, tQ), (tma_k, tK), (tma_g, tG)), mBeta,
+                   (mALog, mDtBias, a_log_dtype, dt_bias_dtype), mCuSeq, mCuChunk,
+                   (mQg, mKg, mKd, mGl, mAw, mMq), (num_seqs, seq_len), scale, lower_bound,
                    gate_mode, qk_l2norm, beta_sigmoid, s_tile, mFlags)
 
 
     # ---------------------------------------------------------------- device
     @cute.jit
-    def _body(self, loads, mBeta: cute.Tensor, mALog: cute.Tensor, mDtBias: cute.Tensor,
+    def _body(self, loads, mBeta: cute.Tensor, gates,
               mCuSeq: cute.Tensor, mCuChunk: cute.Tensor, outs, seqs,
               scale: cutlass.Float32, lower_bound: cutlass.Float32, gate_mode: cutlass.Int32,
               qk_l2norm: cutlass.Int32, beta_sigmoid: cutlass.Int32, s_tile: cute.Layout,
               mFlags: cute.Tensor):
-        """The kernel, whatever the output mode: `outs` holds tensors (f32) or TMA stores."""
+        """The kernel, whatever the output mode: `outs` holds tensors (f32) or TMA stores;
+        `gates` is (A_log, dt_bias, their dtypes)."""
+        mALog, mDtBias, a_dtype, b_dtype = gates
         if cutlass.const_expr(self.split):
             st_qg, st_kg, mKdh, mKdl, mGl, mAwh, mAwl, mMqh, mMql = outs
             mQg = mKg = mKd = mAw = mMq = None
@@ -258,11 +265,11 @@ class KdaPrepSm90(TileCopy):
             self._norms(sQK, norm, length, scale, qk_l2norm, tidx)
 
             # ---- phase A: gates and cumulative decay G (chunk-local) ---------------------
-            a_log = mALog[h]
+            a_log = gate_param(mALog, h, a_dtype)
             a_exp = cute.math.exp(a_log)
             acts = cute.make_rmem_tensor((C,), cutlass.Float32)
             for d in cutlass.range(tidx, K, NT):
-                bias = mDtBias[h * K + d]
+                bias = gate_param(mDtBias, h * K + d, b_dtype)
                 G = cutlass.Float32(0.0)
                 big = cutlass.Int32(0)
                 # the gate of every row first, one branch per mode (not per row), so the rows'
@@ -944,6 +951,8 @@ class KdaPrepSm90Split(KdaPrepSm90):
         gate_mode: cutlass.Int32,
         qk_l2norm: cutlass.Int32,
         beta_sigmoid: cutlass.Int32,
+        a_log_dtype: cutlass.Int32,  # how A_log and dt_bias are held (abi.GATE_PARAM_DTYPES)
+        dt_bias_dtype: cutlass.Int32,
         stream,
     ):
         C, K = self.C, self.K
@@ -956,7 +965,8 @@ class KdaPrepSm90Split(KdaPrepSm90):
             self.tma_meta.append(tma_meta(name, atom, QK_DTYPE))
         self._launch((*loads, mBeta, mALog, mDtBias, mCuSeq, mCuChunk, *stores, mKdh, mKdl,
                       mAwh, mAwl, mMqh, mMql, mGl, mFlags, num_seqs, seq_len,
-                      scale, lower_bound, gate_mode, qk_l2norm, beta_sigmoid, s_tile),
+                      scale, lower_bound, gate_mode, qk_l2norm, beta_sigmoid, a_log_dtype,
+                      dt_bias_dtype, s_tile),
                      num_chunks, num_heads, stream)
 
     @cute.kernel
@@ -977,18 +987,19 @@ class KdaPrepSm90Split(KdaPrepSm90):
         seq_len: cutlass.Int32,
         scale: cutlass.Float32, lower_bound: cutlass.Float32,
         gate_mode: cutlass.Int32, qk_l2norm: cutlass.Int32, beta_sigmoid: cutlass.Int32,
+        a_log_dtype: cutlass.Int32, dt_bias_dtype: cutlass.Int32,
         s_tile: cute.Layout,
     ):
         outs = ((tma_qg, tQg), (tma_kg, tKg), mKdh, mKdl, mGl, mAwh, mAwl, mMqh, mMql)
         body = self._body_passes if cutlass.const_expr(self.passes) else self._body
-        body(((tma_q, tQ), (tma_k, tK), (tma_g, tG)), mBeta, mALog, mDtBias, mCuSeq,
-             mCuChunk, outs, (num_seqs, seq_len), scale, lower_bound, gate_mode, qk_l2norm,
-             beta_sigmoid, s_tile, mFlags)
+        body(((tma_q, tQ), (tma_k, tK), (tma_g, tG)), mBeta,
+             (mALog, mDtBias, a_log_dtype, dt_bias_dtype), mCuSeq, mCuChunk, outs,
+             (num_seqs, seq_len), scale, lower_bound, gate_mode, qk_l2norm, beta_sigmoid,
+             s_tile, mFlags)
 
     @cute.jit
-    def _body_passes(self, loads, mBeta: cute.Tensor, mALog: cute.Tensor,
-                     mDtBias: cute.Tensor, mCuSeq: cute.Tensor, mCuChunk: cute.Tensor, outs,
-                     seqs, scale: cutlass.Float32,
+    def _body_passes(self, loads, mBeta: cute.Tensor, gates, mCuSeq: cute.Tensor,
+                     mCuChunk: cute.Tensor, outs, seqs, scale: cutlass.Float32,
                      lower_bound: cutlass.Float32, gate_mode: cutlass.Int32,
                      qk_l2norm: cutlass.Int32, beta_sigmoid: cutlass.Int32, s_tile: cute.Layout,
                      mFlags: cute.Tensor):
@@ -1006,7 +1017,7 @@ class KdaPrepSm90Split(KdaPrepSm90):
         Then the warps' partial tiles meet in smem, L goes to smem, Mq to the workspace, and
         phase C runs as in the one-pass kernel."""
         tidx, warp, lane, h, bid = self._ids()
-        args = (loads, mBeta, mALog, mDtBias, outs, scale, lower_bound, gate_mode, qk_l2norm,
+        args = (loads, mBeta, gates, outs, scale, lower_bound, gate_mode, qk_l2norm,
                 beta_sigmoid, mFlags, tidx, warp, lane, h)
         if cutlass.const_expr(self.looped):
             # the checkpoints' side run: side slot b's partial chunk is tokens cu_seqlens[2b]
@@ -1039,8 +1050,7 @@ class KdaPrepSm90Split(KdaPrepSm90):
                                    0, True)
 
     @cute.jit
-    def _chunk_passes(self, loads, mBeta: cute.Tensor, mALog: cute.Tensor,
-                      mDtBias: cute.Tensor, outs, scale: cutlass.Float32,
+    def _chunk_passes(self, loads, mBeta: cute.Tensor, gates, outs, scale: cutlass.Float32,
                       lower_bound: cutlass.Float32, gate_mode: cutlass.Int32,
                       qk_l2norm: cutlass.Int32, beta_sigmoid: cutlass.Int32,
                       mFlags: cute.Tensor, tidx, warp, lane, h, bid, t0, length, bound, tiles,
@@ -1048,6 +1058,7 @@ class KdaPrepSm90Split(KdaPrepSm90):
         """_body_passes for chunk slot `bid` (first token t0, `length` rows) in the shared
         `tiles` (_input_tiles), its loads completing mbarrier phase `phase`."""
         st_qg, st_kg, mKdh, mKdl, mGl, mAwh, mAwl, mMqh, mMql = outs
+        mALog, mDtBias, a_dtype, b_dtype = gates
         C, K, NT, W = self.C, self.K, self.threads, self.W
         f32, bf16 = cutlass.Float32, cutlass.BFloat16
         NPAIR = W // 2
@@ -1071,8 +1082,8 @@ class KdaPrepSm90Split(KdaPrepSm90):
         pl = tidx % NPAIR
         rg = tidx // NPAIR
         # the gate parameters of the first pass load while the TMA loads are in flight
-        a_log = mALog[h]
-        bias0 = [mDtBias[h * K + 2 * pl + c] for c in range(2)]
+        a_log = gate_param(mALog, h, a_dtype)
+        bias0 = [gate_param(mDtBias, h * K + 2 * pl + c, b_dtype) for c in range(2)]
         self._load_tiles(loads, (sQ, sK, sG), mbar, mBeta, sBeta, t0, h, length,
                          beta_sigmoid, tidx, warp, phase, init)
         if cutlass.const_expr(self._length_slot() == 1):
@@ -1090,7 +1101,7 @@ class KdaPrepSm90Split(KdaPrepSm90):
             gp = ps * NPAIR + pl  # this thread's column pair in the head
             bias = bias0
             if cutlass.const_expr(ps > 0):
-                bias = [mDtBias[h * K + 2 * gp + c] for c in range(2)]
+                bias = [gate_param(mDtBias, h * K + 2 * gp + c, b_dtype) for c in range(2)]
             loc = self._pass_gates(sG, bias, part, first, gp, pl, rg, a_exp,
                                    lower_bound, gate_mode, length)
             cute.arch.sync_threads()

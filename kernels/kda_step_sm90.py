@@ -38,7 +38,7 @@ from cutlass.cute.nvgpu import cpasync
 from cutlass.cute.nvgpu import warp as warp_mma
 
 from kda_cute.specs.step import ERRORS, WRITE_ALL, WRITE_LAST, WRITE_START, StepConfig
-from kernels.common import StateSlots, bits_f32, f32_bits, tf32_rna  # StateSlots._word: an entry
+from kernels.common import StateSlots, bits_f32, f32_bits, gate_param, tf32_rna
 
 E_CU, E_LEN, E_ACC, E_READ, E_WRITE, E_PARENT = range(6)  # the words of specs.step.ERRORS
 assert ERRORS[E_PARENT] == "retrieve_parent_token"
@@ -80,7 +80,7 @@ class KdaStepSm90(StateSlots):
         mV: cute.Tensor,  # (T, H*V) bf16
         mBeta: cute.Tensor,  # (T, H) bf16
         mOut: cute.Tensor,  # (T, H*V) bf16
-        mALog: cute.Tensor, mDtBias: cute.Tensor,  # (H,), (H*K,) fp32
+        mALog: cute.Tensor, mDtBias: cute.Tensor,  # (H,), (H*K,) as held (*_dtype)
         mPool: cute.Tensor,  # (P, H, V, K) the state pool, slot stride free
         mDst: cute.Tensor,  # (PD, H, V, K) where states are written (the pool or a scratch)
         mCu: cute.Tensor, mRIdx: cute.Tensor, mWIdx: cute.Tensor, mAcc: cute.Tensor,
@@ -98,7 +98,7 @@ class KdaStepSm90(StateSlots):
         w_wide: cutlass.Int32, w_mul: cutlass.Int32, w_add: cutlass.Int32,
         parent_on: cutlass.Int32, p_sn: cutlass.Int32, p_st: cutlass.Int32,
         p_wide: cutlass.Int32,
-        gate: cutlass.Int32, has_a: cutlass.Int32, has_bias: cutlass.Int32,
+        gate: cutlass.Int32, a_log_dtype: cutlass.Int32, dt_bias_dtype: cutlass.Int32,
         qk_l2norm: cutlass.Int32, beta_sigmoid: cutlass.Int32,
         scale: cutlass.Float32, lower_bound: cutlass.Float32,
         stream,
@@ -112,8 +112,8 @@ class KdaStepSm90(StateSlots):
                 mAcc, mParent, mHasInit, mErr, num_rows, num_heads, fixed_len, cu_wide,
                 max_tokens, read_mode, r_sn, r_st, r_wide, r_mul, r_add, acc_on, acc_wide,
                 acc_base, acc_skip, max_sel, hi_on, r_null, w_null, write_mode, w_sn, w_st,
-                w_wide, w_mul, w_add, parent_on, p_sn, p_st, p_wide, gate, has_a, has_bias,
-                qk_l2norm, beta_sigmoid, scale, lower_bound,
+                w_wide, w_mul, w_add, parent_on, p_sn, p_st, p_wide, gate, a_log_dtype,
+                dt_bias_dtype, qk_l2norm, beta_sigmoid, scale, lower_bound,
             ).launch(grid=(num_rows, 1, 1), block=(self.threads, 1, 1), smem=self.smem_bytes,
                      stream=stream, **self._occupancy())
             return
@@ -122,7 +122,7 @@ class KdaStepSm90(StateSlots):
             mParent, mHasInit, mErr, fixed_len, cu_wide, max_tokens, read_mode, r_sn, r_st,
             r_wide, r_mul, r_add, acc_on, acc_wide, acc_base, acc_skip, max_sel, hi_on,
             r_null, w_null, write_mode, w_sn, w_st, w_wide, w_mul,
-            w_add, parent_on, p_sn, p_st, p_wide, gate, has_a, has_bias, qk_l2norm,
+            w_add, parent_on, p_sn, p_st, p_wide, gate, a_log_dtype, dt_bias_dtype, qk_l2norm,
             beta_sigmoid, scale, lower_bound,
         ).launch(grid=(self.V // self.BV, num_heads, num_rows), block=(self.threads, 1, 1),
                  smem=self.smem_bytes, stream=stream, **self._occupancy())
@@ -474,21 +474,16 @@ class KdaStepSm90(StateSlots):
         return b + u * kq
 
     @cute.jit
-    def _gate_consts(self, bias, mALog: cute.Tensor, mDtBias: cute.Tensor, h, sub, has_a,
-                     has_bias):
+    def _gate_consts(self, bias, mALog: cute.Tensor, mDtBias: cute.Tensor, h, sub, a_dt, b_dt):
         """Head h's gate constants, loads only: dt_bias of this thread's columns into bias;
-        returns A_log[h] (0 without A_log: exp(A_log) is the gate's factor)."""
-        f32, K, VEC = cutlass.Float32, self.K, self.VEC
-        a_log = f32(0.0)
-        if has_a != 0:
-            a_log = mALog[h]
+        returns A_log[h] (0 without A_log: exp(A_log) is the gate's factor). a_dt / b_dt: how
+        each is held (abi.GATE_PARAM_DTYPES, 0: not given)."""
+        K, VEC = self.K, self.VEC
         for j in cutlass.range_constexpr(self.NJ):
             for e in cutlass.range_constexpr(VEC):
-                x = f32(0.0)
-                if has_bias != 0:
-                    x = mDtBias[h * K + (sub + self.TPR * j) * VEC + e]
-                bias[j * VEC + e] = x
-        return a_log
+                bias[j * VEC + e] = gate_param(mDtBias, h * K + (sub + self.TPR * j) * VEC + e,
+                                               b_dt)
+        return gate_param(mALog, h, a_dt)
 
     @cute.jit
     def _writes(self, write_mode, t, length):
@@ -706,7 +701,7 @@ class KdaStepSm90(StateSlots):
         w_wide: cutlass.Int32, w_mul: cutlass.Int32, w_add: cutlass.Int32,
         parent_on: cutlass.Int32, p_sn: cutlass.Int32, p_st: cutlass.Int32,
         p_wide: cutlass.Int32,
-        gate: cutlass.Int32, has_a: cutlass.Int32, has_bias: cutlass.Int32,
+        gate: cutlass.Int32, a_log_dtype: cutlass.Int32, dt_bias_dtype: cutlass.Int32,
         qk_l2norm: cutlass.Int32, beta_sigmoid: cutlass.Int32,
         scale: cutlass.Float32, lower_bound: cutlass.Float32,
     ):
@@ -723,7 +718,7 @@ class KdaStepSm90(StateSlots):
                    mHasInit, mErr)
             modes = (fixed_len, cu_wide, max_tokens, read_mode, r_sn, r_st, r_wide, r_mul, r_add,
                      acc_on, acc_wide, acc_base, acc_skip, max_sel, hi_on, r_null, write_mode,
-                     w_sn, w_st, w_wide, has_a, has_bias)
+                     w_sn, w_st, w_wide, a_log_dtype, dt_bias_dtype)
             tile = self._chunk_tile(area, 0)
             bos, live_len, length, b_raw, w_lo, w_hi, a_log = self._chunk_issue(
                 True, vb, h, n, tile, regs, ins, modes, tidx, grp, sub)
@@ -776,7 +771,7 @@ class KdaStepSm90(StateSlots):
                     rq, rk, rg, mQ, mK, mG, mBeta, mV, mWIdx, bos, i32(0), n, h, vb, grp, sub,
                     self._writes(write_mode, i32(0), length), w_sn, w_st, w_wide)
         bias = cute.make_rmem_tensor((NC,), f32)
-        a_log = self._gate_consts(bias, mALog, mDtBias, h, sub, has_a, has_bias)
+        a_log = self._gate_consts(bias, mALog, mDtBias, h, sub, a_log_dtype, dt_bias_dtype)
         a_exp = cute.math.exp(a_log)
 
         qv = cute.make_rmem_tensor((NC,), f32)
@@ -1082,7 +1077,7 @@ class KdaStepSm90(StateSlots):
          mErr) = ins
         (fixed_len, cu_wide, max_tokens, read_mode, r_sn, r_st, r_wide, r_mul, r_add, acc_on,
          acc_wide, acc_base, acc_skip, max_sel, hi_on, r_null, write_mode, w_sn, w_st, w_wide,
-         has_a, has_bias) = modes
+         a_log_dtype, dt_bias_dtype) = modes
         i32 = cutlass.Int32
         bos, length, live_len = i32(0), i32(0), i32(0)
         b_raw, w_lo, w_hi, a_log = cutlass.BFloat16(0.0), i32(-1), i32(-1), cutlass.Float32(0.0)
@@ -1103,7 +1098,7 @@ class KdaStepSm90(StateSlots):
                 self._zero_tile(tile, grp, sub)
             if pad == 0:
                 live_len = length
-            a_log = self._gate_consts(bias, mALog, mDtBias, h, sub, has_a, has_bias)
+            a_log = self._gate_consts(bias, mALog, mDtBias, h, sub, a_log_dtype, dt_bias_dtype)
             if grp < self.CH and live_len > 0:
                 tt = cutlass.min(grp, live_len - 1)
                 b_raw, w_lo, w_hi = self._prep_issue(
@@ -1222,7 +1217,7 @@ class KdaStepSm90(StateSlots):
         w_wide: cutlass.Int32, w_mul: cutlass.Int32, w_add: cutlass.Int32,
         parent_on: cutlass.Int32, p_sn: cutlass.Int32, p_st: cutlass.Int32,
         p_wide: cutlass.Int32,  # unused: no tree parents in single-token plans
-        gate: cutlass.Int32, has_a: cutlass.Int32, has_bias: cutlass.Int32,
+        gate: cutlass.Int32, a_log_dtype: cutlass.Int32, dt_bias_dtype: cutlass.Int32,
         qk_l2norm: cutlass.Int32, beta_sigmoid: cutlass.Int32,
         scale: cutlass.Float32, lower_bound: cutlass.Float32,
     ):
@@ -1255,7 +1250,7 @@ class KdaStepSm90(StateSlots):
                    mHasInit, mErr)
             modes = (fixed_len, cu_wide, max_tokens, read_mode, r_sn, r_st, r_wide, r_mul, r_add,
                      acc_on, acc_wide, acc_base, acc_skip, max_sel, hi_on, r_null, write_mode,
-                     w_sn, w_st, w_wide, has_a, has_bias)
+                     w_sn, w_st, w_wide, a_log_dtype, dt_bias_dtype)
             bos, live_len, length, b_raw, w_lo, w_hi, a_log = self._chunk_issue(
                 bid < tiles, bid % NVB, (bid // NVB) % num_heads, bid // (NVB * num_heads),
                 self._chunk_tile(area, 0), regs, ins, modes, tidx, grp, sub)
@@ -1309,7 +1304,7 @@ class KdaStepSm90(StateSlots):
             mALog, mDtBias, mPool, mCu, mRIdx, mWIdx, mAcc, mHasInit, mErr, tidx, grp, sub,
             num_tokens, slots, dst_rows, fixed_len, cu_wide, max_tokens, read_mode, r_sn, r_st,
             r_wide, r_mul, r_add, acc_on, acc_wide, acc_base, acc_skip, max_sel, hi_on, r_null,
-            w_null, write_mode, w_sn, w_st, w_wide, w_mul, w_add, has_a, has_bias)
+            w_null, write_mode, w_sn, w_st, w_wide, w_mul, w_add, a_log_dtype, dt_bias_dtype)
         buf = i32(0)
         for t in cutlass.range(bid, tiles, nb):
             vb = t % NVB
@@ -1333,8 +1328,8 @@ class KdaStepSm90(StateSlots):
                 mV, mALog, mDtBias, mPool, mCu, mRIdx, mWIdx, mAcc, mHasInit, mErr, tidx, grp,
                 sub, num_tokens, slots, dst_rows, fixed_len, cu_wide, max_tokens, read_mode,
                 r_sn, r_st, r_wide, r_mul, r_add, acc_on, acc_wide, acc_base, acc_skip, max_sel,
-                hi_on, r_null, w_null, write_mode, w_sn, w_st, w_wide, w_mul, w_add, has_a,
-                has_bias)
+                hi_on, r_null, w_null, write_mode, w_sn, w_st, w_wide, w_mul, w_add, a_log_dtype,
+                dt_bias_dtype)
             cute.arch.cp_async_wait_group(1)  # this tile's staged rows have landed
             if zeros:
                 self._zero_outputs(mOut, tok, h, vb, grp, sub)
@@ -1361,7 +1356,7 @@ class KdaStepSm90(StateSlots):
                     sub, num_tokens, slots, dst_rows, fixed_len, cu_wide, max_tokens,
                     read_mode, r_sn, r_st, r_wide, r_mul, r_add, acc_on, acc_wide, acc_base,
                     acc_skip, max_sel, hi_on, r_null, w_null, write_mode, w_sn, w_st, w_wide,
-                    w_mul, w_add, has_a, has_bias):
+                    w_mul, w_add, a_log_dtype, dt_bias_dtype):
         """Tile t's row setup (nothing past the last tile), its write row (-1: none), its
         token's loads (q, k, g into rq, rk, rg, the gate's constants into bias; nothing waits
         for them here) and its start state staged into half `buf` (zeros there for a row that
@@ -1383,7 +1378,7 @@ class KdaStepSm90(StateSlots):
                 b_raw, vals, w_lo, w_hi = self._token_loads(
                     rq, rk, rg, mQ, mK, mG, mBeta, mV, mWIdx, bos, i32(0), n, h, vb, grp, sub,
                     self._writes(write_mode, i32(0), length), w_sn, w_st, w_wide)
-                a_log = self._gate_consts(bias, mALog, mDtBias, h, sub, has_a, has_bias)
+                a_log = self._gate_consts(bias, mALog, mDtBias, h, sub, a_log_dtype, dt_bias_dtype)
             pad, _, slot, start = self._row_slot(
                 mRIdx, mAcc, mHasInit, mErr, n, lead, slots, read_mode, r_sn, r_st, r_wide,
                 r_mul, r_add, acc_on, acc_wide, acc_base, acc_skip, max_sel, hi_on, r_null)

@@ -122,9 +122,11 @@ def make_call(spec: dict) -> dict:
             offs.append(offs[-1] + n)
         cu = torch.tensor(offs, dtype=torch.int32 if spec.get("cu32") else torch.int64)
     gates = spec.get("gate_params", True)
+    # the gate parameters' dtypes (a model cast to bf16 holds them in bf16)
+    a_dt, b_dt = spec.get("gate_dtypes", (F32, F32))
     return dict(q=q, k=k, v=v, g=g, beta=beta, scale=K ** -0.5, out=out,
-                A_log=torch.empty(H, dtype=F32) if gates else None,
-                dt_bias=torch.empty(H, K, dtype=F32) if gates else None,
+                A_log=torch.empty(H, dtype=a_dt) if gates else None,
+                dt_bias=torch.empty(H, K, dtype=b_dt) if gates else None,
                 lower_bound=spec.get("lower_bound", -5.0), initial_state=s0, final_state=s1,
                 cu_seqlens=cu, **extra)
 
@@ -164,6 +166,8 @@ PROBLEMS = {
     "k128-varlen-mix-h64": dict(seqlens=[2048, 512, 3000, 100, 2532], H=64, K=128),
     "k128-gate-unbounded": dict(B=1, T=64, H=4, K=128, gate="unbounded"),
     "k128-gate-none-no-params": dict(B=1, T=64, H=4, K=128, gate="none", gate_params=False),
+    "k128-gate-params-bf16-f16": dict(B=1, T=64, H=4, K=128, gate="unbounded",
+                                      gate_dtypes=(BF16, torch.float16)),
     "k64-prenormed": dict(B=1, T=50, H=3, K=64, qk_l2norm=False, beta_sigmoid=False,
                           lower_bound=-1.5),
     "k128-strided-rows": dict(B=1, T=64, H=4, K=128, pad=64, out_pad=8),

@@ -4,6 +4,7 @@ kda-cute with the arguments mapped, and the rejection logged by fla."""
 
 from __future__ import annotations
 
+import inspect
 import logging
 from inspect import unwrap
 
@@ -140,7 +141,7 @@ def test_fla_chunk_kda_dispatches_here_with_arguments_mapped(fake, monkeypatch, 
     with caplog.at_level(logging.INFO, logger="fla.backends"):
         assert fla_chunk_kda(transpose_state_layout=True, **kw) == "ours"
     assert seen["state_v_first"] is True
-    assert tuple(seen["dt_bias"].shape) == (H, K)  # [H*K] viewed as [H, K]
+    assert tuple(seen["dt_bias"].shape) == (H * K,)  # [H*K], as fla passes it
     assert seen["scale"] == K ** -0.5 and seen["lower_bound"] == -5.0
     assert seen["use_gate_in_kernel"] and seen["safe_gate"]
 
@@ -189,7 +190,7 @@ def test_fla_decode_entry_dispatches_here(fake, monkeypatch):
     monkeypatch.setattr(serving, "fused_recurrent_kda_fwd", fake_step)
     assert backend().verify("fused_recurrent_kda_fwd", **decode_call()) == (True, None)
     assert fla_recurrent(**decode_call()) == "ours"
-    assert tuple(seen["dt_bias"].shape) == (H, K)
+    assert tuple(seen["dt_bias"].shape) == (H * K,)
 
 
 @pytest.mark.parametrize("over, reason", [
@@ -205,3 +206,182 @@ def test_decode_turned_down_with_a_reason(fake, over, reason):
     kw.update(over)
     ok, why = backend().verify("fused_recurrent_kda_fwd", **kw)
     assert not ok and reason in why, why
+
+
+# ------------------------------------------------- every argument mutated, on CPU tensors
+@pytest.fixture
+def runs(monkeypatch):
+    """kda-cute's implementations run on a CPU up to their launch, which is recorded instead:
+    the CUDA requirements lifted (the fla backend's, the forward's, the step's device check),
+    the device taken as an H200. Returns the list of launches ("fwd" / "step")."""
+    from kda_cute import checks, errors, launch, plans
+    from kda_cute.plans.step import step_plan
+    made = []
+    monkeypatch.setattr(kda_fla, "_cuda", lambda q: None)
+    monkeypatch.setattr(checks, "require_cuda", lambda c: None)
+    monkeypatch.setattr(api, "device_info", lambda dev: plans.H200)
+    monkeypatch.setattr(errors, "raise_pending", lambda dev: None)
+    monkeypatch.setattr(launch, "run", lambda *a, **k: made.append("fwd"))
+
+    def planned(p, opts, dev, what="q", dry=False):
+        serving._config(p, opts)
+        return None if dry else step_plan(p, opts)
+
+    monkeypatch.setattr(serving, "_planned", planned)
+    monkeypatch.setattr(serving, "_launch", lambda *a, **k: made.append("step"))
+    monkeypatch.setattr(serving, "_again", lambda *a: False)
+    kda_fla._verdicts.clear()
+    serving.clear()
+    yield made
+    kda_fla._verdicts.clear()
+    serving.clear()
+
+
+def _cpu(**kw):
+    return {n: (t.to("cpu") if isinstance(t, torch.Tensor) else t) for n, t in kw.items()}
+
+
+def _filled(kw):
+    """Real CPU tensors for a call's arguments (random values, index tables kept)."""
+    out = {}
+    for n, t in kw.items():
+        if isinstance(t, torch.Tensor) and t.is_floating_point():
+            t = torch.randn(t.shape).to(t.dtype)
+        elif isinstance(t, torch.Tensor):
+            t = t.clone()
+        out[n] = t
+    return out
+
+
+def _mutation_entries():
+    """(fla entry, its registry, valid keyword arguments on CPU tensors) for fla's prefill
+    (V-first and K-first states, bf16 gate parameters as a cast model holds them) and decode
+    (a pool and dense states)."""
+    gate16 = dict(A_log=torch.zeros(H, dtype=BF), dt_bias=torch.zeros(H * K, dtype=BF))
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        shapes = dict(chunk=layer_call(), chunk_kfirst=layer_call(state_v_first=False),
+                      decode=decode_call(), dense=decode_call(
+                          ssm_state_indices=None, inplace_final_state=False,
+                          output_final_state=True, initial_state=torch.empty(3, H, K, K)))
+    chunk_reg = _function_registries[unwrap(fla_chunk_kda)]
+    step_reg = _get_operation_registry("kda")
+    out = {}
+    for name, kw in shapes.items():
+        kw = _filled({n: (torch.empty(t.shape, dtype=t.dtype) if isinstance(t, torch.Tensor)
+                          else t) for n, t in kw.items()})
+        if name == "decode":
+            kw["ssm_state_indices"] = torch.tensor([3, -1, 5], dtype=torch.int32)
+        if name.startswith("chunk"):
+            kw["cu_seqlens"] = torch.tensor([0, 40, 100], dtype=torch.int32)
+            out[name] = (fla_chunk_kda, chunk_reg, "chunk_kda", {**kw, **gate16})
+        else:
+            out[name] = (fla_recurrent, step_reg, "fused_recurrent_kda_fwd", {**kw, **gate16})
+    return out
+
+
+def _flag_cases():
+    """Whole-call variants a model may hand in (each on the chunk or the step entry)."""
+    f16 = torch.float16
+    return [
+        ("chunk", dict(q=("dtype", f16))), ("chunk", dict(k=("dtype", f16), v=("dtype", f16))),
+        ("chunk", dict(use_gate_in_kernel=False, safe_gate=False, g=("dtype", F32))),
+        ("chunk", dict(use_gate_in_kernel=False, safe_gate=False)),
+        ("chunk", dict(beta=("dtype", F32))),
+        ("chunk", dict(A_log=("dtype", F32), dt_bias=("dtype", F32))),
+        ("chunk", dict(A_log=("dtype", f16), dt_bias=("dtype", f16))),
+        ("chunk", dict(A_log=("dtype", F32), dt_bias=("dtype", BF))),
+        ("chunk", dict(output_final_state=False)), ("chunk", dict(initial_state=None)),
+        ("chunk", dict(initial_state=None, output_final_state=False)),
+        ("chunk_kfirst", dict(output_final_state=False)),
+        ("chunk", dict(cu_seqlens=("dtype", torch.int64))),
+        ("chunk", dict(initial_state=("dtype", BF))),
+        ("chunk", dict(safe_gate=False, lower_bound=None)),  # the unbounded gate
+        ("chunk", dict(A_log=None)),
+        ("decode", dict(A_log=("dtype", F32), dt_bias=("dtype", F32))),
+        ("decode", dict(A_log=("dtype", f16), dt_bias=None)),
+        ("decode", dict(q=("dtype", f16))), ("decode", dict(beta=("dtype", F32))),
+        ("decode", dict(use_gate_in_kernel=False, g=("dtype", F32))),
+        ("decode", dict(initial_state=("dtype", BF))),
+        ("decode", dict(ssm_state_indices=("dtype", torch.int64))),
+        ("dense", dict(output_final_state=False)), ("dense", dict(initial_state=None)),
+        ("dense", dict(initial_state=None, inplace_final_state=False, output_final_state=True)),
+        ("dense", dict(state_v_first=False)),
+        ("dense", dict(cu_seqlens=torch.tensor([0, 1, 2, 3]), q=("flat", None))),
+    ]
+
+
+def _apply(kw, over):
+    kw = dict(kw)
+    for n, val in over.items():
+        if isinstance(val, tuple) and val[0] == "dtype":
+            kw[n] = kw[n].to(val[1])
+        elif isinstance(val, tuple) and val[0] == "flat":  # packed rows [1, N, H, D]
+            for m in ("q", "k", "v", "g", "beta"):
+                kw[m] = kw[m].transpose(0, 1).contiguous()
+        else:
+            kw[n] = val
+    return kw
+
+
+def _ours(reg):
+    return next(b for b in reg._get_sorted_backends() if b.backend_type == "kda_cute")
+
+
+def _judge(entry, reg, fname, kw, made, caplog, what):
+    """verify says no: fla falls back (ours is not called) and logs the reason; yes: fla's
+    entry runs ours to its launch without an exception. Returns the verdict."""
+    ok, why = _ours(reg).verify(fname, **kw)
+    before = len(made)
+    if ok:
+        entry(**kw)
+        assert len(made) == before + 1, (what, "accepted but not launched")
+        return True
+    assert why, what
+    reg._logged.clear()
+    with caplog.at_level(logging.INFO, logger="fla.backends"):
+        caplog.clear()
+        try:
+            entry(**kw)  # fla's own path (which cannot run on a CPU)
+        except Exception:
+            pass
+    assert len(made) == before, (what, "refused, yet ours ran")
+    assert any(f"kda_cute rejected: {why}" in r.getMessage() for r in caplog.records), \
+        (what, why)
+    return False
+
+
+def test_every_argument_mutated_verdict_matches_the_call(runs, caplog):
+    """fla's prefill and decode entries with each tensor argument replaced by each of
+    tests/mutations.py's values, each argument given each odd value, and the whole-call
+    variants a model hands in (fp16 q / k / v, fp32 g with the gate off, fp32 beta, gate
+    parameters in fp32 / bf16 / fp16, states in and out, int32 / int64 offsets): where the
+    verifier says no, fla falls back with the reason logged; where it says yes, the call runs.
+    A refusal names one argument of fla's entry."""
+    from tests.mutations import odd_swaps, tensor_swaps
+    entries = _mutation_entries()
+    verdicts = {}
+    for name, (entry, reg, fname, kw) in entries.items():
+        # (fla's chunk_kda takes A_log, dt_bias and transpose_state_layout as **kwargs)
+        names = set(inspect.signature(unwrap(entry)).parameters) | {
+            "transpose_state_layout", "A_log", "dt_bias"}
+        assert _judge(entry, reg, fname, kw, runs, caplog, (name, "valid"))
+        cases = [(a, w, bad) for a, w, bad in tensor_swaps(kw)]
+        cases += [(a, w, bad) for a, w, bad in odd_swaps(unwrap(entry), kw)
+                  if a not in ("kwargs",)]
+        for arg, what, bad in cases:
+            ok = _judge(entry, reg, fname, bad, runs, caplog, (name, arg, what))
+            verdicts[(name, arg, what)] = ok
+            if not ok:
+                why = _ours(reg).verify(fname, **bad)[1]
+                said = why.split(": ")[0]
+                assert said in names, (name, arg, what, why)
+    for name, over in _flag_cases():
+        entry, reg, fname, kw = entries[name]
+        verdicts[(name, repr(over))] = _judge(entry, reg, fname, _apply(kw, over), runs, caplog,
+                                             (name, over))
+    accepted = {k for k, ok in verdicts.items() if ok}
+    # gate parameters in any of the three dtypes are taken, fp16 tokens are not
+    assert ("chunk", repr(dict(A_log=("dtype", torch.float16),
+                               dt_bias=("dtype", torch.float16)))) in accepted
+    assert ("chunk", "q", "dtype torch.float16") not in accepted
+    assert len(accepted) > 20 and len(verdicts) - len(accepted) > 100

@@ -615,3 +615,30 @@ def test_check_errors_arguments_named():
             continue
         with pytest.raises(TypeError, match="^sync: expected a bool"):
             kda_cute.check_errors(device=0, sync=odd)
+
+
+@pytest.mark.parametrize("a_dt, b_dt", [(torch.float32, torch.float32), (BF, torch.float16),
+                                        (torch.float16, None), (None, BF)])
+def test_gate_param_dtypes_reach_the_step_kernel(planned, a_dt, b_dt):
+    """A_log and dt_bias in fp32, bf16 or fp16 (or not given): the step kernel is told how each
+    is held (abi.GATE_PARAM_DTYPES; 0: not given, read as zeros) and reads the caller's tensor;
+    the gate "none" reads neither. float64 is refused, naming the argument."""
+    from kda_cute.abi import GATE_PARAM_DTYPES
+    code = {None: 0, **{getattr(torch, n): c for n, c in GATE_PARAM_DTYPES.items()}}
+    a = None if a_dt is None else torch.randn(H).to(a_dt)
+    b = None if b_dt is None else torch.randn(H * K).to(b_dt)
+    kda_cute.decode(*decode_args(), A_log=a, dt_bias=b, lower_bound=-5.0)
+    src = dict(zip(planned["plan"].launches()[0].args,
+                   planned["plan"].launches()[0].sources, strict=True))
+    assert (src["a_log_dtype"].value, src["dt_bias_dtype"].value) == (code[a_dt], code[b_dt])
+    assert isinstance(src["A_log"], Role if a is not None else At)
+    kda_cute.decode(*decode_args(), A_log=a, dt_bias=b, gate="none")
+    src = dict(zip(planned["plan"].launches()[0].args,
+                   planned["plan"].launches()[0].sources, strict=True))
+    assert (src["a_log_dtype"].value, src["dt_bias_dtype"].value) == (0, 0)
+    for name in ("A_log", "dt_bias"):
+        bad = {"A_log": a, "dt_bias": b, name: torch.randn(H if name == "A_log" else H * K,
+                                                           dtype=torch.float64)}
+        with pytest.raises(TypeError, match=f"^{name}: expected dtype float32 or bfloat16 or "
+                                            "float16, got float64"):
+            kda_cute.decode(*decode_args(), **bad, lower_bound=-5.0)

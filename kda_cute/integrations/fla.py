@@ -5,23 +5,32 @@ and `fused_recurrent_kda_fwd` (decode and verify) dispatch here, ahead of FlashK
     kda_fla.register()          # or KDA_CUTE_FLA=1 in the environment, then `import kda_cute`
 
 fla calls each backend's verifier with the caller's arguments as given (positional stay
-positional); the verifiers here read metadata only (shapes, dtypes, strides, devices, flags:
-no host sync) and return (ok, reason). A call they turn down (grad enabled on tensors that
-require it, allow_neg_eigval, context parallel, intermediate states, GVA, head dims other than
-64 / 128 / 256, ...) goes on to the next backend, and fla logs the reason once on the
-"fla.backends" logger at INFO. FLA_KDA_CUTE=0 turns the backend off.
+positional), then its implementation. The verifiers here run the implementation's own checks
+(kda_cute.api.check_chunk_kda, kda_cute.serving.check_fused_recurrent_kda_fwd: metadata and
+addresses only, no host sync, no launch), so a call they accept is one the implementation
+runs; they return (ok, reason), the reason naming the argument the caller passed. A verdict is
+kept by the arguments' metadata (dtypes, shapes, strides, devices, base alignment, flags), so a
+repeated call costs a lookup. A call they turn down (grad enabled on tensors that require it,
+allow_neg_eigval, context parallel, intermediate states, GVA, head dims other than 64 / 128 /
+256, fp16 or fp32 q / k / v / g / beta, a device other than Hopper, ...) goes on to the next
+backend, and fla logs the reason once on the "fla.backends" logger at INFO. FLA_KDA_CUTE=0
+turns the backend off.
 
 Accepted beyond fla's own rules: bf16 initial states, int32 cu_seqlens, the deprecated
-`transpose_state_layout` (as `state_v_first`), dt_bias flattened to [H*K], and A_log None with
-lower_bound (the gate lower_bound * sigmoid(g + dt_bias), fla's reading of it).
+`transpose_state_layout` (as `state_v_first`), dt_bias flattened to [H*K], A_log and dt_bias in
+fp32, bf16 or fp16 (a model cast with `.to(torch.bfloat16)`), and A_log None with lower_bound
+(the gate lower_bound * sigmoid(g + dt_bias), fla's reading of it).
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .. import api, checks, serving
-from ..problem import Call
+from ..cubin import CubinsMissing, manifest
+from ..ladder import all_kernels
 
 try:
     import fla
@@ -40,17 +49,29 @@ _zeros: dict[tuple, torch.Tensor] = {}
 
 
 class Reject(Exception):
-    """A call the backend turns down, with fla's reason."""
+    """A call the backend turns down, with fla's reason: "argument: expected ..., got ..."
+    naming the argument the caller passed, as the call's own checks do."""
 
 
-def _grad(*tensors) -> None:
-    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
-                                       for t in tensors):
-        raise Reject("kda-cute is forward only: grad is enabled and an input requires grad")
+def _reject(name: str, expected: str, got) -> Reject:
+    return Reject(f"{name}: expected {expected}, got {got}")
 
 
-def _unit_A_log(H: int, dev) -> torch.Tensor:
-    """A_log = 0 (exp(A_log) = 1): fla's bounded gate without A_log."""
+def _grad(**tensors) -> None:
+    if not torch.is_grad_enabled():
+        return
+    for name, t in tensors.items():
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            raise _reject(name, "no tensor that requires grad while grad is enabled (kda-cute "
+                          "is forward only)", "one that does")
+
+
+def _unit_A_log(q: torch.Tensor) -> torch.Tensor:
+    """A_log = 0 (exp(A_log) = 1): fla's bounded gate without A_log (one a head count and
+    device; a FakeTensor q gets a stand-in of its own)."""
+    H, dev = q.shape[-2], q.device
+    if not checks.has_address(q):
+        return torch.zeros(H, dtype=torch.float32, device=dev)
     key = (H, dev)
     t = _zeros.get(key)
     if t is None:
@@ -58,22 +79,39 @@ def _unit_A_log(H: int, dev) -> torch.Tensor:
     return t
 
 
-def _common(q, v, A_log, dt_bias):
-    """Checks and argument forms both entries share: (A_log, dt_bias as [H, K])."""
-    if not isinstance(q, torch.Tensor) or not isinstance(v, torch.Tensor):
-        raise Reject("q and v must be tensors")
+def _cuda(q) -> None:
     if q.device.type != "cuda":
-        raise Reject(f"kda-cute runs on CUDA tensors, q is on {q.device}")
-    if q.dim() not in (3, 4) or v.dim() != q.dim():
-        raise Reject(f"q and v must be [B, T, H, D], got {tuple(q.shape)}, {tuple(v.shape)}")
+        raise _reject("q", "a CUDA tensor (kda-cute runs on CUDA tensors)",
+                      f"one on {q.device}")
+
+
+def _common(q, v, A_log, dt_bias):
+    """Checks both entries share (dt_bias [H*K] is taken as [H, K] by the call's checks)."""
+    for name, t in (("q", q), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise _reject(name, "a torch.Tensor", type(t).__name__)
+    _cuda(q)
+    for name, t in (("q", q), ("v", v)):
+        if t.dim() not in (3, 4) or t.dim() != q.dim():
+            raise _reject(name, f"[B, T, H, D] or [T, H, D] as q ({q.dim()}-d)",
+                          f"shape {tuple(t.shape)}")
     H, K, V = q.shape[-2], q.shape[-1], v.shape[-1]
     if v.shape[-2] != H:
-        raise Reject(f"GVA is not supported (v has {v.shape[-2]} heads, q {H})")
-    if K != V or K not in HEAD_DIMS:
-        raise Reject(f"head dims K == V in {HEAD_DIMS} only, got K={K}, V={V}")
-    if dt_bias is not None and dt_bias.dim() == 1 and dt_bias.numel() == H * K:
-        dt_bias = dt_bias.view(H, K)
+        raise _reject("v", f"{H} heads as q (GVA is not supported)", v.shape[-2])
+    if K not in HEAD_DIMS:
+        raise _reject("q", f"head dims K == V in {HEAD_DIMS}", f"K={K}")
+    if V != K:
+        raise _reject("v", f"head dims K == V in {HEAD_DIMS}", f"K={K}, V={V}")
     return A_log, dt_bias
+
+
+def _fla_only(allow_neg_eigval, return_intermediate_states) -> None:
+    """fla's options kda-cute does not have."""
+    if checks.flag("allow_neg_eigval", allow_neg_eigval):
+        raise _reject("allow_neg_eigval", "False (allow_neg_eigval=True is not supported)", True)
+    if checks.flag("return_intermediate_states", return_intermediate_states):
+        raise _reject("return_intermediate_states", "False (return_intermediate_states=True is "
+                      "not supported)", True)
 
 
 def _chunk_args(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
@@ -82,51 +120,38 @@ def _chunk_args(q, k, v, g, beta, scale=None, initial_state=None, output_final_s
                 lower_bound=None, disable_recompute=False, return_intermediate_states=False,
                 state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None, cp_context=None,
                 use_graph=False, max_num_seqs=None, **kwargs) -> dict:
-    """fla chunk_kda's arguments as kda_cute.chunk_kda's, checked on their metadata."""
+    """fla chunk_kda's arguments as kda_cute.chunk_kda's, after fla's own rules that kda-cute
+    does not follow (the call's checks come after, in the verdict)."""
     A_log, dt_bias = kwargs.pop("A_log", None), kwargs.pop("dt_bias", None)
+    state_v_first = checks.flag("state_v_first", state_v_first)
+    safe_gate = checks.flag("safe_gate", safe_gate)
     if "transpose_state_layout" in kwargs:
         if state_v_first:
-            raise Reject("transpose_state_layout and state_v_first both given")
-        state_v_first = bool(kwargs.pop("transpose_state_layout"))
+            raise _reject("transpose_state_layout", "None with state_v_first=True (both "
+                          "given)", kwargs["transpose_state_layout"])
+        state_v_first = checks.flag("transpose_state_layout", kwargs.pop("transpose_state_layout"))
     unknown = sorted(set(kwargs) - _IGNORED)
     if unknown:
-        raise Reject(f"unsupported arguments {unknown}")
-    if allow_neg_eigval:
-        raise Reject("allow_neg_eigval=True is not supported")
+        raise _reject(unknown[0], "an argument of fla's chunk_kda (unsupported arguments "
+                      f"{unknown})", repr(kwargs[unknown[0]])[:40])
+    _fla_only(allow_neg_eigval, return_intermediate_states)
     if cp_context is not None:
-        raise Reject("context parallel (cp_context) is not supported")
-    if return_intermediate_states:
-        raise Reject("return_intermediate_states=True is not supported")
-    _grad(q, k, v, g, beta, initial_state, A_log, dt_bias)
+        raise _reject("cp_context", "None (context parallel is not supported)",
+                      type(cp_context).__name__)
+    _grad(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state, A_log=A_log,
+          dt_bias=dt_bias)
     A_log, dt_bias = _common(q, v, A_log, dt_bias)
     K = q.shape[-1]
-    gate = "none"
-    if use_gate_in_kernel:
+    if checks.flag("use_gate_in_kernel", use_gate_in_kernel):
         if lower_bound is None and safe_gate:
-            raise Reject("safe_gate needs lower_bound")
-        gate = "bounded" if lower_bound is not None else "unbounded"
+            raise _reject("lower_bound", "a float in [-5, 0) with safe_gate (safe_gate needs "
+                          "lower_bound)", None)
         if A_log is None:
-            if gate == "unbounded":
-                raise Reject("the unbounded gate needs A_log")
-            A_log = _unit_A_log(q.shape[-2], q.device)
-    s0 = initial_state
-    if s0 is not None and not state_v_first:
-        # K-first [N, H, K, V]: copied to V-first by the call; here its metadata alone
-        N = q.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
-        if (not isinstance(s0, torch.Tensor) or tuple(s0.shape) != (N, q.shape[-2], K, K)
-                or s0.dtype not in (torch.float32, torch.bfloat16) or s0.device != q.device):
-            raise Reject(f"initial_state must be [N={N}, H, K, V] float32 or bfloat16 on "
-                         f"{q.device}")
-        s0 = None
+            if lower_bound is None:
+                raise _reject("A_log", "a tensor [H] for the unbounded gate (the unbounded "
+                              "gate needs A_log)", None)
+            A_log = _unit_A_log(q)
     scale = K ** -0.5 if scale is None else scale
-    opts = checks.options(gate, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel)
-    try:
-        # v stands for the output the call allocates (its metadata: [B, T, H, V] bf16 rows)
-        checks.forward(Call(q, k, v, g, beta, v, A_log, dt_bias, s0, None, cu_seqlens,
-                            float(scale), lower_bound, None, None, None, None, None, None, None,
-                            None, None), opts, memory=False)
-    except (ValueError, TypeError) as e:
-        raise Reject(str(e)) from None
     return dict(q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=initial_state,
                 output_final_state=output_final_state,
                 use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
@@ -142,27 +167,31 @@ def _recurrent_args(q, k, v, g, beta, A_log=None, dt_bias=None, initial_state=No
                     use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
                     use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, lower_bound=None,
                     out=None, **kwargs) -> dict:
-    """fla fused_recurrent_kda_fwd's arguments, checked on what kda-cute refuses."""
+    """fla fused_recurrent_kda_fwd's arguments as kda_cute's, after fla's own rules that
+    kda-cute does not follow (the call's checks come after, in the verdict)."""
     if kwargs:
-        raise Reject(f"unsupported arguments {sorted(kwargs)}")
-    if allow_neg_eigval:
-        raise Reject("allow_neg_eigval=True is not supported")
-    _grad(q, k, v, g, beta, initial_state, A_log, dt_bias)
+        unknown = sorted(kwargs)
+        raise _reject(unknown[0], "an argument of fla's fused_recurrent_kda_fwd (unsupported "
+                      f"arguments {unknown})", repr(kwargs[unknown[0]])[:40])
+    _fla_only(allow_neg_eigval, False)
+    inplace_final_state, state_v_first, use_gate_in_kernel = (checks.flag(n, x) for n, x in (
+        ("inplace_final_state", inplace_final_state), ("state_v_first", state_v_first),
+        ("use_gate_in_kernel", use_gate_in_kernel)))
+    _grad(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state, A_log=A_log,
+          dt_bias=dt_bias)
     A_log, dt_bias = _common(q, v, A_log, dt_bias)
-    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
-        if t.dtype != torch.bfloat16:
-            raise Reject(f"{name} must be bfloat16, got {t.dtype}")
-    if beta.dim() == v.dim():
-        raise Reject("headwise beta is not supported")
-    if initial_state is not None and initial_state.dtype not in (torch.float32, torch.bfloat16):
-        raise Reject(f"initial_state must be float32 or bfloat16, got {initial_state.dtype}")
+    if isinstance(beta, torch.Tensor) and beta.dim() == v.dim():
+        raise _reject("beta", "one value per head [B, T, H] (headwise beta is not supported)",
+                      f"shape {tuple(beta.shape)}")
     if (ssm_state_indices is not None or (inplace_final_state and initial_state is not None)) \
             and not state_v_first:
-        raise Reject("a state updated in place must be V-first (state_v_first=True)")
+        raise _reject("state_v_first", "True for a state updated in place (V-first)",
+                      state_v_first)
     if use_gate_in_kernel and A_log is None:
         if lower_bound is None:
-            raise Reject("the unbounded gate needs A_log")
-        A_log = _unit_A_log(q.shape[-2], q.device)
+            raise _reject("A_log", "a tensor [H] for the unbounded gate (the unbounded gate "
+                          "needs A_log)", None)
+        A_log = _unit_A_log(q)
     return dict(q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias,
                 initial_state=initial_state, scale=scale, output_final_state=output_final_state,
                 inplace_final_state=inplace_final_state, state_v_first=state_v_first,
@@ -174,12 +203,77 @@ def _recurrent_args(q, k, v, g, beta, A_log=None, dt_bias=None, initial_state=No
                 out=out)
 
 
-def _verdict(args_of, *args, **kwargs) -> tuple[bool, str | None]:
+def _check_chunk(*args, **kwargs) -> None:
+    api.check_chunk_kda(**_chunk_args(*args, **kwargs))
+
+
+def _check_recurrent(*args, **kwargs) -> None:
+    serving.check_fused_recurrent_kda_fwd(**_recurrent_args(*args, **kwargs))
+
+
+def _device(args, kwargs) -> None:
+    """The device of q (a real tensor: a FakeTensor has none to ask) runs kda-cute's cubins."""
+    q = kwargs.get("q", args[0] if args else None)
+    if isinstance(q, torch.Tensor) and q.device.type == "cuda" and checks.has_address(q):
+        ok, why = _device_ok(q.device)
+        if not ok:
+            raise _reject("q", "a tensor on a device kda-cute runs on", why)
+
+
+@functools.lru_cache(maxsize=16)
+def _device_ok(dev) -> tuple[bool, str]:
+    major, minor = torch.cuda.get_device_capability(dev)
+    if major != 9:
+        return False, f"{dev}, sm_{major}{minor} (kda-cute runs on Hopper, sm_90)"
     try:
-        args_of(*args, **kwargs)
+        for cfg in all_kernels():
+            manifest(cfg.name, "sm_90a")
+    except CubinsMissing as e:
+        return False, f"{dev}, without kda-cute's cubins ({e})"
+    return True, ""
+
+
+# verdicts by the arguments' metadata: fla asks before every call
+_verdicts: dict[tuple, tuple[bool, str | None]] = {}
+_VERDICTS_MAX = 1024
+
+
+def _meta(x):
+    if isinstance(x, torch.Tensor):
+        try:
+            stride = x.stride()
+        except RuntimeError:  # no strides (a sparse tensor): checked, and refused
+            stride = x.layout
+        try:
+            align = x.data_ptr() % 16 if checks.has_address(x) else None
+        except RuntimeError:  # no storage (a sparse tensor): checked, and refused
+            align = None
+        return (type(x), x.dtype, x.shape, stride, x.layout, x.device, x.requires_grad, align)
+    return type(x), x
+
+
+def _verdict(check, *args, **kwargs) -> tuple[bool, str | None]:
+    try:
+        key = (check, torch.is_grad_enabled(), tuple(map(_meta, args)),
+               tuple(sorted((n, _meta(x)) for n, x in kwargs.items())))
+        hit = _verdicts.get(key)
+    except TypeError:  # an unhashable argument: checked each time
+        key = hit = None
+    if hit is not None:
+        return hit
+    try:
+        _device(args, kwargs)
+        check(*args, **kwargs)
+        hit = (True, None)
     except Reject as e:
-        return False, str(e)
-    return True, None
+        hit = (False, str(e))
+    except (ValueError, TypeError) as e:  # the implementation's own checks: names the argument
+        hit = (False, str(e))
+    if key is not None:
+        if len(_verdicts) >= _VERDICTS_MAX:
+            _verdicts.clear()
+        _verdicts[key] = hit
+    return hit
 
 
 class KdaCuteBackend(BaseBackend):
@@ -192,13 +286,13 @@ class KdaCuteBackend(BaseBackend):
     priority = PRIORITY
 
     def chunk_kda_verifier(self, *args, **kwargs) -> tuple[bool, str | None]:
-        return _verdict(_chunk_args, *args, **kwargs)
+        return _verdict(_check_chunk, *args, **kwargs)
 
     def chunk_kda(self, *args, **kwargs):
         return api.chunk_kda(**_chunk_args(*args, **kwargs))
 
     def fused_recurrent_kda_fwd_verifier(self, *args, **kwargs) -> tuple[bool, str | None]:
-        return _verdict(_recurrent_args, *args, **kwargs)
+        return _verdict(_check_recurrent, *args, **kwargs)
 
     def fused_recurrent_kda_fwd(self, *args, **kwargs):
         return serving.fused_recurrent_kda_fwd(**_recurrent_args(*args, **kwargs))

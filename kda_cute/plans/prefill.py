@@ -337,7 +337,8 @@ def forward_plan(p: Problem, opts: Options, cfg: FwdConfig, dev: DeviceInfo) -> 
              "scale": CallScalar("scale"), "lower_bound": CallScalar("lower_bound"),
              "gate_mode": Scalar(GATE_MODES[opts.gate]),
              "qk_l2norm": Scalar(int(bool(opts.qk_l2norm))),
-             "beta_sigmoid": Scalar(int(bool(opts.beta_sigmoid)))}
+             "beta_sigmoid": Scalar(int(bool(opts.beta_sigmoid))),
+             "a_log_dtype": Scalar(int(p.A_log)), "dt_bias_dtype": Scalar(int(p.dt_bias))}
     syms1 = syms
     if k1_tables:  # K1 over each row in two: its partial first chunk, then the rest
         vals1.update({"cu_seqlens": k1_tables[0], "cu_chunks": k1_tables[1],

@@ -112,8 +112,8 @@ def _step_plan(p: StepProblem, opts: StepOptions, dev: DeviceInfo) -> Plan:
         "w_wide": Scalar(w_wide), "w_mul": Scalar(w_mul), "w_add": Scalar(w_add),
         "parent_on": Scalar(par_on), "p_sn": Scalar(p_sn), "p_st": Scalar(p_st),
         "p_wide": Scalar(p_wide),
-        "gate": Scalar(STEP_GATES[opts.gate]), "has_a": Scalar(int(p.A_log)),
-        "has_bias": Scalar(int(p.dt_bias)), "qk_l2norm": Scalar(int(opts.qk_l2norm)),
+        "gate": Scalar(STEP_GATES[opts.gate]), "a_log_dtype": Scalar(int(p.A_log)),
+        "dt_bias_dtype": Scalar(int(p.dt_bias)), "qk_l2norm": Scalar(int(opts.qk_l2norm)),
         "beta_sigmoid": Scalar(int(opts.beta_sigmoid)),
         "scale": CallScalar("scale"), "lower_bound": CallScalar("lower_bound"),
         # kernel parameters of a persistent tile only (grid sizes otherwise)

@@ -110,6 +110,7 @@ def args(cfg: PrepConfig) -> list[Arg]:
         tma("k", "bfloat16", ("T", "HK"), ("sK", 1), (K, C)),
         tma("g", "bfloat16", ("T", "HK"), ("sG", 1), (K, C)),
         tensor("beta", "bfloat16", ("T", "H"), ("sB", 1)),
+        # held in the caller's dtype (a_log_dtype, dt_bias_dtype): declared fp32, read as held
         tensor("A_log", "float32", ("H",), (1,)),
         tensor("dt_bias", "float32", ("HK",), (1,)),
         tensor("cu_seqlens", "int32", ("N1",), (1,), dsl="mCuSeq"),
@@ -125,6 +126,8 @@ def args(cfg: PrepConfig) -> list[Arg]:
         scalar("gate_mode"),
         scalar("qk_l2norm"),
         scalar("beta_sigmoid"),
+        scalar("a_log_dtype"),  # abi.GATE_PARAM_DTYPES
+        scalar("dt_bias_dtype"),
     ]
 
 

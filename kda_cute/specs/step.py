@@ -242,7 +242,8 @@ def args(cfg: StepConfig) -> list[Arg]:
         scalar("w_mul"), scalar("w_add"),
         # tree drafts: token t starts from the state after token parent[n * p_sn + t * p_st]
         scalar("parent_on"), scalar("p_sn"), scalar("p_st"), scalar("p_wide"),
-        scalar("gate"), scalar("has_a"), scalar("has_bias"), scalar("qk_l2norm"),
+        # how A_log and dt_bias are held (abi.GATE_PARAM_DTYPES; 0: not given, read as zeros)
+        scalar("gate"), scalar("a_log_dtype"), scalar("dt_bias_dtype"), scalar("qk_l2norm"),
         scalar("beta_sigmoid"),
         scalar("scale", "f32"), scalar("lower_bound", "f32"),
     ]
