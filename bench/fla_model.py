@@ -20,6 +20,8 @@ import argparse
 import json
 import os
 import subprocess
+import sys
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -116,9 +118,11 @@ def compare(gate: str, batch: int = 2, prompt_len: int = 300, new_tokens: int = 
     model = model.to(torch.bfloat16)  # A_log and dt_bias too, as a user's cast does
     gen = torch.Generator(device="cuda").manual_seed(seed + 1)
     prompt = torch.randint(0, cfg.vocab_size, (batch, prompt_len), device="cuda", generator=gen)
+    t0 = time.time()
     with backend(False):
         tokens = _greedy(ref, prompt, new_tokens)
         ref_pre, ref_steps = _logits(ref, prompt, tokens)
+    print(f"{gate}: fp32 reference {time.time() - t0:.1f} s", file=sys.stderr, flush=True)
     result = {"gate": gate, "config": {**(sizes or SIZES), **GATES[gate]}, "batch": batch,
               "prompt_len": prompt_len, "new_tokens": new_tokens,
               "param_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
@@ -129,6 +133,7 @@ def compare(gate: str, batch: int = 2, prompt_len: int = 300, new_tokens: int = 
                         if isinstance(m, layer_cls)]
             pre, steps = _logits(model, prompt, tokens)
             out = _greedy(model, prompt, new_tokens)
+        print(f"{gate}: {name} {time.time() - t0:.1f} s", file=sys.stderr, flush=True)
         result[name] = {"prefill": _metrics(pre, ref_pre), "decode": _metrics(steps, ref_steps),
                         "generate_token_agree": float((out == tokens).float().mean()),
                         "calls": dict(seen)}

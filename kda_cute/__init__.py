@@ -3,21 +3,28 @@ pool), CuTe DSL compiled ahead of time."""
 
 import os
 
-from .api import chunk_kda, clear_caches, describe, fwd, validate, workspace_bytes
+from .api import check_chunk_kda, chunk_kda, clear_caches, describe, fwd, validate, workspace_bytes
 from .errors import DeviceValueError, check_errors
 from .ladder import SHIPPED, FwdConfig, select_config
 from .launch import Bound, bind, run
 from .plans import Plan, plan
 from .problem import Call, Options, Problem, StepCall, StepOptions, StepProblem
-from .serving import commit, decode, fused_recurrent_kda_fwd, recurrent, verify
+from .serving import (
+    check_fused_recurrent_kda_fwd,
+    commit,
+    decode,
+    fused_recurrent_kda_fwd,
+    recurrent,
+    verify,
+)
 from .specs import PrepConfig, RecurConfig, StepConfig
 
 __all__ = [
     "SHIPPED", "Bound", "Call", "DeviceValueError", "FwdConfig", "Options", "Plan", "PrepConfig",
     "Problem", "RecurConfig", "StepCall", "StepConfig", "StepOptions", "StepProblem", "bind",
-    "check_errors", "chunk_kda", "clear_caches", "commit", "decode", "describe",
-    "fused_recurrent_kda_fwd", "fwd", "plan", "recurrent", "run", "select_config", "validate",
-    "verify", "workspace_bytes",
+    "check_chunk_kda", "check_errors", "check_fused_recurrent_kda_fwd", "chunk_kda",
+    "clear_caches", "commit", "decode", "describe", "fused_recurrent_kda_fwd", "fwd", "plan",
+    "recurrent", "run", "select_config", "validate", "verify", "workspace_bytes",
 ]
 __version__ = "0.1.0"
 

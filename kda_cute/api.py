@@ -27,15 +27,16 @@ def fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state
     """KDA forward, FlashKDA's low-level call: writes `out` and `final_state` in place.
 
     q, k, g: [B, T, H, K] bf16; v, out: [B, T, H, V] bf16; beta: [B, T, H] bf16 (logits when
-    beta_sigmoid); A_log: [H] fp32; dt_bias: [H, K] fp32 or None; lower_bound in [-5, 0) for the
-    bounded gate. gate: "bounded" (FlashKDA / Kimi-K3), "unbounded" (-exp(A_log) softplus(g +
-    dt_bias), Kimi-Linear) or "none" (g is already the log-space decay). initial_state /
-    final_state: [N, H, V, K] fp32 or bf16, may be the same tensor. cu_seqlens: [N+1] int64/int32
-    with B == 1, non-decreasing from 0 to at most T: checked on the device (no host sync; a bad
-    batch runs no tokens and raises kda_cute.DeviceValueError by the next forward or serving
-    call, or by `kda_cute.check_errors()`); check_seqlens=True checks the values on the
-    host first too (a host sync, skipped in CUDA-graph capture). workspace: optional
-    caller-owned uint8 CUDA tensor (see `workspace_bytes`).
+    beta_sigmoid); A_log: [H] and dt_bias: [H, K] (or [H*K]), each fp32, bf16 or fp16 (read as
+    held) or None; lower_bound in [-5, 0) for the bounded gate. gate: "bounded" (FlashKDA /
+    Kimi-K3), "unbounded" (-exp(A_log) softplus(g + dt_bias), Kimi-Linear) or "none" (g is
+    already the log-space decay). initial_state / final_state: [N, H, V, K] fp32 or bf16, may
+    be the same tensor. cu_seqlens: [N+1] int64/int32 with B == 1, non-decreasing from 0 to at
+    most T: checked on the device (no host sync; a bad batch runs no tokens and raises
+    kda_cute.DeviceValueError by the next forward or serving call, or by
+    `kda_cute.check_errors()`); check_seqlens=True checks the values on the host first too (a
+    host sync, skipped in CUDA-graph capture). workspace: optional caller-owned uint8 CUDA
+    tensor (see `workspace_bytes`).
     config: a FwdConfig to use instead of the ladder's choice (kernel development, sweeps).
     precision: the ladder's choice between "fast" (K2's products on fp16 operands: fp32 state
     within ~4e-4 of float64; where values or states of ~4e4 and more overflow them, the state
