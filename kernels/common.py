@@ -129,16 +129,39 @@ PARAM_F32, PARAM_BF16, PARAM_F16 = (GATE_PARAM_DTYPES[n]
 @cute.jit
 def gate_param(m: cute.Tensor, i, dtype: cutlass.Int32) -> cutlass.Float32:
     """Element i of a gate parameter (A_log, dt_bias) in the dtype it is held in: `m` is
-    declared fp32, `dtype` (abi.GATE_PARAM_DTYPES) says how to read it; 0 reads 0. A 16-bit
-    view assumes only its element's alignment (a caller's view may start at any element)."""
+    declared fp32, `dtype` (abi.GATE_PARAM_DTYPES) says how to read it; 0 reads 0."""
+    return gate_param16(m, i, dtype, gate_param32(m, i, dtype))
+
+
+@cute.jit
+def gate_param32(m: cute.Tensor, i, dtype: cutlass.Int32) -> cutlass.Float32:
+    """Element i of an fp32 gate parameter, else 0: the load alone on the fp32 path (a 16-bit
+    parameter is read after, by gate_param16, behind one branch off that path)."""
     x = cutlass.Float32(0.0)
     if dtype == PARAM_F32:
         x = m[i]
-    elif dtype == PARAM_BF16:
+    return x
+
+
+@cute.jit
+def gate_param16(m: cute.Tensor, i, dtype: cutlass.Int32, x: cutlass.Float32
+                 ) -> cutlass.Float32:
+    """Element i of a bf16 or fp16 gate parameter, else x. A 16-bit view assumes only its
+    element's alignment (a caller's view may start at any element)."""
+    if dtype == PARAM_BF16:
         x = _view16(m, cutlass.BFloat16)[i].to(cutlass.Float32)
     elif dtype == PARAM_F16:
         x = _view16(m, cutlass.Float16)[i].to(cutlass.Float32)
     return x
+
+
+def halves(*dtypes):
+    """Whether any of the gate parameters' dtype codes is a 16-bit one (codes 2, 3: their
+    bitwise or exceeds fp32's 1)."""
+    acc = dtypes[0]
+    for d in dtypes[1:]:
+        acc = acc | d
+    return acc > PARAM_F32
 
 
 def _view16(m: cute.Tensor, dtype) -> cute.Tensor:

@@ -54,6 +54,9 @@ from kernels.common import (
     TileCopy,
     bf16x2,
     gate_param,
+    gate_param16,
+    gate_param32,
+    halves,
     pack_bf16x2,
     tma_meta,
 )
@@ -1082,8 +1085,14 @@ class KdaPrepSm90Split(KdaPrepSm90):
         pl = tidx % NPAIR
         rg = tidx // NPAIR
         # the gate parameters of the first pass load while the TMA loads are in flight
-        a_log = gate_param(mALog, h, a_dtype)
-        bias0 = [gate_param(mDtBias, h * K + 2 * pl + c, b_dtype) for c in range(2)]
+        a_log = gate_param32(mALog, h, a_dtype)
+        b0 = gate_param32(mDtBias, h * K + 2 * pl, b_dtype)
+        b1 = gate_param32(mDtBias, h * K + 2 * pl + 1, b_dtype)
+        if halves(a_dtype, b_dtype):  # (16-bit parameters: off the fp32 path)
+            a_log = gate_param16(mALog, h, a_dtype, a_log)
+            b0 = gate_param16(mDtBias, h * K + 2 * pl, b_dtype, b0)
+            b1 = gate_param16(mDtBias, h * K + 2 * pl + 1, b_dtype, b1)
+        bias0 = [b0, b1]
         self._load_tiles(loads, (sQ, sK, sG), mbar, mBeta, sBeta, t0, h, length,
                          beta_sigmoid, tidx, warp, phase, init)
         if cutlass.const_expr(self._length_slot() == 1):
@@ -1101,7 +1110,12 @@ class KdaPrepSm90Split(KdaPrepSm90):
             gp = ps * NPAIR + pl  # this thread's column pair in the head
             bias = bias0
             if cutlass.const_expr(ps > 0):
-                bias = [gate_param(mDtBias, h * K + 2 * gp + c, b_dtype) for c in range(2)]
+                c0 = gate_param32(mDtBias, h * K + 2 * gp, b_dtype)
+                c1 = gate_param32(mDtBias, h * K + 2 * gp + 1, b_dtype)
+                if halves(b_dtype):
+                    c0 = gate_param16(mDtBias, h * K + 2 * gp, b_dtype, c0)
+                    c1 = gate_param16(mDtBias, h * K + 2 * gp + 1, b_dtype, c1)
+                bias = [c0, c1]
             loc = self._pass_gates(sG, bias, part, first, gp, pl, rg, a_exp,
                                    lower_bound, gate_mode, length)
             cute.arch.sync_threads()

@@ -38,7 +38,15 @@ from cutlass.cute.nvgpu import cpasync
 from cutlass.cute.nvgpu import warp as warp_mma
 
 from kda_cute.specs.step import ERRORS, WRITE_ALL, WRITE_LAST, WRITE_START, StepConfig
-from kernels.common import StateSlots, bits_f32, f32_bits, gate_param, tf32_rna
+from kernels.common import (
+    StateSlots,
+    bits_f32,
+    f32_bits,
+    gate_param16,
+    gate_param32,
+    halves,
+    tf32_rna,
+)
 
 E_CU, E_LEN, E_ACC, E_READ, E_WRITE, E_PARENT = range(6)  # the words of specs.step.ERRORS
 assert ERRORS[E_PARENT] == "retrieve_parent_token"
@@ -479,11 +487,18 @@ class KdaStepSm90(StateSlots):
         returns A_log[h] (0 without A_log: exp(A_log) is the gate's factor). a_dt / b_dt: how
         each is held (abi.GATE_PARAM_DTYPES, 0: not given)."""
         K, VEC = self.K, self.VEC
+        a_log = gate_param32(mALog, h, a_dt)
         for j in cutlass.range_constexpr(self.NJ):
             for e in cutlass.range_constexpr(VEC):
-                bias[j * VEC + e] = gate_param(mDtBias, h * K + (sub + self.TPR * j) * VEC + e,
-                                               b_dt)
-        return gate_param(mALog, h, a_dt)
+                bias[j * VEC + e] = gate_param32(
+                    mDtBias, h * K + (sub + self.TPR * j) * VEC + e, b_dt)
+        if halves(a_dt, b_dt):
+            a_log = gate_param16(mALog, h, a_dt, a_log)
+            for j in cutlass.range_constexpr(self.NJ):
+                for e in cutlass.range_constexpr(VEC):
+                    bias[j * VEC + e] = gate_param16(
+                        mDtBias, h * K + (sub + self.TPR * j) * VEC + e, b_dt, bias[j * VEC + e])
+        return a_log
 
     @cute.jit
     def _writes(self, write_mode, t, length):
