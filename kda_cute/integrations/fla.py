@@ -238,14 +238,26 @@ _verdicts: dict[tuple, tuple[bool, str | None]] = {}
 _VERDICTS_MAX = 1024
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+_SCALARS = (bool, int, float, str, type(None))
+
+
 def _meta(x):
+    """What a verdict depends on of an argument, hashable (a TypeError if not)."""
+    t = type(x)
+    if t in _SCALARS:  # (with its type: True is not 1)
+        return t, x
+    if t in _PLAIN and x.layout is torch.strided:  # a tensor with memory, the common case
+        return (x.dtype, x.shape, x.stride(), x.device, x.requires_grad, x.data_ptr() & 15)
     if isinstance(x, torch.Tensor):
         try:
             stride = x.stride()
         except RuntimeError:  # no strides (a sparse tensor): checked, and refused
-            stride = x.layout
+            stride = None
         try:
-            align = x.data_ptr() % 16 if checks.has_address(x) else None
+            align = x.data_ptr() & 15 if checks.has_address(x) else None
         except RuntimeError:  # no storage (a sparse tensor): checked, and refused
             align = None
         return (type(x), x.dtype, x.shape, stride, x.layout, x.device, x.requires_grad, align)
@@ -254,8 +266,8 @@ def _meta(x):
 
 def _verdict(check, *args, **kwargs) -> tuple[bool, str | None]:
     try:
-        key = (check, torch.is_grad_enabled(), tuple(map(_meta, args)),
-               tuple(sorted((n, _meta(x)) for n, x in kwargs.items())))
+        key = (check, torch.is_grad_enabled(), *map(_meta, args), *kwargs,
+               *map(_meta, kwargs.values()))
         hit = _verdicts.get(key)
     except TypeError:  # an unhashable argument: checked each time
         key = hit = None
