@@ -87,37 +87,24 @@ def fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state
                            checkpoint_slots=checkpoint_slots,
                            checkpoint_every=checkpoint_every,
                            checkpoint_first=checkpoint_first)
-    call, opts, p = _fwd_checks(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound,
-                                initial_state, final_state, cu_seqlens, workspace, gate=gate,
-                                qk_l2norm=qk_l2norm, beta_sigmoid=beta_sigmoid,
-                                check_seqlens=check_seqlens, config=config, segments=segments,
-                                precision=precision, state_indices=state_indices,
-                                output_state_indices=output_state_indices,
-                                has_initial_state=has_initial_state, null_slot=null_slot,
-                                checkpoint_state=checkpoint_state,
-                                checkpoint_offsets=checkpoint_offsets,
-                                checkpoint_slots=checkpoint_slots,
-                                checkpoint_every=checkpoint_every,
-                                checkpoint_first=checkpoint_first)
-    errors.raise_pending(q.device)
-    launch.run(plans.plan(p, opts, device_info(q.device)), call, workspace)
-
-
-def _fwd_checks(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state=None,
-                final_state=None, cu_seqlens=None, workspace=None, *, gate="bounded",
-                qk_l2norm=True, beta_sigmoid=True, check_seqlens=False, config=None,
-                segments=None, precision="fast", state_indices=None,
-                output_state_indices=None, has_initial_state=None, null_slot=None,
-                checkpoint_state=None, checkpoint_offsets=None, checkpoint_slots=None,
-                checkpoint_every=None, checkpoint_first=None):
-    """fwd's checks (the workspace's size aside, checked with the plan): (call, options,
-    problem)."""
     opts = checks.options(gate, qk_l2norm, beta_sigmoid, segments, config, precision)
     call = Call(q, k, v, g, beta, out, A_log, dt_bias, initial_state, final_state, cu_seqlens,
                 scale, lower_bound, state_indices, output_state_indices, has_initial_state,
                 null_slot, checkpoint_state, checkpoint_offsets, checkpoint_slots,
                 checkpoint_every, checkpoint_first)
-    return call, opts, checks.forward(call, opts, check_seqlens)
+    p = checks.forward(call, opts, check_seqlens)
+    errors.raise_pending(q.device)
+    launch.run(plans.plan(p, opts, device_info(q.device)), call, workspace)
+
+
+def _fwd_checks(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state,
+                final_state, cu_seqlens, workspace, *, gate, qk_l2norm, beta_sigmoid, precision,
+                **pool) -> None:
+    """What fwd checks before its plan, for the arguments chunk_kda passes it (its dry run,
+    check_chunk_kda; the workspace's size is checked with the plan)."""
+    opts = checks.options(gate, qk_l2norm, beta_sigmoid, precision=precision)
+    checks.forward(Call(q, k, v, g, beta, out, A_log, dt_bias, initial_state, final_state,
+                        cu_seqlens, scale, lower_bound, **pool), opts)
 
 
 def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,

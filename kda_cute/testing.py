@@ -8,23 +8,13 @@ import math
 import torch
 
 from kda_cute import fwd
+from kda_cute.plans.device import ready
 from kda_cute.reference import kda_reference, rel_err
 
 
-def cuda_ready() -> tuple[bool, str]:
-    if not torch.cuda.is_available():
-        return False, "no CUDA device"
-    major, _ = torch.cuda.get_device_capability()
-    if major != 9:
-        return False, f"kernels target sm_90a, device is sm_{major}x"
-    from kda_cute.cubin import CubinsMissing, load_manifest
-    from kda_cute.ladder import all_kernels
-    try:
-        for cfg in all_kernels():
-            load_manifest(cfg.name, "sm_90a")
-    except CubinsMissing as e:
-        return False, str(e)
-    return True, ""
+def cuda_ready(device=None) -> tuple[bool, str]:
+    """Whether kda-cute runs on `device` (None: the current one): (ok, why not)."""
+    return ready(device)
 
 
 def make_inputs(*, B=1, T=64, H=2, K=128, V=None, seqlens=None, gate="bounded", qk_l2norm=True,

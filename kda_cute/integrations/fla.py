@@ -29,8 +29,7 @@ import functools
 import torch
 
 from .. import api, checks, serving
-from ..cubin import CubinsMissing, manifest
-from ..ladder import all_kernels
+from ..plans.device import ready
 
 try:
     import fla
@@ -222,15 +221,8 @@ def _device(args, kwargs) -> None:
 
 @functools.lru_cache(maxsize=16)
 def _device_ok(dev) -> tuple[bool, str]:
-    major, minor = torch.cuda.get_device_capability(dev)
-    if major != 9:
-        return False, f"{dev}, sm_{major}{minor} (kda-cute runs on Hopper, sm_90)"
-    try:
-        for cfg in all_kernels():
-            manifest(cfg.name, "sm_90a")
-    except CubinsMissing as e:
-        return False, f"{dev}, without kda-cute's cubins ({e})"
-    return True, ""
+    ok, why = ready(dev)
+    return ok, ("" if ok else f"{dev}: {why}")
 
 
 # verdicts by the arguments' metadata: fla asks before every call

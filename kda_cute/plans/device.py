@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from ..cubin import manifest
+from ..cubin import CubinsMissing, load_manifest, manifest
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,25 @@ def device_info(device) -> DeviceInfo:
                       prop.multi_processor_count,
                       getattr(prop, "shared_memory_per_multiprocessor", 233472),
                       getattr(prop, "shared_memory_per_block_optin", 232448))
+
+
+def ready(device=None) -> tuple[bool, str]:
+    """Whether kda-cute's kernels run on `device` (an index or torch.device; None: the current
+    one): a Hopper GPU (sm_90) and every shipped cubin built. (ok, why not)."""
+    import torch
+
+    from ..ladder import all_kernels
+    if not torch.cuda.is_available():
+        return False, "no CUDA device"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major != 9:
+        return False, f"kernels target sm_90a, device is sm_{major}{minor}"
+    try:
+        for cfg in all_kernels():
+            load_manifest(cfg.name, "sm_90a")
+    except CubinsMissing as e:
+        return False, str(e)
+    return True, ""
 
 
 @dataclass(frozen=True)
