@@ -6,6 +6,8 @@ their calls are kda-cute's to take.
 
     python bench/fla_suite.py --tests PATH/test_kda.py [-k EXPR] --out bench/results/<prefix>
 
+(tests/test_gpu_fla_suite.py runs it where KDA_FLA_TESTS names the file.)
+
 writes <prefix>.json and <prefix>.md.
 """
 
@@ -21,6 +23,10 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 ENTRIES = ("chunk_kda", "fused_recurrent_kda_fwd")
+# fla's forward-only KDA tests (its others take gradients, which kda-cute declines), a few
+# minutes on a bare machine with Triton's compiles
+SELECTION = ("flash_kda or vllm_decode or fused_recurrent_gate_in_kernel or "
+             "fused_recurrent_state_v_first or fused_recurrent_use_beta")
 
 
 class Recorder:
@@ -123,7 +129,8 @@ def _md(res: dict, meta: dict) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tests", required=True, help="fla's tests/ops/test_kda.py")
-    ap.add_argument("-k", dest="keyword", default=None, help="pytest -k selection")
+    ap.add_argument("-k", dest="keyword", default=SELECTION,
+                    help="pytest -k selection (default: the forward-only tests; '' for all)")
     ap.add_argument("--timeout", type=int, default=300, help="per test (pytest-timeout)")
     ap.add_argument("--out", required=True, help="path prefix: writes .json and .md")
     a = ap.parse_args(argv)
