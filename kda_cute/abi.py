@@ -18,6 +18,7 @@ Parameter layout rules (nvidia-cutlass-dsl 4.8, checked against every cubin by t
 
 from __future__ import annotations
 
+import re
 import struct
 from dataclasses import dataclass, field
 
@@ -194,3 +195,9 @@ def param_sizes(args: list[Arg]) -> list[int]:
 
 def pack_scalar(arg: Arg, value) -> bytes:
     return struct.pack("<i" if arg.kind == "i32" else "<f", value)
+
+
+def c_ident(name: str) -> str:
+    """A kernel's name as the C identifier the exported headers give it (kda-cute export,
+    kda-cute plan)."""
+    return re.sub(r"[^0-9A-Za-z_]", "_", name)

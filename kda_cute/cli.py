@@ -18,12 +18,12 @@ here needs the DSL or a GPU.
 from __future__ import annotations
 
 import argparse
-import re
 import shutil
 import sys
 from pathlib import Path
 
 from . import abi, cubin
+from .abi import c_ident
 from .ladder import all_kernels, select_config
 from .specs import args_for, spec_of
 
@@ -73,10 +73,6 @@ def selected(ops: str) -> list:
     return [c for c in all_kernels() if spec_of(c).family in kinds]
 
 
-def _c_ident(name: str) -> str:
-    return re.sub(r"[^0-9A-Za-z_]", "_", name)
-
-
 def header(entries: list[tuple[object, dict]], arch: str) -> str:
     """The C header describing each (config, manifest)."""
     out = [
@@ -104,7 +100,7 @@ def header(entries: list[tuple[object, dict]], arch: str) -> str:
              "mma_flag": "KDA_MMA_FLAG"}
     table = []
     for cfg, man in entries:
-        ident = _c_ident(man["name"])
+        ident = c_ident(man["name"])
         spec = abi.params(args_for(cfg))
         params = man["params"]
         if [s for _, _, s in spec] != [size for _, _, size in params]:

@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 
 from . import abi, checks, errors, launch, plans
-from .cli import _c_ident  # the identifiers kda_cute_kernels.h gives its kernels
+from .abi import c_ident  # the identifiers kda_cute_kernels.h gives its kernels
 from .cubin import load_manifest
 from .launch import driver as kdriver
 from .plans.steps import Copy, Launch, Memset
@@ -323,7 +323,7 @@ def _buffer_name(b, used: set) -> str:
     """A launcher buffer's name: its kind and what it is for (segments_cu_chunks,
     scratch_rescale), numbered where two would share one."""
     words = [b.kind] + [str(p) for p in b.params if isinstance(p, str)]
-    name = _c_ident("_".join(words))
+    name = c_ident("_".join(words))
     n, i = name, 1
     while n in used:
         n, i = f"{name}{i}", i + 1
@@ -658,7 +658,7 @@ def header(plan: ExportedPlan) -> str:
         out.append(f"static const kda_plan_param kda_plan_op{i}_params[] = {{")
         out += params + ["};", ""]
         g, bl = op.grid, op.block
-        rows.append(f"  {{KDA_OP_LAUNCH, {_c_str(op.name)}, 0, 0, 0, 0, &{_c_ident(op.kernel)}, "
+        rows.append(f"  {{KDA_OP_LAUNCH, {_c_str(op.name)}, 0, 0, 0, 0, &{c_ident(op.kernel)}, "
                     f"{{{g[0]}, {g[1]}, {g[2]}}}, {{{bl[0]}, {bl[1]}, {bl[2]}}}, {op.smem}, "
                     f"{int(op.programmatic)}, {len(op.params)}, kda_plan_op{i}_params}},")
     out.append("static const kda_plan_op kda_plan_ops[] = {")

@@ -6,10 +6,9 @@ import pytest
 import torch
 
 from kda_cute.reference import rel_err
-from kda_cute.testing import cuda_ready, make_inputs, reference
+from kda_cute.testing import make_inputs, reference
 
-ok, why = cuda_ready()
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not ok, reason=why)]
+pytestmark = pytest.mark.gpu
 fla_kda = pytest.importorskip("fla.ops.kda")
 
 from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd  # noqa: E402

@@ -9,10 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kda_cute.testing import cuda_ready
-
-ok, why = cuda_ready()
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not ok, reason=why)]
+pytestmark = pytest.mark.gpu
 pytest.importorskip("fla.models", reason="needs flash-linear-attention (fla.models)")
 pytest.importorskip("transformers")
 

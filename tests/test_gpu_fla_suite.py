@@ -14,10 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from kda_cute.testing import cuda_ready
-
-ok, why = cuda_ready()
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not ok, reason=why)]
+pytestmark = pytest.mark.gpu
 pytest.importorskip("fla.backends")
 TESTS = os.environ.get("KDA_FLA_TESTS")
 ROOT = Path(__file__).resolve().parent.parent

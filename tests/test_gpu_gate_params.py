@@ -11,10 +11,9 @@ import torch
 
 import kda_cute
 from kda_cute.reference import rel_err
-from kda_cute.testing import cuda_ready, make_inputs, reference
+from kda_cute.testing import make_inputs, reference
 
-ok, why = cuda_ready()
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not ok, reason=why)]
+pytestmark = pytest.mark.gpu
 
 BF, F16, F32 = torch.bfloat16, torch.float16, torch.float32
 OUT_TOL, STATE_TOL = 3.5e-3, 2.5e-3

@@ -9,10 +9,9 @@ import torch.nn.functional as F
 
 import kda_cute
 from kda_cute.reference import rel_err
-from kda_cute.testing import cuda_ready, make_inputs
+from kda_cute.testing import make_inputs
 
-ok, why = cuda_ready()
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not ok, reason=why)]
+pytestmark = pytest.mark.gpu
 
 BF, F32, I32 = torch.bfloat16, torch.float32, torch.int32
 H, K = 4, 128

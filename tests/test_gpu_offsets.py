@@ -7,10 +7,9 @@ import pytest
 import torch
 
 import kda_cute
-from kda_cute.testing import cuda_ready, make_inputs, reference
+from kda_cute.testing import make_inputs, reference
 
-ok, why = cuda_ready()
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not ok, reason=why)]
+pytestmark = pytest.mark.gpu
 
 OUT_TOL, STATE_TOL = 3.5e-3, 2.5e-3
 H, K = 4, 128

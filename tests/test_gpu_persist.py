@@ -9,13 +9,12 @@ import torch
 
 import kda_cute
 from kda_cute.reference import preprocess, rel_err
-from kda_cute.testing import GUARD, SENTINEL, cuda_ready
+from kda_cute.testing import GUARD, SENTINEL
 from kda_cute.testing import bits as _bits
 from kda_cute.testing import guarded as _guarded
 from kda_cute.testing import guards_ok as _guards_ok
 
-ok, why = cuda_ready()
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not ok, reason=why)]
+pytestmark = pytest.mark.gpu
 
 OUT_TOL = 3.5e-3
 STATE_TOL = {torch.float32: 1e-5, torch.bfloat16: 6e-3}

@@ -13,13 +13,12 @@ import torch
 import kda_cute
 from kda_cute import Call, api, checks, plans
 from kda_cute.reference import rel_err
-from kda_cute.testing import GUARD, SENTINEL, cuda_ready, make_inputs, reference
+from kda_cute.testing import GUARD, SENTINEL, make_inputs, reference
 from kda_cute.testing import bits as _bits
 from kda_cute.testing import guarded as _guarded
 from kda_cute.testing import guards_ok as _guards_ok
 
-ok, why = cuda_ready()
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not ok, reason=why)]
+pytestmark = pytest.mark.gpu
 
 OUT_TOL, STATE_TOL = 3.5e-3, {torch.float32: 2.5e-3, torch.bfloat16: 6e-3}
 

@@ -4,10 +4,9 @@ import pytest
 import torch
 
 from kda_cute.ladder import EXPERIMENTAL, PRECISE, SIMT, TENSOR_CORE
-from kda_cute.testing import cuda_ready, make_inputs, prep_errors
+from kda_cute.testing import make_inputs, prep_errors
 
-ok, why = cuda_ready()
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not ok, reason=why)]
+pytestmark = pytest.mark.gpu
 
 CASES = {
     "fixed-K128": dict(B=2, T=37, H=3, K=128),

@@ -14,11 +14,10 @@ import torch
 import kda_cute
 from kda_cute import Call, checks, plan, plans, run
 from kda_cute.reference import rel_err
-from kda_cute.testing import cuda_ready, errors, make_inputs, reference
+from kda_cute.testing import errors, make_inputs, reference
 from tests.test_gpu_forward import STATE_TOL, STATE_TOL_BF16, _assert
 
-ok, why = cuda_ready()
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not ok, reason=why)]
+pytestmark = pytest.mark.gpu
 
 
 def _scaled(inp, vmax=6e4, smax=1e4, heads=None, tokens=None):

@@ -7,11 +7,10 @@ reachable through fwd(config=...). The ladder's own configs run in test_gpu_forw
 import pytest
 import torch
 
-from kda_cute.testing import cuda_ready, errors, make_inputs
+from kda_cute.testing import errors, make_inputs
 from tests.test_gpu_forward import _assert, check_tokens_past_the_last_sequence
 
-ok, why = cuda_ready()
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not ok, reason=why)]
+pytestmark = pytest.mark.gpu
 
 
 SIMT_CASES = {

@@ -5,11 +5,10 @@ import pytest
 import torch
 
 from kda_cute.ladder import EXPERIMENTAL
-from kda_cute.testing import cuda_ready, errors, make_inputs
+from kda_cute.testing import errors, make_inputs
 from tests.test_gpu_forward import _assert, check_tokens_past_the_last_sequence
 
-ok, why = cuda_ready()
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not ok, reason=why)]
+pytestmark = pytest.mark.gpu
 
 CASES = {
     "fixed": dict(B=2, T=100, H=2),

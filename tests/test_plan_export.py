@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kda_cute import checks, cli, plan_export
+from kda_cute import abi, checks, cli, plan_export
 from kda_cute.plan_export import Address, LaunchOp, MemsetOp, PlanExportError
 from tests import launch_record
 
@@ -590,7 +590,7 @@ def test_plan_kernels_are_in_the_export(kernels_dir):
         for op in plan_export.record_plan(**kw).ops:
             if isinstance(op, LaunchOp):
                 assert (kernels_dir / f"{op.kernel}.cubin").exists()
-                assert f"static const kda_kernel {cli._c_ident(op.kernel)} = {{" in text
+                assert f"static const kda_kernel {abi.c_ident(op.kernel)} = {{" in text
 
 
 def test_command_line(tmp_path, capsys):

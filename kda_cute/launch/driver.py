@@ -100,22 +100,32 @@ def image_size(addr: int) -> int:
     return max(phoff + phentsize * phnum, shoff + shentsize * shnum)
 
 
+# (set_aside, put_back) pairs of the modules that keep driver objects (the launcher's streams
+# and events: kda_cute.launch.streams registers itself), so this module imports none of them
+_holders: list = []
+
+
+def holds_driver_objects(set_aside, put_back) -> None:
+    """Register a module's driver objects: `set_aside()` returns them, forgotten, on entering a
+    substitute's block, `put_back(held)` restores them on leaving it."""
+    _holders.append((set_aside, put_back))
+
+
 @contextlib.contextmanager
 def substitute(fake):
     """Within the block, every driver call goes to `fake`; kernels loaded and descriptors
     encoded are forgotten on entry and exit, and the launcher's streams and events set aside on
     entry and put back on exit (they belong to one driver)."""
-    from . import streams
-
     clear()
-    held = streams.set_aside()
+    held = [(put_back, set_aside()) for set_aside, put_back in _holders]
     _substitute.append(fake)
     try:
         yield fake
     finally:
         _substitute.pop()
         clear()
-        streams.put_back(held)
+        for put_back, h in reversed(held):
+            put_back(h)
 
 
 def check(res):

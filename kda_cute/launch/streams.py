@@ -78,3 +78,6 @@ def forget() -> None:
     _last.clear()
     _side.clear()
     _events.clear()
+
+
+driver.holds_driver_objects(set_aside, put_back)
