@@ -92,8 +92,8 @@ SIMT: tuple[FwdConfig, ...] = tuple(_fwd(d, d) for d in HEAD_DIMS)
 # Every config the build ships. The ladder (select_config) only picks from these.
 SHIPPED: tuple[FwdConfig, ...] = TENSOR_CORE + SIMT
 
-# Built and ABI-checked like the shipped ones, reachable through fwd(config=...), but not picked by
-# the ladder until their GPU tests have passed on the H200: chunk 32 (half the serial steps).
+# Built and ABI-checked like the shipped ones, reachable through fwd(config=...), not picked by
+# the ladder: chunk 32 (half the serial steps; slower overall, docs/notes/k2.md).
 EXPERIMENTAL: tuple[FwdConfig, ...] = (
     tuple(_tc_fwd(d, d, chunk=32, stages=2) for d in HEAD_DIMS))
 
@@ -104,15 +104,12 @@ SEGMENT_RUNS: tuple[RecurConfig, ...] = tuple(
     RecurConfig(**{**f.recur.as_dict(), "outputs": False}) for f in TENSOR_CORE
     if f.recur.head_dim_k == f.recur.head_dim_v)
 
-# K2 in the WY form (RecurConfig.wy), for the fp16 forwards at K >= 128: measured faster only
-# where each K2 CTA has an SM to itself (docs/notes/k2.md, "The fp16 forward in the WY form";
-# plans.schedule.k2_serial picks it): K2 -5 to -6% there, slower with two K2 CTAs on an SM and
-# alongside K1.
-# Having its SM to itself, K = 128's streams its chunks through eight stages instead of four
-# (17 KB a stage): its loads then stay far enough ahead of the chunks where stores compete with
-# them (checkpoints). Measured on the H200, B1 T8192 H64: forward -0.7%, with one fp32
-# checkpoint per 1024 tokens -2.7%, one bf16 per 64 -1.7% (docs/notes/k2.md, "Eight stages for
-# the WY form"); K = 256's take 37 KB a stage and keep four.
+# K2 in the WY form (RecurConfig.wy), for the fp16 forwards at K >= 128: faster only where each
+# K2 CTA has an SM to itself (plans.schedule.k2_serial picks it), slower with two K2 CTAs on an
+# SM and alongside K1 (docs/notes/k2.md, "The fp16 forward in the WY form").
+# Having its SM to itself, K = 128's streams its chunks through eight stages instead of four, so
+# its loads stay ahead of the chunks where checkpoint stores compete with them (docs/notes/k2.md,
+# "Eight stages for the WY form"); K = 256's stages are too large for more than four.
 WY_STAGES = {128: 8}
 _WY_OF: dict[RecurConfig, RecurConfig] = {
     f.recur: RecurConfig(**{**f.recur.as_dict(), "wy": True,
@@ -129,7 +126,7 @@ def wy_of(recur: RecurConfig) -> RecurConfig | None:
 # K2 alongside K1 (plans.schedule.alongside): each tensor-core forward built to run its two
 # kernels at once, K1 flagging each (chunk, head) and K2 waiting on the flags (serial forwards
 # carry none of that code). K2's shared memory is padded to a whole SM's there, so at K = 64 and
-# 128 it streams its chunks through eight stages instead of four (K = 256's take 37 KB a stage).
+# 128 it streams its chunks through eight stages instead of four (K = 256's stages too large).
 ALONGSIDE: tuple[FwdConfig, ...] = tuple(
     FwdConfig(PrepConfig(**{**f.prep.as_dict(), "alongside": True}),
               RecurConfig(**{**f.recur.as_dict(), "alongside": True,
@@ -138,10 +135,9 @@ ALONGSIDE: tuple[FwdConfig, ...] = tuple(
 # K1 alongside K2 is held to fewer CTAs per SM than it fits (the launcher pads its shared
 # memory): at its full occupancy its memory traffic slows K2's steps, which set the pace. It
 # needs about this many CTAs per SM for each (sequence, head) pair per SM left to it (K2
-# consumes one chunk of every pair a step); fitted on the H200 (docs/notes/schedules.md: K = 64
-# H32 and H64, K = 128 H32, K = 256 H16, each the best of a sweep over CTAs per SM; K = 128
-# re-fitted for its fp16 forward, whose faster K2 steps need K1 further ahead: 6 CTAs per SM at
-# H32).
+# consumes one chunk of every pair a step): each the best of a sweep over CTAs per SM, K = 128's
+# re-fitted for its fp16 forward, whose faster K2 steps need K1 further ahead
+# (docs/notes/schedules.md).
 ALONGSIDE_K1_PER_PAIR = {64: 12.0, 128: 13.0, 256: 8.0}
 
 
@@ -174,10 +170,9 @@ def checkpoints_of(recur: RecurConfig) -> RecurConfig | None:
 
 
 # K1 looped over the side slots in use (PrepConfig.looped): the checkpoints' side run, one twin
-# of each tensor-core forward's K1 (its partial chunks over one resident wave of CTAs; a grid of
+# of each tensor-core forward's K1 (its partial chunks over one resident wave of CTAs: a grid of
 # one CTA a side slot and head, nearly all finding nothing where the boundaries end chunks, cost
-# varlen mix H64 2.0-2.5% more at one bf16 checkpoint per 64 tokens; mid-chunk ones 0.5-1.5%
-# less: bench/results/looped-k1-side-h200-2026-12-04.md)
+# more; docs/notes/k2.md, "K1's side run looped over one resident wave")
 SIDE_PREPS: tuple[PrepConfig, ...] = tuple(
     dataclasses.replace(p, looped=True) for p in dict.fromkeys(f.prep for f in TENSOR_CORE))
 
@@ -224,8 +219,8 @@ def combine_config(head_dim: int) -> CombineConfig | None:
 
 
 # The token step (decode, verify, commit): per head dim and pool dtype, as many lanes per state
-# row as 16-byte pool accesses make a row (at most a warp) and 32 rows per CTA: 4 to 32 KB of
-# state staged per CTA, so many CTAs (and their bytes) are in flight on each SM. Other tiles
+# row as 16-byte pool accesses make a row (at most a warp) and 32 rows per CTA, so many CTAs (and
+# their bytes) are in flight on each SM. Other tiles
 # are reachable through StepOptions.config.
 def _step(d: int, pool: str, block_v: int = 32, unroll: int = 0) -> StepConfig:
     vec = 4 if pool == "float32" else 8
@@ -233,12 +228,9 @@ def _step(d: int, pool: str, block_v: int = 32, unroll: int = 0) -> StepConfig:
 
 
 # bf16 pools at K <= 128: 64 rows per CTA, the row loop unrolled by two (the K = 128 tile
-# sweep's fastest at N >= 64, 73% of the copy ceiling at N 1024 H 32 against 54% for 32 rows
-# unrolled whole: bench/results/serving-sweep-h200-2026-12-01-54ff339.json); at K = 128 its
-# loads a step ahead (verify H 32: N 64 T 2 71.5% of the copy ceiling against 64.4, N 256 T 4
-# 77.8 against 70.8: serving-sweep-h200-2026-12-02-3c0913a-verify.json).
-# fp32 pools at K = 128: the 32-row tile unrolled by two (verify H 32 N 64 T 2: 86.1% against
-# the plain tile's 78.7%).
+# sweep's fastest from N 64); at K = 128 its loads a step ahead (faster verify).
+# fp32 pools at K = 128: the 32-row tile unrolled by two (faster verify than the plain tile).
+# The sweeps: docs/serving.md.
 def _step_tile(d: int, pool: str) -> StepConfig:
     """STEP's tile for head dim d and the pool's dtype."""
     if d == 128:
@@ -250,24 +242,16 @@ def _step_tile(d: int, pool: str) -> StepConfig:
 STEP: tuple[StepConfig, ...] = tuple(_step_tile(d, p) for d in HEAD_DIMS
                                      for p in ("float32", "bfloat16"))
 # Single-token plans (decode; a verify keeps fp32 state between tokens and takes STEP): rows x
-# heads from which a tile is taken, and the tile (CUDA graph; the figures are
-# serving-sweep-h200-2026-12-02-3c0913a.json's):
+# heads from which a tile is taken, and the tile, each the sweep's fastest in its range
+# (docs/serving.md):
 # - small grids are latency-bound: fewer rows per CTA, more CTAs. Below 48 rows x heads, 16 rows
-#   with the loads ahead (N 1 H 12: fp32 6.08 us against 6.34 for 16 rows without, bf16 5.86
-#   against 6.08 for 8 rows ahead; N 1 H 32: 6.85 and 6.43 against 7.23 and 6.75:
-#   serving-sweep-h200-2026-12-02-f8a7bd4-small.json); below 192, 32 rows unrolled by two, loads
-#   ahead (N 1 H 96 and N 8 H 12: fp32 9.0-9.3 us, bf16 7.8-8.1).
-# - fp32 from 192: 64 rows unrolled by two (N 8 H 32 14.8 us against 16.6 for 32 rows; N 256
-#   H 12 86.9% of the copy ceiling, N 256 H 32 92.3, N 1024 H 32 94.2: the sweep's best
-#   everywhere but N 64 H 12, where a persistent 32-row tile is 1% faster).
+#   with the loads ahead; below 192, 32 rows unrolled by two, loads ahead.
+# - fp32 from 192: 64 rows unrolled by two.
 # - bf16 from 192: a persistent grid of 64-row tiles, 5 CTAs an SM (StepConfig.persist: each CTA
 #   stages its next tile and issues its loads while it computes the current one), the row loop
-#   unrolled by two: N 64 H 32 76.5% against 73.5 for the next tile, N 256 H 12 78.8 against
-#   78.4. At 6 CTAs an SM its 96 registers leave one CTA in six waiting (N 64 H 32 at 63%).
-# - bf16 from 6144, a whole head per CTA (128 rows unrolled by two, loads ahead): N 64 H 96 87.5%
-#   against 84.7 for the persistent tile, N 256 H 32 87.8 against 85.1, N 1024 H 32 91.7. Only
-#   for single-token plans: a verify's fp32 keep area (64 KB at 128 rows) would hold it to three
-#   CTAs per SM.
+#   unrolled by two; at 6 CTAs an SM its registers would leave one CTA in six waiting.
+# - bf16 from 6144, a whole head per CTA (128 rows unrolled by two, loads ahead). Only for
+#   single-token plans: a verify's fp32 keep area would hold it to three CTAs per SM.
 STEP_SINGLE: tuple[tuple[int, StepConfig], ...] = (
     (1, StepConfig(128, 128, "float32", 16, 32, 128, ahead=True)),
     (48, StepConfig(128, 128, "float32", 32, 32, 128, unroll=2, ahead=True)),
@@ -280,10 +264,9 @@ STEP_SINGLE: tuple[tuple[int, StepConfig], ...] = (
 
 # Multi-token plans (verify) whose rows hold at least `least` tokens, by pool: a bf16 pool's
 # tile with the CTA's row groups preparing each chunk of four tokens together (StepConfig.prep)
-# instead of every group doing each token's math itself. Verify at H 32 against STEP's tile
-# (bench/results/serving-sweep-h200-2026-12-02-prep-verify.json): N 64 T 8 0.202 against 0.213
-# ms (-5%), N 256 T 8 0.771 against 0.793 (-3%), N 256 T 4 -0.7%; at T 2 it is 1% slower, and the
-# fp32 pool's prepared tiles are within 1% of STEP's (not taken).
+# instead of every group doing each token's math itself: faster than STEP's tile from four
+# tokens a row, slower at two; an fp32 pool's prepared tiles gain nothing (not taken;
+# docs/serving.md).
 STEP_MULTI: tuple[tuple[int, StepConfig], ...] = (
     (4, StepConfig(128, 128, "bfloat16", 64, 16, 128, unroll=2, prep=4)),
 )
@@ -295,8 +278,8 @@ STEP_MULTI: tuple[tuple[int, StepConfig], ...] = (
 # holds the rows.
 STEP_CHUNK: tuple[tuple[int, StepConfig], ...] = (
     *((c, StepConfig(128, 128, "bfloat16", 64, 16, 128, unroll=2, chunk=c)) for c in (2, 4)),
-    # 5-8 tokens: 128 rows and 256 threads a CTA, 82.1% / 87.8% at N 64 / 256 T 8 against the
-    # 64-row tile's 80.1% / 85.9% (bench/results/chunk-verify-sweep-h200-2026-12-05.md)
+    # 5-8 tokens: 128 rows and 256 threads a CTA, faster than the 64-row tile
+    # (docs/notes/step.md, "The chunked tile in the CuTe kernel")
     (8, StepConfig(128, 128, "bfloat16", 128, 16, 256, unroll=2, chunk=8)))
 
 # other tiles, built for the tile sweep (bench/serving.py --sweep): fewer and more rows per CTA

@@ -137,7 +137,7 @@ def _median_ms(fn, iters=30, warmup=5) -> float:
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
               for _ in range(iters)]
     for a, b in events:
-        flush.zero_()  # evicts L2 (50 MB on an H200)
+        flush.zero_()  # evicts L2 (the buffer is larger than it)
         a.record()
         fn()
         b.record()

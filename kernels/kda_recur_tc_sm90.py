@@ -138,33 +138,26 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
         # at their start (griddepcontrol.launch_dependents)
         self.releases = cfg.f16 and not cfg.alongside and not cfg.rescale
         # the fp16 alongside checkpoints builds at K >= 128 hold their checkpoint table in
-        # lanes (_checkpoints): their checkpointed forwards 2-4% faster, where the other
-        # builds (K = 64's, WY, plain, precise) measured up to 7% slower with it
-        # (bench/results/checkpoints-lanes-h200-2026-12-04.md)
+        # lanes (_checkpoints): faster there, slower in the other builds (docs/notes/k2.md,
+        # "The checkpoint table in lanes")
         self.ck_lanes = cfg.checkpoints and cfg.f16 and cfg.alongside and cfg.head_dim_k >= 128
         # the consumers test the next stage's barriers while a chunk's update runs (and skip
-        # the blocking waits the test found complete): the alongside and WY builds at K <= 128
-        # (bench/results/k2-early-test-h200-2026-12-04.md: alongside -1.5..-4%; the plain
-        # builds' K = 64 varlen 8 x 1024 H64 +5.6%, K = 256 alongside +0.9%, so not there)
+        # the blocking waits the test found complete): the alongside and WY builds at K <= 128,
+        # where it pays (the plain builds and K = 256 lose with it; docs/notes/k2.md)
         self.early = (cfg.alongside or cfg.wy) and cfg.head_dim_k <= 128
         # the fp16 alongside builds: ptxas told one CTA an SM (their grid is one wave, K1
         # beside it), which gives the chunk loop the registers to load the decay factors early
-        # (K = 128: 433 -> 409 SASS instructions a chunk, 165 -> 181 registers;
-        # bench/results/k2-min-blocks-h200-2026-12-04.md: K = 128 alongside -4.7%, K = 64
-        # -1..-2%; the WY builds lost 3% with it, so not there)
+        # (the plain WY builds lose with it, so not there; docs/notes/k2.md)
         # Also the WY checkpoints build at K = 128, which runs only where each K2 CTA has an SM
-        # to itself: its chunk loop 458 -> 428 instructions, the decay factors loaded early as in
-        # the WY build; one fp32 checkpoint per 1024 tokens on B1 T8192 H64 +5.5% -> +2.9% over
-        # the forward without, one bf16 per 64 +15.7% -> +15.9%
-        # (bench/results/checkpoints-fork-h200-2026-12-04.md)
+        # to itself: fewer instructions a chunk, the decay factors loaded early as in the WY
+        # build, so a checkpointed forward costs less over the one without
         wy_ck = cfg.wy and cfg.checkpoints and cfg.head_dim_k == 128
         self.min_blocks = 1 if cfg.f16 and ((cfg.alongside and cfg.head_dim_k <= 128)
                                             or wy_ck) else 0
         # the chunk loop carries a chunk's first token, the tokens left and the output buffer's
-        # parity instead of working them out from c (SASS: K = 128 plain fp16 loop 439 -> 432
-        # instructions, WY 438 -> 436): K = 64's alongside builds -5%, K = 128 and 256 0..-2.5%;
-        # not K = 64's other builds (up to 1.5% slower with it) nor the alongside checkpoints
-        # builds (K = 128: +2.5%) (bench/results/k2-loop-carry-h200-2026-12-04.md)
+        # parity instead of working them out from c (fewer instructions a chunk); not K = 64's
+        # plain builds nor the alongside checkpoints builds, which are slower with it
+        # (docs/notes/k2.md, "The loop carry")
         self.carry = (cfg.alongside or cfg.head_dim_k > 64) and not (cfg.alongside
                                                                       and cfg.checkpoints)
         # the checkpoints leave through tensor maps, one TMA store a warp (specs.recur)
@@ -172,8 +165,7 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
         # K = 128's serial fp16 checkpoints builds store a bf16 checkpoint that more chunks
         # follow from the next chunk, once its first products are issued (S is not written
         # until its update): the slab's smem writes run beside those products instead of
-        # between two chunks (bench/results/checkpoints-deferred-h200-2026-12-04.md: bf16 one
-        # per 64 -3.1% on B1 T8192 H64; fp32 ones, twice the smem writes, lost 1.8% and stay)
+        # between two chunks (fp32 ones, twice the smem writes, lose with it and stay)
         self.defer = (cfg.checkpoints and cfg.f16 and not cfg.alongside and not cfg.rescale
                       and not self.ck_lanes and cfg.head_dim_k == 128)
         self.op = cutlass.Float16 if cfg.f16 else cutlass.BFloat16
@@ -1029,7 +1021,7 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
         elif lane == lo:
             # one lane issues the 16 row copies, its addresses uniform: copies issued from
             # 16 lanes at once run one lane at a time through a loop of uniform-register
-            # moves (bench/results/checkpoints-variants-h200-2026-12-04.md)
+            # moves
             if to < 0:
                 g = self._state_rows(mCkS, -to - 1, h, vb)[r0, None].iterator.toint()
                 for i in cutlass.range_constexpr(16):

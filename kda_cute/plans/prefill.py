@@ -204,9 +204,8 @@ class _Checkpoints:
         syms1 = {**self.syms, "NCH": S, "R": S * C, "N1": 2 * S}
         # the looped twin of K1: a CTA the side slots y, y + grid y, ... below the count of
         # those in use (side_cu[2S], which it reads: N1 one more), one resident wave of CTAs
-        # (side_k1_rows). A CTA a side slot and head (B1 T8192 H64 at one per 64 tokens: 8192
-        # CTAs, nearly all finding nothing where the boundaries end chunks) cost varlen mix
-        # H64 2.0-2.5 % of the forward more (looped-k1-side-h200-2026-12-04.md)
+        # (side_k1_rows): a CTA a side slot and head, nearly all finding nothing where the
+        # boundaries end chunks, cost more (docs/notes/k2.md)
         k1 = looped_of(self.cfg.prep)
         if k1 is not None:
             syms1["N1"] = 2 * S + 1
@@ -451,8 +450,7 @@ def _segments(p: Problem, cfg: FwdConfig, P: int, vals2: dict, syms: dict,
     zero_vals = {**vals2, **seg, **dense, **_NO_CHECKPOINTS, "state_in": Scalar(0),
                  "state_out": Scalar(1), "s1f": ends, "s1h": ends}
     # the identity rows on the side stream, beside the value rows and their rescale run (whose
-    # launch then overlaps the identity rows; B1 T8192 H16 eager -1.5%, graph within noise:
-    # bench/results/k2-loop-carry-h200-2026-12-04.md); the combine waits for both
+    # launch then overlaps the identity rows); the combine waits for both
     steps = [
         Fork("fork: identity rows beside the value rows"),
         _launch("K2 identity", ident_quiet if quiet_built else ident, (K // bv, H, N),

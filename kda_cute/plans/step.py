@@ -51,8 +51,8 @@ def step_config(p: StepProblem, opts: StepOptions):
                 + (", a commit" if p.write[0] == WRITE_START else ""))
         return cfg
     # the single-token tiles (ladder.STEP_SINGLE) only where a row has one token: between
-    # tokens a bf16 pool keeps an fp32 copy of the tile in shared memory (96 KB at 128 rows:
-    # two CTAs per SM), and their register caps were measured on decode
+    # tokens a bf16 pool keeps an fp32 copy of the tile in shared memory (two CTAs per SM at
+    # 128 rows), and their register caps were fitted on decode
     # multi-token plans: a chunked tile (ladder.STEP_CHUNK) for chains of few enough tokens,
     # else STEP_MULTI's tile where rows may hold enough tokens
     if p.max_tokens >= 2 and _chunk_ok(p, p.max_tokens):
