@@ -229,3 +229,47 @@ def guards_ok(buf) -> bool:
 def bits(x):
     """A float tensor's bits as integers of its width (bit-for-bit comparisons, NaN included)."""
     return x.view(torch.int16 if x.dtype == torch.bfloat16 else torch.int32)
+
+
+# ----------------------------------------------------------- the GPU tests' bars and checks
+# the forward's bars against float64, about twice the bf16 output's own rounding
+OUT_TOL, STATE_TOL = 3.5e-3, 2.5e-3
+STATE_TOL_BF16 = 6e-3  # a bf16 final state carries its own rounding
+
+
+def assert_errors(res, out_tol=OUT_TOL, state_tol=STATE_TOL):
+    """A run's errors (testing.errors) finite and within the bars."""
+    assert res["out_finite"], res
+    assert res["out_err"] < out_tol, res
+    if "state_err" in res:
+        assert res["state_finite"], res
+        assert res["state_err"] < state_tol, res
+
+
+def check_tokens_past_the_last_sequence(config):
+    """cu_seqlens[-1] < T: the trailing tokens belong to no sequence. Their output rows stay
+    untouched, and the workspace rows K1 never writes (poisoned with NaN bits here) must not leak
+    into any sequence."""
+    from kda_cute import api
+
+    lens, pad = [20, 7, 33], 19
+    full = make_inputs(seqlens=lens + [pad], H=2, K=128, seed=41)
+    inp = dict(full, cu_seqlens=full["cu_seqlens"][:-1], N=len(lens),
+               initial_state=full["initial_state"][:-1].contiguous())
+    q, v = inp["q"], inp["v"]
+    out = torch.full(v.shape, float("nan"), dtype=torch.bfloat16, device="cuda")
+    final = torch.full_like(inp["initial_state"], float("nan"))
+    p = api.validate(q, inp["k"], v, inp["g"], inp["beta"], inp["scale"], out, inp["A_log"],
+                     inp["dt_bias"], inp["lower_bound"], inp["initial_state"], final,
+                     inp["cu_seqlens"], "bounded")
+    ws = torch.full((api.workspace_bytes(p, api.config_for(p, config)),), 0xFF,
+                    dtype=torch.uint8, device="cuda")
+    fwd(q, inp["k"], v, inp["g"], inp["beta"], inp["scale"], out, inp["A_log"], inp["dt_bias"],
+        inp["lower_bound"], inp["initial_state"], final, inp["cu_seqlens"], ws, config=config)
+    torch.cuda.synchronize()
+    T = sum(lens)
+    trimmed = {n: (t[:, :T] if n in ("q", "k", "v", "g", "beta") else t) for n, t in inp.items()}
+    ref_o, ref_s = reference(trimmed)
+    assert rel_err(out[:, :T], ref_o) < OUT_TOL
+    assert rel_err(final, ref_s) < STATE_TOL
+    assert torch.isnan(out[:, T:].float()).all(), "rows of no sequence were written"

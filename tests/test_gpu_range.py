@@ -14,8 +14,8 @@ import torch
 import kda_cute
 from kda_cute import Call, checks, plan, plans, run
 from kda_cute.reference import rel_err
-from kda_cute.testing import errors, make_inputs, reference
-from tests.test_gpu_forward import STATE_TOL, STATE_TOL_BF16, _assert
+from kda_cute.testing import STATE_TOL, STATE_TOL_BF16, errors, make_inputs, reference
+from kda_cute.testing import assert_errors as _assert
 
 pytestmark = pytest.mark.gpu
 

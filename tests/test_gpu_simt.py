@@ -7,8 +7,8 @@ reachable through fwd(config=...). The ladder's own configs run in test_gpu_forw
 import pytest
 import torch
 
-from kda_cute.testing import errors, make_inputs
-from tests.test_gpu_forward import _assert, check_tokens_past_the_last_sequence
+from kda_cute.testing import assert_errors as _assert
+from kda_cute.testing import check_tokens_past_the_last_sequence, errors, make_inputs
 
 pytestmark = pytest.mark.gpu
 

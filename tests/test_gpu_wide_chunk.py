@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from kda_cute.ladder import EXPERIMENTAL
-from kda_cute.testing import errors, make_inputs
-from tests.test_gpu_forward import _assert, check_tokens_past_the_last_sequence
+from kda_cute.testing import assert_errors as _assert
+from kda_cute.testing import check_tokens_past_the_last_sequence, errors, make_inputs
 
 pytestmark = pytest.mark.gpu
 
