@@ -131,6 +131,24 @@ def make_call(spec: dict) -> dict:
                 cu_seqlens=cu, **extra)
 
 
+def problem_of(opts=None, **spec):
+    """The Problem of a spec's CPU tensors (B1 T40 H2 K64 by default) under `opts` (None: the
+    switches named, alongside on and WY auto, not the environment's)."""
+    from kda_cute import Call, Options, checks
+    opts = opts or Options(alongside=True, wy="auto")
+    spec = {"B": 1, "T": 40, "H": 2, "K": 64, **spec}
+    call = make_call(spec)
+    return checks.forward(Call(**{n: call.get(n) for n in Call._fields}), opts,
+                          check_seqlens=False, cuda=False)
+
+
+def plan_of(opts=None, **spec):
+    """problem_of's plan on an H200."""
+    from kda_cute import Options, plans
+    opts = opts or Options(alongside=True, wy="auto")
+    return plans.plan(problem_of(opts, **spec), opts, plans.H200)
+
+
 def _kw(spec: dict) -> dict:
     return {n: spec[n] for n in ("gate", "qk_l2norm", "beta_sigmoid", "segments", "precision")
             if n in spec}

@@ -526,10 +526,10 @@ def test_side_runs_probe_edits_only_the_side_steps(probes, monkeypatch):
     the steps its name says (the K2 side run's grid z or programmatic flag; the K2 side runs,
     or K1's side run, left out; K1's side run's grid cut), every other step as planned; a plan
     without side runs has no variants."""
-    from tests.test_plan import _plan
+    from tests.launch_record import plan_of
 
     probe = probes("side_runs_probe")
-    pl = _plan(B=1, T=300, H=4, K=128, ckpt=dict(offsets=5, dtype="bf16"))
+    pl = plan_of(B=1, T=300, H=4, K=128, ckpt=dict(offsets=5, dtype="bf16"))
     vs = probe.variants(pl)
     side = pl.step("K2 side")
     assert side.grid[2] > 1 and not side.programmatic
@@ -548,7 +548,7 @@ def test_side_runs_probe_edits_only_the_side_steps(probes, monkeypatch):
     assert before.kernel == dataclasses.replace(k1.kernel, looped=False)
     assert before.grid == (4, 5, 1)
     assert (before.args, before.sources, before.smem) == (k1.args, k1.sources, k1.smem)
-    big = _plan(B=1, T=8192, H=64, K=128, ckpt=dict(offsets=128, dtype="bf16"))
+    big = plan_of(B=1, T=8192, H=64, K=128, ckpt=dict(offsets=128, dtype="bf16"))
     bv = probe.variants(big)
     # K128's f16 K1 holds 5 CTAs an SM (88 registers): 660 over 64 heads
     assert big.step("K1 side").grid == (64, 10, 1)
@@ -573,7 +573,7 @@ def test_side_runs_probe_edits_only_the_side_steps(probes, monkeypatch):
     c = probe.call_with(x, kw)
     assert c._replace(checkpoint_state=None, checkpoint_every=None) == bench.call_of(x)
     assert c.checkpoint_state is kw["checkpoint_state"] and c.checkpoint_every == 64
-    aligned = _plan(B=1, T=300, H=4, K=128,
+    aligned = plan_of(B=1, T=300, H=4, K=128,
                     ckpt=dict(every=64, per_row=5, slots=5, dtype="bf16"))
     assert list(probe.variants(aligned)) == ["plan"]
 

@@ -54,15 +54,11 @@ needs_manifests = pytest.mark.skipif(not launch_record.CUBIN_DIR.exists(),
 
 
 def _problem(opts: Options = OPTS, **spec) -> Problem:
-    """The Problem of a launch_record spec's CPU tensors (B1 T40 H2 K64 by default)."""
-    spec = {"B": 1, "T": 40, "H": 2, "K": 64, **spec}
-    call = launch_record.make_call(spec)
-    return checks.forward(Call(**{n: call.get(n) for n in Call._fields}), opts,
-                          check_seqlens=False, cuda=False)
+    return launch_record.problem_of(opts, **spec)
 
 
 def _plan(opts: Options = OPTS, **spec):
-    return plans.plan(_problem(opts, **spec), opts, H200)
+    return launch_record.plan_of(opts, **spec)
 
 
 def _names(pl) -> list[str]:
