@@ -84,7 +84,7 @@ def _cuda(q) -> None:
                       f"one on {q.device}")
 
 
-def _common(q, v, A_log, dt_bias):
+def _common(q, v) -> None:
     """Checks both entries share (dt_bias [H*K] is taken as [H, K] by the call's checks)."""
     for name, t in (("q", q), ("v", v)):
         if not isinstance(t, torch.Tensor):
@@ -101,7 +101,6 @@ def _common(q, v, A_log, dt_bias):
         raise _reject("q", f"head dims K == V in {HEAD_DIMS}", f"K={K}")
     if V != K:
         raise _reject("v", f"head dims K == V in {HEAD_DIMS}", f"K={K}, V={V}")
-    return A_log, dt_bias
 
 
 def _fla_only(allow_neg_eigval, return_intermediate_states) -> None:
@@ -139,7 +138,7 @@ def _chunk_args(q, k, v, g, beta, scale=None, initial_state=None, output_final_s
                       type(cp_context).__name__)
     _grad(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state, A_log=A_log,
           dt_bias=dt_bias)
-    A_log, dt_bias = _common(q, v, A_log, dt_bias)
+    _common(q, v)
     K = q.shape[-1]
     if checks.flag("use_gate_in_kernel", use_gate_in_kernel):
         if lower_bound is None and safe_gate:
@@ -178,7 +177,7 @@ def _recurrent_args(q, k, v, g, beta, A_log=None, dt_bias=None, initial_state=No
         ("use_gate_in_kernel", use_gate_in_kernel)))
     _grad(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state, A_log=A_log,
           dt_bias=dt_bias)
-    A_log, dt_bias = _common(q, v, A_log, dt_bias)
+    _common(q, v)
     if isinstance(beta, torch.Tensor) and beta.dim() == v.dim():
         raise _reject("beta", "one value per head [B, T, H] (headwise beta is not supported)",
                       f"shape {tuple(beta.shape)}")
@@ -269,9 +268,7 @@ def _verdict(check, *args, **kwargs) -> tuple[bool, str | None]:
         _device(args, kwargs)
         check(*args, **kwargs)
         hit = (True, None)
-    except Reject as e:
-        hit = (False, str(e))
-    except (ValueError, TypeError) as e:  # the implementation's own checks: names the argument
+    except (Reject, ValueError, TypeError) as e:  # fla's rules, or the call's own checks
         hit = (False, str(e))
     if key is not None:
         if len(_verdicts) >= _VERDICTS_MAX:
