@@ -10,7 +10,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import kda_cute
-from kda_cute import library
+from kda_cute import declare
 
 BF, F32, I32 = torch.bfloat16, torch.float32, torch.int32
 H, K = 4, 128
@@ -50,7 +50,7 @@ def traced(fn, *args, backend="capture", dynamic=None):
 
 def test_schemas_name_what_each_op_writes():
     written = {}
-    for name in library.OPS:
+    for name in declare.OPS:
         schema = getattr(torch.ops.kda_cute, name).default._schema
         written[name] = sorted(a.name for a in schema.arguments
                                if a.alias_info is not None and a.alias_info.is_write)
