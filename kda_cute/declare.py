@@ -200,8 +200,7 @@ def _register(fn, form: _Form, params, hints):
     dry."""
     if form.alias is not None:  # the pair becomes one `state`, where the first stood
         first, second = form.alias
-        params = [p.replace(name="state", default=inspect.Parameter.empty)
-                  if p.name == first else p
+        params = [p.replace(name="state") if p.name == first else p
                   for p in params if p.name != second]
         hints = {**hints, "state": Tensor}
 
@@ -222,10 +221,12 @@ def _register(fn, form: _Form, params, hints):
             with _dry_run(fake=False):
                 fn(**kw)
 
-    # every argument positional or keyword (an op takes no keyword-only tensors)
+    # every argument positional or keyword (an op takes no keyword-only tensors) and without a
+    # default (torch's in-place bookkeeping indexes the written arguments among those passed;
+    # the traced call passes all)
     impl.__signature__ = inspect.Signature(
-        [p.replace(annotation=hints[p.name], kind=inspect.Parameter.POSITIONAL_OR_KEYWORD)
-         for p in params],
+        [p.replace(annotation=hints[p.name], kind=inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                   default=inspect.Parameter.empty) for p in params],
         return_annotation=None)
     impl.__name__ = form.name
     op_ = torch.library.custom_op(f"{NAMESPACE}::{form.name}", impl, device_types="cuda",

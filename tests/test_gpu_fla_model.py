@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.gpu
+# fla's Triton kernels compile cold on a fresh machine, for minutes
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
 pytest.importorskip("fla.models", reason="needs flash-linear-attention (fla.models)")
 pytest.importorskip("transformers")
 

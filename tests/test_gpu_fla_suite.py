@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.gpu
+# fla's Triton kernels compile cold on a fresh machine, for minutes
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
 pytest.importorskip("fla.backends")
 TESTS = os.environ.get("KDA_FLA_TESTS")
 ROOT = Path(__file__).resolve().parent.parent

@@ -85,12 +85,15 @@ def test_opcheck_decode_verify_commit():
     q, k, v, g, beta = _tokens(N, T, 1)
     sidx = torch.arange(N * T, dtype=I32, device="cuda").view(N, T)
     acc = torch.tensor([1, 2, 3], dtype=I32, device="cuda")
-    style = dict(out=torch.empty_like(v), A_log=A, dt_bias=dt, lower_bound=-5.0, **gate)
+    style = dict(cu_seqlens=None, ssm_state_indices=None, num_accepted_tokens=None,
+                 state_indices=None, intermediate_states=None, intermediate_state_indices=None,
+                 retrieve_parent_token=None, out=torch.empty_like(v), A_log=A, dt_bias=dt,
+                 scale=None, lower_bound=-5.0, **gate)
     _opcheck(torch.ops.kda_cute.verify.default, (q, k, v, g, beta, pool),
-             dict(ssm_state_indices=sidx, num_accepted_tokens=acc, **style))
+             {**style, "ssm_state_indices": sidx, "num_accepted_tokens": acc})
     inter = torch.randn(N, T, H, K, K, device="cuda")
     _opcheck(torch.ops.kda_cute.verify_scratch.default, (q, k, v, g, beta, pool),
-             dict(state_indices=idx, intermediate_states=inter, **style))
+             {**style, "state_indices": idx, "intermediate_states": inter})
     _opcheck(torch.ops.kda_cute.commit.default, (pool, inter, idx, acc - 1, None, None))
 
 
