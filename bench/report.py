@@ -14,6 +14,7 @@ import argparse
 import json
 import re
 import sys
+import textwrap
 from pathlib import Path
 from statistics import geometric_mean as geomean
 
@@ -50,13 +51,17 @@ def table(head, rows, left=1):
     return [f"| {' | '.join(r)} |" for r in (head, rule, *rows)]
 
 
+def wrap(text):
+    return textwrap.wrap(text, 100, break_long_words=False, break_on_hyphens=False) + [""]
+
+
 def ms(x):
     return "-" if x is None else f"{x:.3f}"
 
 
 def err(r, pre=""):
     out = r.get(f"{pre}out_err")
-    return "-" if out is None else f"{out:.1e} / {r[f'{pre}state_err']:.1e}"
+    return "-" if out is None else f"{out:.2e} / {r[f'{pre}state_err']:.2e}"
 
 
 def ratio(a, b):
@@ -75,7 +80,7 @@ def caption(data, name, results):
     md = name.rsplit(".", 1)[0] + ".md"
     shown = md if (results / md).exists() else name
     device, commit, date = meta(data, name)
-    return [f"From [`{shown}`](../bench/results/{shown}): {device}, commit {commit} ({date}).", ""]
+    return wrap(f"From [`{shown}`](../bench/results/{shown}): {device}, commit {commit} ({date}).")
 
 
 def case(r):
@@ -87,10 +92,11 @@ def speed(data, name, results):
     """README.md's table: prefill at K = 128 against fla and the FlashKDA estimate."""
     rows = [r for r in data["rows"] if r["K"] == 128]
     device, commit, date = meta(data, name)
-    out = [f"Prefill (`kda_cute.fwd`), K = V = 128, bf16 inputs, fp32 state, default precision; "
-           f"ms of an eager call, median of 100 runs, cold L2; fla-core's Triton `chunk_kda` "
-           f"timed in the same process. FlashKDA est.: FlashKDA's own measured time, scaled by "
-           f"fla's time between its run and this one. {device}, commit {commit}, {date}.", ""]
+    out = wrap(f"Prefill (`kda_cute.fwd`), K = V = 128, bf16 inputs, fp32 state, default "
+               f"precision; ms of an eager call, median of 100 runs, cold L2; fla-core's Triton "
+               f"`chunk_kda` timed in the same process. FlashKDA est.: FlashKDA's own measured "
+               f"time, scaled by fla's time between its run and this one. {device}, commit "
+               f"{commit}, {date}.")
     out += table(["case", "kda_cute ms", "fla ms", "vs fla", "FlashKDA est. ms",
                   "vs FlashKDA est."],
                  [[r["case"], ms(r["kda_ms"]), ms(r.get("fla_ms")),
@@ -127,7 +133,7 @@ def accuracy(data, name, results):
                                     ("fla", "fla_")) if f"{pre}out_err" in data["rows"][0]]
     b = data["bar"]
     return (caption(data, name, results)
-            + [f"Bar: output <= {b['out']}, fp32 state <= {b['state']}.", ""]
+            + wrap(f"Bar: output <= {b['out']}, fp32 state <= {b['state']}.")
             + table(["case"] + [f"{c} out / state err" for c, _ in cols],
                     [[r["case"]] + [err(r, pre) for _, pre in cols] for r in data["rows"]]))
 
@@ -142,8 +148,8 @@ def serving(form):
             f"{at[n, h, t, p]['kda_pct']:.0f}%, {at[n, h, t, p]['speedup_vs_fla']:.2f}x"
             if (n, h, t, p) in at else "-" for p in pools] for n, h, t in keys]
         host = data.get("host") if form == "decode" else None
-        note = [f"Host time a decode call: {host['bound_us']:.1f} us bound, "
-                f"{host['eager_us']:.1f} us eager.", ""] if host else []
+        note = wrap(f"Host time a decode call: {host['bound_us']:.1f} us bound, "
+                    f"{host['eager_us']:.1f} us eager.") if host else []
         return caption(data, name, results) + note + table(
             ["N", "H", "T"] + [f"{p} pool: % of ceiling, vs fla" for p in pools], body, left=3)
     return gen
