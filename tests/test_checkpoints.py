@@ -18,13 +18,13 @@ import pytest
 import torch
 
 import kda_cute
-from kda_cute import Call, checks, launch, plans
+from kda_cute import Call, checks, launch, plan, plans, run
 from kda_cute.plans import H200, workspace
 from kda_cute.plans.steps import Role, Scalar
 from kda_cute.reference import rel_err
 from kda_cute.specs.checkpoints import MAX_ENTRIES
 from kda_cute.specs.recur import STATE_BF16, STATE_F32
-from kda_cute.testing import SENTINEL, make_inputs, reference
+from kda_cute.testing import SENTINEL, clear_errors, make_inputs, reference, scaled
 from kda_cute.testing import bits as _bits
 
 BF16, F32 = torch.bfloat16, torch.float32
@@ -917,3 +917,24 @@ def test_a_graph_outlives_the_launchers_caches(varlen, form):
     for got, w in zip((out, final, pool), want, strict=True):
         assert _same(got, w)
     del junk
+
+
+@pytest.mark.gpu
+def test_checkpoints_with_large_values():
+    """Checkpoints (both forms: offsets cutting chunks, and every 64 from a mid-chunk first
+    boundary) of a forward whose values overflow fp16: each within the bar of the float64 state
+    of its prefix, and bit-identical to the final state of that prefix's own forward (which
+    takes the same rescale run)."""
+    inp = scaled(make_inputs(seqlens=[300, 130], H=2, K=128, seed=75))
+    offs = torch.tensor([[64, 100, 300, -1], [17, 128, 1, 130]], device="cuda")
+    cs = torch.full((2, 4, 2, 128, 128), SENTINEL, device="cuda")
+    out = torch.empty_like(inp["v"])
+    opts = _opts(inp, **SERIAL)
+    call = Call(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], out, inp["A_log"],
+                inp["dt_bias"], inp["initial_state"], None, inp["cu_seqlens"], inp["scale"],
+                inp["lower_bound"], checkpoint_state=cs, checkpoint_offsets=offs)
+    clear_errors()
+    run(plan(checks.forward(call, opts), opts, plans.device_info(0)), call)
+    torch.cuda.synchronize()
+    kda_cute.check_errors(sync=True)
+    _check_offsets(inp, offs, cs, inp["initial_state"], opts, opts)
