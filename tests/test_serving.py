@@ -1334,7 +1334,7 @@ def test_every_tile(cfg):
         assert rel_err(pool[d_idx[n]], st[-1]) < STATE_TOL[dtype]
     pool.copy_(before)
     args = tuple(x.view(N, T, *x.shape[1:]) for x in (q, k, v, g, beta))
-    if cfg.persist:  # a persistent tile runs single-token plans only (tests/test_gpu_persist.py)
+    if cfg.persist:  # a persistent tile runs single-token plans only (tests/test_persist.py)
         with pytest.raises(ValueError, match="config"):
             kda_cute.verify(*args, pool, ssm_state_indices=idx, **kw)
         return
