@@ -636,7 +636,7 @@ def test_precise_state_rows_of_any_scale(K):
 
 def test_nonfinite_state_is_reported():
     """Values past fp16's range (|v| to ~2.6e5, exact in bf16) meet the bar in both precisions
-    with nothing reported (fast: its rescale run redoes what overflowed, tests/test_gpu_range.py);
+    with nothing reported (fast: its rescale run redoes what overflowed, tests/test_range.py);
     a NaN input turns the state non-finite for good and is reported in either precision, by
     check_errors and by the next forward call (DeviceValueError naming `precision`)."""
     import kda_cute

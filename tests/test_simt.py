@@ -1,7 +1,7 @@
 """The fp32 CUDA-core forward (ladder.SIMT) on the H200 against the float64 reference.
 
 It is the accuracy baseline (fp32 products throughout) the tensor-core ladder is compared with,
-reachable through fwd(config=...). The ladder's own configs run in test_gpu_forward.py.
+reachable through fwd(config=...). The ladder's own configs run in test_forward.py.
 """
 
 import pytest

@@ -25,7 +25,7 @@ NVCC = shutil.which("nvcc") or next(
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(NVCC is None, reason="no nvcc")]
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "cpp" / "kda_forward.cpp"
-# the forward's bar against float64 (tests/test_gpu_forward.py's)
+# the forward's bar against float64 (tests/test_forward.py's)
 OUT_TOL, STATE_TOL = 3.5e-3, 2.5e-3
 
 # export_plan's arguments; T not a multiple of 64 nor of the chunk

@@ -14,27 +14,18 @@ import torch
 import kda_cute
 from kda_cute import Call, checks, plan, plans, run
 from kda_cute.reference import rel_err
-from kda_cute.testing import STATE_TOL, STATE_TOL_BF16, errors, make_inputs, reference
+from kda_cute.testing import (
+    STATE_TOL,
+    STATE_TOL_BF16,
+    clear_errors,
+    errors,
+    make_inputs,
+    reference,
+    scaled,
+)
 from kda_cute.testing import assert_errors as _assert
 
 pytestmark = pytest.mark.gpu
-
-
-def _scaled(inp, vmax=6e4, smax=1e4, heads=None, tokens=None):
-    """inp with v scaled to max |v| = vmax (bf16 rounding aside) and the initial state to max
-    |S0| = smax, in `heads` (all by default) and over `tokens` (a slice, all by default)."""
-    v = inp["v"].float()
-    sel = (slice(None), tokens if tokens is not None else slice(None),
-           heads if heads is not None else slice(None))
-    v[sel] = v[sel] * (vmax / float(v[sel].abs().max()))
-    out = dict(inp, v=v.to(torch.bfloat16))
-    s0 = inp["initial_state"]
-    if s0 is not None and smax is not None:
-        s = s0.float()
-        hs = heads if heads is not None else slice(None)
-        s[:, hs] = s[:, hs] * (smax / float(s[:, hs].abs().max()))
-        out["initial_state"] = s.to(s0.dtype)
-    return out
 
 
 def _run(inp, *, segments=None, alongside=None, wy=None, final_dtype=torch.float32,
@@ -72,14 +63,6 @@ def _errs(inp, out, final):
             "state_finite": bool(torch.isfinite(final.float()).all())}
 
 
-def _clear():
-    torch.cuda.synchronize()
-    try:
-        kda_cute.check_errors(sync=True)
-    except kda_cute.DeviceValueError:
-        pass
-
-
 CASES = {
     "wy": (dict(B=1, T=1024, H=4), dict(alongside=False, wy="force")),
     "plain": (dict(B=2, T=333, H=3), dict(alongside=False, wy="off")),
@@ -101,8 +84,8 @@ def test_large_values_and_states_meet_the_bar(case, K, vmax, smax):
     if case == "alongside" and K != 128:
         pytest.skip("the alongside schedule is covered at K = 128")
     H = shape.pop("H", 2)
-    inp = _scaled(make_inputs(K=K, H=H, seed=K + len(case), **shape), vmax, smax)
-    _clear()
+    inp = scaled(make_inputs(K=K, H=H, seed=K + len(case), **shape), vmax, smax)
+    clear_errors()
     out, final, pl = _run(inp, **sched)
     assert str(pl.schedule).startswith(case if case in ("segments", "alongside") else ""), \
         pl.schedule
@@ -119,9 +102,9 @@ def test_state_forms(state):
     """A bf16 initial and final state, one updated in place (the rescale run reads the
     initial state the forward left unwritten), and no state at all."""
     dt = torch.bfloat16 if state == "bf16" else torch.float32
-    inp = _scaled(make_inputs(B=2, T=500, H=3, K=128, seed=71, state_dtype=dt,
+    inp = scaled(make_inputs(B=2, T=500, H=3, K=128, seed=71, state_dtype=dt,
                               init=state != "none"))
-    _clear()
+    clear_errors()
     out, final, _ = _run(inp, final_dtype=dt, in_place=state == "in-place", alongside=False)
     kda_cute.check_errors(sync=True)
     _assert(_errs(inp, out, final), state_tol=STATE_TOL_BF16 if state == "bf16" else STATE_TOL)
@@ -134,13 +117,13 @@ def test_rows_that_did_not_overflow_are_untouched(case):
     run redoes only what overflowed), the scaled ones within the bar."""
     base = make_inputs(seqlens=[400, 257, 600], H=3, K=128, seed=72)
     if case == "sequence":
-        big = _scaled(base, tokens=slice(400, 657), smax=None)
+        big = scaled(base, tokens=slice(400, 657), smax=None)
         s0 = big["initial_state"].clone()
         s0[1] *= 2.0 ** 13  # sequence 1's state too (exact)
         big["initial_state"] = s0
     else:
-        big = _scaled(base, heads=1)
-    _clear()
+        big = scaled(base, heads=1)
+    clear_errors()
     o1, f1, _ = _run(base, alongside=False)
     o2, f2, _ = _run(big, alongside=False)
     kda_cute.check_errors(sync=True)
@@ -164,7 +147,7 @@ def test_values_far_past_fp16(exp):
     s = 2.0 ** exp
     inp = dict(inp, v=(inp["v"].float() * s).to(torch.bfloat16),
                initial_state=inp["initial_state"] * s)
-    _clear()
+    clear_errors()
     _assert(errors(inp))
     kda_cute.check_errors(sync=True)
 
@@ -173,7 +156,7 @@ def test_a_graph_replayed_with_large_values():
     """A forward captured on ordinary values and replayed after the inputs were refilled with
     large ones (and back): the rescale run inside the graph redoes what overflowed."""
     inp = make_inputs(B=2, T=256, H=4, K=128, seed=74)
-    big = _scaled(inp)
+    big = scaled(inp)
     q, v = inp["q"], inp["v"].clone()
     s0 = inp["initial_state"].clone()
     out = torch.empty_like(v)
@@ -188,7 +171,7 @@ def test_a_graph_replayed_with_large_values():
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         step()
-    _clear()
+    clear_errors()
     for src in (big, inp, big):
         v.copy_(src["v"])
         s0.copy_(src["initial_state"])
@@ -198,28 +181,6 @@ def test_a_graph_replayed_with_large_values():
         torch.cuda.synchronize()
         _assert(_errs(src, out, final))
     kda_cute.check_errors(sync=True)
-
-
-def test_checkpoints_with_large_values():
-    """Checkpoints (both forms: offsets cutting chunks, and every 64 from a mid-chunk first
-    boundary) of a forward whose values overflow fp16: each within the bar of the float64 state
-    of its prefix, and bit-identical to the final state of that prefix's own forward (which
-    takes the same rescale run)."""
-    from tests.test_gpu_checkpoints import SERIAL, _check_offsets, _opts
-
-    inp = _scaled(make_inputs(seqlens=[300, 130], H=2, K=128, seed=75))
-    offs = torch.tensor([[64, 100, 300, -1], [17, 128, 1, 130]], device="cuda")
-    cs = torch.full((2, 4, 2, 128, 128), kda_cute.testing.SENTINEL, device="cuda")
-    out = torch.empty_like(inp["v"])
-    opts = _opts(inp, **SERIAL)
-    call = Call(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], out, inp["A_log"],
-                inp["dt_bias"], inp["initial_state"], None, inp["cu_seqlens"], inp["scale"],
-                inp["lower_bound"], checkpoint_state=cs, checkpoint_offsets=offs)
-    _clear()
-    run(plan(checks.forward(call, opts), opts, plans.device_info(0)), call)
-    torch.cuda.synchronize()
-    kda_cute.check_errors(sync=True)
-    _check_offsets(inp, offs, cs, inp["initial_state"], opts, opts)
 
 
 def test_nonfinite_inputs_are_still_reported():
@@ -234,7 +195,7 @@ def test_nonfinite_inputs_are_still_reported():
                 bad["v"][0, 3, 0, 9] = float("inf")
             else:
                 bad["initial_state"][0, 1, 7, 2] = float("inf")
-            _clear()
+            clear_errors()
             errors(bad, precision=precision)
             with pytest.raises(kda_cute.DeviceValueError, match="^precision"):
                 kda_cute.check_errors(sync=True)
@@ -250,7 +211,7 @@ def test_small_values_meet_the_bar(exp):
     s = 2.0 ** exp
     inp = dict(inp, v=(inp["v"].float() * s).to(torch.bfloat16),
                initial_state=inp["initial_state"] * s)
-    _clear()
+    clear_errors()
     out, final, _ = _run(inp, alongside=False)
     kda_cute.check_errors(sync=True)
     _assert(_errs(inp, out, final))

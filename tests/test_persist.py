@@ -94,7 +94,7 @@ def test_persistent_decode(cfg, gate):
 
 def _pair():
     """The shipped persistent tile and a register-capped one (not a chunked tile: those take
-    multi-token rows, tests/test_gpu_serving.py)."""
+    multi-token rows, tests/test_serving.py)."""
     tiles = [c for c in _persistent() if not c.chunk]
     return tiles[:1] + tiles[-2:-1]
 
