@@ -23,7 +23,7 @@ import torch
 
 from .abi import GATE_PARAM_DTYPES, SYM_DIV
 from .ladder import PRECISIONS, FwdConfig, select_config, supports
-from .problem import STATE_DTYPES, WY_MODES, Call, Checkpoints, Options, Problem
+from .problem import STATE_DTYPES, WY_MODES, Call, Checkpoints, Options, PoolForm, Problem
 from .specs.checkpoints import MAX_ENTRIES
 from .specs.prep import GATE_MODES
 
@@ -376,10 +376,10 @@ def _checkpoints(c: Call, N: int, H: int, V: int, K: int, dev) -> Checkpoints | 
                        index_words(first), null_min(c.null_slot))
 
 
-def _pool_form(c: Call, N: int, H: int, V: int, K: int, dev) -> tuple:
+def _pool_form(c: Call, N: int, H: int, V: int, K: int, dev) -> PoolForm:
     """The pool form's checks: initial_state the pool [slots, H, V, K], final_state None (the
     pool is only read) or it (or a tensor of its shape and strides), state_indices and
-    output_state_indices [N] int32 / int64. Returns Problem.pool."""
+    output_state_indices [N] int32 / int64."""
     st = c.initial_state
     if st is None:
         raise err("initial_state", "the state pool [slots, H, V, K] that state_indices index",
@@ -404,9 +404,10 @@ def _pool_form(c: Call, N: int, H: int, V: int, K: int, dev) -> tuple:
             raise err("output_state_indices", "None when no state is written (final_state "
                       "None)", "a tensor")
         w_sn = index_table("output_state_indices", wi, (N,), dev)[0]
-    return (slots, stride, r_sn, is_wide(c.state_indices), int(wi is not None), w_sn,
-            is_wide(wi), null_min(c.null_slot), index_words(c.state_indices),
-            index_words(wi))
+    return PoolForm(slots=slots, sS=stride, r_sn=r_sn, r_wide=is_wide(c.state_indices),
+                    w_on=int(wi is not None), w_sn=w_sn, w_wide=is_wide(wi),
+                    null_min=null_min(c.null_slot), NRI=index_words(c.state_indices),
+                    NWI=index_words(wi))
 
 
 def scalars(c: Call, opts: Options) -> None:

@@ -70,6 +70,25 @@ class Checkpoints:
         return self.every > 0 and bool(self.first_on)
 
 
+class PoolForm(NamedTuple):
+    """A prefill's pool form (states read from and written to pool slots), named as K2's and
+    the combine's arguments (kda_cute.specs.recur.index_args) and symbols: the pool's slots and
+    slot stride (elements), state_indices' entry stride and int64 flag, whether
+    output_state_indices is given with its entry stride and int64 flag, the least index that
+    is not padding, and the two tables' int32 words."""
+
+    slots: int
+    sS: int
+    r_sn: int
+    r_wide: int
+    w_on: int
+    w_sn: int
+    w_wide: int
+    null_min: int
+    NRI: int
+    NWI: int
+
+
 @dataclass(frozen=True)
 class Problem:
     """A forward's metadata. B, T, H: batch, tokens per sequence row, heads; K, V: head dims; N:
@@ -78,10 +97,8 @@ class Problem:
     v, out and beta in elements (None: packed rows), the states' dtypes (None: no state), how
     the gate parameters are held (A_log, dt_bias: abi.GATE_PARAM_DTYPES' code, 0 when not given;
     True is fp32's), and whether cu_seqlens is int64 (copied to int32 for the kernels).
-    pool: None for dense states ([N, H, V, K], row n sequence n's), or the pool form's
-    (slots, slot stride in elements, state_indices' entry stride and int64 flag, whether
-    output_state_indices is given, its entry stride and int64 flag, the least index that is not
-    padding, the two tables' int32 words); has_init: has_initial_state is given; ckpt: the
+    pool: None for dense states ([N, H, V, K], row n sequence n's), or the pool form
+    (PoolForm); has_init: has_initial_state is given; ckpt: the
     checkpoints asked for (None: none)."""
 
     B: int
@@ -97,7 +114,7 @@ class Problem:
     A_log: int = 1
     dt_bias: int = 1
     cu_int64: bool = False
-    pool: tuple[int, int, int, int, int, int, int, int, int, int] | None = None
+    pool: PoolForm | None = None
     has_init: bool = False
     ckpt: Checkpoints | None = None
 
@@ -160,6 +177,82 @@ class Call(NamedTuple):
 
 
 # ------------------------------------------------------------------------ serving steps
+# A step's index tables, named as the token-step kernel's arguments (kda_cute.specs.step.args
+# says what each means).
+class StepRead(NamedTuple):
+    """The state a row starts from: read_index[n * r_sn + sel * r_st] * r_mul + sel * r_add
+    (read_mode 0: none)."""
+
+    read_mode: int
+    r_sn: int
+    r_st: int
+    r_wide: int
+    r_mul: int
+    r_add: int
+
+
+class StepAccepted(NamedTuple):
+    """sel = accepted[n] - acc_base, in [0, max_sel) (acc_on 0: sel 0; acc_skip: a negative
+    sel skips the row)."""
+
+    acc_on: int
+    acc_wide: int
+    acc_base: int
+    acc_skip: int
+    max_sel: int
+
+
+class StepWrite(NamedTuple):
+    """Where the state after token t goes: dst row write_index[n * w_sn + t * w_st] * w_mul +
+    t * w_add (write_mode: specs.step.WRITE_*)."""
+
+    write_mode: int
+    w_sn: int
+    w_st: int
+    w_wide: int
+    w_mul: int
+    w_add: int
+
+
+class StepParent(NamedTuple):
+    """Tree drafts: token t starts from the state after token parent[n * p_sn + t * p_st]."""
+
+    parent_on: int
+    p_sn: int
+    p_st: int
+    p_wide: int
+
+
+class StepNulls(NamedTuple):
+    """Entries below these are padding: of the read index, of the write index."""
+
+    r_null: int
+    w_null: int
+
+
+class StepWords(NamedTuple):
+    """The int32 words of the tables cu_seqlens, read_index, write_index, accepted, parent and
+    has_init (0: not given)."""
+
+    NCU: int
+    NRI: int
+    NWI: int
+    NAC: int
+    NPA: int
+    NHI: int
+
+
+class TokenStrides(NamedTuple):
+    """The token strides of q, k, g, v, out and beta, in elements."""
+
+    sQ: int
+    sK: int
+    sG: int
+    sV: int
+    sO: int
+    sB: int
+
+
 @dataclass(frozen=True)
 class StepProblem:
     """A serving step's metadata (decode, verify, commit or the dense token-by-token forward):
@@ -171,8 +264,8 @@ class StepProblem:
     T token rows, H heads, K and V head dims; pool: the state dtype name; slots / slot_stride:
     the pool's rows and row stride (elements); dst_rows / dst_stride: those of the tensor the
     states are written to (the pool again, a scratch, a dense final state); strides: the token
-    strides of (q, k, g, v, out, beta); fixed_len: tokens per row (-1: cu_seqlens); lengths:
-    the words of (cu_seqlens, read index, write index, accepted, parent, has_init) tables."""
+    strides; fixed_len: tokens per row (-1: cu_seqlens); read, accepted, write, parent,
+    null_min: the index tables' addressing; lengths: the tables' words."""
 
     form: str
     N: int
@@ -185,19 +278,19 @@ class StepProblem:
     slot_stride: int
     dst_rows: int
     dst_stride: int
-    strides: tuple[int, int, int, int, int, int]
+    strides: TokenStrides
     fixed_len: int
     cu_wide: bool
     max_tokens: int
-    read: tuple[int, int, int, int, int, int]  # mode, n stride, entry stride, wide, mul, add
-    accepted: tuple[int, int, int, int, int]  # on, wide, base, skip negative, entries
+    read: StepRead
+    accepted: StepAccepted
     has_init: bool
-    write: tuple[int, int, int, int, int, int]  # mode, n stride, t stride, wide, mul, add
-    parent: tuple[int, int, int, int]  # on, n stride, t stride, wide
-    null_min: tuple[int, int]  # read, write: entries below are padding
+    write: StepWrite
+    parent: StepParent
+    null_min: StepNulls
     A_log: int  # how the gate parameters are held: abi.GATE_PARAM_DTYPES' code, 0 not given
     dt_bias: int
-    lengths: tuple[int, int, int, int, int, int]
+    lengths: StepWords
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,13 @@ from .checks import null_min as _null
 from .checks import pool as _pool
 from .plans import device_info
 from .plans.step import step_config, step_plan
-from .problem import StepCall, StepOptions, StepProblem
+from .problem import StepAccepted as Accepted
+from .problem import StepCall, StepOptions, StepProblem, TokenStrides
+from .problem import StepNulls as Nulls
+from .problem import StepParent as Parent
+from .problem import StepRead as Read
+from .problem import StepWords as Words
+from .problem import StepWrite as Write
 from .specs.step import (
     STEP_GATES,
     WRITE_ALL,
@@ -48,7 +54,9 @@ from .specs.step import (
 )
 
 BF16 = torch.bfloat16
-_HOST = ("config", "stream", "bind")  # what the torch.library ops cannot take
+_HOST = ("config", "stream", "bind")
+_NO_ACCEPTED = Accepted(0, acc_wide=0, acc_base=1, acc_skip=0, max_sel=1)
+_NO_PARENT = Parent(0, p_sn=0, p_st=0, p_wide=0)  # what the torch.library ops cannot take
 ROW_DIV = 8  # token strides in elements (abi.SYM_DIV of sQ .. sO)
 
 
@@ -159,7 +167,7 @@ class _Tokens:
         else:
             _, so = _rows("out", out, V, H, dev)
         self.H, self.K, self.V = H, K, V
-        self.strides = (sq, *sk_sg, sv, so, sb)
+        self.strides = TokenStrides(sq, *sk_sg, sv, so, sb)
         self.out = out
 
 
@@ -359,11 +367,12 @@ def _decode_plan(q, k, v, g, beta, state, state_indices, out, output_state_indic
         raise err("state", f"at least B = {B} slots without state_indices", state.shape[0])
     p = StepProblem(
         "decode", B, B, H, K, V, pool, state.shape[0], ss, state.shape[0], ss, tk.strides,
-        1, False, 1, (1, r[0], 0, _wide(state_indices), 1, 0), (0, 0, 1, 0, 1),
-        has_initial_state is not None, (WRITE_LAST, w[0], 0, _wide(wi), 1, 0), (0, 0, 0, 0),
-        (null, null), a, b,
-        (0, _words(state_indices), _words(wi), 0, 0,
-         0 if has_initial_state is None else B))
+        1, False, 1, Read(1, r_sn=r[0], r_st=0, r_wide=_wide(state_indices), r_mul=1, r_add=0),
+        _NO_ACCEPTED, has_initial_state is not None,
+        Write(WRITE_LAST, w_sn=w[0], w_st=0, w_wide=_wide(wi), w_mul=1, w_add=0), _NO_PARENT,
+        Nulls(r_null=null, w_null=null), a, b,
+        Words(NCU=0, NRI=_words(state_indices), NWI=_words(wi), NAC=0, NPA=0,
+              NHI=0 if has_initial_state is None else B))
     return _planned(p, opts, dev), scale, lb
 
 
@@ -475,8 +484,7 @@ def _verify_plan(q, k, v, g, beta, state, cu_seqlens, ssm_state_indices, num_acc
         N, fixed = q.shape[0], q.shape[1]
         per_row = fixed
     pool = "float32" if state.dtype == torch.float32 else "bfloat16"
-    hi_words = 0
-    par = (0, 0, 0, 0)
+    par = _NO_PARENT
     npa = 0
     if verify_style(ssm_state_indices, num_accepted_tokens, state_indices,
                     intermediate_states, retrieve_parent_token,
@@ -485,15 +493,17 @@ def _verify_plan(q, k, v, g, beta, state, cu_seqlens, ssm_state_indices, num_acc
         S1 = ssm_state_indices.shape[1]
         if per_row is not None and per_row > S1:
             raise err("q", f"at most {S1} tokens per row (ssm_state_indices' entries)", per_row)
-        acc = (0, 0, 1, 0, S1)
+        # the start slot: entry num_accepted_tokens[n] - 1 of the row's (entry 0 without)
+        acc = Accepted(0, acc_wide=0, acc_base=1, acc_skip=0, max_sel=S1)
         if num_accepted_tokens is not None:
             _index("num_accepted_tokens", num_accepted_tokens, (N,), dev)
-            acc = (1, _wide(num_accepted_tokens), 1, 0, S1)
-        read = (1, st[0], st[1], _wide(ssm_state_indices), 1, 0)
-        write = (WRITE_ALL, st[0], st[1], _wide(ssm_state_indices), 1, 0)
+            acc = acc._replace(acc_on=1, acc_wide=_wide(num_accepted_tokens))
+        wide = _wide(ssm_state_indices)
+        read = Read(1, r_sn=st[0], r_st=st[1], r_wide=wide, r_mul=1, r_add=0)
+        write = Write(WRITE_ALL, w_sn=st[0], w_st=st[1], w_wide=wide, w_mul=1, w_add=0)
         dst, ds, drows, form = state, ss, state.shape[0], "verify"
         ridx = widx = ssm_state_indices
-        max_tokens, nulls = S1, (null, null)
+        max_tokens, nulls = S1, Nulls(r_null=null, w_null=null)
     else:
         r = _index("state_indices", state_indices, (N,), dev)
         R, S_max, ds = _scratch(intermediate_states, state, H, V, K, dev)
@@ -514,21 +524,23 @@ def _verify_plan(q, k, v, g, beta, state, cu_seqlens, ssm_state_indices, num_acc
             if per_row is not None and per_row > retrieve_parent_token.shape[1]:
                 raise err("retrieve_parent_token", f"at least {per_row} entries per row",
                           tuple(retrieve_parent_token.shape))
-            par = (1, pt[0], pt[1], _wide(retrieve_parent_token))
+            par = Parent(1, p_sn=pt[0], p_st=pt[1], p_wide=_wide(retrieve_parent_token))
             npa = _words(retrieve_parent_token)
-        acc = (0, 0, 1, 0, 1)
-        read = (1, r[0], 0, _wide(state_indices), 1, 0)
-        write = (WRITE_ALL, w[0], 0, _wide(intermediate_state_indices), S_max, 1)
+        acc = _NO_ACCEPTED
+        read = Read(1, r_sn=r[0], r_st=0, r_wide=_wide(state_indices), r_mul=1, r_add=0)
+        # the scratch row of token t: index * S_max + t
+        write = Write(WRITE_ALL, w_sn=w[0], w_st=0, w_wide=_wide(intermediate_state_indices),
+                      w_mul=S_max, w_add=1)
         dst, drows, form = intermediate_states, R * S_max, "verify scratch"
         ridx, widx = state_indices, intermediate_state_indices
-        nulls = (null, 0)
+        nulls = Nulls(r_null=null, w_null=0)
     a, b = gate_params(A_log, dt_bias, opts.gate, H, K, dev)
     scale, lb = _scalars(scale, lower_bound, opts.gate, K)
     p = StepProblem(
         form, N, tk.rows, H, K, V, pool, state.shape[0], ss, drows, ds, tk.strides, fixed,
         _wide(cu_seqlens) == 1, max_tokens, read, acc, False, write, par, nulls, a, b,
-        (_words(cu_seqlens), _words(ridx), _words(widx), _words(num_accepted_tokens), npa,
-         hi_words))
+        Words(NCU=_words(cu_seqlens), NRI=_words(ridx), NWI=_words(widx),
+              NAC=_words(num_accepted_tokens), NPA=npa, NHI=0))
     del dst, ridx, widx  # the call's, chosen again each call
     return _planned(p, opts, dev), scale, lb
 
@@ -590,13 +602,15 @@ def _commit_plan(state, intermediate_states, state_indices, accepted_step,
     pool = "float32" if state.dtype == torch.float32 else "bfloat16"
     p = StepProblem(
         "commit", N, 0, H, K, V, pool, R * S_max, ds, state.shape[0], ss,
-        (H * K, H * K, H * K, H * V, H * V, H), 0, False, 0,
-        (1, r[0], 0, _wide(intermediate_state_indices), S_max, 1),
-        (1, _wide(accepted_step), 0, 1, S_max), False,
-        (WRITE_START, w[0], 0, _wide(state_indices), 1, 0), (0, 0, 0, 0), (0, null),
-        False, False,
-        (0, _words(intermediate_state_indices), _words(state_indices), _words(accepted_step),
-         0, 0))
+        TokenStrides(H * K, H * K, H * K, H * V, H * V, H), 0, False, 0,
+        # the scratch row of the accepted step: index * S_max + step
+        Read(1, r_sn=r[0], r_st=0, r_wide=_wide(intermediate_state_indices), r_mul=S_max,
+             r_add=1),
+        Accepted(1, acc_wide=_wide(accepted_step), acc_base=0, acc_skip=1, max_sel=S_max), False,
+        Write(WRITE_START, w_sn=w[0], w_st=0, w_wide=_wide(state_indices), w_mul=1, w_add=0),
+        _NO_PARENT, Nulls(r_null=0, w_null=null), False, False,
+        Words(NCU=0, NRI=_words(intermediate_state_indices), NWI=_words(state_indices),
+              NAC=_words(accepted_step), NPA=0, NHI=0))
     return _planned(p, StepOptions(gate="none"), dev, "state")
 
 
@@ -789,9 +803,10 @@ def _recurrent_plan(q, k, v, g, beta, initial_state, final_state, cu_seqlens, ou
     n1 = N if final_state is not None else 0
     p = StepProblem(
         "recurrent", N, tk.rows, H, K, V, pool, n0, s0s, n1, s1s, tk.strides, fixed,
-        _wide(cu_seqlens) == 1, 2 ** 31 - 1, (int(n0 > 0), 1, 0, 0, 1, 0), (0, 0, 1, 0, 1),
-        False, (WRITE_LAST if n1 else WRITE_NONE, 1, 0, 0, 1, 0), (0, 0, 0, 0), (0, 0), a, b,
-        (_words(cu_seqlens), 0, 0, 0, 0, 0))
+        _wide(cu_seqlens) == 1, 2 ** 31 - 1,
+        Read(int(n0 > 0), r_sn=1, r_st=0, r_wide=0, r_mul=1, r_add=0), _NO_ACCEPTED, False,
+        Write(WRITE_LAST if n1 else WRITE_NONE, w_sn=1, w_st=0, w_wide=0, w_mul=1, w_add=0),
+        _NO_PARENT, Nulls(r_null=0, w_null=0), a, b, Words(_words(cu_seqlens), 0, 0, 0, 0, 0))
     return _planned(p, opts, dev), scale, lb, tk.out
 
 

@@ -19,7 +19,7 @@ from ..ladder import (
     looped_of,
     rescale_of,
 )
-from ..problem import Options, Problem
+from ..problem import Options, PoolForm, Problem
 from ..specs import args_for
 from ..specs.prep import GATE_MODES, K1_GRID_Y
 from ..specs.recur import (
@@ -71,25 +71,26 @@ def _index_values(p: Problem, N: int, mode: int | None = None, row_div: int = 1,
     problem `p` (the error words stand in for the tables a plan does not read): dense states
     unless `p.pool`, `mode` (INDEX_*) and `has_init` overriding the problem's."""
     err = Errors()
-    pool = p.pool or (N, 0, 0, 0, 0, 0, 0, 0, 0, 0)
-    slots, _, r_sn, r_wide, w_on, w_sn, w_wide, null, _, _ = pool
+    pool = p.pool or PoolForm(N, 0, 0, 0, 0, 0, 0, 0, 0, 0)
     hi = p.has_init if has_init is None else has_init
     if mode is None:
         mode = INDEX_POOL if p.pool else INDEX_DENSE
     tables = mode != INDEX_DENSE
     return {"state_index": Role("state_indices") if tables else err,
-            "out_index": Role("output_state_indices") if tables and w_on else err,
+            "out_index": Role("output_state_indices") if tables and pool.w_on else err,
             "has_init": Role("has_initial_state") if hi else err,
             "errors": err,
-            "index_mode": Scalar(mode), "row_div": Scalar(row_div), "slots": Scalar(slots),
-            "r_sn": Scalar(r_sn), "r_wide": Scalar(r_wide), "w_on": Scalar(w_on),
-            "w_sn": Scalar(w_sn), "w_wide": Scalar(w_wide), "hi_on": Scalar(int(hi)),
-            "null_min": Scalar(null)}
+            "index_mode": Scalar(mode), "row_div": Scalar(row_div), "hi_on": Scalar(int(hi)),
+            **{n: Scalar(getattr(pool, n)) for n in _POOL_SCALARS}}
+
+
+# the pool form's scalars, by their names in Problem.pool (PoolForm)
+_POOL_SCALARS = ("slots", "r_sn", "r_wide", "w_on", "w_sn", "w_wide", "null_min")
 
 
 def _index_syms(p: Problem) -> dict:
     """The dynamic dimensions of the pool form's tables (word counts, at least one)."""
-    nri, nwi = (p.pool[8], p.pool[9]) if p.pool else (0, 0)
+    nri, nwi = (p.pool.NRI, p.pool.NWI) if p.pool else (0, 0)
     return {"NRI": max(1, nri), "NWI": max(1, nwi), "NHI": max(1, p.N if p.has_init else 0)}
 
 
@@ -320,7 +321,7 @@ def forward_plan(p: Problem, opts: Options, cfg: FwdConfig, dev: DeviceInfo) -> 
             "N1": p.N + 1, "sQ": sq, "sK": sk, "sG": sg, "sB": sb, "sV": sv,
             "sO": so, "sW": H * K, "sWc": H * C, "FL": nch * H,
             # the states' rows: the sequences', or the pool's slots
-            "NS": p.pool[0] if p.pool else p.N, "sS": p.pool[1] if p.pool else H * V * K,
+            "NS": p.pool.slots if p.pool else p.N, "sS": p.pool.sS if p.pool else H * V * K,
             **_index_syms(p), **_NO_CHECKPOINTS_SYMS, "sCK": H * V * K}
     # the rescale words: 4 per (K2 row, head, block of state rows); a fast forward's K2s flag
     # the warps whose state overflowed and the rescale run after each redoes them

@@ -21,17 +21,17 @@ F32 = torch.float32
 
 def _single(p: StepProblem) -> bool:
     """At most one token a row and no tree parents."""
-    return p.max_tokens <= 1 and not p.parent[0]
+    return p.max_tokens <= 1 and not p.parent.parent_on
 
 
 def _persistent_ok(p: StepProblem) -> bool:
     """A persistent tile runs rows of one token (no commits, no tree parents)."""
-    return _single(p) and p.max_tokens == 1 and p.write[0] != WRITE_START
+    return _single(p) and p.max_tokens == 1 and p.write.write_mode != WRITE_START
 
 
 def _chunk_ok(p: StepProblem, chunk: int) -> bool:
     """A chunked tile runs rows of at most `chunk` tokens, without tree parents or commits."""
-    return p.max_tokens <= chunk and not p.parent[0] and p.write[0] != WRITE_START
+    return p.max_tokens <= chunk and not p.parent.parent_on and p.write.write_mode != WRITE_START
 
 
 def step_config(p: StepProblem, opts: StepOptions):
@@ -41,14 +41,14 @@ def step_config(p: StepProblem, opts: StepOptions):
             raise ValueError(
                 f"config: a chunked tile ({cfg.name}) runs rows of at most {cfg.chunk} tokens "
                 f"without tree parents or commits; got {p.form} with up to {p.max_tokens} tokens "
-                "a row" + (", tree parents" if p.parent[0] else "")
-                + (", a commit" if p.write[0] == WRITE_START else ""))
+                "a row" + (", tree parents" if p.parent.parent_on else "")
+                + (", a commit" if p.write.write_mode == WRITE_START else ""))
         if cfg.persist and not cfg.chunk and not _persistent_ok(p):
             raise ValueError(
                 f"config: a persistent tile ({cfg.name}) runs single-token steps only (decode, "
                 f"or a verify of one token a row); got {p.form} with up to {p.max_tokens} "
-                "tokens a row" + (", tree parents" if p.parent[0] else "")
-                + (", a commit" if p.write[0] == WRITE_START else ""))
+                "tokens a row" + (", tree parents" if p.parent.parent_on else "")
+                + (", a commit" if p.write.write_mode == WRITE_START else ""))
         return cfg
     # the single-token tiles (ladder.STEP_SINGLE) only where a row has one token: between
     # tokens a bf16 pool keeps an fp32 copy of the tile in shared memory (two CTAs per SM at
@@ -67,12 +67,9 @@ def step_config(p: StepProblem, opts: StepOptions):
 def _step_plan(p: StepProblem, opts: StepOptions, dev: DeviceInfo) -> Plan:
     cfg = step_config(p, opts)
     H, K, V = p.H, p.K, p.V
-    sq, sk, sg, sv, so, sb = p.strides
-    ncu, nri, nwi, nac, npa, nhi = (max(1, x) for x in p.lengths)
-    syms = {"T": p.T, "H": H, "HK": H * K, "HV": H * V, "sQ": sq, "sK": sk, "sG": sg,
-            "sV": sv, "sO": so, "sB": sb, "P": max(1, p.slots), "sP": p.slot_stride,
-            "PD": max(1, p.dst_rows), "sPD": p.dst_stride, "NCU": ncu, "NRI": nri, "NWI": nwi,
-            "NAC": nac, "NPA": npa, "NHI": nhi}
+    syms = {"T": p.T, "H": H, "HK": H * K, "HV": H * V, **p.strides._asdict(),
+            "P": max(1, p.slots), "sP": p.slot_stride, "PD": max(1, p.dst_rows),
+            "sPD": p.dst_stride, **{n: max(1, x) for n, x in p.lengths._asdict().items()}}
     tokens = p.T > 0
     pdt = torch.float32 if p.pool == "float32" else torch.bfloat16
     err = Errors()
@@ -81,10 +78,6 @@ def _step_plan(p: StepProblem, opts: StepOptions, dev: DeviceInfo) -> Plan:
         return Role(name) if present else err
 
     ramp = At(Buffer("ramp", (max(1, p.N),), torch.int32))
-    r_mode, r_sn, r_st, r_wide, r_mul, r_add = p.read
-    w_mode, w_sn, w_st, w_wide, w_mul, w_add = p.write
-    acc_on, acc_wide, acc_base, acc_skip, acc_n = p.accepted
-    par_on, p_sn, p_st, p_wide = p.parent
     values = {
         "q": role("q", tokens), "k": role("k", tokens), "g": role("g", tokens),
         "v": role("v", tokens), "beta": role("beta", tokens), "out": role("out", tokens),
@@ -94,24 +87,18 @@ def _step_plan(p: StepProblem, opts: StepOptions, dev: DeviceInfo) -> Plan:
         "pool": Role("pool") if p.slots else At(Buffer("zeros", (1, H, V, K), pdt)),
         "dst": Role("dst") if p.dst_rows else At(Buffer("zeros", (1, H, V, K), pdt)),
         "cu_seqlens": role("cu_seqlens", p.fixed_len < 0),
-        "read_index": Role("read_index") if p.lengths[1] else ramp,
-        "write_index": Role("write_index") if p.lengths[2] else ramp,
-        "accepted": role("accepted", bool(acc_on)),
-        "parent": role("parent", bool(par_on)),
+        "read_index": Role("read_index") if p.lengths.NRI else ramp,
+        "write_index": Role("write_index") if p.lengths.NWI else ramp,
+        "accepted": role("accepted", bool(p.accepted.acc_on)),
+        "parent": role("parent", bool(p.parent.parent_on)),
         "has_init": role("has_init", p.has_init),
         "errors": err,
         "fixed_len": Scalar(p.fixed_len), "cu_wide": Scalar(int(p.cu_wide)),
         "max_tokens": Scalar(p.max_tokens),
-        "read_mode": Scalar(r_mode), "r_sn": Scalar(r_sn), "r_st": Scalar(r_st),
-        "r_wide": Scalar(r_wide), "r_mul": Scalar(r_mul), "r_add": Scalar(r_add),
-        "acc_on": Scalar(acc_on), "acc_wide": Scalar(acc_wide), "acc_base": Scalar(acc_base),
-        "acc_skip": Scalar(acc_skip), "max_sel": Scalar(acc_n),
-        "hi_on": Scalar(int(p.has_init)), "r_null": Scalar(p.null_min[0]),
-        "w_null": Scalar(p.null_min[1]),
-        "write_mode": Scalar(w_mode), "w_sn": Scalar(w_sn), "w_st": Scalar(w_st),
-        "w_wide": Scalar(w_wide), "w_mul": Scalar(w_mul), "w_add": Scalar(w_add),
-        "parent_on": Scalar(par_on), "p_sn": Scalar(p_sn), "p_st": Scalar(p_st),
-        "p_wide": Scalar(p_wide),
+        # the index tables' addressing, by the kernel's argument names
+        **{n: Scalar(x) for rec in (p.read, p.accepted, p.write, p.parent, p.null_min)
+           for n, x in rec._asdict().items()},
+        "hi_on": Scalar(int(p.has_init)),
         "gate": Scalar(STEP_GATES[opts.gate]), "a_log_dtype": Scalar(int(p.A_log)),
         "dt_bias_dtype": Scalar(int(p.dt_bias)), "qk_l2norm": Scalar(int(opts.qk_l2norm)),
         "beta_sigmoid": Scalar(int(opts.beta_sigmoid)),
