@@ -5,7 +5,7 @@ manifest, each compiled from the DSL class and argument list its spec names (kda
 
 Runs on a machine without a GPU. Incremental: a config is skipped when its manifest records the
 same build key (hash of the kernel sources, the config and the DSL version). Configs compile in
-parallel worker processes (the DSL import costs ~1 s per process, compiles 1-10 s each). A build
+parallel worker processes (the DSL import, once a process, is small beside the compiles). A build
 with no failure lists every kernel it covers in <out>/<arch>/INDEX, which a wheel build checks
 (setup.py).
 """

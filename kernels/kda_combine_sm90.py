@@ -10,8 +10,8 @@ column t. Per segment each thread writes its column of the start rows, the rows 
 B_j[:, t] + sum over k of S[:, k] A_j[k, t], in fp32 on the CUDA cores (K fused multiply-adds
 per row, in k order), A_j's row k read by the CTA's threads as one coalesced row. The maps do
 not depend on the rows, so each thread streams its column of them through registers, up to 128
-values ahead of the FMAs that use them, across segments (a few loads in flight at a time made
-the kernel wait on L2 once per few rows: 56 us of B1 T8192 H16's 0.34 ms at K = 128).
+values ahead of the FMAs that use them, across segments (with a few loads in flight at a time it
+waited on L2 once per few rows: docs/notes/schedules.md, "The segments' combine, streaming").
 The initial state is read and the final state written in fp32 or bf16, dense or at a pool's
 slots (kernels.common.StateSlots: a padding row reads and writes neither, its start states are
 those from zero).

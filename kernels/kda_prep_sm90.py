@@ -31,7 +31,7 @@ one-pass bf16 K1 at K = 128 needs 37.5 KB of smem: six CTAs per SM.
 The bf16 K1 of every shipped config (chunk 16) runs phases A and B in column passes instead
 (KdaPrepSm90Split._body_passes): phase B's fp32 operand rows exist for one pass's columns only,
 so at K = 128 it needs 26.5 KB and, capped at 64 registers without spilling, runs eight CTAs per
-SM (K1 -10% at B1 T8192 H64, docs/notes/k1.md).
+SM, more items in flight (docs/notes/k1.md, "K1 in column passes").
 """
 
 import cutlass
@@ -153,8 +153,8 @@ class KdaPrepSm90(TileCopy):
 
     def _launch(self, kernel_args, num_chunks, num_heads, stream):
         """Size the shared storage, then one CTA per (chunk, head), heads fastest (grid x): the
-        CTAs resident together read whole token rows of q, k and g (measured K1 -2 to -3%
-        against chunks fastest). Chunk = y + K1_GRID_Y z (grid y is at most 65535)."""
+        CTAs resident together read whole token rows of q, k and g, contiguous (docs/notes/k1.md,
+        "K1's grid, heads fastest"). Chunk = y + K1_GRID_Y z (grid y is at most 65535)."""
         self._make_storage()
         self.kernel(*kernel_args).launch(
             grid=(num_heads, cutlass.min(num_chunks, K1_GRID_Y),

@@ -18,8 +18,8 @@ TMA fills straight from K1's bf16 workspace (no conversion pass, no S round trip
   S   = S diag(gl) + U^T kd   M 64, N K, reduction chunk  A = U hi/lo, B = kd hi/lo (3 products)
 
 x hi/lo is the pair (bf16(x), bf16(x - bf16(x))): hi*hi + hi*lo + lo*hi carries ~16 mantissa
-bits, which keeps the fp32 final state at fp32-level accuracy (docs/notes/precision.md: bf16 U
-and kd puts the state error at the 2.5e-3 bar). sigma is a power of two per state row, chosen
+bits, which keeps the fp32 final state at fp32-level accuracy (with U and kd in single bf16 its
+error nears the bar: docs/notes/precision.md). sigma is a power of two per state row, chosen
 each chunk from the row's largest |S| so that the fp16 copy neither overflows nor underflows
 (_row_scales; P and Pq are scaled back exactly): fp16's 10 mantissa bits with fp32's range.
 kd is read as an MN-major B operand (a transposed TMA view), so nothing is transposed on chip.
@@ -98,7 +98,7 @@ FLAG_BATCH = 8  # flags a waiting K2 reads at once
 WY_LAG = 2
 # a fast forward's K2 flags a warp for its rescale run where every thread's mean |S| at a
 # sequence's end is below this (fp16's least normal, 2^-14): values and states that small run
-# on subnormal fp16 operands (bench/probes/rescale_probe.py --range)
+# on subnormal fp16 operands and come out wrong (docs/notes/precision.md, "the rescale runs")
 TINY = 2.0 ** -14
 
 

@@ -1004,8 +1004,8 @@ class KdaStepSm90(StateSlots):
         accumulator a column tile: every token's k . S0 and q . S0 products, into tp (column-
         major: tp[column (BV + 4) + row]). A bf16 state is an exact operand (m16n8k16: S hi +
         S lo); an fp32 state is split into tf32 hi and lo in registers (m16n8k8: S_hi hi +
-        S_hi lo + S_lo hi, the products to about fp32's precision: the states within 1e-7 of
-        float64 as the token by token fp32 loop's, in a float64 model of these roundings)."""
+        S_hi lo + S_lo hi, the products to about fp32's precision: modelled in float64, the states
+        come as near float64 as the fp32 token loop's; docs/notes/step.md, "The chunked tile")."""
         f32, K, KP, NP = cutlass.Float32, self.K, self.KP, self.NP
         is_f32 = self.pdt is f32
         op_t = cutlass.TFloat32 if is_f32 else cutlass.BFloat16
