@@ -3,20 +3,19 @@ pool), CuTe DSL compiled ahead of time."""
 
 import os
 
-from .api import check_chunk_kda, chunk_kda, clear_caches, describe, fwd, validate, workspace_bytes
+from .api import clear_caches, describe, fwd, validate, workspace_bytes
 from .errors import DeviceValueError, check_errors
+from .fla_forms import (
+    check_chunk_kda,
+    check_fused_recurrent_kda_fwd,
+    chunk_kda,
+    fused_recurrent_kda_fwd,
+)
 from .ladder import SHIPPED, FwdConfig, select_config
 from .launch import Bound, bind, run
 from .plans import Plan, plan
 from .problem import Call, Options, Problem, StepCall, StepOptions, StepProblem
-from .serving import (
-    check_fused_recurrent_kda_fwd,
-    commit,
-    decode,
-    fused_recurrent_kda_fwd,
-    recurrent,
-    verify,
-)
+from .serving import commit, decode, recurrent, verify
 from .specs import PrepConfig, RecurConfig, StepConfig
 
 __all__ = [

@@ -9,10 +9,9 @@ plan once instead (`kda_cute.bind`) and calls it each step.
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
-from . import checks, declare, errors, launch, plans, serving
+from . import checks, declare, errors, ladder, launch, memo, plans
 from .checks import validate
 from .ladder import FwdConfig
 from .plans import device_info, workspace_bytes
@@ -94,90 +93,13 @@ def fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float, 
     launch.run(plans.plan(p, opts, device_info(q.device)), call, workspace)
 
 
-@declare.composite
-def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-              use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
-              use_beta_sigmoid_in_kernel=False, safe_gate=False, lower_bound=None, A_log=None,
-              dt_bias=None, state_v_first=False, cu_seqlens=None, workspace=None,
-              precision="fast", state_indices=None, output_state_indices=None,
-              has_initial_state=None, null_slot=None, **kwargs):
-    """fla-compatible forward: returns (o, final_state or None).
-
-    State layout is [N, H, K, V] unless state_v_first=True ([N, H, V, K], the kernels' own).
-    has_initial_state: [N] bool, sequences marked False start from zeros.
-    The pool form (as `fwd`'s): with state_indices, initial_state is the pool [slots, H, V, K]
-    (state_v_first=True: a K-first pool cannot be updated in place), read at state_indices and
-    written in place at output_state_indices (default: state_indices); the pool is returned as
-    the final state when output_final_state.
-    The gate is bounded when use_gate_in_kernel and (safe_gate or lower_bound is set), unbounded
-    when use_gate_in_kernel alone, and taken as the log-space decay otherwise. precision:
-    "fast" or "precise", as in `fwd`.
-    """
-    unsupported = sorted(k_ for k_, v_ in kwargs.items() if v_ not in (None, False))
-    if unsupported:
-        raise ValueError(f"chunk_kda: unsupported options {unsupported}")
-    for name, t in (("q", q), ("v", v)):
-        checks.tensor(name, t, (torch.bfloat16,), 4)
-    for name, t in (("initial_state", initial_state), ("cu_seqlens", cu_seqlens)):
-        if t is not None and not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name}: expected a torch.Tensor or None, got {type(t).__name__}")
-    K = q.shape[-1]
-    if scale is None:
-        scale = K ** -0.5
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise checks.err("scale", "a finite positive float", repr(scale))
-    (output_final_state, use_gate_in_kernel, safe_gate, state_v_first, use_qk_l2norm_in_kernel,
-     use_beta_sigmoid_in_kernel) = (checks.flag(n, v) for n, v in (
-         ("output_final_state", output_final_state), ("use_gate_in_kernel", use_gate_in_kernel),
-         ("safe_gate", safe_gate), ("state_v_first", state_v_first),
-         ("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel),
-         ("use_beta_sigmoid_in_kernel", use_beta_sigmoid_in_kernel)))
-    if use_gate_in_kernel:
-        gate = "bounded" if (safe_gate or lower_bound is not None) else "unbounded"
-        if gate == "bounded" and lower_bound is None:
-            raise checks.err("lower_bound", "a float in [-5, 0) with safe_gate", None)
-    else:
-        gate = "none"
-    if state_indices is not None:
-        if not state_v_first:
-            raise checks.err("state_v_first", "True with state_indices (the pool [slots, H, V, "
-                             "K] is updated in place; a K-first pool cannot be)", state_v_first)
-        out = torch.empty(*q.shape[:3], v.shape[-1], dtype=torch.bfloat16, device=q.device)
-        fwd(q, k, v, g, beta, float(scale), out, A_log, dt_bias, lower_bound, initial_state,
-            initial_state, cu_seqlens, workspace, gate=gate, qk_l2norm=use_qk_l2norm_in_kernel,
-            beta_sigmoid=use_beta_sigmoid_in_kernel, precision=precision,
-            state_indices=state_indices, output_state_indices=output_state_indices,
-            has_initial_state=has_initial_state, null_slot=null_slot)
-        return out, initial_state if output_final_state else None
-    if initial_state is not None and not state_v_first:
-        checks.tensor("initial_state", initial_state, (torch.float32, torch.bfloat16), 4)
-    if output_final_state and cu_seqlens is not None:
-        checks.tensor("cu_seqlens", cu_seqlens, checks.INDEX_DTYPES, 1)
-        if cu_seqlens.numel() < 1:
-            raise checks.err("cu_seqlens", "N+1 >= 1 offsets", "none")
-    out = torch.empty(*q.shape[:3], v.shape[-1], dtype=torch.bfloat16, device=q.device)
-    s0 = initial_state
-    if s0 is not None and not state_v_first:  # (a contiguous V-first copy)
-        s0 = s0.transpose(-1, -2).contiguous()
-    s1 = None
-    if output_final_state:
-        N = q.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
-        s1 = torch.empty(N, q.shape[2], v.shape[-1], K, dtype=torch.float32, device=q.device)
-    fwd(q, k, v, g, beta, float(scale), out, A_log, dt_bias, lower_bound, s0, s1, cu_seqlens,
-        workspace, gate=gate, qk_l2norm=use_qk_l2norm_in_kernel,
-        beta_sigmoid=use_beta_sigmoid_in_kernel, precision=precision,
-        has_initial_state=has_initial_state, output_state_indices=output_state_indices,
-        null_slot=null_slot)
-    if s1 is not None and not state_v_first:
-        s1 = s1.transpose(-1, -2).contiguous()
-    return out, s1
 
 
 def config_for(p: Problem, config: FwdConfig | None = None, precision: str = "fast"
                ) -> FwdConfig:
     """The forward config for problem `p`: `config` as given (checked), or the ladder's for
     `precision` ("fast" or "precise": ladder.select_config)."""
-    return checks.config_for(p, checks.options(config=config, precision=precision))
+    return ladder.config_for(p, checks.options(config=config, precision=precision))
 
 
 def schedule(p: Problem, cfg: FwdConfig, device, segments=None) -> str:
@@ -201,12 +123,9 @@ def clear_caches() -> None:
     again. Constants that a captured CUDA graph reads stay (pinned for the process: the graph
     may replay any time); a captured call's scratch belongs to its graph's memory pool."""
     plans.clear()
-    checks.clear()
+    memo.clear()
     launch.clear()
-    serving.clear()
 
 
-check_chunk_kda = chunk_kda.check
-
-__all__ = ["check_chunk_kda", "chunk_kda", "clear_caches", "config_for", "describe", "fwd",
+__all__ = ["clear_caches", "config_for", "describe", "fwd",
            "schedule", "validate", "workspace_bytes"]

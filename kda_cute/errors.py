@@ -90,7 +90,7 @@ def check_errors(device=None, sync: bool = False) -> None:
     """Raise DeviceValueError if a serving kernel on `device` (None: the current one; an index,
     a torch.device or "cuda:N") found a bad value. sync=True waits for the device first (every
     call queued so far is covered); otherwise only kernels that have finished are."""
-    from .checks import flag
+    from .checks.base import flag
     if isinstance(device, str):
         try:
             device = torch.device(device)

@@ -12,13 +12,15 @@ import dataclasses
 import functools
 from dataclasses import dataclass
 
+from .problem import Options, StepOptions, StepProblem
 from .specs import prep, recur
 from .specs.checkpoints import CheckpointsConfig
 from .specs.combine import CombineConfig
 from .specs.offsets import OffsetsConfig
 from .specs.prep import PrepConfig
 from .specs.recur import RecurConfig
-from .specs.step import StepConfig
+from .specs.step import WRITE_START, StepConfig
+from .specs.step import supports as step_supports
 
 HEAD_DIMS = (64, 128, 256)
 
@@ -401,6 +403,76 @@ def select_config(head_dim_k: int, head_dim_v: int, varlen: bool,
         if cfg.prep.head_dim_k == head_dim_k and cfg.recur.head_dim_v == head_dim_v:
             return cfg
     return None
+
+
+def config_for(p, opts=None):
+    """The config that runs problem `p` under `opts`: the one function that chooses.
+
+    A forward (Problem, Options): Options.config as given (its head dims checked), or the
+    shipped config of Options.precision for the head dims (select_config). A serving step
+    (StepProblem, StepOptions): StepOptions.config as given (checked against the step's
+    tokens, head dims and pool), or the ladder's tile: a single-token tile (STEP_SINGLE's, by
+    rows x heads) where a row has one token, since between tokens a bf16 pool keeps an fp32
+    copy of the tile in shared memory and their register caps were fitted on decode; a
+    chunked tile (STEP_CHUNK's) for chains of few enough tokens; else STEP_MULTI's or STEP's.
+    ValueError naming the argument where none fits."""
+    if isinstance(p, StepProblem):
+        return _step_config(p, opts if opts is not None else StepOptions())
+    opts = opts if opts is not None else Options()
+    config = opts.config
+    if config is not None:
+        if (config.prep.head_dim_k, config.recur.head_dim_v) != (p.K, p.V):
+            raise ValueError(f"config: expected head dims ({p.K}, {p.V}), got "
+                             f"({config.prep.head_dim_k}, {config.recur.head_dim_v})")
+        return config
+    cfg = select_config(p.K, p.V, p.varlen, opts.precision)
+    if cfg is None:
+        raise ValueError("q/v: expected head dims (K, V) with a shipped config: (64, 64), "
+                         f"(128, 128), (256, 256), got K={p.K}, V={p.V}")
+    return cfg
+
+
+def single_token(p) -> bool:
+    """A step of at most one token a row and no tree parents."""
+    return p.max_tokens <= 1 and not p.parent.parent_on
+
+
+def _persistent_ok(p) -> bool:
+    """A persistent tile runs rows of one token (no commits, no tree parents)."""
+    return single_token(p) and p.max_tokens == 1 and p.write.write_mode != WRITE_START
+
+
+def _chunk_ok(p, chunk: int) -> bool:
+    """A chunked tile runs rows of at most `chunk` tokens, without tree parents or commits."""
+    return p.max_tokens <= chunk and not p.parent.parent_on and p.write.write_mode != WRITE_START
+
+
+def _step_config(p, opts) -> StepConfig:
+    cfg = opts.config
+    if cfg is not None:
+        what = (f"got {p.form} with up to {p.max_tokens} tokens a row"
+                + (", tree parents" if p.parent.parent_on else "")
+                + (", a commit" if p.write.write_mode == WRITE_START else ""))
+        if cfg.chunk and not _chunk_ok(p, cfg.chunk):
+            raise ValueError(f"config: a chunked tile ({cfg.name}) runs rows of at most "
+                             f"{cfg.chunk} tokens without tree parents or commits; {what}")
+        if cfg.persist and not cfg.chunk and not _persistent_ok(p):
+            raise ValueError(f"config: a persistent tile ({cfg.name}) runs single-token steps "
+                             f"only (decode, or a verify of one token a row); {what}")
+    else:
+        if p.max_tokens >= 2 and _chunk_ok(p, p.max_tokens):
+            cfg = select_chunk(p.K, p.V, p.pool, p.max_tokens)
+        if cfg is None:
+            cfg = select_step(p.K, p.V, p.pool, p.N * p.H if single_token(p) else 0,
+                              _persistent_ok(p), p.max_tokens)
+        if cfg is None:
+            raise ValueError("q/state: expected head dims K == V in (64, 128, 256) with an "
+                             f"fp32 or bf16 pool, got K={p.K}, V={p.V}, pool {p.pool}")
+    ok, why = step_supports(cfg)
+    if not ok or (cfg.head_dim_k, cfg.head_dim_v, cfg.pool) != (p.K, p.V, p.pool):
+        raise ValueError(f"config: expected a StepConfig for K={p.K}, V={p.V}, pool {p.pool}, "
+                         f"got {why or cfg.name}")
+    return cfg
 
 
 def all_kernels() -> tuple:

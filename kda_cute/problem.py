@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from .ladder import FwdConfig
+if TYPE_CHECKING:  # (an annotation only: the ladder reads these records)
+    from .ladder import FwdConfig
 
 STATE_DTYPES = (torch.float32, torch.bfloat16)
 WY_MODES = ("auto", "off", "force")

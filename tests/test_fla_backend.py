@@ -21,7 +21,9 @@ from fla.backends import _function_registries, _get_operation_registry  # noqa: 
 from fla.ops.kda import chunk_kda as fla_chunk_kda  # noqa: E402
 from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd as fla_recurrent  # noqa: E402
 
-from kda_cute import api, serving  # noqa: E402
+from kda_cute import api, fla_forms, memo, serving  # noqa: E402
+from kda_cute.checks import prefill as prefill_checks  # noqa: E402
+from kda_cute.checks import step as step_checks  # noqa: E402
 from kda_cute.integrations import fla as kda_fla  # noqa: E402
 from kda_cute.reference import rel_err  # noqa: E402
 from kda_cute.testing import make_inputs, reference  # noqa: E402
@@ -140,7 +142,7 @@ def test_fla_chunk_kda_dispatches_here_with_arguments_mapped(fake, monkeypatch, 
         seen.update(kw)
         return "ours"
 
-    monkeypatch.setattr(api, "chunk_kda", fake_chunk)
+    monkeypatch.setattr(fla_forms, "chunk_kda", fake_chunk)
     kw = layer_call(state_v_first=False)
     kw.pop("state_v_first")
     with caplog.at_level(logging.INFO, logger="fla.backends"):
@@ -192,7 +194,7 @@ def test_fla_decode_entry_dispatches_here(fake, monkeypatch):
         seen.update(kw)
         return "ours"
 
-    monkeypatch.setattr(serving, "fused_recurrent_kda_fwd", fake_step)
+    monkeypatch.setattr(fla_forms, "fused_recurrent_kda_fwd", fake_step)
     assert backend().verify("fused_recurrent_kda_fwd", **decode_call()) == (True, None)
     assert fla_recurrent(**decode_call()) == "ours"
     assert tuple(seen["dt_bias"].shape) == (H * K,)
@@ -219,27 +221,26 @@ def runs(monkeypatch):
     """kda-cute's implementations run on a CPU up to their launch, which is recorded instead:
     the CUDA requirements lifted (the fla backend's, the forward's, the step's device check),
     the device taken as an H200. Returns the list of launches ("fwd" / "step")."""
-    from kda_cute import checks, errors, launch, plans
+    from kda_cute import errors, launch, plans
     from kda_cute.plans.step import step_plan
     made = []
     monkeypatch.setattr(kda_fla, "_cuda", lambda q: None)
-    monkeypatch.setattr(checks, "require_cuda", lambda c: None)
+    monkeypatch.setattr(prefill_checks, "require_cuda", lambda c: None)
     monkeypatch.setattr(api, "device_info", lambda dev: plans.H200)
     monkeypatch.setattr(errors, "raise_pending", lambda dev: None)
     monkeypatch.setattr(launch, "run", lambda *a, **k: made.append("fwd"))
 
-    def planned(p, opts, dev, what="q", dry=False):
-        serving._config(p, opts)
-        return None if dry else step_plan(p, opts)
+    def planned(c, dev):
+        p, opts = c.problem, c.options
+        return step_plan(p, opts)
 
-    monkeypatch.setattr(serving, "_planned", planned)
+    monkeypatch.setattr(step_checks, "on_cuda", lambda dev, what: None)
+    monkeypatch.setattr(serving, "_plan", planned)
     monkeypatch.setattr(serving, "_launch", lambda *a, **k: made.append("step"))
     monkeypatch.setattr(serving, "_again", lambda *a: False)
-    kda_fla._verdicts.clear()
-    serving.clear()
+    memo.clear()
     yield made
-    kda_fla._verdicts.clear()
-    serving.clear()
+    memo.clear()
 
 
 def _cpu(**kw):
@@ -403,7 +404,7 @@ def calls(monkeypatch):
     """kda-cute's entries, counted as fla reaches them."""
     kda_fla.register()
     seen = {"chunk_kda": 0, "fused_recurrent_kda_fwd": 0}
-    real_chunk, real_step = api.chunk_kda, serving.fused_recurrent_kda_fwd
+    real_chunk, real_step = fla_forms.chunk_kda, fla_forms.fused_recurrent_kda_fwd
 
     def chunk(*a, **kw):
         seen["chunk_kda"] += 1
@@ -413,8 +414,8 @@ def calls(monkeypatch):
         seen["fused_recurrent_kda_fwd"] += 1
         return real_step(*a, **kw)
 
-    monkeypatch.setattr(api, "chunk_kda", chunk)
-    monkeypatch.setattr(serving, "fused_recurrent_kda_fwd", step)
+    monkeypatch.setattr(fla_forms, "chunk_kda", chunk)
+    monkeypatch.setattr(fla_forms, "fused_recurrent_kda_fwd", step)
     return seen
 
 

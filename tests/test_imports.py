@@ -1,5 +1,6 @@
 """kda_cute's import graph has no circle: no module imports (at its top or inside a function) a
-module that imports it back, directly or through others."""
+module that imports it back, directly or through others (imports for annotations only, under
+`if TYPE_CHECKING:`, never run and are not counted)."""
 
 from __future__ import annotations
 
@@ -19,11 +20,21 @@ def _modules() -> dict[str, Path]:
     return mods
 
 
+def _walk(node):
+    """ast.walk, less the bodies of `if TYPE_CHECKING:` (imports for annotations, never run)."""
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+            yield from (n for c in child.orelse for n in [c, *_walk(c)])
+            continue
+        yield child
+        yield from _walk(child)
+
+
 def _imports(name: str, path: Path, mods) -> set[str]:
     """The kda_cute modules `name` imports, a package's names resolved to its submodules."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in _walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             found |= {a.name for a in node.names if a.name in mods}
         elif isinstance(node, ast.ImportFrom):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import kda_cute
-from kda_cute import api, checks, launch, plans
+from kda_cute import api, checks, ladder, launch, plans
 from kda_cute.ladder import (
     OFFSETS,
     TENSOR_CORE,
@@ -261,7 +261,7 @@ def test_fast_workspace_has_one_plane_of_kd_aw_mq(K):
     the precise one's by exactly those planes, and its K2 reads the lo half from the same plane
     as the hi (launch.test_run: a fast-sized workspace given to a precise forward is refused)."""
     p = _problem(K=K)
-    fast, precise = (checks.config_for(p, _with(precision=m)) for m in ("fast", "precise"))
+    fast, precise = (ladder.config_for(p, _with(precision=m)) for m in ("fast", "precise"))
     plan_f = {n: (b, shape) for n, _, b, shape, _ in workspace.planes(p, fast)[0]}
     plan_p = {n: (b, shape) for n, _, b, shape, _ in workspace.planes(p, precise)[0]}
     for name in ("kd", "aw", "mq"):

@@ -129,11 +129,12 @@ def test_a_repeated_call_rechecks_a_changed_null_slot():
 def test_chunk_kda_pool_form_needs_v_first():
     x = inputs()
     with pytest.raises(ValueError, match="state_v_first"):
-        api.chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["initial_state"],
-                      state_indices=x["state_indices"], cu_seqlens=x["cu_seqlens"])
+        kda_cute.chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"],
+                           initial_state=x["initial_state"], state_indices=x["state_indices"],
+                           cu_seqlens=x["cu_seqlens"])
     with pytest.raises(ValueError, match="output_state_indices"):
-        api.chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"],
-                      output_state_indices=x["state_indices"], cu_seqlens=x["cu_seqlens"])
+        kda_cute.chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"],
+                           output_state_indices=x["state_indices"], cu_seqlens=x["cu_seqlens"])
 
 
 def _plan(spec):

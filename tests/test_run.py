@@ -26,7 +26,9 @@ import pytest
 import torch
 
 import kda_cute
-from kda_cute import checks, errors, ladder, launch, plans, serving
+from kda_cute import checks, errors, ladder, launch, memo, plans, serving
+from kda_cute.checks import prefill as prefill_checks
+from kda_cute.checks import step as step_checks
 from kda_cute.launch import buffers, driver, streams
 from kda_cute.plans.step import step_plan
 from kda_cute.plans.steps import At, Buffer, Copy, Scalar
@@ -404,9 +406,12 @@ def test_a_bound_call_makes_the_calls_run_made(drv, monkeypatch, schedule):
         "no-gate-params", "serial"))
     first = list(drv.ops)
     assert first
-    counts = {name: counting(monkeypatch, checks, name)
-              for name in ("forward", "metadata", "problem", "scalars", "addresses",
-                           "config_for", "options")}
+    # (as the package's names and as the prefill checks' own, which call each other)
+    counts = {(mod.__name__, name): counting(monkeypatch, mod, name)
+              for mod, names in ((checks, ("forward", "metadata", "options")),
+                                 (prefill_checks, ("forward", "metadata", "problem", "scalars",
+                                                   "addresses", "config_for", "options")))
+              for name in names}
     planned = counting(monkeypatch, plans, "plan")
     bound = launch.bind(pl, _call(x), x["workspace"])
     assert drv.ops == first  # binding launches nothing
@@ -517,14 +522,14 @@ def _fwd(x: dict) -> None:
 def _unchecked(**spec) -> dict:
     """_x's call, its metadata not yet checked (no check of it cached)."""
     x = _x(**spec)
-    checks.clear()
+    memo.clear()
     return x
 
 
 def test_a_repeated_fwd_skips_the_metadata_checks(drv, monkeypatch):
     x = _unchecked()
-    problem = counting(monkeypatch, checks, "problem")
-    scalars = counting(monkeypatch, checks, "scalars")
+    problem = counting(monkeypatch, prefill_checks, "problem")
+    scalars = counting(monkeypatch, prefill_checks, "scalars")
     _fwd(x)
     _fwd(x)
     assert len(problem) == 1 and len(scalars) == 2
@@ -532,7 +537,7 @@ def test_a_repeated_fwd_skips_the_metadata_checks(drv, monkeypatch):
 
 def test_a_bad_argument_after_a_repeated_call_still_raises(drv, monkeypatch):
     x = _unchecked()
-    problem = counting(monkeypatch, checks, "problem")
+    problem = counting(monkeypatch, prefill_checks, "problem")
     _fwd(x)
     _fwd(x)
     with pytest.raises((TypeError, ValueError), match="scale"):
@@ -551,7 +556,7 @@ def test_a_remembered_forward_does_not_take_false_for_null_slot_zero(drv):
     """The checks' memo keys null_slot with its type: after null_slot=0 (index 0 is padding),
     null_slot=False is checked (and refused), not taken for 0."""
     x = {**make_call(PROBLEMS["k128-varlen-pool"]), "null_slot": 0}
-    checks.clear()
+    memo.clear()
     _fwd(x)
     with pytest.raises(ValueError, match="null_slot"):
         kda_cute.fwd(**{**x, "null_slot": False})
@@ -582,8 +587,8 @@ CALL_CHANGES = {
 def test_a_changed_call_is_checked_again(drv, monkeypatch, change):
     x = _unchecked()
     x["scale"] = 1.0
-    problem = counting(monkeypatch, checks, "problem")
-    scalars = counting(monkeypatch, checks, "scalars")
+    problem = counting(monkeypatch, prefill_checks, "problem")
+    scalars = counting(monkeypatch, prefill_checks, "scalars")
     _fwd(x)
     fn, again = CALL_CHANGES[change]
     fn(x)
@@ -596,7 +601,7 @@ def test_a_changed_call_is_checked_again(drv, monkeypatch, change):
                          ids=["wy", "alongside"])
 def test_a_changed_switch_is_checked_again(drv, monkeypatch, option):
     x = _unchecked()
-    problem = counting(monkeypatch, checks, "problem")
+    problem = counting(monkeypatch, prefill_checks, "problem")
     c = _call(x)
     first = checks.forward(c, checks.options(alongside=True, wy="auto"), cuda=False)
     assert checks.forward(c, checks.options(alongside=True, wy="auto"), cuda=False) is first
@@ -607,7 +612,7 @@ def test_a_changed_switch_is_checked_again(drv, monkeypatch, option):
 
 def test_clear_caches_forgets_the_checked_metadata(drv, monkeypatch):
     x = _unchecked()
-    problem = counting(monkeypatch, checks, "problem")
+    problem = counting(monkeypatch, prefill_checks, "problem")
     _fwd(x)
     _fwd(x)
     kda_cute.clear_caches()
@@ -680,14 +685,15 @@ def steps(drv, monkeypatch):
     """drv, with the serving calls planned for an H200 on the CPU tensors (the device check
     skipped); no serving memo before or after."""
 
-    def planned(p, opts, dev, what="q", dry=False):
-        serving._config(p, opts)
+    def planned(c, dev):
+        p, opts = c.problem, c.options
         return step_plan(p, opts)
 
-    monkeypatch.setattr(serving, "_planned", planned)
-    serving.clear()
+    monkeypatch.setattr(step_checks, "on_cuda", lambda dev, what: None)
+    monkeypatch.setattr(serving, "_plan", planned)
+    memo.clear()
     yield drv
-    serving.clear()
+    memo.clear()
 
 
 def _decode_x(B=3, H=2, K=64, slots=8):
@@ -748,7 +754,7 @@ def test_new_metadata_at_the_same_address_is_planned_again(steps, monkeypatch):
     memo entry: checked and planned again, not repeated."""
     x = _decode_x()
     _decode(x)
-    decode_plan = counting(monkeypatch, serving, "_decode_plan")
+    decode_plan = counting(monkeypatch, step_checks, "decode")
     x["state"] = x["state"][:5]
     _decode(x)
     assert len(decode_plan) == 1

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 import kda_cute
-from kda_cute import launch, serving
+from kda_cute import launch, memo, serving
+from kda_cute.checks import step as step_checks
 from kda_cute.ladder import STEP, select_step
 from kda_cute.plans.step import step_plan
 from kda_cute.plans.steps import At, Errors, Role
@@ -36,17 +37,18 @@ def planned(monkeypatch):
     """The calls' plans, made on a CPU (the device check skipped): the last one is kept."""
     got = {}
 
-    def fake(p, opts, dev, what="q", dry=False):
-        serving._config(p, opts)
+    def fake(c, dev):
+        p, opts = c.problem, c.options
         got["plan"] = step_plan(p, opts)
         return got["plan"]
 
-    monkeypatch.setattr(serving, "_planned", fake)
+    monkeypatch.setattr(step_checks, "on_cuda", lambda dev, what: None)
+    monkeypatch.setattr(serving, "_plan", fake)
     monkeypatch.setattr(serving, "_launch", lambda *a: None)
     monkeypatch.setattr(serving, "_again", lambda *a: False)
-    serving.clear()
+    memo.clear()
     yield got
-    serving.clear()
+    memo.clear()
 
 
 def tok(*lead, d=K):
@@ -307,7 +309,7 @@ def test_decode_bad_options_named(planned):
 
 
 def test_on_cpu_the_device_is_named():
-    serving.clear()
+    memo.clear()
     _raises(lambda: kda_cute.decode(*decode_args(), lower_bound=-5.0), ValueError,
             "q: expected a CUDA tensor")
 

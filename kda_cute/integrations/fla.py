@@ -6,7 +6,7 @@ and `fused_recurrent_kda_fwd` (decode and verify) dispatch here, ahead of FlashK
 
 fla calls each backend's verifier with the caller's arguments as given (positional stay
 positional), then its implementation. The verifiers here run the implementation's own checks
-(kda_cute.api.check_chunk_kda, kda_cute.serving.check_fused_recurrent_kda_fwd: metadata and
+(kda_cute.fla_forms.check_chunk_kda, check_fused_recurrent_kda_fwd: metadata and
 addresses only, no host sync, no launch), so a call they accept is one the implementation
 runs; they return (ok, reason), the reason naming the argument the caller passed. A verdict is
 kept by the arguments' metadata (dtypes, shapes, strides, devices, base alignment, flags), so a
@@ -28,7 +28,7 @@ import functools
 
 import torch
 
-from .. import api, checks, serving
+from .. import checks, fla_forms, memo
 from ..plans.device import ready
 
 try:
@@ -202,11 +202,11 @@ def _recurrent_args(q, k, v, g, beta, A_log=None, dt_bias=None, initial_state=No
 
 
 def _check_chunk(*args, **kwargs) -> None:
-    api.check_chunk_kda(**_chunk_args(*args, **kwargs))
+    fla_forms.check_chunk_kda(**_chunk_args(*args, **kwargs))
 
 
 def _check_recurrent(*args, **kwargs) -> None:
-    serving.check_fused_recurrent_kda_fwd(**_recurrent_args(*args, **kwargs))
+    fla_forms.check_fused_recurrent_kda_fwd(**_recurrent_args(*args, **kwargs))
 
 
 def _device(args, kwargs) -> None:
@@ -222,11 +222,6 @@ def _device(args, kwargs) -> None:
 def _device_ok(dev) -> tuple[bool, str]:
     ok, why = ready(dev)
     return ok, ("" if ok else f"{dev}: {why}")
-
-
-# verdicts by the arguments' metadata: fla asks before every call
-_verdicts: dict[tuple, tuple[bool, str | None]] = {}
-_VERDICTS_MAX = 1024
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
@@ -257,9 +252,10 @@ def _meta(x):
 
 def _verdict(check, *args, **kwargs) -> tuple[bool, str | None]:
     try:
-        key = (check, torch.is_grad_enabled(), *map(_meta, args), *kwargs,
+        # (fla asks before every call: the verdict kept in kda_cute's one memo)
+        key = ("verdict", check, torch.is_grad_enabled(), *map(_meta, args), *kwargs,
                *map(_meta, kwargs.values()))
-        hit = _verdicts.get(key)
+        hit = memo.recall(key)
     except TypeError:  # an unhashable argument: checked each time
         key = hit = None
     if hit is not None:
@@ -271,9 +267,7 @@ def _verdict(check, *args, **kwargs) -> tuple[bool, str | None]:
     except (Reject, ValueError, TypeError) as e:  # fla's rules, or the call's own checks
         hit = (False, str(e))
     if key is not None:
-        if len(_verdicts) >= _VERDICTS_MAX:
-            _verdicts.clear()
-        _verdicts[key] = hit
+        memo.remember(key, hit)
     return hit
 
 
@@ -290,13 +284,13 @@ class KdaCuteBackend(BaseBackend):
         return _verdict(_check_chunk, *args, **kwargs)
 
     def chunk_kda(self, *args, **kwargs):
-        return api.chunk_kda(**_chunk_args(*args, **kwargs))
+        return fla_forms.chunk_kda(**_chunk_args(*args, **kwargs))
 
     def fused_recurrent_kda_fwd_verifier(self, *args, **kwargs) -> tuple[bool, str | None]:
         return _verdict(_check_recurrent, *args, **kwargs)
 
     def fused_recurrent_kda_fwd(self, *args, **kwargs):
-        return serving.fused_recurrent_kda_fwd(**_recurrent_args(*args, **kwargs))
+        return fla_forms.fused_recurrent_kda_fwd(**_recurrent_args(*args, **kwargs))
 
 
 _registered = False

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 
-from ..checks import config_for
+from ..ladder import config_for
 from ..problem import Options, Problem
 from .device import H200, DeviceInfo, device_info
 from .prefill import forward_plan

@@ -9,9 +9,9 @@ from dataclasses import replace
 
 import torch
 
-from ..ladder import select_chunk, select_step
+from ..ladder import config_for, single_token
 from ..problem import StepOptions, StepProblem
-from ..specs.step import STEP_GATES, WRITE_START
+from ..specs.step import STEP_GATES
 from .device import H200, DeviceInfo
 from .prefill import _launch
 from .steps import At, Buffer, CallScalar, Errors, Plan, Role, Scalar
@@ -19,53 +19,9 @@ from .steps import At, Buffer, CallScalar, Errors, Plan, Role, Scalar
 F32 = torch.float32
 
 
-def _single(p: StepProblem) -> bool:
-    """At most one token a row and no tree parents."""
-    return p.max_tokens <= 1 and not p.parent.parent_on
-
-
-def _persistent_ok(p: StepProblem) -> bool:
-    """A persistent tile runs rows of one token (no commits, no tree parents)."""
-    return _single(p) and p.max_tokens == 1 and p.write.write_mode != WRITE_START
-
-
-def _chunk_ok(p: StepProblem, chunk: int) -> bool:
-    """A chunked tile runs rows of at most `chunk` tokens, without tree parents or commits."""
-    return p.max_tokens <= chunk and not p.parent.parent_on and p.write.write_mode != WRITE_START
-
-
-def step_config(p: StepProblem, opts: StepOptions):
-    if opts.config is not None:
-        cfg = opts.config
-        if cfg.chunk and not _chunk_ok(p, cfg.chunk):
-            raise ValueError(
-                f"config: a chunked tile ({cfg.name}) runs rows of at most {cfg.chunk} tokens "
-                f"without tree parents or commits; got {p.form} with up to {p.max_tokens} tokens "
-                "a row" + (", tree parents" if p.parent.parent_on else "")
-                + (", a commit" if p.write.write_mode == WRITE_START else ""))
-        if cfg.persist and not cfg.chunk and not _persistent_ok(p):
-            raise ValueError(
-                f"config: a persistent tile ({cfg.name}) runs single-token steps only (decode, "
-                f"or a verify of one token a row); got {p.form} with up to {p.max_tokens} "
-                "tokens a row" + (", tree parents" if p.parent.parent_on else "")
-                + (", a commit" if p.write.write_mode == WRITE_START else ""))
-        return cfg
-    # the single-token tiles (ladder.STEP_SINGLE) only where a row has one token: between
-    # tokens a bf16 pool keeps an fp32 copy of the tile in shared memory (two CTAs per SM at
-    # 128 rows), and their register caps were fitted on decode
-    # multi-token plans: a chunked tile (ladder.STEP_CHUNK) for chains of few enough tokens,
-    # else STEP_MULTI's tile where rows may hold enough tokens
-    if p.max_tokens >= 2 and _chunk_ok(p, p.max_tokens):
-        cfg = select_chunk(p.K, p.V, p.pool, p.max_tokens)
-        if cfg is not None:
-            return cfg
-    return select_step(p.K, p.V, p.pool, p.N * p.H if _single(p) else 0, _persistent_ok(p),
-                       p.max_tokens)
-
-
 @functools.lru_cache(maxsize=256)
 def _step_plan(p: StepProblem, opts: StepOptions, dev: DeviceInfo) -> Plan:
-    cfg = step_config(p, opts)
+    cfg = config_for(p, opts)
     H, K, V = p.H, p.K, p.V
     syms = {"T": p.T, "H": H, "HK": H * K, "HV": H * V, **p.strides._asdict(),
             "P": max(1, p.slots), "sP": p.slot_stride, "PD": max(1, p.dst_rows),
@@ -112,7 +68,7 @@ def _step_plan(p: StepProblem, opts: StepOptions, dev: DeviceInfo) -> Plan:
     steps = ()
     if p.N > 0 and H > 0:
         step = _launch("step", cfg, grid, values, syms, dev)
-        if _single(p):
+        if single_token(p):
             # a row has at most one token (the kernel refuses more), so a bf16 pool's fp32
             # keep area, used only between tokens, is never touched: more CTAs fit on an SM
             step = replace(step, smem=min(step.smem, cfg.stage_bytes))

@@ -1,58 +1,45 @@
-"""Every check of a forward's inputs, in three kinds, each raising ValueError / TypeError that
-names the argument, what was expected and what was got:
+"""Every check of a forward's inputs, in three kinds:
 
-- metadata (`metadata`, `problem`, `scalars`, `options`, `config_for`): shapes, dtypes, strides,
-  devices, option values. They read no tensor memory and no device, so they run on FakeTensors
-  (a torch.library fake, the fla verifier) and on CPU tensors;
+- metadata (`metadata`, `problem`, `options`): shapes, dtypes, strides, devices, option values.
+  They read no tensor memory and no device, so they run on FakeTensors (a dry run) and on CPU
+  tensors;
 - addresses (`addresses`, `workspace`): alignment and size of the memory the kernels touch;
 - values (`seqlens`): cu_seqlens' contents, a host sync, only where asked (check_seqlens=True)
   and skipped during CUDA-graph capture; the offsets kernel checks them on the device on every
   varlen call (kda_cute.specs.offsets).
 
-`forward` runs them all in that order, then the CUDA requirement (so every input error is found
-on a CPU too); `validate` is its form with fwd's argument list.
+`forward` runs them all in that order, then the config and the CUDA requirement (so every input
+error is found on a CPU too); `validate` is its form with fwd's argument list.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import math
 
 import torch
 
-from .abi import GATE_PARAM_DTYPES, SYM_DIV
-from .ladder import PRECISIONS, FwdConfig, select_config, supports
-from .problem import STATE_DTYPES, WY_MODES, Call, Checkpoints, Options, PoolForm, Problem
-from .specs.checkpoints import MAX_ENTRIES
-from .specs.prep import GATE_MODES
-
-
-def err(name: str, expected: str, got) -> ValueError:
-    return ValueError(f"{name}: expected {expected}, got {got}")
-
-
-def _dtype_name(d) -> str:
-    return str(d).replace("torch.", "")
-
-
-def tensor(name, t, dtypes, ndim=None, device=None):
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in dtypes:
-        exp = " or ".join(_dtype_name(d) for d in dtypes)
-        raise TypeError(f"{name}: expected dtype {exp}, got {_dtype_name(t.dtype)}")
-    if t.layout != torch.strided:  # (a sparse tensor's strides read as zeros)
-        raise TypeError(f"{name}: expected a dense (strided) tensor, got layout {t.layout}")
-    if ndim is not None and t.dim() != ndim:
-        raise err(name, f"a {ndim}-d tensor", f"shape {tuple(t.shape)}")
-    if device is not None and t.device != device:
-        raise err(name, f"a tensor on {device}", f"one on {t.device}")
-
-
-def _shape(name, t, shape):
-    if tuple(t.shape) != tuple(shape):
-        raise err(name, f"shape {tuple(shape)}", f"{tuple(t.shape)}")
+from .. import memo
+from ..abi import SYM_DIV
+from ..ladder import PRECISIONS, FwdConfig, config_for, supports
+from ..problem import STATE_DTYPES, WY_MODES, Call, Checkpoints, Options, PoolForm, Problem
+from ..specs.checkpoints import MAX_ENTRIES
+from ..specs.prep import GATE_MODES
+from .base import (
+    _shape,
+    capturing,
+    err,
+    flag,
+    flags,
+    gate_params,
+    has_address,
+    index_table,
+    index_words,
+    is_wide,
+    null_min,
+    pool,
+    scalars,
+    tensor,
+)
 
 
 def _tma_rows(div: int) -> str:
@@ -76,112 +63,6 @@ def _rows(name, t, div: int):
         raise err(name, "batch stride == T * token stride", f"strides {tuple(t.stride())}")
     if t.stride(1) % div:
         raise err(name, _tma_rows(div), f"stride {t.stride(1)}")
-
-
-# ---------------------------------------------------------------- state pools and slot indices
-INDEX_DTYPES = (torch.int32, torch.int64)
-POOL_DTYPES = STATE_DTYPES
-
-
-def pool(name, t, H, V, K, dev, ndim=4):
-    """A state pool [..., slots, H, V, K] (fp32 or bf16, each slot's [H, V, K] dense, the slot
-    stride free: a multiple of 8 elements, >= H*V*K): its slot stride in elements."""
-    tensor(name, t, POOL_DTYPES, ndim, dev)
-    inner = tuple(t.shape[ndim - 3:])
-    if inner != (H, V, K):
-        raise err(name, f"shape [..., {H}, {V}, {K}]", tuple(t.shape))
-    if t.stride()[ndim - 3:] != (V * K, K, 1):
-        raise err(name, f"each slot's [H, V, K] dense (strides (..., {V * K}, {K}, 1))",
-                  f"strides {tuple(t.stride())}")
-    s = t.stride(ndim - 4) if t.shape[ndim - 4] > 1 else H * V * K
-    if s % 8 or s < H * V * K:
-        raise err(name, f"a slot stride >= H*V*K = {H * V * K} and a multiple of 8 elements",
-                  s)
-    return s
-
-
-def index_table(name, t, shape, dev):
-    """An int32 / int64 table of `shape` (None entries: any): its strides in elements."""
-    tensor(name, t, INDEX_DTYPES, len(shape), dev)
-    if any(w is not None and w != g for w, g in zip(shape, t.shape, strict=True)):
-        want = tuple("*" if w is None else w for w in shape)
-        raise err(name, f"shape {want}", tuple(t.shape))
-    return tuple(t.stride(i) if t.shape[i] > 1 else 0 for i in range(t.dim()))
-
-
-def index_words(t) -> int:
-    """The int32 words an index table spans (0 for None; an int64 entry is two)."""
-    if t is None:
-        return 0
-    span = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True)) \
-        if t.numel() else 1
-    return span * (2 if t.dtype == torch.int64 else 1)
-
-
-def is_wide(t) -> int:
-    """1 for an int64 index table (read as word pairs), else 0."""
-    return int(t is not None and t.dtype == torch.int64)
-
-
-def flags(name, t, n: int, dev) -> None:
-    """A contiguous bool / int8 / uint8 tensor of `n` per-row flags (has_initial_state)."""
-    tensor(name, t, (torch.bool, torch.int8, torch.uint8), 1, dev)
-    if t.numel() != n or not t.is_contiguous():
-        raise err(name, f"a contiguous tensor of {n} flags",
-                  f"shape {tuple(t.shape)}, strides {tuple(t.stride())}")
-
-
-def flag(name: str, v) -> bool:
-    """A switch: a bool, an int 0 or 1 (numpy's scalars too), or None (off); anything else (a
-    tensor, a list, a string) is refused rather than read by its truth value."""
-    if v is None or isinstance(v, bool):
-        return bool(v)
-    numpy_scalar = (type(v).__module__ == "numpy" and getattr(v, "ndim", 1) == 0
-                    and v.dtype.kind in "biu")
-    if (isinstance(v, int) or numpy_scalar) and v in (0, 1):
-        return bool(v)
-    raise TypeError(f"{name}: expected a bool, got {type(v).__name__} {str(v)[:40]}")
-
-
-def null_min(null_slot) -> int:
-    """The least index that is not padding: 0, or 1 with null_slot=0 (vLLM's null block)."""
-    if null_slot is None:
-        return 0
-    if isinstance(null_slot, bool) or not isinstance(null_slot, (int, float)) or null_slot != 0:
-        raise err("null_slot", "None or 0 (index 0 marks padding too)", repr(null_slot))
-    return 1
-
-
-# the dtypes a gate parameter may be held in (the kernels read each as held)
-GATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def gate_params(A_log, dt_bias, gate: str, H: int, K: int, dev) -> tuple[int, int]:
-    """A_log [H] and dt_bias [H, K] (or [H*K]), each None or a contiguous fp32, bf16 or fp16
-    tensor on `dev`; A_log is needed by the unbounded gate. The gate "none" reads neither
-    (given ones must still be tensors). Returns how each is held, the code the kernels read
-    (abi.GATE_PARAM_DTYPES; 0: not given or not read). One check for every call."""
-    if gate == "none":
-        for name, t in (("A_log", A_log), ("dt_bias", dt_bias)):
-            if t is not None and not isinstance(t, torch.Tensor):
-                raise TypeError(f"{name}: expected a torch.Tensor or None, got "
-                                f"{type(t).__name__}")
-        return 0, 0
-    if A_log is None and gate == "unbounded":
-        raise err("A_log", f"a tensor [{H}] (float32, bfloat16 or float16) for the unbounded "
-                  "gate", None)
-    codes = []
-    for name, t, n, want in (("A_log", A_log, H, f"[{H}]"),
-                             ("dt_bias", dt_bias, H * K, f"[{H}, {K}] or [{H * K}]")):
-        if t is None:
-            codes.append(0)
-            continue
-        tensor(name, t, GATE_DTYPES, None, dev)
-        if t.numel() != n or not t.is_contiguous():
-            raise err(name, f"a contiguous tensor {want} ({n} elements)",
-                      f"shape {tuple(t.shape)}, strides {tuple(t.stride())}")
-        codes.append(GATE_PARAM_DTYPES[_dtype_name(t.dtype)])
-    return codes[0], codes[1]
 
 
 def options(gate="bounded", qk_l2norm=True, beta_sigmoid=True, segments=None, config=None,
@@ -223,23 +104,6 @@ def _options(gate="bounded", qk_l2norm=True, beta_sigmoid=True, segments=None, c
     return Options(precision=precision, gate=gate, qk_l2norm=flag("qk_l2norm", qk_l2norm),
                    beta_sigmoid=flag("beta_sigmoid", beta_sigmoid), segments=segments,
                    config=config, **switches)
-
-
-def config_for(p: Problem, opts: Options | None = None) -> FwdConfig:
-    """The forward config for problem `p`: Options.config as given (its head dims checked),
-    or the ladder's for Options.precision (ladder.select_config)."""
-    opts = opts or Options()
-    config = opts.config
-    if config is not None:
-        if (config.prep.head_dim_k, config.recur.head_dim_v) != (p.K, p.V):
-            raise err("config", f"head dims ({p.K}, {p.V})",
-                      f"({config.prep.head_dim_k}, {config.recur.head_dim_v})")
-        return config
-    cfg = select_config(p.K, p.V, p.varlen, opts.precision)
-    if cfg is None:
-        raise err("q/v", "head dims (K, V) with a shipped config: (64, 64), (128, 128), "
-                  "(256, 256)", f"K={p.K}, V={p.V}")
-    return cfg
 
 
 def problem(c: Call, opts: Options) -> Problem:
@@ -410,22 +274,10 @@ def _pool_form(c: Call, N: int, H: int, V: int, K: int, dev) -> PoolForm:
                     NWI=index_words(wi))
 
 
-def scalars(c: Call, opts: Options) -> None:
-    """scale, and lower_bound for the bounded gate (host values, no sync)."""
-    scale = c.scale
-    if (isinstance(scale, bool) or not isinstance(scale, (int, float))
-            or not math.isfinite(scale) or scale <= 0):
-        raise err("scale", "a finite positive float", repr(scale))
-    if opts.gate == "bounded":
-        lb = c.lower_bound
-        if not isinstance(lb, (int, float)) or not -5.0 <= lb < 0.0:
-            raise err("lower_bound", "a float in [-5, 0) for the bounded gate", repr(lb))
-
-
 def metadata(c: Call, opts: Options) -> Problem:
     """Every check that reads no memory (FakeTensor-safe): the tensors', then the scalars'."""
     p = problem(c, opts)
-    scalars(c, opts)
+    scalars(c.scale, c.lower_bound, opts.gate)
     return p
 
 
@@ -444,39 +296,9 @@ def addresses(c: Call) -> None:
             raise err(name, "a 16-byte aligned base", f"address {t.data_ptr()}")
 
 
-def has_address(t) -> bool:
-    """Whether `t` is a tensor with memory: not None, not a FakeTensor."""
-    return t is not None and not isinstance(t, _fake_tensor())
-
-
-@functools.cache
-def _fake_tensor():
-    from torch._subclasses.fake_tensor import FakeTensor
-    return FakeTensor
-
-
-def standins(dry: bool = True):
-    """A context in which the tensors a call allocates are FakeTensors (metadata, no memory,
-    no kernel), where `dry`: the stand-ins of a dry run of a call's checks (the fla
-    verifiers: kda_cute.api.check_chunk_kda, kda_cute.serving.check_fused_recurrent_kda_fwd);
-    otherwise nothing."""
-    if not dry:
-        return contextlib.nullcontext()
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    return FakeTensorMode(allow_non_fake_inputs=True)
-
-
 def require_cuda(c: Call) -> None:
     if c.q.device.type != "cuda":
         raise err("q", "a CUDA tensor", f"one on {c.q.device}")
-
-
-def capturing(dev) -> bool:
-    """Whether `dev`'s current stream is being captured into a CUDA graph."""
-    if dev.type != "cuda":
-        return False
-    with torch.cuda.device(dev):
-        return torch.cuda.is_current_stream_capturing()
 
 
 def seqlens(cu_seqlens: torch.Tensor, T: int) -> None:
@@ -496,22 +318,6 @@ def workspace(ws: torch.Tensor, need: int, dev) -> None:
                   got)
 
 
-def _meta(t):
-    """What the metadata checks read of an argument (hashable)."""
-    if isinstance(t, torch.Tensor):
-        try:
-            return t.dtype, t.shape, t.stride(), t.device
-        except RuntimeError:  # no strides (a sparse tensor, in some torch versions): checked
-            return t.dtype, t.shape, t.layout, t.device
-    return None if t is None else ("not a tensor", type(t))
-
-
-# metadata the checks passed, by _meta of each tensor and the options: a repeated call (a
-# serving loop's buffers, refilled each step) skips re-checking what cannot have changed
-_passed: dict[tuple, Problem] = {}
-_PASSED_MAX = 256
-
-
 def forward(c: Call, opts: Options, check_seqlens: bool = False, cuda: bool = True,
             config: bool = True, memory: bool = True) -> Problem:
     """Every check of a forward call, in order: the tensors' metadata, the scalars, addresses
@@ -519,23 +325,14 @@ def forward(c: Call, opts: Options, check_seqlens: bool = False, cuda: bool = Tr
     (`check_seqlens`, a host sync; not during capture: the offsets kernel checks them on the
     device either way), a shipped or given config for the head dims (`config`), the CUDA
     requirement (`cuda`). Returns its Problem."""
-    # (the two host values with their types: null_slot=False is refused, 0 is not)
-    key = (opts, tuple(map(_meta, c[:11])), tuple(map(_meta, c[13:16])), c.null_slot,
-           type(c.null_slot), tuple(map(_meta, c[17:])), c.checkpoint_every,
-           type(c.checkpoint_every))
-    try:
-        p = _passed.get(key)
-    except TypeError:  # an unhashable value (a list): checked, and refused, below
-        p = key = None
+    # (every argument but scale and lower_bound, which are checked each call)
+    key = memo.key("forward", opts, *c[:11], *c[13:])
+    p = memo.recall(key)
     if p is None:
-        p = problem(c, opts)
-        if key is not None:
-            if len(_passed) >= _PASSED_MAX:
-                _passed.clear()
-            _passed[key] = p
+        p = memo.remember(key, problem(c, opts))
     if check_seqlens is not False:
         check_seqlens = flag("check_seqlens", check_seqlens)
-    scalars(c, opts)
+    scalars(c.scale, c.lower_bound, opts.gate)
     if memory:
         addresses(c)
     # (a stand-in's values cannot be read: the device checks them when it runs)
@@ -548,10 +345,6 @@ def forward(c: Call, opts: Options, check_seqlens: bool = False, cuda: bool = Tr
     if flag("cuda", cuda):
         require_cuda(c)
     return p
-
-
-def clear() -> None:
-    _passed.clear()
 
 
 def validate(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state,
