@@ -17,6 +17,7 @@ import collections
 import json
 import math
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -87,6 +88,22 @@ def case_inputs(spec, K, seed):
     return make_inputs(B=B, T=T, H=H, K=K, seed=seed)
 
 
+def parse_case(name: str):
+    """(label, spec) of a case for the probes: a CASES name ('_' for ' '), "B<b>_T<t>_H<h>" (a
+    fixed-length batch) or "V<len>x<n>_H<h>" (n sequences of len tokens as one varlen batch)."""
+    label = name.replace("_", " ")
+    if label in CASES:
+        return label, CASES[label]
+    m = re.fullmatch(r"B(\d+)_T(\d+)_H(\d+)", name.replace(" ", "_"))
+    if m:
+        return label, tuple(int(x) for x in m.groups())
+    m = re.fullmatch(r"V(\d+)x(\d+)_H(\d+)", name.replace(" ", "_"))
+    if m:
+        n_tok, n_seq, h = (int(x) for x in m.groups())
+        return label, ("varlen", [n_tok] * n_seq, h)
+    raise SystemExit(f"unknown case {name!r}: a bench.py case, B<b>_T<t>_H<h> or V<len>x<n>_H<h>")
+
+
 def compulsory_bytes(inp) -> int:
     q, v = inp["q"], inp["v"]
     B, T, H, K = q.shape
@@ -97,8 +114,7 @@ def compulsory_bytes(inp) -> int:
 def problem_of(x, check_seqlens=True):
     """kda_cute's validated problem for a dict of inputs (make_inputs' keys plus out and
     final_state), the bounded gate. CPU inputs (the CPU tests) get every check but the CUDA
-    requirement; CUDA ones the checks as fwd makes them (the call an older revision's
-    kda_cute takes too: bench/probes/host_probe.py --tree)."""
+    requirement; CUDA ones the checks as fwd makes them."""
     from kda_cute import api
 
     cpu = {} if x["q"].is_cuda else {"cuda": False}
@@ -219,16 +235,6 @@ def kda_runner(config=None):
             x["dt_bias"], x["lower_bound"], x["initial_state"], x["final_state"],
             x["cu_seqlens"], x["workspace"], check_seqlens=False, config=config,
             segments=SEGMENTS, precision=PRECISION)
-    return run
-
-
-def plan_runner(pl):
-    """A runner of plan `pl` (kda_cute.launch.run on each input set, with the set's workspace):
-    for probes that run a plan they edited (every set has the plan's problem)."""
-    from kda_cute import launch
-
-    def run(x):
-        launch.run(pl, call_of(x), x["workspace"])
     return run
 
 
