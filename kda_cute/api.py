@@ -10,20 +10,28 @@ plan once instead (`kda_cute.bind`) and calls it each step.
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
-from . import checks, errors, launch, library, plans, serving
+from . import checks, declare, errors, launch, plans, serving
 from .checks import validate
 from .ladder import FwdConfig
 from .plans import device_info, workspace_bytes
 from .problem import Call, Options, Problem
 
 
-def fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state=None,
-        final_state=None, cu_seqlens=None, workspace=None, *, gate="bounded", qk_l2norm=True,
-        beta_sigmoid=True, check_seqlens=False, config=None, segments=None, precision="fast",
-        state_indices=None, output_state_indices=None, has_initial_state=None,
-        null_slot=None, checkpoint_state=None, checkpoint_offsets=None, checkpoint_slots=None,
-        checkpoint_every=None, checkpoint_first=None):
+@declare.op("fwd", writes=("out", "final_state", "workspace", "checkpoint_state"),
+            host_only=("config",), inplace=("initial_state", "final_state"))
+def fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float, out: Tensor,
+        A_log: Tensor | None, dt_bias: Tensor | None, lower_bound: float | None,
+        initial_state: Tensor | None = None, final_state: Tensor | None = None,
+        cu_seqlens: Tensor | None = None, workspace: Tensor | None = None, *,
+        gate: str = "bounded", qk_l2norm: bool = True, beta_sigmoid: bool = True,
+        check_seqlens: bool = False, config: FwdConfig | None = None, segments: int | None = None,
+        precision: str = "fast", state_indices: Tensor | None = None,
+        output_state_indices: Tensor | None = None, has_initial_state: Tensor | None = None,
+        null_slot: int | None = None, checkpoint_state: Tensor | None = None,
+        checkpoint_offsets: Tensor | None = None, checkpoint_slots: Tensor | None = None,
+        checkpoint_every: int | None = None, checkpoint_first: Tensor | None = None) -> None:
     """KDA forward, FlashKDA's low-level call: writes `out` and `final_state` in place.
 
     q, k, g: [B, T, H, K] bf16; v, out: [B, T, H, V] bf16; beta: [B, T, H] bf16 (logits when
@@ -74,39 +82,19 @@ def fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state
     A repeated call with tensors of the same metadata reuses the checks and the plan; `bind`
     skips the rest too.
     """
-    if torch.compiler.is_compiling():  # traced: one torch.library op (kda_cute.library)
-        return library.fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound,
-                           initial_state, final_state, cu_seqlens, workspace, gate=gate,
-                           qk_l2norm=qk_l2norm, beta_sigmoid=beta_sigmoid,
-                           check_seqlens=check_seqlens, config=config, segments=segments,
-                           precision=precision, state_indices=state_indices,
-                           output_state_indices=output_state_indices,
-                           has_initial_state=has_initial_state, null_slot=null_slot,
-                           checkpoint_state=checkpoint_state,
-                           checkpoint_offsets=checkpoint_offsets,
-                           checkpoint_slots=checkpoint_slots,
-                           checkpoint_every=checkpoint_every,
-                           checkpoint_first=checkpoint_first)
     opts = checks.options(gate, qk_l2norm, beta_sigmoid, segments, config, precision)
     call = Call(q, k, v, g, beta, out, A_log, dt_bias, initial_state, final_state, cu_seqlens,
                 scale, lower_bound, state_indices, output_state_indices, has_initial_state,
                 null_slot, checkpoint_state, checkpoint_offsets, checkpoint_slots,
                 checkpoint_every, checkpoint_first)
     p = checks.forward(call, opts, check_seqlens)
+    if declare.dry():  # (the workspace's size is checked with the plan)
+        return
     errors.raise_pending(q.device)
     launch.run(plans.plan(p, opts, device_info(q.device)), call, workspace)
 
 
-def _fwd_checks(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state,
-                final_state, cu_seqlens, workspace, *, gate, qk_l2norm, beta_sigmoid, precision,
-                **pool) -> None:
-    """What fwd checks before its plan, for the arguments chunk_kda passes it (its dry run,
-    check_chunk_kda; the workspace's size is checked with the plan)."""
-    opts = checks.options(gate, qk_l2norm, beta_sigmoid, precision=precision)
-    checks.forward(Call(q, k, v, g, beta, out, A_log, dt_bias, initial_state, final_state,
-                        cu_seqlens, scale, lower_bound, **pool), opts)
-
-
+@declare.composite
 def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
               use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
               use_beta_sigmoid_in_kernel=False, safe_gate=False, lower_bound=None, A_log=None,
@@ -125,39 +113,6 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     when use_gate_in_kernel alone, and taken as the log-space decay otherwise. precision:
     "fast" or "precise", as in `fwd`.
     """
-    return _chunk_kda(False, q, k, v, g, beta, scale, initial_state, output_final_state,
-                      use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
-                      safe_gate, lower_bound, A_log, dt_bias, state_v_first, cu_seqlens,
-                      workspace, precision, state_indices, output_state_indices,
-                      has_initial_state, null_slot, **kwargs)
-
-
-def check_chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-                    use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
-                    use_beta_sigmoid_in_kernel=False, safe_gate=False, lower_bound=None,
-                    A_log=None, dt_bias=None, state_v_first=False, cu_seqlens=None,
-                    workspace=None, precision="fast", state_indices=None,
-                    output_state_indices=None, has_initial_state=None, null_slot=None,
-                    **kwargs) -> None:
-    """chunk_kda's checks alone: raises what a chunk_kda call with these arguments would raise
-    before its launch, and otherwise returns None, reading metadata (and the addresses of
-    tensors that have one) only: the tensors the call would allocate are FakeTensors, nothing
-    is launched or synced. The fla backend's verifier (kda_cute.integrations.fla). The
-    workspace's size is checked by the call (it needs the plan)."""
-    _chunk_kda(True, q, k, v, g, beta, scale, initial_state, output_final_state,
-               use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
-               safe_gate, lower_bound, A_log, dt_bias, state_v_first, cu_seqlens, workspace,
-               precision, state_indices, output_state_indices, has_initial_state, null_slot,
-               **kwargs)
-
-
-def _chunk_kda(dry, q, k, v, g, beta, scale, initial_state, output_final_state,
-               use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
-               safe_gate, lower_bound, A_log, dt_bias, state_v_first, cu_seqlens, workspace,
-               precision, state_indices, output_state_indices, has_initial_state, null_slot,
-               **kwargs):
-    """chunk_kda, or its checks alone (dry: stand-ins for what it allocates, fwd's checks for
-    its launch)."""
     unsupported = sorted(k_ for k_, v_ in kwargs.items() if v_ not in (None, False))
     if unsupported:
         raise ValueError(f"chunk_kda: unsupported options {unsupported}")
@@ -183,14 +138,12 @@ def _chunk_kda(dry, q, k, v, g, beta, scale, initial_state, output_final_state,
             raise checks.err("lower_bound", "a float in [-5, 0) with safe_gate", None)
     else:
         gate = "none"
-    run = _fwd_checks if dry else fwd
     if state_indices is not None:
         if not state_v_first:
             raise checks.err("state_v_first", "True with state_indices (the pool [slots, H, V, "
                              "K] is updated in place; a K-first pool cannot be)", state_v_first)
-        with checks.standins(dry):
-            out = torch.empty(*q.shape[:3], v.shape[-1], dtype=torch.bfloat16, device=q.device)
-        run(q, k, v, g, beta, float(scale), out, A_log, dt_bias, lower_bound, initial_state,
+        out = torch.empty(*q.shape[:3], v.shape[-1], dtype=torch.bfloat16, device=q.device)
+        fwd(q, k, v, g, beta, float(scale), out, A_log, dt_bias, lower_bound, initial_state,
             initial_state, cu_seqlens, workspace, gate=gate, qk_l2norm=use_qk_l2norm_in_kernel,
             beta_sigmoid=use_beta_sigmoid_in_kernel, precision=precision,
             state_indices=state_indices, output_state_indices=output_state_indices,
@@ -202,22 +155,20 @@ def _chunk_kda(dry, q, k, v, g, beta, scale, initial_state, output_final_state,
         checks.tensor("cu_seqlens", cu_seqlens, checks.INDEX_DTYPES, 1)
         if cu_seqlens.numel() < 1:
             raise checks.err("cu_seqlens", "N+1 >= 1 offsets", "none")
-    with checks.standins(dry):
-        out = torch.empty(*q.shape[:3], v.shape[-1], dtype=torch.bfloat16, device=q.device)
-        s0 = initial_state
-        if s0 is not None and not state_v_first:  # (a contiguous V-first copy)
-            s0 = s0.transpose(-1, -2).contiguous()
-        s1 = None
-        if output_final_state:
-            N = q.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
-            s1 = torch.empty(N, q.shape[2], v.shape[-1], K, dtype=torch.float32,
-                             device=q.device)
-    run(q, k, v, g, beta, float(scale), out, A_log, dt_bias, lower_bound, s0, s1, cu_seqlens,
+    out = torch.empty(*q.shape[:3], v.shape[-1], dtype=torch.bfloat16, device=q.device)
+    s0 = initial_state
+    if s0 is not None and not state_v_first:  # (a contiguous V-first copy)
+        s0 = s0.transpose(-1, -2).contiguous()
+    s1 = None
+    if output_final_state:
+        N = q.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
+        s1 = torch.empty(N, q.shape[2], v.shape[-1], K, dtype=torch.float32, device=q.device)
+    fwd(q, k, v, g, beta, float(scale), out, A_log, dt_bias, lower_bound, s0, s1, cu_seqlens,
         workspace, gate=gate, qk_l2norm=use_qk_l2norm_in_kernel,
         beta_sigmoid=use_beta_sigmoid_in_kernel, precision=precision,
         has_initial_state=has_initial_state, output_state_indices=output_state_indices,
         null_slot=null_slot)
-    if s1 is not None and not state_v_first and not dry:
+    if s1 is not None and not state_v_first:
         s1 = s1.transpose(-1, -2).contiguous()
     return out, s1
 
@@ -254,6 +205,8 @@ def clear_caches() -> None:
     launch.clear()
     serving.clear()
 
+
+check_chunk_kda = chunk_kda.check
 
 __all__ = ["check_chunk_kda", "chunk_kda", "clear_caches", "config_for", "describe", "fwd",
            "schedule", "validate", "workspace_bytes"]

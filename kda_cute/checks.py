@@ -537,7 +537,8 @@ def forward(c: Call, opts: Options, check_seqlens: bool = False, cuda: bool = Tr
     scalars(c, opts)
     if memory:
         addresses(c)
-    if check_seqlens and c.cu_seqlens is not None and not capturing(c.q.device):
+    # (a stand-in's values cannot be read: the device checks them when it runs)
+    if check_seqlens and has_address(c.cu_seqlens) and not capturing(c.q.device):
         seqlens(c.cu_seqlens, p.T)
     if config:
         cfg = config_for(p, opts)

@@ -24,7 +24,7 @@ One problem, one schedule: fixed-length batches with fp32 initial and final stat
 be left out), one stream. K2 never runs alongside K1 (the alongside schedule orders two streams
 with events) nor over segments; wy="off" (the default) takes the serial K2 in the alongside
 builds' arithmetic, so the result is bit-identical to `kda_cute.fwd`'s default schedule where
-that one is alongside (tests/test_gpu_forward.py checks the two agree). scale and lower_bound
+that one is alongside (tests/test_forward.py checks the two agree). scale and lower_bound
 are baked into the parameter bytes.
 """
 

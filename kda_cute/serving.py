@@ -15,8 +15,9 @@ lengths and counts it reads change between replays.
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
-from . import errors, launch, library
+from . import declare, errors, launch
 from .checks import (
     INDEX_DTYPES,
     POOL_DTYPES,
@@ -26,7 +27,6 @@ from .checks import (
     flags,
     gate_params,
     has_address,
-    standins,
     tensor,
 )
 from .checks import index_table as _index
@@ -48,6 +48,7 @@ from .specs.step import (
 )
 
 BF16 = torch.bfloat16
+_HOST = ("config", "stream", "bind")  # what the torch.library ops cannot take
 ROW_DIV = 8  # token strides in elements (abi.SYM_DIV of sQ .. sO)
 
 
@@ -174,13 +175,13 @@ def _config(p: StepProblem, opts: StepOptions):
     return cfg
 
 
-def _planned(p: StepProblem, opts: StepOptions, dev, what="q", dry=False):
-    """The step's plan, once its config and device are checked (dry: the checks alone, for a
-    torch.library fake: no plan, no device query)."""
+def _planned(p: StepProblem, opts: StepOptions, dev, what="q"):
+    """The step's plan, once its config and device are checked (a dry run: the checks alone,
+    no plan, no device query)."""
     _config(p, opts)
-    if dev.type != "cuda" and not (dry and dev.type == "meta"):  # meta: a fake's stand-ins
+    if dev.type != "cuda":
         raise err(what, "a CUDA tensor", f"one on {dev}")
-    return None if dry else step_plan(p, opts, device_info(dev))
+    return None if declare.dry() else step_plan(p, opts, device_info(dev))
 
 
 def _scratch(inter, state, H, V, K, dev):
@@ -278,10 +279,14 @@ def clear() -> None:
 
 
 # ---------------------------------------------------------------------------------- API
-def decode(q, k, v, g, beta, state, state_indices=None, *, out=None, output_state_indices=None,
-           has_initial_state=None, A_log=None, dt_bias=None, scale=None, lower_bound=None,
-           gate="bounded", qk_l2norm=True, beta_sigmoid=True, null_slot=None, config=None,
-           stream=None, bind=False):
+@declare.op("decode", writes=("state", "out"), host_only=_HOST, out_like="v", returns="out")
+def decode(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor,
+           state_indices: Tensor | None = None, *, out: Tensor | None = None,
+           output_state_indices: Tensor | None = None, has_initial_state: Tensor | None = None,
+           A_log: Tensor | None = None, dt_bias: Tensor | None = None,
+           scale: float | None = None, lower_bound: float | None = None, gate: str = "bounded",
+           qk_l2norm: bool = True, beta_sigmoid: bool = True, null_slot: int | None = None,
+           config: StepConfig | None = None, stream=None, bind: bool = False):
     """One token per sequence against the pool; returns `out`.
 
     q, k, g: [B, 1, H, K] or [B, H, K] bf16 (row-strided views of one projection allowed);
@@ -296,15 +301,14 @@ def decode(q, k, v, g, beta, state, state_indices=None, *, out=None, output_stat
     that launches this step again on the same tensors, checking nothing (every serving
     function takes stream and bind).
     """
-    if torch.compiler.is_compiling():
-        return library.decode(q, k, v, g, beta, state, state_indices, out=out,
-                              output_state_indices=output_state_indices,
-                              has_initial_state=has_initial_state, A_log=A_log,
-                              dt_bias=dt_bias, scale=scale, lower_bound=lower_bound, gate=gate,
-                              qk_l2norm=qk_l2norm, beta_sigmoid=beta_sigmoid,
-                              null_slot=null_slot, config=config, stream=stream, bind=bind)
     if bind.__class__ is not bool:
         bind = flag("bind", bind)
+    if declare.dry():
+        _decode_plan(q, k, v, g, beta, state, state_indices, out, output_state_indices,
+                     has_initial_state, A_log, dt_bias, scale, lower_bound, gate, qk_l2norm,
+                     beta_sigmoid, null_slot, config)
+        _aligned(("q", q), ("k", k), ("v", v), ("g", g), ("out", out), ("state", state))
+        return out
     key = ("decode", *map(_meta, (q, k, v, g, beta, state, state_indices, out,
                                    output_state_indices, has_initial_state, A_log, dt_bias)),
            *_typed(scale, lower_bound, gate, qk_l2norm, beta_sigmoid, null_slot, config))
@@ -333,8 +337,8 @@ def decode(q, k, v, g, beta, state, state_indices=None, *, out=None, output_stat
 
 def _decode_plan(q, k, v, g, beta, state, state_indices, out, output_state_indices,
                  has_initial_state, A_log, dt_bias, scale, lower_bound, gate, qk_l2norm,
-                 beta_sigmoid, null_slot, config, dry=False):
-    """decode's checks: (plan, scale, lower bound); dry: the checks alone (plan None)."""
+                 beta_sigmoid, null_slot, config):
+    """decode's checks: (plan, scale, lower bound); in a dry run the plan is None."""
     opts = _opts(gate, qk_l2norm, beta_sigmoid, config)
     tk = _Tokens(q, k, v, g, beta, out)
     dev, H, K, V, B = tk.dev, tk.H, tk.K, tk.V, tk.rows
@@ -360,14 +364,22 @@ def _decode_plan(q, k, v, g, beta, state, state_indices, out, output_state_indic
         (null, null), a, b,
         (0, _words(state_indices), _words(wi), 0, 0,
          0 if has_initial_state is None else B))
-    return _planned(p, opts, dev, dry=dry), scale, lb
+    return _planned(p, opts, dev), scale, lb
 
 
-def verify(q, k, v, g, beta, state, *, cu_seqlens=None, ssm_state_indices=None,
-           num_accepted_tokens=None, state_indices=None, intermediate_states=None,
-           intermediate_state_indices=None, retrieve_parent_token=None, out=None, A_log=None,
-           dt_bias=None, scale=None, lower_bound=None, gate="bounded", qk_l2norm=True,
-           beta_sigmoid=True, null_slot=None, config=None, stream=None, bind=False):
+@declare.op("verify", writes=("state", "out"), host_only=_HOST, out_like="v", returns="out",
+            forms={"verify": (("state", "out"), lambda a: a["ssm_state_indices"] is not None),
+                   "verify_scratch": (("intermediate_states", "out"), None)})
+def verify(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, *,
+           cu_seqlens: Tensor | None = None, ssm_state_indices: Tensor | None = None,
+           num_accepted_tokens: Tensor | None = None, state_indices: Tensor | None = None,
+           intermediate_states: Tensor | None = None,
+           intermediate_state_indices: Tensor | None = None,
+           retrieve_parent_token: Tensor | None = None, out: Tensor | None = None,
+           A_log: Tensor | None = None, dt_bias: Tensor | None = None,
+           scale: float | None = None, lower_bound: float | None = None, gate: str = "bounded",
+           qk_l2norm: bool = True, beta_sigmoid: bool = True, null_slot: int | None = None,
+           config: StepConfig | None = None, stream=None, bind: bool = False):
     """Multi-token verify (speculative decoding) against the pool; returns `out`.
 
     Tokens: q, k, g [N, T, H, K] (T = 1 + S per row), or packed [1, T, H, K] / [T, H, K] with
@@ -382,22 +394,17 @@ def verify(q, k, v, g, beta, state, *, cu_seqlens=None, ssm_state_indices=None,
         the accepted step into the pool. retrieve_parent_token [N, T]: token t starts from the
         state after token parent (-1: the row's start state), not from t - 1's.
     """
-    if torch.compiler.is_compiling():
-        return library.verify(q, k, v, g, beta, state, cu_seqlens=cu_seqlens,
-                              ssm_state_indices=ssm_state_indices,
-                              num_accepted_tokens=num_accepted_tokens,
-                              state_indices=state_indices,
-                              intermediate_states=intermediate_states,
-                              intermediate_state_indices=intermediate_state_indices,
-                              retrieve_parent_token=retrieve_parent_token, out=out, A_log=A_log,
-                              dt_bias=dt_bias, scale=scale, lower_bound=lower_bound, gate=gate,
-                              qk_l2norm=qk_l2norm, beta_sigmoid=beta_sigmoid,
-                              null_slot=null_slot, config=config, stream=stream, bind=bind)
     if bind.__class__ is not bool:
         bind = flag("bind", bind)
     tensors = (q, k, v, g, beta, state, cu_seqlens, ssm_state_indices, num_accepted_tokens,
                state_indices, intermediate_states, intermediate_state_indices,
                retrieve_parent_token, out, A_log, dt_bias)
+    if declare.dry():
+        _verify_plan(*tensors, scale, lower_bound, gate, qk_l2norm, beta_sigmoid, null_slot,
+                     config)
+        _aligned(("q", q), ("k", k), ("v", v), ("g", g), ("out", out), ("state", state),
+                 ("intermediate_states", intermediate_states))
+        return out
     key = ("verify", *map(_meta, tensors),
            *_typed(scale, lower_bound, gate, qk_l2norm, beta_sigmoid, null_slot, config))
     hit = _recall(key)
@@ -450,8 +457,8 @@ def verify_style(ssm_state_indices, num_accepted_tokens, state_indices, intermed
 def _verify_plan(q, k, v, g, beta, state, cu_seqlens, ssm_state_indices, num_accepted_tokens,
                  state_indices, intermediate_states, intermediate_state_indices,
                  retrieve_parent_token, out, A_log, dt_bias, scale, lower_bound, gate,
-                 qk_l2norm, beta_sigmoid, null_slot, config, dry=False):
-    """verify's checks: (plan, scale, lower bound); dry: the checks alone (plan None)."""
+                 qk_l2norm, beta_sigmoid, null_slot, config):
+    """verify's checks: (plan, scale, lower bound); in a dry run the plan is None."""
     opts = _opts(gate, qk_l2norm, beta_sigmoid, config)
     tk = _Tokens(q, k, v, g, beta, out)
     dev, H, K, V = tk.dev, tk.H, tk.K, tk.V
@@ -523,22 +530,24 @@ def _verify_plan(q, k, v, g, beta, state, cu_seqlens, ssm_state_indices, num_acc
         (_words(cu_seqlens), _words(ridx), _words(widx), _words(num_accepted_tokens), npa,
          hi_words))
     del dst, ridx, widx  # the call's, chosen again each call
-    return _planned(p, opts, dev, dry=dry), scale, lb
+    return _planned(p, opts, dev), scale, lb
 
 
-def commit(state, intermediate_states, state_indices, accepted_step,
-           intermediate_state_indices=None, *, null_slot=None, stream=None, bind=False):
+@declare.op("commit", writes=("state",), host_only=("stream", "bind"), returns="state")
+def commit(state: Tensor, intermediate_states: Tensor, state_indices: Tensor,
+           accepted_step: Tensor, intermediate_state_indices: Tensor | None = None, *,
+           null_slot: int | None = None, stream=None, bind: bool = False):
     """After a style-(b) verify: state[state_indices[n]] = intermediate_states[
     intermediate_state_indices[n], accepted_step[n]] (indices default to n); a row whose step
     is < 0, or whose slot is padding, is skipped. In place; returns `state`."""
-    if torch.compiler.is_compiling():
-        return library.commit(state, intermediate_states, state_indices, accepted_step,
-                              intermediate_state_indices, null_slot=null_slot, stream=stream,
-                              bind=bind)
     if bind.__class__ is not bool:
         bind = flag("bind", bind)
     tensors = (state, intermediate_states, state_indices, accepted_step,
                intermediate_state_indices)
+    if declare.dry():
+        _commit_plan(*tensors, null_slot)
+        _aligned(("state", state), ("intermediate_states", intermediate_states))
+        return state
     key = ("commit", *map(_meta, tensors), *_typed(null_slot))
     hit = _recall(key)
     if hit is None:
@@ -557,8 +566,8 @@ def commit(state, intermediate_states, state_indices, accepted_step,
 
 
 def _commit_plan(state, intermediate_states, state_indices, accepted_step,
-                 intermediate_state_indices, null_slot, dry=False):
-    """commit's checks and plan (dry: the checks alone, None)."""
+                 intermediate_state_indices, null_slot):
+    """commit's checks and plan (None in a dry run)."""
     tensor("state", state, POOL_DTYPES)
     dev = state.device
     if state.dim() != 4:
@@ -588,7 +597,7 @@ def _commit_plan(state, intermediate_states, state_indices, accepted_step,
         False, False,
         (0, _words(intermediate_state_indices), _words(state_indices), _words(accepted_step),
          0, 0))
-    return _planned(p, StepOptions(gate="none"), dev, "state", dry)
+    return _planned(p, StepOptions(gate="none"), dev, "state")
 
 
 # fla's fused_recurrent_kda_fwd arguments, all of which are honoured or refused
@@ -599,6 +608,7 @@ _FLA_ARGS = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state", "s
              "lower_bound", "out")
 
 
+@declare.composite
 def fused_recurrent_kda_fwd(q, k, v, g, beta, A_log=None, dt_bias=None, initial_state=None,
                             scale=None, output_final_state=False, inplace_final_state=True,
                             state_v_first=False, cu_seqlens=None, ssm_state_indices=None,
@@ -613,36 +623,6 @@ def fused_recurrent_kda_fwd(q, k, v, g, beta, A_log=None, dt_bias=None, initial_
     initial_state, updated in place, when inplace_final_state). Refused (ValueError): any
     other keyword, allow_neg_eigval, headwise beta, GVA (v's heads != q's), a K-first pool
     (state_v_first=False) updated in place or through indices."""
-    return _fla_step(False, q, k, v, g, beta, A_log, dt_bias, initial_state, scale,
-                     output_final_state, inplace_final_state, state_v_first, cu_seqlens,
-                     ssm_state_indices, num_accepted_tokens, use_qk_l2norm_in_kernel,
-                     use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
-                     lower_bound, out, **kwargs)
-
-
-def check_fused_recurrent_kda_fwd(q, k, v, g, beta, A_log=None, dt_bias=None,
-                                  initial_state=None, scale=None, output_final_state=False,
-                                  inplace_final_state=True, state_v_first=False, cu_seqlens=None,
-                                  ssm_state_indices=None, num_accepted_tokens=None,
-                                  use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
-                                  use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
-                                  lower_bound=None, out=None, **kwargs) -> None:
-    """fused_recurrent_kda_fwd's checks alone: raises what the call with these arguments would
-    raise before its launch, else returns None, reading metadata (and the addresses of tensors
-    that have one) only: what the call would allocate or copy is a FakeTensor, nothing is
-    launched. The fla backend's verifier (kda_cute.integrations.fla)."""
-    _fla_step(True, q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state,
-              inplace_final_state, state_v_first, cu_seqlens, ssm_state_indices,
-              num_accepted_tokens, use_qk_l2norm_in_kernel, use_gate_in_kernel,
-              use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, out, **kwargs)
-
-
-def _fla_step(dry, q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state,
-              inplace_final_state, state_v_first, cu_seqlens, ssm_state_indices,
-              num_accepted_tokens, use_qk_l2norm_in_kernel, use_gate_in_kernel,
-              use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, out, **kwargs):
-    """fused_recurrent_kda_fwd, or its checks alone (dry: stand-ins for what it allocates,
-    verify's / recurrent's checks for their launch)."""
     if kwargs:
         raise TypeError(f"fused_recurrent_kda_fwd: unknown arguments {sorted(kwargs)}")
     (output_final_state, inplace_final_state, state_v_first, use_gate_in_kernel,
@@ -671,8 +651,7 @@ def _fla_step(dry, q, k, v, g, beta, A_log, dt_bias, initial_state, scale, outpu
     if scale is None:
         scale = K ** -0.5
     if out is None:
-        with standins(dry):
-            out = torch.zeros_like(v)
+        out = torch.zeros_like(v)
     kw = dict(A_log=A_log, dt_bias=dt_bias, scale=scale, lower_bound=lower_bound, gate=gate,
               qk_l2norm=use_qk_l2norm_in_kernel, beta_sigmoid=use_beta_sigmoid_in_kernel)
     if ssm_state_indices is not None:
@@ -690,17 +669,8 @@ def _fla_step(dry, q, k, v, g, beta, A_log, dt_bias, initial_state, scale, outpu
         idx = ssm_state_indices if ssm_state_indices.dim() == 2 else \
             ssm_state_indices.unsqueeze(1)
         try:
-            if dry:
-                _verify_plan(q, k, v, g, beta, initial_state, cu_seqlens, idx,
-                             num_accepted_tokens, None, None, None, None, out, A_log, dt_bias,
-                             scale, lower_bound, gate, use_qk_l2norm_in_kernel,
-                             use_beta_sigmoid_in_kernel, None, None, dry=True)
-                _aligned(("q", q), ("k", k), ("v", v), ("g", g), ("out", out),
-                         ("state", initial_state))
-            else:
-                verify(q, k, v, g, beta, initial_state, cu_seqlens=cu_seqlens,
-                       ssm_state_indices=idx, num_accepted_tokens=num_accepted_tokens, out=out,
-                       **kw)
+            verify(q, k, v, g, beta, initial_state, cu_seqlens=cu_seqlens,
+                   ssm_state_indices=idx, num_accepted_tokens=num_accepted_tokens, out=out, **kw)
         except (ValueError, TypeError) as e:
             # verify's pool is the caller's initial_state: the error names what was passed
             if str(e).startswith("state:") and not isinstance(e, errors.DeviceValueError):
@@ -714,51 +684,48 @@ def _fla_step(dry, q, k, v, g, beta, A_log, dt_bias, initial_state, scale, outpu
         if inplace_final_state:
             raise err("state_v_first", "True to update initial_state in place", False)
         tensor("initial_state", s0, POOL_DTYPES, 4)
-        with standins(dry):
-            s0 = s0.transpose(-1, -2).contiguous()
+        s0 = s0.transpose(-1, -2).contiguous()
     N = q.shape[0] if cu_seqlens is None else _cu(cu_seqlens, q.device)
     if inplace_final_state:
         if initial_state is None:
             raise err("initial_state", "a tensor with inplace_final_state=True", None)
         s1 = s0
     elif output_final_state:
-        with standins(dry):
-            # fla's final state is fp32: a bf16 initial state is read through an fp32 copy
-            # (the kernel reads and writes one dtype)
-            if isinstance(s0, torch.Tensor) and s0.dtype == BF16:
-                tensor("initial_state", s0, POOL_DTYPES, 4)
-                s0 = s0.float()
-            s1 = torch.empty(N, H, v.shape[-1], K, dtype=torch.float32, device=q.device)
+        # fla's final state is fp32: a bf16 initial state is read through an fp32 copy (the
+        # kernel reads and writes one dtype)
+        if isinstance(s0, torch.Tensor) and s0.dtype == BF16:
+            tensor("initial_state", s0, POOL_DTYPES, 4)
+            s0 = s0.float()
+        s1 = torch.empty(N, H, v.shape[-1], K, dtype=torch.float32, device=q.device)
     else:
         s1 = None
-    if dry:
-        _recurrent_plan(q, k, v, g, beta, s0, s1, cu_seqlens, out, A_log, dt_bias, scale,
-                        lower_bound, gate, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel,
-                        None, dry=True)
-        _aligned(("q", q), ("k", k), ("v", v), ("g", g), ("out", out), ("initial_state", s0),
-                 ("final_state", s1))
-        return out, s1
     recurrent(q, k, v, g, beta, s0, s1, cu_seqlens=cu_seqlens, out=out, **kw)
     if s1 is not None and not state_v_first and not inplace_final_state:
         s1 = s1.transpose(-1, -2).contiguous()
     return out, s1
 
 
-def recurrent(q, k, v, g, beta, initial_state=None, final_state=None, *, cu_seqlens=None,
-              out=None, A_log=None, dt_bias=None, scale=None, lower_bound=None, gate="bounded",
-              qk_l2norm=True, beta_sigmoid=True, config=None, stream=None, bind=False):
+@declare.op("recurrent", writes=("final_state", "out"), host_only=_HOST, out_like="v",
+            returns="out", inplace=("initial_state", "final_state"))
+def recurrent(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+              initial_state: Tensor | None = None, final_state: Tensor | None = None, *,
+              cu_seqlens: Tensor | None = None, out: Tensor | None = None,
+              A_log: Tensor | None = None, dt_bias: Tensor | None = None,
+              scale: float | None = None, lower_bound: float | None = None,
+              gate: str = "bounded", qk_l2norm: bool = True, beta_sigmoid: bool = True,
+              config: StepConfig | None = None, stream=None, bind: bool = False):
     """The dense forward token by token (no pool): initial_state / final_state [N, H, V, K] of
     one dtype (either may be None; they may be the same tensor). For short sequences, where
     the chunked prefill's K1 does not pay off; returns `out`."""
-    if torch.compiler.is_compiling():
-        return library.recurrent(q, k, v, g, beta, initial_state, final_state,
-                                 cu_seqlens=cu_seqlens, out=out, A_log=A_log, dt_bias=dt_bias,
-                                 scale=scale, lower_bound=lower_bound, gate=gate,
-                                 qk_l2norm=qk_l2norm, beta_sigmoid=beta_sigmoid, config=config,
-                                 stream=stream, bind=bind)
     if bind.__class__ is not bool:
         bind = flag("bind", bind)
     tensors = (q, k, v, g, beta, initial_state, final_state, cu_seqlens, out, A_log, dt_bias)
+    if declare.dry():
+        out = _recurrent_plan(*tensors, scale, lower_bound, gate, qk_l2norm, beta_sigmoid,
+                              config)[3]
+        _aligned(("q", q), ("k", k), ("v", v), ("g", g), ("out", out),
+                 ("initial_state", initial_state), ("final_state", final_state))
+        return out
     key = ("recurrent", *map(_meta, tensors),
            *_typed(scale, lower_bound, gate, qk_l2norm, beta_sigmoid, config))
     hit = _recall(key)
@@ -784,7 +751,7 @@ def recurrent(q, k, v, g, beta, initial_state=None, final_state=None, *, cu_seql
 
 def _recurrent_plan(q, k, v, g, beta, initial_state, final_state, cu_seqlens, out, A_log,
                     dt_bias, scale, lower_bound, gate, qk_l2norm, beta_sigmoid, config,
-                    dry=False):
+                    ):
     """recurrent's checks: (plan, scale, lower bound, out); dry: the checks alone (plan
     None)."""
     opts = _opts(gate, qk_l2norm, beta_sigmoid, config)
@@ -825,10 +792,11 @@ def _recurrent_plan(q, k, v, g, beta, initial_state, final_state, cu_seqlens, ou
         _wide(cu_seqlens) == 1, 2 ** 31 - 1, (int(n0 > 0), 1, 0, 0, 1, 0), (0, 0, 1, 0, 1),
         False, (WRITE_LAST if n1 else WRITE_NONE, 1, 0, 0, 1, 0), (0, 0, 0, 0), (0, 0), a, b,
         (_words(cu_seqlens), 0, 0, 0, 0, 0))
-    return _planned(p, opts, dev, dry=dry), scale, lb, tk.out
+    return _planned(p, opts, dev), scale, lb, tk.out
 
 
 check_errors = errors.check_errors
+check_fused_recurrent_kda_fwd = fused_recurrent_kda_fwd.check
 
 __all__ = ["check_errors", "check_fused_recurrent_kda_fwd", "commit", "decode",
            "fused_recurrent_kda_fwd", "recurrent", "verify"]

@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from kda_cute import fwd
+from kda_cute import DeviceValueError, check_errors, fwd
 from kda_cute.plans.device import ready
 from kda_cute.reference import kda_reference, rel_err
 
@@ -229,6 +229,34 @@ def guards_ok(buf) -> bool:
 def bits(x):
     """A float tensor's bits as integers of its width (bit-for-bit comparisons, NaN included)."""
     return x.view(torch.int16 if x.dtype == torch.bfloat16 else torch.int32)
+
+
+# ------------------------------------------------------ values past fp16's range, and after them
+def scaled(inp, vmax=6e4, smax=1e4, heads=None, tokens=None):
+    """inp with v scaled to max |v| = vmax (bf16 rounding aside) and the initial state to max
+    |S0| = smax, in `heads` (all by default) and over `tokens` (a slice, all by default)."""
+    v = inp["v"].float()
+    sel = (slice(None), tokens if tokens is not None else slice(None),
+           heads if heads is not None else slice(None))
+    v[sel] = v[sel] * (vmax / float(v[sel].abs().max()))
+    out = dict(inp, v=v.to(torch.bfloat16))
+    s0 = inp["initial_state"]
+    if s0 is not None and smax is not None:
+        s = s0.float()
+        hs = heads if heads is not None else slice(None)
+        s[:, hs] = s[:, hs] * (smax / float(s[:, hs].abs().max()))
+        out["initial_state"] = s.to(s0.dtype)
+    return out
+
+
+def clear_errors():
+    """Waits for the device and drops any error a kernel reported, so that the next check sees
+    only the next forward's."""
+    torch.cuda.synchronize()
+    try:
+        check_errors(sync=True)
+    except DeviceValueError:
+        pass
 
 
 # ----------------------------------------------------------- the GPU tests' bars and checks

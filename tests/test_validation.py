@@ -187,7 +187,7 @@ ERRORS = {
                                 lambda d: d.update(A_log=None), ValueError, "A_log", "None"),
     "A_log-numel": (inputs, lambda d: d.update(A_log=rand(H + 1, dtype=F32)), ValueError,
                     "A_log", f"{(H + 1,)}"),
-    # (fp32, bf16 and fp16 are read as held: tests/test_gpu_gate_params.py)
+    # (fp32, bf16 and fp16 are read as held: tests/test_gate_params.py)
     "A_log-f64": (inputs, lambda d: d.update(A_log=rand(H, dtype=torch.float64)), TypeError,
                   "A_log", "float64"),
     "A_log-int": (inputs, lambda d: d.update(A_log=rand(H).to(torch.int32)), TypeError, "A_log",

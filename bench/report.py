@@ -1,0 +1,264 @@
+"""The generated parts of the results' pages, written from the current result files.
+
+    python3 bench/report.py           # rewrite bench/results/INDEX.md, README.md's speed table
+                                      # and docs/results.md's tables
+    python3 bench/report.py --check   # exit 1 where any of them is stale
+
+Standard library only, so CI runs it without torch. A new result of a table replaces the old one
+in bench/results (git history keeps the old one): point CURRENT at it and rerun this.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import textwrap
+from pathlib import Path
+from statistics import geometric_mean as geomean
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# each table -> (its current JSON in bench/results, what it holds)
+CURRENT = {
+    "prefill": ("bench-h200-2026-11-30-all-1f76ec1.json", "prefill, K 64 / 128 / 256, vs fla"),
+    "prefill-precise": ("bench-precise-h200-2026-12-02-new.json", "prefill, precise, K 128"),
+    "accuracy": ("accuracy-h200-2026-12-02-precise.json", "accuracy vs float64"),
+    "accuracy-fla": ("accuracy-fla-h200-2026-11-30-6aed182.json", "accuracy vs float64, fla"),
+    "serving": ("serving-h200-2026-12-05-d6eec97.json", "decode and verify vs fla"),
+    "verify-tiles": ("chunk-verify-sweep-h200-2026-12-05.json", "verify tiles, bf16 pools"),
+    "verify-tiles-f32": ("chunk-verify-sweep-h200-2026-12-05-f32.json", "verify tiles, fp32"),
+    "gather-streams": ("gather-streams-h200-2026-12-05-bulk.json", "decode's bytes streamed"),
+    "pool-prefill": ("pool-prefill-h200-2026-12-02-e775ce0.json", "pool prefill, K 128"),
+    "pool-prefill-k64-k256": ("pool-prefill-h200-2026-12-02-eb2c485-k64-k256.json",
+                              "pool prefill, K 64 and 256"),
+    "checkpoints": ("checkpoints-bars-h200-2026-12-05-944edcf.json", "checkpoint costs"),
+    "fla-model": ("fla-model-h100-2026-12-06-56c1de7.json", "a bf16 fla model"),
+    "fla-suite": ("fla-suite-h100-2026-12-06-85dbdc6.json", "fla's KDA op tests"),
+    "library-overhead": ("ecosystem-h200-2026-12-03-bf82d78.json", "library overhead, wheel"),
+    "host": ("host-stub-cpu-2026-12-05-2aad21c.json", "launcher host time, CPU"),
+}
+# files of a table beyond those sharing its JSON's stem, and results with no JSON
+EXTRA = {"host": ("host-stub-cpu-2026-12-05.md", "host-stub-cpu-2026-12-05-6a45ba3.json")}
+RECORDS = {"gate-params": ("gate-params-ab-h100-2026-12-06.md", "gate parameters as held, A/B"),
+           "gpu-suite": ("gpu-tests-h100-2026-12-06-42be26b.log", "the GPU suite's last run")}
+
+
+def table(head, rows, left=1):
+    """A Markdown table: the first `left` columns left-aligned, the rest right-aligned."""
+    rule = ["---"] * left + ["---:"] * (len(head) - left)
+    return [f"| {' | '.join(r)} |" for r in (head, rule, *rows)]
+
+
+def wrap(text):
+    return textwrap.wrap(text, 100, break_long_words=False, break_on_hyphens=False) + [""]
+
+
+def ms(x):
+    return "-" if x is None else f"{x:.3f}"
+
+
+def err(r, pre=""):
+    out = r.get(f"{pre}out_err")
+    return "-" if out is None else f"{out:.2e} / {r[f'{pre}state_err']:.2e}"
+
+
+def ratio(a, b):
+    return f"{a / b:.2f}x" if a and b else "-"
+
+
+def meta(d, name):
+    """(device, commit, date) of a result: its JSON's, the date from its name."""
+    v = d.get("versions", {})
+    device = d.get("device") or v.get("device") or f"CPU ({d.get('machine', '?')})"
+    date = re.search(r"\d{4}-\d\d-\d\d", name)
+    return device, d.get("commit") or v.get("commit") or "-", date.group(0) if date else "-"
+
+
+def caption(data, name, results):
+    md = name.rsplit(".", 1)[0] + ".md"
+    shown = md if (results / md).exists() else name
+    device, commit, date = meta(data, name)
+    return wrap(f"From [`{shown}`](../bench/results/{shown}): {device}, commit {commit} ({date}).")
+
+
+def case(r):
+    s = r.get("schedule", "serial")
+    return r["case"] + ("" if s == "serial" else f" ({s})")
+
+
+def speed(data, name, results):
+    """README.md's table: prefill at K = 128 against fla and the FlashKDA estimate."""
+    rows = [r for r in data["rows"] if r["K"] == 128]
+    device, commit, date = meta(data, name)
+    out = wrap(f"Prefill (`kda_cute.fwd`), K = V = 128, bf16 inputs, fp32 state, default "
+               f"precision; ms of an eager call, median of 100 runs, cold L2; fla-core's Triton "
+               f"`chunk_kda` timed in the same process. FlashKDA est.: FlashKDA's own measured "
+               f"time, scaled by fla's time between its run and this one. {device}, commit "
+               f"{commit}, {date}.")
+    out += table(["case", "kda_cute ms", "fla ms", "vs fla", "FlashKDA est. ms",
+                  "vs FlashKDA est."],
+                 [[r["case"], ms(r["kda_ms"]), ms(r.get("fla_ms")),
+                   ratio(r.get("fla_ms"), r["kda_ms"]), ms(r.get("flashkda_est_ms")),
+                   ratio(r.get("flashkda_est_ms"), r["kda_ms"])] for r in rows])
+    vs = [r["fla_ms"] / r["kda_ms"] for r in rows if r.get("fla_ms")]
+    fk = [r["flashkda_est_ms"] / r["kda_ms"] for r in rows if r.get("flashkda_est_ms")]
+    if vs and fk:
+        out += ["", f"Geometric mean: {geomean(vs):.2f}x fla, {geomean(fk):.2f}x FlashKDA est."]
+    return out
+
+
+def prefill(K):
+    def gen(data, name, results):
+        rows = [r for r in data["rows"] if r["K"] == K]
+        peers = [c for c, key in (("fla", "fla_ms"), ("FlashKDA est.", "flashkda_est_ms"))
+                 if any(r.get(key) for r in rows)]
+        head = ["case", "roofline ms", "kda_cute ms", "graph ms", "K1 / K2 ms", "% roofline"]
+        head += [x for c in peers for x in (f"{c} ms", f"vs {c}")] + ["out / state err"]
+        body = []
+        for r in rows:
+            b = [case(r), ms(r["roofline_ms"]), ms(r["kda_ms"]), ms(r["kda_graph_ms"]),
+                 f"{r['kda_k1_gpu_ms']:.3f} / {r['kda_k2_gpu_ms']:.3f}",
+                 f"{r['kda_pct_roofline']:.1f}"]
+            for key in ("fla_ms", "flashkda_est_ms")[:len(peers)]:
+                b += [ms(r.get(key)), ratio(r.get(key), r["kda_ms"])]
+            body.append(b + [err(r, "kda_")])
+        return caption(data, name, results) + table(head, body)
+    return gen
+
+
+def accuracy(data, name, results):
+    cols = [(c, pre) for c, pre in (("kda_cute", ""), ("kda_cute precise", "precise_"),
+                                    ("fla", "fla_")) if f"{pre}out_err" in data["rows"][0]]
+    b = data["bar"]
+    return (caption(data, name, results)
+            + wrap(f"Bar: output <= {b['out']}, fp32 state <= {b['state']}.")
+            + table(["case"] + [f"{c} out / state err" for c, _ in cols],
+                    [[r["case"]] + [err(r, pre) for _, pre in cols] for r in data["rows"]]))
+
+
+def serving(form):
+    def gen(data, name, results):
+        rows = [r for r in data["rows"] if r["form"] == form]
+        keys = list(dict.fromkeys((r["N"], r["H"], r["T"]) for r in rows))
+        pools = list(dict.fromkeys(r["pool"] for r in rows))
+        at = {(r["N"], r["H"], r["T"], r["pool"]): r for r in rows}
+        body = [[str(n), str(h), str(t)] + [
+            f"{at[n, h, t, p]['kda_pct']:.0f}%, {at[n, h, t, p]['speedup_vs_fla']:.2f}x"
+            if (n, h, t, p) in at else "-" for p in pools] for n, h, t in keys]
+        host = data.get("host") if form == "decode" else None
+        note = wrap(f"Host time a decode call: {host['bound_us']:.1f} us bound, "
+                    f"{host['eager_us']:.1f} us eager.") if host else []
+        return caption(data, name, results) + note + table(
+            ["N", "H", "T"] + [f"{p} pool: % of ceiling, vs fla" for p in pools], body, left=3)
+    return gen
+
+
+def pool(data, name, results):
+    body = [[r["case"], str(r["K"]), f"{r['pool_over_dense']:.3f}",
+             f"{r['pool_over_dense_graph']:.3f}", "yes" if r["bit_identical"] else "no"]
+            for r in data["rows"]]
+    return caption(data, name, results) + table(
+        ["case", "K", "pool / dense, eager", "pool / dense, graph", "bit-identical"], body, 2)
+
+
+def checkpoints(data, name, results):
+    runs = [{(r["case"], m): v for r in p["rows"] for m, v in r["modes"].items()}
+            for p in data["processes"]]
+    body = []
+    for c, m in (k for k in runs[0] if k[1] in data["bars"]):
+        g, e = ([x[c, m][f"{w}_paired"] - 1 for x in runs] for w in ("graph", "eager"))
+        worst, bar = max(g + e), data["bars"][m]
+        body.append([c, m, f"<= {bar:.0%}", " / ".join(f"{x:+.1%}" for x in g),
+                     " / ".join(f"{x:+.1%}" for x in e),
+                     "yes" if worst <= bar else f"no ({worst:+.1%})"])
+    return caption(data, name, results) + table(
+        ["case", "mode", "bar", "graph, each process", "eager, each process", "met"], body, 2)
+
+
+def fla_model(data, name, results):
+    body = [[r["gate"], who, f"{x['prefill']['rel_l2']:.2e}", f"{x['prefill']['argmax_agree']:.3f}",
+             f"{x['decode']['rel_l2']:.2e}", f"{x['decode']['argmax_agree']:.3f}",
+             str(sum(x["calls"][c] for c in ("chunk_kda", "fused_recurrent_kda_fwd")))]
+            for r in data["results"] for who, x in ((w, r[w]) for w in ("kda_cute", "fla_bf16"))]
+    return caption(data, name, results) + table(
+        ["gate", "path", "prefill rel L2", "prefill argmax", "decode rel L2", "decode argmax",
+         "KDA calls in kda-cute"], body, left=2)
+
+
+# (file, marker, table, generator): the text between <!-- marker:begin --> and its end
+SECTIONS = [("README.md", "speed-table", "prefill", speed)] + [
+    ("docs/results.md", f"results:{m}", key, gen) for m, key, gen in [
+        ("prefill-k128", "prefill", prefill(128)), ("prefill-k256", "prefill", prefill(256)),
+        ("prefill-k64", "prefill", prefill(64)), ("precise", "prefill-precise", prefill(128)),
+        ("accuracy", "accuracy", accuracy), ("accuracy-fla", "accuracy-fla", accuracy),
+        ("decode", "serving", serving("decode")), ("verify", "serving", serving("verify")),
+        ("pool-prefill", "pool-prefill", pool), ("pool-k64-k256", "pool-prefill-k64-k256", pool),
+        ("checkpoints", "checkpoints", checkpoints), ("fla-model", "fla-model", fla_model)]]
+
+
+def index(results, current, records):
+    """INDEX.md's text, and the files in results it does not name."""
+    body, named = [], {"INDEX.md"}
+    for key, (name, what) in current.items():
+        stem = name.rsplit(".", 1)[0]
+        files = sorted(p.name for p in results.iterdir() if p.name.rsplit(".", 1)[0] == stem)
+        body.append([what, *meta(json.loads((results / name).read_text()), name),
+                     files + list(EXTRA.get(key, ()))])
+    for name, what in records.values():  # no JSON: what its name says
+        dev, commit = re.search(r"-(h100|h200)-", name), re.search(r"-([0-9a-f]{7})\.", name)
+        body.append([what, f"NVIDIA {dev.group(1).upper()}" if dev else "-",
+                     commit.group(1) if commit else "-", meta({}, name)[2], [name]])
+    for row in body:
+        named.update(row[4])
+        row[4] = ", ".join(f"[`{f}`]({f})" for f in row[4])
+    text = ["# Current results", "", "Written by `python3 bench/report.py` (its `CURRENT` and "
+            "`RECORDS`): the current result of each table. Older results are in git history.", ""]
+    stray = sorted(p.name for p in results.iterdir() if p.name not in named)
+    return "\n".join(text + table(["table", "device", "commit", "date", "files"], body, 5)) \
+        + "\n", stray
+
+
+def splice(text, marker, body):
+    """text with the lines between marker's begin and end comments replaced by body."""
+    begin, end = f"<!-- {marker}:begin -->", f"<!-- {marker}:end -->"
+    if text.count(begin) != 1 or text.count(end) != 1:
+        raise ValueError(f"expected one {begin} and one {end}")
+    head, rest = text.split(begin)
+    return head + begin + "\n" + "\n".join(body) + "\n" + end + rest.split(end)[1]
+
+
+def generate(root, current=CURRENT, records=RECORDS):
+    """({path: its text as generated}, the files in bench/results that INDEX.md does not name)."""
+    results = root / "bench" / "results"
+    idx, stray = index(results, current, records)
+    out = {results / "INDEX.md": idx}
+    for path, marker, key, gen in SECTIONS:
+        if key in current:
+            p, name = root / path, current[key][0]
+            data = json.loads((results / name).read_text())
+            out[p] = splice(out[p] if p in out else p.read_text(), marker,
+                            gen(data, name, results))
+    return out, stray
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true", help="exit 1 where generated text is stale")
+    a = ap.parse_args(argv)
+    out, stray = generate(ROOT)
+    stale = [p for p, t in out.items() if not p.exists() or p.read_text() != t]
+    for name in stray:
+        print(f"bench/results/{name}: not named in CURRENT or RECORDS", file=sys.stderr)
+    for p in stale:
+        if a.check:
+            print(f"{p.relative_to(ROOT)}: stale (python3 bench/report.py)", file=sys.stderr)
+        else:
+            p.write_text(out[p])
+            print(f"wrote {p.relative_to(ROOT)}")
+    return 1 if stray or (a.check and stale) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
