@@ -17,6 +17,7 @@ import collections
 import json
 import math
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -87,6 +88,22 @@ def case_inputs(spec, K, seed):
     return make_inputs(B=B, T=T, H=H, K=K, seed=seed)
 
 
+def parse_case(name: str):
+    """(label, spec) of a case for the probes: a CASES name ('_' for ' '), "B<b>_T<t>_H<h>" (a
+    fixed-length batch) or "V<len>x<n>_H<h>" (n sequences of len tokens as one varlen batch)."""
+    label = name.replace("_", " ")
+    if label in CASES:
+        return label, CASES[label]
+    m = re.fullmatch(r"B(\d+)_T(\d+)_H(\d+)", name.replace(" ", "_"))
+    if m:
+        return label, tuple(int(x) for x in m.groups())
+    m = re.fullmatch(r"V(\d+)x(\d+)_H(\d+)", name.replace(" ", "_"))
+    if m:
+        n_tok, n_seq, h = (int(x) for x in m.groups())
+        return label, ("varlen", [n_tok] * n_seq, h)
+    raise SystemExit(f"unknown case {name!r}: a bench.py case, B<b>_T<t>_H<h> or V<len>x<n>_H<h>")
+
+
 def compulsory_bytes(inp) -> int:
     q, v = inp["q"], inp["v"]
     B, T, H, K = q.shape
@@ -97,8 +114,7 @@ def compulsory_bytes(inp) -> int:
 def problem_of(x, check_seqlens=True):
     """kda_cute's validated problem for a dict of inputs (make_inputs' keys plus out and
     final_state), the bounded gate. CPU inputs (the CPU tests) get every check but the CUDA
-    requirement; CUDA ones the checks as fwd makes them (the call an older revision's
-    kda_cute takes too: bench/probes/host_probe.py --tree)."""
+    requirement; CUDA ones the checks as fwd makes them."""
     from kda_cute import api
 
     cpu = {} if x["q"].is_cuda else {"cuda": False}
@@ -160,25 +176,21 @@ def time_fn(fn, sets, iters, warmup=10) -> float:
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends, strict=True))
 
 
-def gpu_events(fn, sets, calls: int) -> list:
-    """The profiler's GPU records of `calls` calls of `fn` (cycling through the input sets,
-    after three calls of warm-up)."""
+def gpu_kernel_ms(fn, sets, iters=30) -> dict[str, float]:
+    """Each kernel's own GPU time per call of `fn` (ms; name -> the median of its launches
+    times its launches per call), from the profiler's kernel records of `iters` calls (cycling
+    through the input sets, after three of warm-up): no launch gaps, no host."""
     for i in range(3):
         fn(sets[i % len(sets)])
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for i in range(calls):
+        for i in range(iters):
             fn(sets[i % len(sets)])
         torch.cuda.synchronize()
-    return [ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA]
-
-
-def gpu_kernel_ms(fn, sets, iters=30) -> dict[str, float]:
-    """Each kernel's own GPU time per call of `fn` (ms; name -> the median of its launches
-    times its launches per call), from the profiler's kernel records: no launch gaps, no host."""
     per = collections.defaultdict(list)
-    for ev in gpu_events(fn, sets, iters):
-        per[ev.name].append(ev.device_time_total / 1e3)
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            per[ev.name].append(ev.device_time_total / 1e3)
     return {name: statistics.median(ts) * len(ts) / iters for name, ts in per.items()}
 
 
@@ -219,16 +231,6 @@ def kda_runner(config=None):
             x["dt_bias"], x["lower_bound"], x["initial_state"], x["final_state"],
             x["cu_seqlens"], x["workspace"], check_seqlens=False, config=config,
             segments=SEGMENTS, precision=PRECISION)
-    return run
-
-
-def plan_runner(pl):
-    """A runner of plan `pl` (kda_cute.launch.run on each input set, with the set's workspace):
-    for probes that run a plan they edited (every set has the plan's problem)."""
-    from kda_cute import launch
-
-    def run(x):
-        launch.run(pl, call_of(x), x["workspace"])
     return run
 
 
@@ -287,6 +289,16 @@ def fla_runner():
     return fla_chunk_kda
 
 
+def checked(run, x, nh, ref_o, ref_s) -> tuple[float, float]:
+    """(output, final state) errors of `run` on input set `x`, its outputs poisoned first: the
+    first `nh` heads against their float64 reference."""
+    x["out"].fill_(float("nan"))
+    x["final_state"].fill_(float("nan"))
+    run(x)
+    torch.cuda.synchronize()
+    return rel_err(x["out"][:, :, :nh], ref_o), rel_err(x["final_state"][:, :nh], ref_s)
+
+
 def bench_case(name, spec, K, iters, fla, ceiling, simt=False, sweep=False):
     from kda_cute import api
     from kda_cute.ladder import EXPERIMENTAL, SHIPPED, SIMT
@@ -304,12 +316,11 @@ def bench_case(name, spec, K, iters, fla, ceiling, simt=False, sweep=False):
     t_kda = time_fn(run, sets, iters)
     t_graph = time_fn(graph_runner(run, sets), sets, iters)
     k1_gpu, k2_gpu, other_gpu = kernel_split(gpu_kernel_ms(run, sets))
-    # correctness of the timed configuration, on the first set
-    run(sets[0])
-    torch.cuda.synchronize()
     # heads are independent: the float64 check covers the first few, which keeps it fast
     nh = min(REF_HEADS, base["q"].shape[2])
     ref_o, ref_s = reference(head_slice(base, nh))
+    # correctness of the timed configuration, on the first set
+    out_err, state_err = checked(run, base, nh, ref_o, ref_s)
     ladder = api.config_for(p, None, PRECISION)  # every input set has the same problem shape
     row = {"case": name, "K": K, "config": [ladder.prep.name, ladder.recur.name],
            "precision": PRECISION,
@@ -318,34 +329,24 @@ def bench_case(name, spec, K, iters, fla, ceiling, simt=False, sweep=False):
            "bytes": nbytes, "roofline_ms": nbytes / ceiling * 1e3,
            "kda_ms": t_kda, "kda_graph_ms": t_graph,
            "kda_k1_gpu_ms": k1_gpu, "kda_k2_gpu_ms": k2_gpu, "kda_other_gpu_ms": other_gpu,
-           "kda_out_err": rel_err(sets[0]["out"][:, :, :nh], ref_o),
-           "kda_state_err": rel_err(sets[0]["final_state"][:, :nh], ref_s),
+           "kda_out_err": out_err, "kda_state_err": state_err,
            "input_sets": n_sets, "checked_heads": nh}
     if simt_cfg is not None:
         run_tc = kda_runner(simt_cfg)
         row["simt_ms"] = time_fn(run_tc, sets, iters)
         row["simt_k1_ms"] = time_fn(k1_runner(simt_cfg), sets, iters)
-        sets[0]["out"].fill_(float("nan"))
-        sets[0]["final_state"].fill_(float("nan"))
-        run_tc(sets[0])
-        torch.cuda.synchronize()
-        row["simt_out_err"] = rel_err(sets[0]["out"][:, :, :nh], ref_o)
-        row["simt_state_err"] = rel_err(sets[0]["final_state"][:, :nh], ref_s)
+        row["simt_out_err"], row["simt_state_err"] = checked(run_tc, base, nh, ref_o, ref_s)
     if sweep_cfgs:
         row["sweep"] = {}
         for cfg in sweep_cfgs:
             run_c = kda_runner(cfg)
             ms = time_fn(run_c, sets, iters)
-            sets[0]["out"].fill_(float("nan"))
-            sets[0]["final_state"].fill_(float("nan"))
-            run_c(sets[0])
-            torch.cuda.synchronize()
+            out_e, state_e = checked(run_c, base, nh, ref_o, ref_s)
             # K1's and K2's thread counts both: two configs may differ in one only
             row["sweep"][f"c{cfg.chunk}_s{cfg.recur.stages}_t{cfg.prep.threads}"
                          f"_k2t{cfg.recur.threads}{'_f16' if cfg.recur.f16 else ''}"] = {
                 "ms": ms, "k1_ms": time_fn(k1_runner(cfg), sets, iters),
-                "out_err": rel_err(sets[0]["out"][:, :, :nh], ref_o),
-                "state_err": rel_err(sets[0]["final_state"][:, :nh], ref_s)}
+                "out_err": out_e, "state_err": state_e}
     row["kda_GBps"] = nbytes / t_kda / 1e6
     row["kda_pct_roofline"] = 100 * row["roofline_ms"] / t_kda
     if fla is not None:

@@ -140,21 +140,18 @@ def decode_case(N, H, dtype, fla, bw, iters, flush):
     row["kda_graph_ms"] = time_ms(graphed(kda), iters, flush)
     row["kda_pct"] = 100 * row["ceiling_ms"] / row["kda_graph_ms"]
     if fla is not None:
+        tok = (x["q"], x["k"], x["v"], x["g"], x["beta"])
+        fkw = dict(A_log=x["A_log"], dt_bias=x["dt_bias"], inplace_final_state=True,
+                   state_v_first=True, ssm_state_indices=idx, use_qk_l2norm_in_kernel=True,
+                   use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, lower_bound=-5.0)
+
         def fl():
-            fla(x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=x["A_log"],
-                dt_bias=x["dt_bias"], initial_state=x["pool"], inplace_final_state=True,
-                state_v_first=True, ssm_state_indices=idx, use_qk_l2norm_in_kernel=True,
-                use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, lower_bound=-5.0,
-                out=x["out"])
+            fla(*tok, initial_state=x["pool"], out=x["out"], **fkw)
         if pool0 is not None:  # one step of each from the same pool: the outputs agree
             p = pool0.clone()
-            o1 = kda_cute.decode(x["q"], x["k"], x["v"], x["g"], x["beta"], p, idx, **kw)
+            o1 = kda_cute.decode(*tok, p, idx, **kw)
             p2 = pool0.clone()
-            o2, _ = fla(x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=x["A_log"],
-                        dt_bias=x["dt_bias"], initial_state=p2, inplace_final_state=True,
-                        state_v_first=True, ssm_state_indices=idx, use_qk_l2norm_in_kernel=True,
-                        use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
-                        lower_bound=-5.0)
+            o2, _ = fla(*tok, initial_state=p2, **fkw)
             row["out_vs_fla"] = rel_err(o1, o2)
             row["state_vs_fla"] = rel_err(p[idx.long()], p2[idx.long()])
         row["fla_ms"] = time_ms(fl, iters, flush)
@@ -205,79 +202,52 @@ def verify_case(N, T, H, dtype, fla, bw, iters, flush):
     return row
 
 
-SWEEP = [(1, 12), (8, 32), (64, 32), (256, 32), (1024, 32)]
+SWEEP = [(1, 12), (8, 32), (64, 32), (256, 32), (1024, 32)]  # decode, N:H
+VERIFY_SWEEP = [(64, 2), (64, 8), (256, 4), (256, 8)]  # verify, N:T at H 32
 
 
-def sweep(bw, iters, flush, match=(), pools=("float32", "bfloat16"), shapes=SWEEP
+def sweep(bw, iters, flush, verify=False, match=(), pools=("float32", "bfloat16"), shapes=None
           ) -> list[dict]:
-    """Decode at K (128, or --head-dim) with every built tile of that K (ladder.STEP,
-    STEP_SINGLE and STEP_VARIANTS; those whose name holds one of `match`, when given), CUDA
-    graph."""
-    from kda_cute.ladder import step_tiles
-    rows = []
-    for dtype in (getattr(torch, p) for p in pools):
-        pool = "float32" if dtype == torch.float32 else "bfloat16"
-        cfgs = [c for c in step_tiles() if c.head_dim_k == K
-                and c.pool == pool and (not match or any(m in c.name for m in match))]
-        for N, H in shapes:
-            x = inputs(N, 1, H, dtype, seed=5)
-            idx = x["idx"][:, 0].contiguous()
-            by = {}
-            for c in cfgs:
-                def fn(c=c, x=x, idx=idx):
-                    kda_cute.decode(x["q"], x["k"], x["v"], x["g"], x["beta"], x["pool"], idx,
-                                    out=x["out"], A_log=x["A_log"], dt_bias=x["dt_bias"],
-                                    lower_bound=-5.0, config=c)
-                try:
-                    by[c.name] = time_ms(graphed(fn), iters, flush)
-                except kda_cute.cubin.CubinsMissing:  # a tile not built in this cubin set
-                    continue
-            ceiling = step_bytes(N, 1, H, x["pool"].element_size()) / bw * 1e3
-            rows.append({"form": "decode", "N": N, "H": H, "T": 1, "pool": pool,
-                         "ceiling_ms": ceiling, "ms": by})
-            print(json.dumps(rows[-1]), flush=True)
-            x = idx = None
-            torch.cuda.empty_cache()
-    return rows
-
-
-VERIFY_SWEEP = [(64, 2), (64, 8), (256, 4), (256, 8)]
-
-
-def verify_sweep(bw, iters, flush, match=(), pools=("float32", "bfloat16"),
-                 shapes=VERIFY_SWEEP, H=32) -> list[dict]:
-    """Verify (style (a), every token accepted) at K (128, or --head-dim) and H 32 with every
-    built tile of that K that runs multi-token steps (not the persistent ones but chunked; a
-    chunked tile at the shapes of up to its chunk; those whose name holds one of `match`, when
-    given), CUDA graph."""
+    """Every built step tile of K (128, or --head-dim) timed as a CUDA graph: decode at N:H
+    shapes (ladder.STEP, STEP_SINGLE and STEP_VARIANTS), or with `verify` a verify (style (a),
+    every token accepted) at N:T shapes and H 32 with the tiles that run multi-token steps (not
+    the persistent ones but chunked; a chunked tile at the shapes of up to its chunk); only the
+    tiles whose name holds one of `match`, when given."""
     from kda_cute.ladder import step_tiles
     rows = []
     for dtype in (getattr(torch, p) for p in pools):
         pool = "float32" if dtype == torch.float32 else "bfloat16"
         cfgs = [c for c in step_tiles() if c.head_dim_k == K and c.pool == pool
-                and (not c.persist or c.chunk) and (not match or any(m in c.name for m in match))]
-        for N, T in shapes:
-            x = inputs(N, T, H, dtype, seed=9)
+                and (not verify or not c.persist or c.chunk)
+                and (not match or any(m in c.name for m in match))]
+        for a, b in shapes or (VERIFY_SWEEP if verify else SWEEP):
+            N, T, H = (a, b, 32) if verify else (a, 1, b)
+            x = inputs(N, T, H, dtype, seed=9 if verify else 5)
+            idx = x["idx"][:, 0].contiguous()
             acc = torch.full((N,), T, device="cuda", dtype=torch.int32)
             by = {}
             for c in cfgs:
                 if c.chunk and c.chunk < T:  # a chunked tile takes rows of up to its chunk
                     continue
 
-                def fn(c=c, x=x, acc=acc):
-                    kda_cute.verify(x["q"], x["k"], x["v"], x["g"], x["beta"], x["pool"],
-                                    ssm_state_indices=x["idx"], num_accepted_tokens=acc,
-                                    out=x["out"], A_log=x["A_log"], dt_bias=x["dt_bias"],
-                                    lower_bound=-5.0, config=c)
+                def fn(c=c, x=x, idx=idx, acc=acc):
+                    args = (x["q"], x["k"], x["v"], x["g"], x["beta"], x["pool"])
+                    kw = dict(out=x["out"], A_log=x["A_log"], dt_bias=x["dt_bias"],
+                              lower_bound=-5.0, config=c)
+                    if verify:
+                        kda_cute.verify(*args, ssm_state_indices=x["idx"],
+                                        num_accepted_tokens=acc, **kw)
+                    else:
+                        kda_cute.decode(*args, idx, **kw)
                 try:
                     by[c.name] = time_ms(graphed(fn), iters, flush)
-                except kda_cute.cubin.CubinsMissing:
+                except kda_cute.cubin.CubinsMissing:  # a tile not built in this cubin set
                     continue
             ceiling = step_bytes(N, T, H, x["pool"].element_size()) / bw * 1e3
-            rows.append({"form": "verify", "N": N, "H": H, "T": T, "pool": pool,
-                         "ceiling_ms": ceiling, "ms": by})
+            rows.append({"form": "verify" if verify else "decode", "N": N, "H": H, "T": T,
+                         "pool": pool, "ceiling_ms": ceiling, "ms": by})
             print(json.dumps(rows[-1]), flush=True)
-            x = acc = None
+            x = idx = acc = None
             torch.cuda.empty_cache()
     return rows
 
@@ -429,11 +399,9 @@ def main(argv=None):
     bw = copy_bandwidth()
     flush = _flusher()
     if a.sweep:
-        shapes = [tuple(map(int, x.split(":"))) for x in a.shapes.split(",")] if a.shapes \
-            else (VERIFY_SWEEP if a.verify else SWEEP)
-        run = verify_sweep if a.verify else sweep
-        res = {"versions": versions(), "copy_bandwidth": bw, "head_dim": K, "sweep": run(
-            bw, a.iters, flush, tuple(m for m in a.match.split(",") if m),
+        shapes = [tuple(map(int, x.split(":"))) for x in a.shapes.split(",") if x]
+        res = {"versions": versions(), "copy_bandwidth": bw, "head_dim": K, "sweep": sweep(
+            bw, a.iters, flush, a.verify, tuple(m for m in a.match.split(",") if m),
             tuple(a.pools.split(",")), shapes), "host": host_times()}
         out = Path(a.out)
         out.write_text(json.dumps(res, indent=1) + "\n")

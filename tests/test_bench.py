@@ -3,7 +3,6 @@ tables (the timing itself needs the GPU)."""
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import json
 import math
@@ -220,27 +219,7 @@ def test_input_sets_rotate_poisoned_sets_with_workspaces(monkeypatch):
     assert all(x["workspace"] is None for x in plain)
 
 
-def test_host_probe_times_the_calls_per_round(monkeypatch):
-    """host_probe.host_ms: wall ms per call, the fastest and slowest of its rounds, cycling
-    through the input sets and synchronising between rounds."""
-    import time
-
-    host_probe = _load("probes/host_probe")
-    syncs = []
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda: syncs.append(1))
-    seen = []
-
-    def run(x):
-        seen.append(x)
-        time.sleep(0.002)
-
-    lo, hi = host_probe.host_ms(run, ["a", "b", "c"], calls=4, rounds=3)
-    assert 2.0 <= lo <= hi < 50.0
-    assert seen[:4] == ["a", "b", "c", "a"] and len(seen) == 12
-    assert len(syncs) == 3
-
-
-# ------------------------------------------------ the probes' plans (bench/probes), on a CPU
+# -------------------------------------------- the probes (bench/probes) and serving.py, on a CPU
 def _cpu_inputs(**kw):
     """make_inputs on the CPU with bench.py's out, final state and workspace: (inputs, problem)."""
     from kda_cute import api
@@ -270,138 +249,79 @@ def _driver_ops(monkeypatch, fn, *args):
 
 @pytest.fixture
 def probes(monkeypatch):
-    """bench/probes/<name>.py loaded as a probe runs (its siblings and bench.py importable), the
-    modules it imported forgotten afterwards."""
+    """bench/<name>.py ("probes/host_probe", "serving") loaded as it runs (bench.py importable
+    through its one sys.path entry), sys.path and the modules it imported restored afterwards."""
     import sys
 
     monkeypatch.setattr(sys, "path", list(sys.path))
     before = set(sys.modules)
-    yield lambda name: _load(f"probes/{name}")
+    yield _load
     for name in set(sys.modules) - before:
         if (getattr(sys.modules[name], "__file__", None) or "").startswith(str(ROOT / "bench")):
             del sys.modules[name]
 
 
-@pytest.mark.parametrize("mode,expect", [
-    ("serial", [("K1", "prep"), ("K2", "recur"), ("K2 rescale", "rescale")]),
-    ("alongside", [("zero flags", 0), ("K2", "recur"), ("K1", "prep"),
-                   ("K2 rescale", "rescale")]),
-    ("preset", [("zero flags", 1), ("K2", "recur"), ("K1", "prep"), ("K2 rescale", "rescale")]),
-    ("k2-only", [("zero flags", 1), ("K2", "recur")])])
-def test_alongside_probe_schedules(probes, monkeypatch, mode, expect):
-    """bench/probes/alongside_probe.py's four schedules are the plans its docstring says (the
-    steps, their kinds and kernels, the flags memset's value), the driver is handed just that,
-    and the launcher's own plan is left as it was."""
-    from kda_cute import Options, plan, plans
-    from kda_cute.ladder import alongside_of, rescale_of
-    from kda_cute.plans.steps import Launch, Memset
-
-    probe = probes("alongside_probe")
-    # 2 K2 CTAs on an H200's 132 SMs, 32 chunks: the launcher runs K2 alongside K1
-    x, p = _cpu_inputs(B=1, T=32 * 16, H=2, K=64)
-    own = plan(p, Options(alongside=True), plans.H200)
-    assert str(own.schedule) == "alongside"
-    pl = probe.schedules(p, plans.H200)[mode]
-    cfg = own.config if mode == "serial" else alongside_of(own.config)
-    kernels = {"prep": cfg.prep, "recur": cfg.recur, "rescale": rescale_of(cfg.recur)}
-    want = [(name, Memset, e) if isinstance(e, int) else (name, Launch, kernels[e])
-            for name, e in expect]
-    assert [(s.name, type(s), s.value if isinstance(s, Memset) else s.kernel)
-            for s in pl.steps] == want
-    if mode == "serial":
-        assert pl == plan(p, Options(alongside=False), plans.H200)
-        # K1 and K2 ordinary launches; the rescale run K2's programmatic dependent
-        assert [s.name for s in pl.launches() if s.programmatic] == ["K2 rescale"]
-    else:
-        # the launcher's steps but for the memset's value: the flags of every (chunk, head)
-        # pair, K2 on a whole SM's shared memory, K1 its programmatic dependent
-        flags = own.step("zero flags")
-        nch = plans.workspace.rows(p, own.config.chunk)[0]
-        assert (pl.step("zero flags").target, pl.step("zero flags").count) == (
-            flags.target, nch * p.H)
-        assert all(s == own.step(s.name) for s in pl.launches())
-        assert pl.step("K2").smem == plans.H200.smem_per_block
-    ops = _driver_ops(monkeypatch, probe.bench.plan_runner(pl), x)
-    assert [o[1] if o[0] == "memset" else o[0] for o in ops] == [
-        e if isinstance(e, int) else kernels[e].name for _, e in expect]
-    assert [o[2] for o in ops if o[0] != "memset"] == [
-        e == ("rescale" if mode == "serial" else "prep") for _, e in expect
-        if not isinstance(e, int)]
-    assert own == plan(p, Options(alongside=True), plans.H200)
-    assert own.step("zero flags").value == 0
+PROBES = sorted(f.stem for f in (ROOT / "bench" / "probes").glob("*.py"))
 
 
-def test_alongside_probe_holds_k1(probes):
-    """--k1-ctas N: K1 beside K2 reserves the shared memory that holds it to N CTAs per SM of
-    an H200 (a third of 233472 bytes in whole 128-byte units, less the 1 KB a CTA's system
-    share takes); the other steps, and the serial and k2-only plans, as without it."""
-    from kda_cute import plans
-
-    probe = probes("alongside_probe")
-    _, p = _cpu_inputs(B=1, T=32 * 16, H=2, K=64)
-    plain = probe.schedules(p, plans.H200)
-    held = probe.schedules(p, plans.H200, ctas=3)
-    # the launcher holds K1 to one CTA per SM here (2 pairs on 130 SMs)
-    assert plain["alongside"].step("K1").smem == 233472 - 1024
-    for mode in ("alongside", "preset"):
-        k1 = held[mode].step("K1")
-        assert k1.smem == 233472 // 3 // 128 * 128 - 1024 and k1.programmatic
-        assert ([s for s in held[mode].steps if s.name != "K1"]
-                == [s for s in plain[mode].steps if s.name != "K1"])
-    assert held["serial"] == plain["serial"] and held["k2-only"] == plain["k2-only"]
+@pytest.mark.parametrize("name", PROBES)
+def test_probes_import_and_take_help(probes, capsys, name):
+    """Every probe imports on a CPU (bench.py found through its one sys.path entry) and parses
+    --help."""
+    mod = probes(f"probes/{name}")
+    with pytest.raises(SystemExit) as e:
+        mod.main(["--help"])
+    assert e.value.code == 0 and "usage:" in capsys.readouterr().out
 
 
-def test_alongside_probe_shared_forces_alongside(probes, monkeypatch):
-    """--shared: the alongside schedule where the launcher runs K1 then K2 (67 K2 CTAs, more
-    than half of 132 SMs), K2 at its own shared memory and the device's own grid, K1 held to
-    the launcher's CTAs per SM (or --k1-ctas') in what one K2 CTA leaves of an SM; a shape the
-    launcher splits into segments keeps its plan (nothing to probe)."""
-    from kda_cute import Options, Problem, plan, plans
-    from kda_cute.ladder import alongside_of
-    from kda_cute.plans.device import resources
-    from kda_cute.plans.schedule import k1_alongside_ctas
-    from kda_cute.plans.steps import Memset, Scalar
+@pytest.mark.parametrize("name", PROBES)
+def test_probes_import_only_the_package_and_bench(name):
+    """A probe stands alone: it imports the standard library, torch, kda_cute and at most
+    bench.py (never another probe), edits sys.path once, and bench/README.md lists it."""
+    import ast
+    import sys
 
-    probe = probes("alongside_probe")
-    x, p = _cpu_inputs(B=1, T=32 * 16, H=67, K=64)
-    own = plan(p, Options(alongside=True), plans.H200)
-    assert str(own.schedule) == "serial"
-    acfg = alongside_of(own.config)
-    k1_own, k2_own = (resources(c, "sm_90a").smem for c in (acfg.prep, acfg.recur))
-    left = 233472 - -(-(k2_own + 1024) // 128) * 128  # an SM less one K2 CTA's allocation
-    for ctas in (None, 2):
-        modes = probe.schedules(p, plans.H200, ctas=ctas, shared=True)
-        pl = modes["alongside"]
-        assert str(pl.schedule) == "alongside" and pl.device == plans.H200
-        assert [(s.name, type(s).__name__) for s in pl.steps] == [
-            ("zero flags", "Memset"), ("K2", "Launch"), ("K1", "Launch"),
-            ("K2 rescale", "Launch")]
-        k2, k1 = pl.step("K2"), pl.step("K1")
-        assert (k2.kernel, k1.kernel) == (acfg.recur, acfg.prep)
-        assert k2.grid == own.step("K2").grid == (1, 67, 1) and k2.smem == k2_own
-        assert k2.source("ordered") == own.step("K2").source("ordered")
-        n = ctas or k1_alongside_ctas(p, 67, plans.H200, resources(acfg.prep, "sm_90a"))
-        assert k1.programmatic and k1.smem == max(k1_own, left // n // 128 * 128 - 1024)
-        flags = pl.step("zero flags")
-        assert flags.value == 0 and modes["k2-only"].steps == (
-            Memset("zero flags", flags.target, 1, flags.count), k2)
-    ops = _driver_ops(monkeypatch, probe.bench.plan_runner(pl), x)  # --k1-ctas 2's
-    rs = pl.step("K2 rescale").kernel
-    assert ops == [("memset", 0), (acfg.recur.name, k2_own, False),
-                   (acfg.prep.name, k1.smem, True), (rs.name, resources(rs, "sm_90a").smem, False)]
-    # a varlen batch whose K2 grid takes more than one wave of an H200: K2 takes its sequences
-    # longest first, as the launcher's plan has it (one planned for more SMs would not)
-    pv = Problem(1, 16 * 512, 64, 64, 64, 16, True, state_in=torch.float32,
-                 state_out=torch.float32, cu_int64=True)
-    own_v = plan(pv, Options(alongside=True), plans.H200)
-    assert str(own_v.schedule) == "serial" and own_v.step("K2").source("ordered") == Scalar(1)
-    forced = probe.schedules(pv, plans.H200, shared=True)["alongside"]
-    assert str(forced.schedule) == "alongside" and forced.step("K2").source("ordered") == Scalar(1)
-    _, p16 = _cpu_inputs(B=1, T=8192, H=16, K=128)
-    segmented = plan(p16, Options(alongside=True), plans.H200)
-    assert str(segmented.schedule) == "segments 8"
-    assert probe.schedules(p16, plans.H200, shared=True) == {
-        "serial": plan(p16, Options(alongside=False), plans.H200), "alongside": segmented}
+    src = (ROOT / "bench" / "probes" / f"{name}.py").read_text()
+    tops = set()
+    for node in ast.walk(ast.parse(src)):
+        if isinstance(node, ast.Import):
+            tops |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            tops.add(node.module.split(".")[0])
+    assert tops - set(sys.stdlib_module_names) <= {"torch", "kda_cute", "bench"}, tops
+    assert src.count("sys.path") <= 1
+    assert f"bench/probes/{name}.py" in (ROOT / "bench" / "README.md").read_text()
+
+
+def test_parse_case():
+    """bench.parse_case: a table case ('_' for ' '), a fixed-length or a varlen shape; anything
+    else refused with the forms it takes."""
+    assert bench.parse_case("B1_T8192_H64") == ("B1 T8192 H64", (1, 8192, 64))
+    assert bench.parse_case("varlen_mix_H64") == ("varlen mix H64", bench.CASES["varlen mix H64"])
+    assert bench.parse_case("B2_T100_H3") == ("B2 T100 H3", (2, 100, 3))
+    assert bench.parse_case("V1024x8_H64") == ("V1024x8 H64", ("varlen", [1024] * 8, 64))
+    with pytest.raises(SystemExit, match="V<len>x<n>_H<h>"):
+        bench.parse_case("T8192")
+
+
+def test_host_probe_times_the_calls_per_round(probes, monkeypatch):
+    """host_probe.host_ms: wall ms per call, the fastest and slowest of its rounds, cycling
+    through the input sets and synchronising between rounds."""
+    import time
+
+    host_probe = probes("probes/host_probe")
+    syncs = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: syncs.append(1))
+    seen = []
+
+    def run(x):
+        seen.append(x)
+        time.sleep(0.002)
+
+    lo, hi = host_probe.host_ms(run, ["a", "b", "c"], calls=4, rounds=3)
+    assert 2.0 <= lo <= hi < 50.0
+    assert seen[:4] == ["a", "b", "c", "a"] and len(seen) == 12
+    assert len(syncs) == 3
 
 
 @pytest.mark.parametrize("varlen", [False, True])
@@ -430,356 +350,10 @@ def test_k1_runner_runs_k1_alone(monkeypatch, varlen):
     assert pl.step("K1").grid == (2, plans.workspace.rows(p, cfg.chunk)[0], 1)
 
 
-def test_alongside_probe_prefers_the_largest_carveout(probes):
-    """--shared: every kernel of a plan gets the preferred shared-memory carveout (100%) on its
-    CUfunction, the one the launcher then launches (with the driver faked)."""
-    from kda_cute import plans
-    from kda_cute.launch import driver
-    from tests import launch_record
-
-    class Attributes(launch_record.FakeDriver):
-        def __init__(self):
-            super().__init__()
-            self.attrs = []
-
-        def cuFuncSetAttribute(self, f, attr, value):  # noqa: N802 (the driver's name)
-            self.attrs.append((self._libs[f][0], attr, value))
-            return (0,)
-
-    probe = probes("alongside_probe")
-    _, p = _cpu_inputs(B=1, T=32 * 16, H=67, K=64)
-    pl = probe.schedules(p, plans.H200, shared=True)["alongside"]
-    drv = Attributes()
-    with driver.substitute(drv):
-        probe.prefer_shared(pl, 0)
-    carveout = [(k, v) for k, a, v in drv.attrs
-                if a == "CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT"]
-    assert carveout == [(s.kernel.name, 100) for s in pl.launches()]
-    assert [(k, v) for k, a, v in drv.attrs
-            if a == "CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES"] == [
-        (s.kernel.name, s.smem) for s in pl.launches()]
-
-
-@pytest.mark.parametrize("name", sorted(
-    f"{d}/{f.stem}" for d in ("probes", "studies") for f in (ROOT / "bench" / d).glob("*.py")))
-def test_probes_and_studies_import_and_take_help(probes, capsys, name):
-    """Every probe and study imports on a CPU (its siblings and bench.py found from its own
-    folder) and, where it takes arguments, parses --help."""
-    import inspect
-
-    mod = probes(name.split("/", 1)[1]) if name.startswith("probes/") else _load(name)
-    if not inspect.signature(mod.main).parameters:
-        return  # no arguments (precision_range)
-    with pytest.raises(SystemExit) as e:
-        mod.main(["--help"])
-    assert e.value.code == 0 and "usage:" in capsys.readouterr().out
-
-
-def test_rescale_probe_scales_exactly(probes):
-    """bench/probes/rescale_probe.py's modes scale v and the initial state by 2^16 (exact in
-    bf16 and fp32) in one head or everywhere, and leave the ordinary mode's inputs alone."""
-    probe = probes("rescale_probe")
-    for mode in probe.MODES:
-        x, _ = _cpu_inputs(B=1, T=64, H=3, K=64, seed=4)
-        v0, s0 = x["v"].float().clone(), x["initial_state"].clone()
-        probe.scaled(x, mode)
-        heads = [] if mode == "ordinary" else [1] if mode.startswith("one head") else [0, 1, 2]
-        for h in range(3):
-            f = 2.0 ** 16 if h in heads else 1.0
-            assert torch.equal(x["v"][:, :, h].float(), v0[:, :, h] * f), (mode, h)
-            assert torch.equal(x["initial_state"][:, h], s0[:, h] * f), (mode, h)
-    assert probe.EXPONENTS[0] < -14 < 16 < probe.EXPONENTS[-1]
-
-
-@pytest.mark.parametrize("mode", ["planned", "1", "none"])
-def test_rescale_grid_probe_plans(probes, monkeypatch, mode):
-    """bench/probes/rescale_grid_probe.py --rescale-z: the plan's rescale runs as planned, with
-    grid z 1 (x and y, arguments and the programmatic flag unchanged), or none; the other steps
-    untouched."""
-    from kda_cute import Options, plans
-    from kda_cute.plans import prefill
-
-    monkeypatch.setattr(prefill, "_rescale_run", prefill._rescale_run)  # restored after
-    _, p = _cpu_inputs(B=8, T=64, H=4, K=128)
-    plans.clear()
-    own = plans.plan(p, Options(alongside=False), plans.H200)
-    probe = probes("rescale_grid_probe")
-    probe.patch(mode)
-    pl = plans.plan(p, Options(alongside=False), plans.H200)
-    plans.clear()
-    rs = [s for s in own.launches() if s.name.endswith(" rescale")]
-    assert rs and rs[0].grid[2] > 1
-    rest = [s for s in own.steps if s not in rs]
-    if mode == "none":
-        assert list(pl.steps) == rest
-        return
-    assert [s for s in pl.steps if not s.name.endswith(" rescale")] == rest
-    got = [s for s in pl.launches() if s.name.endswith(" rescale")]
-    assert [dataclasses.replace(s, grid=r.grid) for s, r in zip(got, rs, strict=True)] == rs
-    assert all(s.grid == (*r.grid[:2], 1 if mode == "1" else r.grid[2])
-               for s, r in zip(got, rs, strict=True))
-
-
-
-def test_side_runs_probe_edits_only_the_side_steps(probes, monkeypatch):
-    """bench/probes/side_runs_probe.py's variants of a plan with side runs: each changes only
-    the steps its name says (the K2 side run's grid z or programmatic flag; the K2 side runs,
-    or K1's side run, left out; K1's side run's grid cut), every other step as planned; a plan
-    without side runs has no variants."""
-    from tests.launch_record import plan_of
-
-    probe = probes("side_runs_probe")
-    pl = plan_of(B=1, T=300, H=4, K=128, ckpt=dict(offsets=5, dtype="bf16"))
-    vs = probe.variants(pl)
-    side = pl.step("K2 side")
-    assert side.grid[2] > 1 and not side.programmatic
-    assert vs["plan"] is pl
-    assert vs["K2 side z 1"].step("K2 side").grid == (*side.grid[:2], 1)
-    assert vs["K2 side programmatic"].step("K2 side").programmatic
-    for name, gone in (("no K2 side runs", {"K2 side", "K2 side rescale"}),
-                       ("no K2 side rescale", {"K2 side rescale"}), ("no K1 side", {"K1 side"})):
-        assert list(vs[name].steps) == [s for s in pl.steps if s.name not in gone]
-    # K1's side run: planned as the looped twin over one resident wave of CTAs (4 heads: 165
-    # rows, cut to the 5 side slots); the plain K1 a CTA a slot (as before the twin), or the
-    # twin over two waves, about eight or two CTAs an SM
-    k1 = pl.step("K1 side")
-    assert k1.kernel.looped and k1.grid == (4, 5, 1)
-    before = vs["K1 side a CTA a slot"].step("K1 side")
-    assert before.kernel == dataclasses.replace(k1.kernel, looped=False)
-    assert before.grid == (4, 5, 1)
-    assert (before.args, before.sources, before.smem) == (k1.args, k1.sources, k1.smem)
-    big = plan_of(B=1, T=8192, H=64, K=128, ckpt=dict(offsets=128, dtype="bf16"))
-    bv = probe.variants(big)
-    # K128's f16 K1 holds 5 CTAs an SM (88 registers): 660 over 64 heads
-    assert big.step("K1 side").grid == (64, 10, 1)
-    assert bv["K1 side a CTA a slot"].step("K1 side").grid == (64, 128, 1)
-    for y in (20, 17, 5):
-        assert bv[f"K1 side looped, grid y {y}"].step("K1 side").grid == (64, y, 1)
-    assert [n for n in vs if n.startswith("K1 side looped")] == []  # 5 slots: all the same
-    for name in ("K1 side a CTA a slot", "K1 side looped, grid y 20"):
-        assert [s for s in bv[name].steps if s.name != "K1 side"] == [
-            s for s in big.steps if s.name != "K1 side"]
-    for name in ("K2 side z 1", "K2 side programmatic"):
-        assert [s for s in vs[name].steps if s.name != "K2 side"] == [
-            s for s in pl.steps if s.name != "K2 side"]
-    # an input set's Call with checkpoint arguments: bench.call_of's, those fields set (bench.py
-    # importable as the probe's main makes it)
-    import sys
-
-    monkeypatch.syspath_prepend(str(ROOT / "bench"))
-    monkeypatch.delitem(sys.modules, "bench", raising=False)
-    x, _ = _cpu_inputs(B=1, T=64, H=2, K=64)
-    kw = {"checkpoint_state": torch.empty(1), "checkpoint_every": 64}
-    c = probe.call_with(x, kw)
-    assert c._replace(checkpoint_state=None, checkpoint_every=None) == bench.call_of(x)
-    assert c.checkpoint_state is kw["checkpoint_state"] and c.checkpoint_every == 64
-    aligned = plan_of(B=1, T=300, H=4, K=128,
-                    ckpt=dict(every=64, per_row=5, slots=5, dtype="bf16"))
-    assert list(probe.variants(aligned)) == ["plan"]
-
-
-def test_checkpoints_probe_modes(probes):
-    """bench/probes/checkpoints_probe.py's every-n modes: the first offset on chunk boundaries
-    (every), mid-chunk (every - 24) or absent ("no first"), and the bytes each writes."""
-    probe = probes("checkpoints_probe")
-    x, _ = _cpu_inputs(B=2, T=200, H=2, K=64)
-    for mode, first in (("every 64 bf16", 64), ("every 64 fp32 mid-chunk", 40),
-                        ("every 64 bf16 no first", None)):
-        assert mode in probe.MODES
-        kw, nbytes = probe.checkpoint_args(x, mode)
-        if first is None:
-            assert "checkpoint_first" not in kw
-        else:
-            assert kw["checkpoint_first"].tolist() == [first, first]
-        per = (200 - (first or 64)) // 64 + 1  # a row's boundaries: 64, 128, 192 or 40, 104, 168
-        elem = 4 if "fp32" in mode else 2
-        assert nbytes == 2 * per * 2 * 64 * 64 * elem and kw["checkpoint_every"] == 64
-
-
-def test_forward_bytes_probe_reads_the_last_forward(probes):
-    """bench/probes/forward_bytes_probe.py's parse of ncu's CSV (base units): each kernel's
-    three metrics, the last of two forwards' kernels, in launch order; a count that is not
-    whole forwards raises."""
-    probe = probes("forward_bytes_probe")
-    head = '"ID","Kernel Name","Metric Name","Metric Unit","Metric Value"\n'
-    rows = []
-    for i, name in enumerate(["kda_prep_a", "kda_recur_tc_b"] * 2):
-        for metric, value in zip(probe.METRICS, (1000 + i, 2e6 + i, "3,000,000"), strict=True):
-            rows.append(f'"{i}","{name}","{metric}","x","{value}"\n')
-    ks = probe.parse("==PROF== noise\n" + head + "".join(rows))
-    assert [(k["name"], k["ns"], k["read"], k["write"]) for k in ks] == [
-        ("kda_prep_a", 1002.0, 2e6 + 2, 3e6), ("kda_recur_tc_b", 1003.0, 2e6 + 3, 3e6)]
-    with pytest.raises(RuntimeError, match="3 kernels"):
-        probe.parse(head + "".join(rows[:9]))
-    with pytest.raises(RuntimeError, match="no CSV"):
-        probe.parse("nothing")
-
-
-def test_checkpoints_probe_pairs_each_mode_with_the_base_around_it(probes):
-    """--rounds: a round times base, m1, base, m2, base; m2's ratio in round j is against the
-    base timings right before and after it, and the figure is the median over rounds."""
-    probe = probes("checkpoints_probe")
-    # two rounds, modes (base, m1, m2): base timings 1, 2, 3 | 10, 20, 30
-    base = [1.0, 2.0, 3.0, 10.0, 20.0, 30.0]
-    assert probe.paired(base, [1.5, 15.0], 0, 3) == 1.0
-    assert probe.paired(base, [5.0, 50.0], 1, 3) == 2.0
-    assert probe.paired(base, [2.5, 100.0], 1, 3) == pytest.approx((1.0 + 4.0) / 2)
-
-
-def test_stream_probe_kernels_move_the_slots_they_name(probes, monkeypatch):
-    """bench/probes/stream_probe.py's Triton streams, run by Triton's interpreter on the CPU:
-    the out-of-place one writes slot odx[n] with slot idx[n] and nothing else; the in-place
-    ones (a tile a program, persistent) leave the pool as it was (x / 2 + x / 2)."""
-    pytest.importorskip("triton")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    probe = probes("stream_probe")
-    tile, persist, _, moved = probe.kernels()
-    H, V, K, N, bv = 2, 128, 128, 3, 32
-    pool = torch.randn(8, H, V, K)
-    out = torch.zeros_like(pool)
-    idx = torch.tensor([5, 0, 3], dtype=torch.int32)
-    odx = torch.tensor([1, 7, 2], dtype=torch.int32)
-    tiles = N * H * V // bv
-    moved[(tiles,)](pool, out, idx, odx, H, pool.stride(0), BV=bv, KD=K, VD=V)
-    assert torch.equal(out[odx.long()], pool[idx.long()])
-    assert not out[[0, 3, 4, 5, 6]].any()
-    before = pool.clone()
-    tile[(tiles,)](pool, idx, H, pool.stride(0), BV=bv, KD=K, VD=V)
-    persist[(4,)](pool, idx, H, pool.stride(0), tiles, BV=bv, KD=K, VD=V, NPROG=4, STAGES=1)
-    assert torch.equal(pool, before)
-
-
-_TC_PROBE_CHECK = """
-import sys, torch
-sys.path[:0] = [{root!r}, {root!r} + "/bench", {root!r} + "/bench/probes"]
-import tc_decode_probe as probe
-from kda_cute.reference import kda_reference, rel_err
-step, _, verify, _ = probe.kernels()
-gen = torch.Generator().manual_seed(3)
-N, T, H, K, V = 2, 3, 2, 128, 128
-rnd = lambda *s: torch.randn(*s, generator=gen).to(torch.bfloat16)
-q, k, g, v, beta = rnd(N, T, H, K), rnd(N, T, H, K), rnd(N, T, H, K), rnd(N, T, H, V), rnd(N, T, H)
-a_log, bias = torch.randn(H, generator=gen) * 0.5, torch.randn(H * K, generator=gen) * 0.5
-pool0 = (torch.randn(4 * N * T, H, V, K, generator=gen) * 0.3).to(torch.bfloat16)
-idx = torch.randperm(4 * N * T, generator=gen)[:N * T].view(N, T).to(torch.int32)
-acc = torch.tensor([2, 3], dtype=torch.int32)
-kw = dict(A_log=a_log, dt_bias=bias, lower_bound=probe.LOWER, gate="bounded")
-scale = K ** -0.5
-S = pool0[idx[torch.arange(N), acc.long() - 1].long()].double()
-for t in range(T):
-    sl = slice(t, t + 1)
-    o, S = kda_reference(q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl], scale=scale,
-                         initial_state=S, **kw)
-out = torch.full((N, T, H, V), float("nan")).to(torch.bfloat16)
-pool = pool0.clone()
-verify[(N * H * 2,)](q, k, v, g, beta, a_log, bias, pool, idx, acc, out, H, pool.stride(0),
-                     scale, probe.LOWER, T=T, BV=64, KD=K, VD=V, MMA=0)
-errs = [rel_err(out[:, -1:].double(), o), rel_err(pool[idx[:, -1].long()].double(), S)]
-one = [x[:, :1].contiguous() for x in (q, k, v, g, beta)]
-s0 = idx[:, 0].contiguous()
-pool = pool0.clone()
-out = torch.full((N, 1, H, V), float("nan")).to(torch.bfloat16)
-step[(N * H * 2,)](*one, a_log, bias, pool, s0, out, H, pool.stride(0), scale, probe.LOWER,
-                   BV=64, KD=K, VD=V, MMA=0)
-o, S = kda_reference(*one, scale=scale, initial_state=pool0[s0.long()].double(), **kw)
-errs += [rel_err(out.double(), o), rel_err(pool[s0.long()].double(), S)]
-print(" ".join(f"{{e:.3e}}" for e in errs))
-"""
-
-
-def test_tc_decode_probe_cuda_core_forms_match_the_reference():
-    """bench/probes/tc_decode_probe.py's CUDA-core decode and verify (style (a): the start slot
-    from the accepted count, every token's state to its slot), run by Triton's interpreter on the
-    CPU against the float64 reference: the last token's output and state of the verify, the
-    decode's output and state, each at the bf16 floor. (A process of its own: the interpreter
-    must be on before triton.language is first imported.)"""
-    pytest.importorskip("triton")
-    import os
-    import subprocess
-    import sys
-
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    r = subprocess.run([sys.executable, "-c", _TC_PROBE_CHECK.format(root=str(ROOT))], env=env,
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-    errs = [float(x) for x in r.stdout.split()]
-    assert len(errs) == 4 and all(e < 5e-3 for e in errs), errs
-
-
-def test_ab_cubins_probe(probes, monkeypatch):
-    """bench/probes/ab_cubins_probe.py: use_cubins points the kernel loader at another cubin
-    root (manifests read again, loaded kernels forgotten, the launcher's generation moved on);
-    summary's ratios are the medians of the rounds' adjacent timings."""
-    from kda_cute import cubin
-    from kda_cute.launch import driver
-
-    probe = probes("ab_cubins_probe")
-    monkeypatch.setattr(cubin, "CUBIN_ROOT", cubin.CUBIN_ROOT)
-    gen = driver.generation
-    probe.use_cubins(ROOT / "nowhere")
-    assert cubin.CUBIN_ROOT == ROOT / "nowhere" and driver.generation == gen + 1
-    with pytest.raises(cubin.CubinsMissing, match="nowhere"):
-        cubin.manifest("kda_offsets_t256", "sm_90a")
-    monkeypatch.undo()
-    cubin.manifest.cache_clear()
-    rounds = [{"none@new": 1.0, "m@new": 1.2, "none@old": 1.0, "m@old": 1.5},
-              {"none@new": 2.0, "m@new": 2.2, "none@old": 1.0, "m@old": 1.1},
-              {"none@new": 1.0, "m@new": 1.1, "none@old": 2.0, "m@old": 2.2}]
-    r = probe.summary(rounds, "m")
-    assert r["new_over_old"] == pytest.approx(0.8)  # 0.8, 2.0, 0.5
-    assert r["none_new_over_old"] == pytest.approx(1.0)  # 1, 2, 0.5
-    assert r["cost_new"] == pytest.approx(0.1) and r["cost_old"] == pytest.approx(0.1)
-
-
-def test_ab_decode_probe(probes):
-    """bench/probes/ab_decode_probe.py: its shapes parsed (decode, or verify with a token count;
-    bad ones named), new / old the median of the rounds' ratios, and the two sets timed first
-    in turn."""
-    probe = probes("ab_decode_probe")
-    assert probe.parse_shapes("bfloat16:64:32,float32:8:12,bfloat16:64:32:4") == [
-        ("bfloat16", 64, 32, 1), ("float32", 8, 12, 1), ("bfloat16", 64, 32, 4)]
-    for bad in ("bf16:64:32", "float32:64", "float32:0:12", "float32:a:12", "float32:8:12:0",
-                "float32:8:12:2:1"):
-        with pytest.raises(SystemExit, match="--shapes"):
-            probe.parse_shapes(bad)
-    assert probe.ratio([1.0, 2.2, 3.0], [2.0, 2.0, 2.0]) == pytest.approx(1.1)
-    with pytest.raises(ValueError):
-        probe.ratio([1.0], [1.0, 2.0])
-    assert [probe.order(r) for r in range(3)] == [("new", "old"), ("old", "new"),
-                                                  ("new", "old")]
-    with pytest.raises(SystemExit, match="--old"):
-        probe.main(["--old", str(ROOT / "nowhere"), "--shapes", "float32:1:1"])
-
-
-def test_ab_cubin_roots(probes, tmp_path):
-    """ab_cubins_probe.cubin_roots: the two roots, new defaulting to the shipped cubins, each
-    one checked to hold sm_90a/ (the error names the flag)."""
-    from kda_cute import cubin
-
-    probe = probes("ab_cubins_probe")
-    (tmp_path / "a" / "sm_90a").mkdir(parents=True)
-    (tmp_path / "b" / "sm_90a").mkdir(parents=True)
-    assert probe.cubin_roots(tmp_path / "a", tmp_path / "b") == {"new": tmp_path / "a",
-                                                                 "old": tmp_path / "b"}
-    if (cubin.CUBIN_ROOT / "sm_90a").is_dir():
-        assert probe.cubin_roots(None, tmp_path / "b")["new"] == cubin.CUBIN_ROOT
-    with pytest.raises(SystemExit, match="--new"):
-        probe.cubin_roots(tmp_path, tmp_path / "b")
-
-
-def test_decode_ncu_target_shape(probes):
-    """bench/probes/decode_ncu_target.py: its N:H argument parsed, bad ones named."""
-    probe = probes("decode_ncu_target")
-    assert probe.parse_shape("64:32") == (64, 32)
-    for bad in ("64", "64:0", "a:32", "64:32:1"):
-        with pytest.raises(SystemExit, match="shape"):
-            probe.parse_shape(bad)
-
-
 def test_serving_step_bytes(probes):
     """bench/serving.py's ceiling bytes: a row's start state read once, its state after every
     token written, and its tokens (q, k, g, v, out and beta, bf16) once each."""
-    serving = probes("../serving")  # bench/serving.py, loaded as the probes are
+    serving = probes("serving")  # bench/serving.py, loaded as the probes are
     state = 128 * 128
     tokens = 3 * 128 * 2 + 2 * 128 * 2 + 2
     assert serving.step_bytes(2, 1, 3, 4) == 2 * 2 * 3 * state * 4 + 2 * 1 * 3 * tokens
@@ -789,7 +363,7 @@ def test_serving_step_bytes(probes):
 def test_serving_sweep_table_and_plot(probes, tmp_path):
     """bench/serving.py --sweep's table and plot: each shape's tiles fastest first, the % of the
     ceiling and the time over the fastest; empty shapes left out."""
-    serving = probes("../serving")
+    serving = probes("serving")
     res = {"copy_bandwidth": 4.2e12, "sweep": [
         {"form": "verify", "N": 64, "H": 32, "T": 2, "pool": "bfloat16", "ceiling_ms": 0.05,
          "ms": {"kda_step_k128_v128_bf16_bv64_r16_t128_u2_n": 0.0720,
@@ -810,7 +384,7 @@ def test_serving_sweep_table_and_plot(probes, tmp_path):
 def test_serving_table_names_the_tile(probes):
     """bench/serving.py's table: each row's plan tile (its name without the head dims), '-' for
     a row without one (results written before the column)."""
-    serving = probes("../serving")
+    serving = probes("serving")
     tile = "bf16_bv64_r16_t128_u2_p5"
     assert serving._short("kda_step_k128_v128_" + tile) == tile
     rows = [{"form": "decode", "pool": "bfloat16", "N": 64, "H": 32, "T": 1, "kda_graph_ms": 0.04,
@@ -844,57 +418,7 @@ def test_pyplot_absent_skips_plots(monkeypatch, tmp_path):
 def test_serving_head_dim_is_the_sweeps(probes):
     """bench/serving.py --head-dim: for the tile sweep only (the table is at K = V = 128),
     refused before anything runs."""
-    serving = probes("../serving")
+    serving = probes("serving")
     with pytest.raises(SystemExit, match="--head-dim: the tile sweep"):
         serving.main(["--head-dim", "64", "--no-fla"])
     assert serving.K == serving.V == 128
-
-
-def test_host_stub_probe_table(probes):
-    """bench/probes/host_stub_probe.py's --merge: a row a call of the newer run, old / new / the
-    ratio, '-' for a call the older run did not time."""
-    probe = probes("host_stub_probe")
-    old = {"commit": "aaa", "machine": "x86_64", "torch": "2.x",
-           "calls": {"decode, eager": {"us": 15.0}}}
-    new = {"commit": "bbb", "machine": "x86_64", "torch": "2.x",
-           "calls": {"decode, eager": {"us": 10.0}, "commit, eager": {"us": 6.0}}}
-    lines = probe.merge(old, new).splitlines()
-    assert "aaa against bbb" in lines[0]
-    assert "| decode, eager | 15.00 | 10.00 | 0.67 |" in lines
-    assert "| commit, eager | - | 6.00 | - |" in lines
-
-
-def test_gather_stream_probe_plan(probes):
-    """bench/probes/gather_stream_probe.py: its shapes parsed (a bad one named), every variant's
-    kernel defined in probe.cu, whole tiles of a head, the bulk variants' stages within an SM's
-    shared memory, and its parameter block laid out as probe.cu's struct."""
-    import ctypes
-    import re
-
-    probe = probes("gather_stream_probe")
-    assert probe.parse_shapes("64:32,256:12") == [(64, 32), (256, 12)]
-    for bad in ("64", "64:0", "a:32", "64:32:1"):
-        with pytest.raises(SystemExit, match="shapes"):
-            probe.parse_shapes(bad)
-    src = (ROOT / "bench/probes/gather_stream/probe.cu").read_text()
-    defined = {f"vec_{a}_{b}" for a, b in re.findall(r"^VEC\((\d+), (\d+)\)", src, re.M)}
-    defined |= {f"flat_{a}" for a in re.findall(r"^FLAT\((\d+)\)", src, re.M)}
-    defined |= {f"bulk_{a}" for a in re.findall(r"^BULK\((\d+)\)", src, re.M)}
-    for head_bytes in (128 * 128 * 2, 128 * 128 * 4):
-        vs = probe.variants(132, head_bytes)
-        assert {v[1] for v in vs} <= defined and {"flat_8", "bulk_4"} <= {v[1] for v in vs}
-        for name, kernel, tile, grid, threads, smem in vs:
-            assert head_bytes % tile == 0 and tile % 16 == 0, name
-            if kernel.startswith("vec"):
-                assert tile // 16 % threads == 0, name
-            if kernel.startswith("bulk"):
-                stages = int(kernel.split("_")[1])
-                assert smem == stages * tile and grid // 132 * (smem + 1024) <= 228 * 1024
-    assert ctypes.sizeof(probe.Tiles) == 56  # 3 pointers, a long long, 5 ints, padded to 8
-    res = {"copy_bandwidth": 4.2e12, "rows": [
-        {"pool": "bfloat16", "N": 64, "H": 32, "decode_pct": 76.1,
-         "pct": {"copy_": 80.0, "vec 16 KB 128 thr": 84.0, "vec 4 KB 128 thr": 85.5,
-                 "flat unroll 4 (8 CTAs/SM)": 83.0, "bulk 32 KB x 4 stages, 1/SM": None}}]}
-    md = probe.markdown(res).splitlines()
-    assert md[-1] == ("| bfloat16 | 64 | 32 | 76.1% | 85.5% (vec 4 KB 128 thr) | "
-                      "83.0% (flat unroll 4 (8 CTAs/SM)) | - | 80.0% |")

@@ -7,14 +7,11 @@ host   wall time per call, 20 calls back to back (the GPU queues them), the fast
        slowest of five rounds
 eager  bench.py's eager time (CUDA events, median of 100, input sets rotated)
 graph  the same calls replayed as a CUDA graph (the GPU's time alone)
-Where host approaches graph, the eager time is the host's. Cases as kernel_times.py takes them.
+Where host approaches graph, the eager time is the host's. Cases as bench.parse_case takes them.
 --bound: each case also as a bound call (kda_cute.bind of the same problem's plan, one per
 input set, made at its first call: what a serving loop with fixed buffers calls), after the
-eager `fwd` call (its checks, plan and resolved steps reused).
---tree DIR: time the kda_cute of DIR instead of this checkout's, e.g. an older revision that
-scripts/ab_build.sh put in build/ab/<rev>/src (with KDA_CUTE_CUBIN_DIR=build/ab/<rev>): only
-its kda_cute is imported (fwd, the checks and the workspace size, which older revisions have
-too), never its bench files; --bound needs a kda_cute with `bind`.
+eager `fwd` call (its checks, plan and resolved steps reused). An older revision's host time:
+run this file from that revision's tree (scripts/ab_build.sh puts one in build/ab/<rev>/src).
 """
 
 from __future__ import annotations
@@ -26,7 +23,9 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench.py (see bench/README.md)
+import bench  # noqa: E402
+import kda_cute  # noqa: E402
 
 
 def host_ms(run, sets, calls: int = 20, rounds: int = 5) -> tuple[float, float]:
@@ -41,12 +40,10 @@ def host_ms(run, sets, calls: int = 20, rounds: int = 5) -> tuple[float, float]:
     return min(per), max(per)
 
 
-def bound_runner(bench, pl):
+def bound_runner(pl):
     """Each input set's call of plan `pl` bound (kda_cute.bind) at the set's first call, on the
     stream current then (a CUDA graph's capture stream for bench.graph_runner, which calls
     each set once before capturing); later calls only launch."""
-    import kda_cute
-
     bound = {}
 
     def run(x):
@@ -58,47 +55,22 @@ def bound_runner(bench, pl):
     return run
 
 
-def _imports(tree: str | None):
-    """(bench, parse_case), kda_cute imported first from `tree` (None: this checkout), so that
-    bench.py, which imports kda_cute, takes that one (a `bench` folder there is no module:
-    bench.py is found here)."""
-    sys.path.insert(0, str(Path(tree).resolve() if tree is not None else ROOT))
-    import kda_cute  # noqa: F401
-
-    for d in (ROOT / "bench", ROOT / "bench" / "probes"):
-        if str(d) not in sys.path:
-            sys.path.append(str(d))
-    from kernel_times import parse_case
-
-    import bench
-    return bench, parse_case
-
-
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("cases", nargs="+")
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--bound", action="store_true",
                     help="also time the bound call (kda_cute.bind) of each case")
-    ap.add_argument("--tree", default=None,
-                    help="the tree whose kda_cute to time (default: this checkout)")
     args = ap.parse_args(argv)
-    bench, parse_case = _imports(args.tree)
-    import kda_cute
-
-    print(f"kda_cute from {Path(kda_cute.__file__).parent}", flush=True)
-    if args.bound and not hasattr(kda_cute, "bind"):
-        ap.error("--bound: this kda_cute has no bind")
     for name in args.cases:
-        label, spec = parse_case(name)
+        label, spec = bench.parse_case(name)
         sets = bench.input_sets(spec, args.head_dim)
         runs = [("", bench.kda_runner)]
         if args.bound:
             p = bench.problem_of(sets[0], check_seqlens=False)
             opts = kda_cute.Options(precision=bench.PRECISION, segments=bench.SEGMENTS)
             pl = kda_cute.plan(p, opts, kda_cute.plans.device_info(sets[0]["q"].device))
-            runs = [(" fwd", bench.kda_runner),
-                    (" bound", lambda _pl=pl: bound_runner(bench, _pl))]
+            runs = [(" fwd", bench.kda_runner), (" bound", lambda _pl=pl: bound_runner(_pl))]
         for tag, make in runs:
             run = make()
             for i in range(10):
@@ -110,6 +82,7 @@ def main(argv=None) -> None:
             graph = bench.time_fn(bench.graph_runner(captured, sets), sets, 100)
             print(f"{label} K{args.head_dim}{tag}: host {lo:.3f}-{hi:.3f} ms/call, eager "
                   f"{eager:.3f} ms, graph {graph:.3f} ms", flush=True)
+
 
 if __name__ == "__main__":
     main()

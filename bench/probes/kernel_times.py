@@ -4,43 +4,23 @@ benchmark cases or ad-hoc shapes, inputs rotated as in bench.py so the L2 is col
     python3 bench/probes/kernel_times.py "B1 T8192 H64" B8_T1024_H64 V1024x8_H64 \
         --head-dim 128
 
-A case is a bench.py case name ('_' for ' '), "B<b>_T<t>_H<h>" (a fixed-length batch) or
-"V<len>x<n>_H<h>" (n sequences of len tokens as one varlen batch). Prints the median duration
-of every kernel the forward launches (K1, K2, and any small torch kernels), and their sum.
-Eager and graph timings in bench.py also count the gaps between launches; this does not.
---states in,out / in / out / none: which of the initial and final states the forward reads and
-writes (default both; the others show what K2's state traffic costs). --config NAME: the
-forward whose K2 (or K1) config has that name (ladder.SHIPPED + EXPERIMENTAL), not the
-ladder's.
+A case is what bench.parse_case takes: a bench.py case name ('_' for ' '), "B<b>_T<t>_H<h>" or
+"V<len>x<n>_H<h>". Prints the median duration of every kernel the forward launches (K1, K2, and
+any small torch kernels), and their sum. Eager and graph timings in bench.py also count the gaps
+between launches; this does not. --states in,out / in / out / none: which of the initial and
+final states the forward reads and writes (default both; the others show what K2's state
+traffic costs). --config NAME: the forward whose K2 (or K1) config has that name
+(ladder.SHIPPED + EXPERIMENTAL), not the ladder's.
 """
 
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench.py (see bench/README.md)
 import bench  # noqa: E402
-
-
-def parse_case(name: str):
-    """(label, bench.py spec) of a case name, a fixed-length shape or a varlen shape."""
-    label = name.replace("_", " ")
-    if label in bench.CASES:
-        return label, bench.CASES[label]
-    m = re.fullmatch(r"B(\d+)_T(\d+)_H(\d+)", name.replace(" ", "_"))
-    if m:
-        return label, tuple(int(x) for x in m.groups())
-    m = re.fullmatch(r"V(\d+)x(\d+)_H(\d+)", name.replace(" ", "_"))
-    if m:
-        n_tok, n_seq, h = (int(x) for x in m.groups())
-        return label, ("varlen", [n_tok] * n_seq, h)
-    raise SystemExit(f"unknown case {name!r}: a bench.py case, B<b>_T<t>_H<h> or V<len>x<n>_H<h>")
 
 
 def kernel_times(spec, K: int, iters: int, states: str = "in,out",
@@ -72,7 +52,7 @@ def main(argv=None):
         if config is None:
             raise SystemExit(f"--config: no shipped or experimental config named {a.config!r}")
     for name in a.cases:
-        label, spec = parse_case(name)
+        label, spec = bench.parse_case(name)
         times = kernel_times(spec, a.head_dim, a.iters, a.states, config)
         print(f"{label} K{a.head_dim} states {a.states} {a.config or 'ladder'}: "
               f"sum {sum(times.values()):.3f} ms")
