@@ -124,6 +124,7 @@ def clear_caches() -> None:
     may replay any time); a captured call's scratch belongs to its graph's memory pool."""
     plans.clear()
     memo.clear()
+    errors.forget()
     launch.clear()
 
 

@@ -61,6 +61,40 @@ def address(device) -> int:
     return words(device)[0].data_ptr()
 
 
+# the role of each word E_CU .. E_PARENT in a call (the argument that fills it depends on the
+# call: the read slot is decode's state_indices, verify's ssm_state_indices or state_indices,
+# commit's intermediate_state_indices)
+ROLES = ("offsets", "tokens per row", "accepted count", "read slot", "write slot", "parent")
+_noted: dict[int, dict[int, dict[str, None]]] = {}
+_NOTED_MOST = 4  # names kept a word, the latest last
+
+
+def note(device, call: str, names) -> None:
+    """What a call on `device` passed for each word its kernels may set ((word, argument)s),
+    noted when the call is planned (not at each call: its plan and names are kept together),
+    so that a word set later is reported with the argument the caller passed."""
+    by_word = _noted.setdefault(_index(device), {})
+    for i, arg in names:
+        seen = by_word.setdefault(i, {})
+        text = f"{arg} ({call}'s {ROLES[i]})"
+        seen.pop(text, None)
+        seen[text] = None
+        if len(seen) > _NOTED_MOST:
+            del seen[next(iter(seen))]
+
+
+def forget() -> None:
+    """Drop the noted names (kda_cute.clear_caches: the calls planned next note theirs)."""
+    _noted.clear()
+
+
+def _named(d: int, i: int) -> str:
+    """Word i's argument as the calls planned on device d passed it (several where calls of
+    different kinds fill it), else the word's general description."""
+    seen = _noted.get(d, {}).get(i)
+    return " or ".join(seen) if seen and i < len(ROLES) else ERRORS[i]
+
+
 def raise_pending(device) -> None:
     """Raise DeviceValueError for any word set by a kernel that has finished by now (no wait),
     naming the arguments, and clear the words."""
@@ -71,7 +105,7 @@ def raise_pending(device) -> None:
     view = hit[1]
     if not any(view):
         return
-    bad = [ERRORS[i] for i in range(ERROR_WORDS) if view[i]]
+    bad = [_named(d, i) for i in range(ERROR_WORDS) if view[i]]
     rows = any(view[i] for i in range(ERROR_WORDS) if i not in (E_PREFILL_CU, E_NONFINITE))
     values = any(view[i] for i in range(ERROR_WORDS) if i != E_NONFINITE)
     for i in range(ERROR_WORDS):

@@ -32,8 +32,11 @@ _HOST = ("config", "stream", "bind")  # what the torch.library ops cannot take
 
 
 def _plan(c: Checked, dev):
-    """The step's plan, from what its checks concluded."""
-    return step_plan(c.problem, c.options, device_info(dev))
+    """The step's plan, from what its checks concluded; the arguments behind its error words
+    noted for their reports."""
+    plan = step_plan(c.problem, c.options, device_info(dev))
+    errors.note(dev, c.problem.form.split()[0], c.names)
+    return plan
 
 
 def _remember(key, *value):

@@ -10,6 +10,7 @@ bit-identical, and every output row of a padding row is checked zero. Pools sit 
 buffer whose guard regions are poisoned and checked untouched."""
 
 import inspect
+import re
 
 import pytest
 import torch
@@ -21,7 +22,15 @@ from kda_cute.ladder import STEP, select_step
 from kda_cute.plans.step import step_plan
 from kda_cute.plans.steps import At, Errors, Role
 from kda_cute.reference import preprocess, rel_err
-from kda_cute.specs.step import WRITE_ALL, WRITE_LAST, WRITE_START, StepConfig, supports
+from kda_cute.specs.step import (
+    E_READ,
+    E_WRITE,
+    WRITE_ALL,
+    WRITE_LAST,
+    WRITE_START,
+    StepConfig,
+    supports,
+)
 from kda_cute.testing import SENTINEL
 from kda_cute.testing import bits as _bits
 from kda_cute.testing import guarded as _guarded
@@ -491,6 +500,7 @@ def test_error_words_name_the_argument_and_clear():
     forward's non-finite state is named `precision` without the bad-index wording."""
     from kda_cute import errors
     from kda_cute.specs.offsets import E_PREFILL_CU
+    from kda_cute.specs.step import E_ACCEPTED, ERRORS
 
     _, view = errors.words(0)
     for i in range(len(view)):
@@ -507,6 +517,39 @@ def test_error_words_name_the_argument_and_clear():
         errors.raise_pending(0)
     msg = str(info.value)
     assert msg.startswith("cu_seqlens (a prefill") and "padding" not in msg
+    # a word set names the argument the calls planned on the device passed for it
+    errors.forget()
+    view[E_READ] = 1
+    with pytest.raises(errors.DeviceValueError) as info:
+        errors.raise_pending(0)
+    assert str(info.value).startswith(ERRORS[E_READ])  # none noted: the word's description
+    errors.note(0, "decode", ((E_READ, "state_indices"),))
+    view[E_READ] = 1
+    with pytest.raises(errors.DeviceValueError) as info:
+        errors.raise_pending(0)
+    assert str(info.value).startswith("state_indices (decode's read slot): expected")
+    errors.note(0, "commit", ((E_READ, "intermediate_state_indices"),))
+    view[E_READ] = view[E_ACCEPTED] = 1
+    with pytest.raises(errors.DeviceValueError) as info:
+        errors.raise_pending(0)
+    assert str(info.value).startswith(
+        f"{ERRORS[E_ACCEPTED]}, state_indices (decode's read slot) or "
+        "intermediate_state_indices (commit's read slot): expected")
+    errors.forget()
+
+
+def test_each_call_notes_the_arguments_behind_its_error_words(planned):
+    """Planned on a CPU, each serving call's checks name the table it was given for each
+    error word: decode's state_indices / output_state_indices, verify's ssm_state_indices (a)
+    or state_indices / intermediate_state_indices / retrieve_parent_token (b), commit's."""
+    q, k, v, g, beta, pool, idx = decode_args()[:7]
+    names = step_checks.decode(q, k, v, g, beta, pool, idx, None, None, None, None, None, None,
+                               None, "none", True, True, None, None).names
+    assert dict(names) == {E_READ: "state_indices", E_WRITE: "state_indices"}
+    out_idx = torch.arange(idx.shape[0], dtype=torch.int64)
+    names = step_checks.decode(q, k, v, g, beta, pool, None, None, out_idx, None, None, None,
+                               None, None, "none", True, True, None, None).names
+    assert dict(names) == {E_WRITE: "output_state_indices"}
 
 
 # ------------------------------------------------------------ every tensor argument, mutated
@@ -1189,9 +1232,13 @@ def test_bad_values_reported_and_contained(bad, dtype):
     acc = torch.ones(N, dtype=torch.int32, device="cuda")
     cu = torch.arange(0, N * S1 + 1, S1, dtype=torch.int32, device="cuda")
     kw = dict(gate="none", ssm_state_indices=idx, num_accepted_tokens=acc, cu_seqlens=cu)
-    name = {"read": "the read slot", "write": "a write slot",
-            "accepted": "num_accepted_tokens", "cu": "cu_seqlens", "parent":
-            "retrieve_parent_token", "wide": "the read slot"}[bad]
+    kda_cute.clear_caches()  # (only this call's names noted)
+    name = {"read": "ssm_state_indices (verify's read slot)",
+            "write": "ssm_state_indices (verify's write slot)",
+            "accepted": "num_accepted_tokens (verify's accepted count)",
+            "cu": "cu_seqlens (verify's offsets)",
+            "parent": "retrieve_parent_token (verify's parent)",
+            "wide": "ssm_state_indices (verify's read slot)"}[bad]
     if bad == "read":
         idx[1, 0] = 1 << 30
     elif bad == "write":
@@ -1213,7 +1260,7 @@ def test_bad_values_reported_and_contained(bad, dtype):
         assert _guards_ok(ibuf)
     else:
         kda_cute.verify(q, k, v, g, beta, pool, **kw)
-    with pytest.raises(kda_cute.DeviceValueError, match=name):
+    with pytest.raises(kda_cute.DeviceValueError, match="^" + re.escape(name) + ": expected"):
         kda_cute.check_errors(sync=True)
     kda_cute.check_errors(sync=True)  # cleared once reported
     assert _guards_ok(buf)
@@ -1226,11 +1273,13 @@ def test_next_call_reports():
     B, H, K = 4, 2, 64
     q, k, g, v, beta, *_ = _tokens(B, H, K, K, "none", seed=60)
     pool = torch.zeros(8, H, K, K, device="cuda")
+    kda_cute.clear_caches()  # (only this call's names noted)
     bad = torch.tensor([0, 1, 99, 3], dtype=torch.int32, device="cuda")
     kda_cute.decode(q, k, v, g, beta, pool, bad, gate="none")
     torch.cuda.synchronize()
     good = torch.tensor([0, 1, 2, 3], dtype=torch.int32, device="cuda")
-    with pytest.raises(kda_cute.DeviceValueError, match="the read slot"):
+    with pytest.raises(kda_cute.DeviceValueError,
+                       match=re.escape("state_indices (decode's read slot): expected")):
         kda_cute.decode(q, k, v, g, beta, pool, good, gate="none")
     kda_cute.decode(q, k, v, g, beta, pool, good, gate="none")
     kda_cute.check_errors(sync=True)
@@ -1284,7 +1333,8 @@ def test_eager_loop_on_refilled_buffers(dtype, monkeypatch):
     kda_cute.decode(q, k, v, g, beta, pool, idx, out=out, **kw)
     torch.cuda.synchronize()
     idx[3] = 0
-    with pytest.raises(kda_cute.DeviceValueError, match="the read slot"):
+    with pytest.raises(kda_cute.DeviceValueError,
+                       match="^" + re.escape("state_indices (decode's read slot): expected")):
         kda_cute.decode(q, k, v, g, beta, pool, idx, out=out, **kw)
     assert len(runs) == 2
     kda_cute.check_errors(sync=True)

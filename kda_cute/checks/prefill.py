@@ -18,12 +18,13 @@ import functools
 
 import torch
 
-from .. import memo
+from .. import declare, errors, memo
 from ..abi import SYM_DIV
 from ..ladder import PRECISIONS, FwdConfig, config_for, supports
 from ..problem import STATE_DTYPES, WY_MODES, Call, Checkpoints, Options, PoolForm, Problem
 from ..specs.checkpoints import MAX_ENTRIES
 from ..specs.prep import GATE_MODES
+from ..specs.step import E_READ, E_WRITE
 from .base import (
     _shape,
     capturing,
@@ -318,6 +319,20 @@ def workspace(ws: torch.Tensor, need: int, dev) -> None:
                   got)
 
 
+def _error_names(c: Call) -> tuple:
+    """(error word, the argument behind it)s of a forward (kda_cute.errors.note)."""
+    names = []
+    if c.state_indices is not None:
+        names.append((E_READ, "state_indices"))
+        if c.output_state_indices is not None:
+            names.append((E_WRITE, "output_state_indices"))
+        elif c.final_state is not None:
+            names.append((E_WRITE, "state_indices"))
+    if c.checkpoint_slots is not None:
+        names.append((E_WRITE, "checkpoint_slots"))
+    return tuple(names)
+
+
 def forward(c: Call, opts: Options, check_seqlens: bool = False, cuda: bool = True,
             config: bool = True, memory: bool = True) -> Problem:
     """Every check of a forward call, in order: the tensors' metadata, the scalars, addresses
@@ -330,6 +345,8 @@ def forward(c: Call, opts: Options, check_seqlens: bool = False, cuda: bool = Tr
     p = memo.recall(key)
     if p is None:
         p = memo.remember(key, problem(c, opts))
+        if c.q.device.type == "cuda" and not declare.dry():
+            errors.note(c.q.device, "fwd", _error_names(c))
     if check_seqlens is not False:
         check_seqlens = flag("check_seqlens", check_seqlens)
     scalars(c.scale, c.lower_bound, opts.gate)

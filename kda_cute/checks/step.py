@@ -18,7 +18,20 @@ from ..problem import StepParent as Parent
 from ..problem import StepRead as Read
 from ..problem import StepWords as Words
 from ..problem import StepWrite as Write
-from ..specs.step import STEP_GATES, WRITE_ALL, WRITE_LAST, WRITE_NONE, WRITE_START, StepConfig
+from ..specs.step import (
+    E_ACCEPTED,
+    E_CU,
+    E_CU_ROWS,
+    E_PARENT,
+    E_READ,
+    E_WRITE,
+    STEP_GATES,
+    WRITE_ALL,
+    WRITE_LAST,
+    WRITE_NONE,
+    WRITE_START,
+    StepConfig,
+)
 from .base import (
     INDEX_DTYPES,
     POOL_DTYPES,
@@ -51,15 +64,25 @@ class Checked(NamedTuple):
     scale: float
     lower_bound: float | None
     out: torch.Tensor | None = None
+    names: tuple = ()  # (error word, the argument behind it)s: kda_cute.errors.note
 
 
-def _checked(p: StepProblem, opts: StepOptions, dev, scale, lb, out=None,
-             what: str = "q") -> Checked:
+def _checked(p: StepProblem, opts: StepOptions, dev, scale, lb, out=None, what: str = "q",
+             **names) -> Checked:
     """The step's config (the ladder's, or a given one that fits) and device, then its
-    record."""
+    record; `names`: the tables the caller passed for the read / write slots, the accepted
+    counts, the parents and the offsets (None: not given)."""
     config_for(p, opts)
     on_cuda(dev, what)
-    return Checked(p, opts, scale, lb, out)
+    words = {"cu": (E_CU, E_CU_ROWS), "accepted": (E_ACCEPTED,), "read": (E_READ,),
+             "write": (E_WRITE,), "parent": (E_PARENT,)}
+    named = tuple((i, arg) for role, arg in names.items() if arg is not None
+                  for i in words[role])
+    return Checked(p, opts, scale, lb, out, named)
+
+
+def _given(name: str, t) -> str | None:
+    return None if t is None else name
 
 
 def on_cuda(dev, what: str) -> None:
@@ -238,7 +261,9 @@ def decode(q, k, v, g, beta, state, state_indices, out, output_state_indices,
         Nulls(r_null=null, w_null=null), a, b,
         Words(NCU=0, NRI=_words(state_indices), NWI=_words(wi), NAC=0, NPA=0,
               NHI=0 if has_initial_state is None else B))
-    return _checked(p, opts, dev, scale, lb)
+    return _checked(p, opts, dev, scale, lb, read=_given("state_indices", state_indices),
+                    write=_given("output_state_indices", output_state_indices)
+                    or _given("state_indices", state_indices))
 
 
 def verify(q, k, v, g, beta, state, cu_seqlens, ssm_state_indices, num_accepted_tokens,
@@ -319,8 +344,15 @@ def verify(q, k, v, g, beta, state, cu_seqlens, ssm_state_indices, num_accepted_
         _wide(cu_seqlens) == 1, max_tokens, read, acc, False, write, par, nulls, a, b,
         Words(NCU=_words(cu_seqlens), NRI=_words(ridx), NWI=_words(widx),
               NAC=_words(num_accepted_tokens), NPA=npa, NHI=0))
+    if form == "verify":
+        names = dict(read="ssm_state_indices", write="ssm_state_indices",
+                     accepted=_given("num_accepted_tokens", num_accepted_tokens))
+    else:
+        names = dict(read="state_indices",
+                     write=_given("intermediate_state_indices", intermediate_state_indices),
+                     parent=_given("retrieve_parent_token", retrieve_parent_token))
     del dst, ridx, widx  # the call's, chosen again each call
-    return _checked(p, opts, dev, scale, lb)
+    return _checked(p, opts, dev, scale, lb, cu=_given("cu_seqlens", cu_seqlens), **names)
 
 
 def commit(state, intermediate_states, state_indices, accepted_step,
@@ -357,7 +389,9 @@ def commit(state, intermediate_states, state_indices, accepted_step,
         _NO_PARENT, Nulls(r_null=0, w_null=null), False, False,
         Words(NCU=0, NRI=_words(intermediate_state_indices), NWI=_words(state_indices),
               NAC=_words(accepted_step), NPA=0, NHI=0))
-    return _checked(p, StepOptions(gate="none"), dev, 1.0, None, what="state")
+    return _checked(p, StepOptions(gate="none"), dev, 1.0, None, what="state",
+                    accepted="accepted_step", write="state_indices",
+                    read=_given("intermediate_state_indices", intermediate_state_indices))
 
 
 def recurrent(q, k, v, g, beta, initial_state, final_state, cu_seqlens, out, A_log, dt_bias,
@@ -402,4 +436,4 @@ def recurrent(q, k, v, g, beta, initial_state, final_state, cu_seqlens, out, A_l
         Read(int(n0 > 0), r_sn=1, r_st=0, r_wide=0, r_mul=1, r_add=0), _NO_ACCEPTED, False,
         Write(WRITE_LAST if n1 else WRITE_NONE, w_sn=1, w_st=0, w_wide=0, w_mul=1, w_add=0),
         _NO_PARENT, Nulls(r_null=0, w_null=0), a, b, Words(_words(cu_seqlens), 0, 0, 0, 0, 0))
-    return _checked(p, opts, dev, scale, lb, tk.out)
+    return _checked(p, opts, dev, scale, lb, tk.out, cu=_given("cu_seqlens", cu_seqlens))

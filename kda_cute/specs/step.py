@@ -28,6 +28,7 @@ ERRORS = ("cu_seqlens", "cu_seqlens (tokens per row past the entries or scratch 
           "inf or NaN, or values so large that the float64 result leaves bf16's range; fast "
           "precision redoes what overflowed its fp16 operands with its rows rescaled)")
 ERROR_WORDS = len(ERRORS)
+E_CU, E_CU_ROWS, E_ACCEPTED, E_READ, E_WRITE, E_PARENT = range(6)  # the words' indices
 
 # write modes: nothing, the state after a row's last token, the state after every token, the
 # start state itself (a commit: no tokens)
