@@ -9,7 +9,8 @@
 - `.check(*args, **kwargs)`: the same dry run for a caller that asks before it calls (the fla
   backend's verifiers): raises what the call would raise before its launch, else None.
 
-Eagerly the function runs its own body (no dispatcher cost). A function is written to run dry:
+Eagerly the function is called as written (no dispatcher, no wrapper): torch.compile meets it
+as a function substituted in its graphs by its traced form. A function is written to run dry:
 where `dry()` is true it stops after its checks (kda_cute.checks), before its memo, plan and
 launch; whatever it allocates is a FakeTensor then.
 
@@ -160,18 +161,19 @@ def op(name: str, *, writes, host_only=(), out_like=None, returns=None, inplace=
                     if form.alias is None and (test is None or test(bound)):
                         chosen = form.name
                         break
-            ops[chosen](**bound)
+            getattr(torch.ops.kda_cute, chosen).default(**bound)
             return None if returns is None else bound[returns]
 
         @functools.wraps(fn)
         def call(*args, **kwargs):
-            if torch.compiler.is_compiling():
-                return traced(args, kwargs)
-            return fn(*args, **kwargs)
+            return traced(args, kwargs)
 
-        call.check = _checker(fn)
-        call.ops = tuple(ops)
-        return call
+        # torch.compile traces `call` wherever it meets the function; eagerly the function is
+        # called as written, with nothing in front of it
+        torch.compiler.substitute_in_graph(fn, skip_signature_check=True)(call)
+        fn.check = _checker(fn)
+        fn.ops = tuple(ops)
+        return fn
     return wrap
 
 

@@ -23,9 +23,10 @@ def meta(t):
     return None if t is None else (type(t), t)
 
 
-def key(kind: str, *args) -> tuple:
-    """The memo's key of a call of `kind` with these arguments (meta of each)."""
-    return (kind, *map(meta, args))
+def key(kind: str, tensors: tuple, scalars: tuple = ()) -> tuple:
+    """The memo's key of a call of `kind`: meta of each tensor argument (or None), then the
+    scalar arguments and their types (a serving loop's hot path: one pass each)."""
+    return (kind, *map(meta, tensors), *scalars, *map(type, scalars))
 
 
 def recall(k):

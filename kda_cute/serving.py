@@ -101,9 +101,9 @@ def decode(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tens
                            qk_l2norm, beta_sigmoid, null_slot, config)
         _aligned(("q", q), ("k", k), ("v", v), ("g", g), ("out", out), ("state", state))
         return out
-    key = memo.key("decode", q, k, v, g, beta, state, state_indices, out, output_state_indices,
-                   has_initial_state, A_log, dt_bias, scale, lower_bound, gate, qk_l2norm,
-                   beta_sigmoid, null_slot, config)
+    key = memo.key("decode", (q, k, v, g, beta, state, state_indices, out, output_state_indices,
+                              has_initial_state, A_log, dt_bias),
+                   (scale, lower_bound, gate, qk_l2norm, beta_sigmoid, null_slot, config))
     hit = memo.recall(key)
     if hit is None:
         c = step_checks.decode(q, k, v, g, beta, state, state_indices, out,
@@ -165,8 +165,8 @@ def verify(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tens
         _aligned(("q", q), ("k", k), ("v", v), ("g", g), ("out", out), ("state", state),
                  ("intermediate_states", intermediate_states))
         return out
-    key = memo.key("verify", *tensors, scale, lower_bound, gate, qk_l2norm, beta_sigmoid,
-                   null_slot, config)
+    key = memo.key("verify", tensors,
+                   (scale, lower_bound, gate, qk_l2norm, beta_sigmoid, null_slot, config))
     hit = memo.recall(key)
     if hit is None:
         c = step_checks.verify(*tensors, scale, lower_bound, gate, qk_l2norm, beta_sigmoid,
@@ -206,7 +206,7 @@ def commit(state: Tensor, intermediate_states: Tensor, state_indices: Tensor,
         step_checks.commit(*tensors, null_slot)
         _aligned(("state", state), ("intermediate_states", intermediate_states))
         return state
-    key = memo.key("commit", *tensors, null_slot)
+    key = memo.key("commit", tensors, (null_slot,))
     hit = memo.recall(key)
     if hit is None:
         hit = _remember(key, _plan(step_checks.commit(*tensors, null_slot), state.device))
@@ -244,8 +244,8 @@ def recurrent(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
         _aligned(("q", q), ("k", k), ("v", v), ("g", g), ("out", out),
                  ("initial_state", initial_state), ("final_state", final_state))
         return out
-    key = memo.key("recurrent", *tensors, scale, lower_bound, gate, qk_l2norm, beta_sigmoid,
-                   config)
+    key = memo.key("recurrent", tensors,
+                   (scale, lower_bound, gate, qk_l2norm, beta_sigmoid, config))
     hit = memo.recall(key)
     made = None  # the out the checks allocated (out None), on a first call
     if hit is None:

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kda_cute import abi, checks, cli, plan_export
+from kda_cute import abi, checks, cli, plan_export, plan_record
 from kda_cute.plan_export import Address, LaunchOp, MemsetOp, PlanExportError
 from tests import launch_record
 
@@ -625,7 +625,7 @@ def test_what_it_cannot_express_raises():
     with pytest.raises(PlanExportError, match="alongside"):
         plan_export._record(call, opts, {})
     with pytest.raises(PlanExportError, match="events"):
-        plan_export._Recorder({}).cuEventCreate(0)
+        plan_record._Recorder({}).cuEventCreate(0)
     spans = plan_export._Spans()
     spans.add(0, torch.empty(16, dtype=torch.uint8))
     with pytest.raises(PlanExportError, match="in none of the plan's buffers"):

@@ -133,7 +133,7 @@ def test_checkpoint_table_held_in_lanes_where_it_paid(cfg):
                   key=lambda r: r.name), ids=lambda r: r.name)
 def test_rescale_runs_wait_for_the_k2_that_releases_them(cfg):
     """A fast forward's rescale run is launched as the programmatic dependent of the K2 right
-    before it (plans.prefill._rescale_run): every fp16 K2 but the alongside ones releases its
+    before it (plans.launches.rescale_run): every fp16 K2 but the alongside ones releases its
     dependent at its start (PREEXIT: griddepcontrol.launch_dependents; the alongside ones
     release K1), and the rescale builds wait for that K2 to complete (ACQBULK:
     griddepcontrol.wait) before their first global load: without the wait they would read

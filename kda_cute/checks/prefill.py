@@ -341,7 +341,8 @@ def forward(c: Call, opts: Options, check_seqlens: bool = False, cuda: bool = Tr
     device either way), a shipped or given config for the head dims (`config`), the CUDA
     requirement (`cuda`). Returns its Problem."""
     # (every argument but scale and lower_bound, which are checked each call)
-    key = memo.key("forward", opts, *c[:11], *c[13:])
+    key = memo.key("forward", (*c[:11], *c[13:16], *c[17:20], c.checkpoint_first),
+                   (opts, c.null_slot, c.checkpoint_every))
     p = memo.recall(key)
     if p is None:
         p = memo.remember(key, problem(c, opts))

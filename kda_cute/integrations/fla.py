@@ -30,6 +30,7 @@ import torch
 
 from .. import checks, fla_forms, memo
 from ..plans.device import ready
+from ..specs import HEAD_DIMS
 
 try:
     import fla
@@ -41,7 +42,6 @@ except ImportError as e:  # fla < 0.6 has no fla.backends
 
 PRIORITY = 2  # FlashKDA's backend is 3; lower goes first
 ENV_VAR = "FLA_KDA_CUTE"
-HEAD_DIMS = (64, 128, 256)
 # chunk_kda keywords that change nothing here (fla's own scheduling and recompute options)
 _IGNORED = frozenset({"chunk_size"})
 _zeros: dict[tuple, torch.Tensor] = {}

@@ -13,7 +13,7 @@ from ..ladder import config_for, single_token
 from ..problem import StepOptions, StepProblem
 from ..specs.step import STEP_GATES
 from .device import H200, DeviceInfo
-from .prefill import _launch
+from .launches import kernel_launch
 from .steps import At, Buffer, CallScalar, Errors, Plan, Role, Scalar
 
 F32 = torch.float32
@@ -67,7 +67,7 @@ def _step_plan(p: StepProblem, opts: StepOptions, dev: DeviceInfo) -> Plan:
         grid = (max(1, min(V // cfg.block_v * H * p.N, dev.sms * cfg.persist)), 1, 1)
     steps = ()
     if p.N > 0 and H > 0:
-        step = _launch("step", cfg, grid, values, syms, dev)
+        step = kernel_launch("step", cfg, grid, values, syms, dev)
         if single_token(p):
             # a row has at most one token (the kernel refuses more), so a bf16 pool's fp32
             # keep area, used only between tokens, is never touched: more CTAs fit on an SM

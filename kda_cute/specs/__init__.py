@@ -20,6 +20,8 @@ from .prep import PrepConfig
 from .recur import RecurConfig
 from .step import StepConfig
 
+HEAD_DIMS = (64, 128, 256)  # the head dims K == V every kernel family is built for
+
 
 @dataclass(frozen=True)
 class KernelSpec:
