@@ -38,11 +38,12 @@ CURRENT = {
     "fla-suite": ("fla-suite-h100-2026-12-06-85dbdc6.json", "fla's KDA op tests"),
     "library-overhead": ("ecosystem-h200-2026-12-03-bf82d78.json", "library overhead, wheel"),
     "host": ("host-stub-cpu-2026-12-05-2aad21c.json", "launcher host time, CPU"),
+    "refactor-ab": ("refactor-ab-h100-2026-12-06.json", "one shape for every call, old / new"),
 }
 # files of a table beyond those sharing its JSON's stem, and results with no JSON
 EXTRA = {"host": ("host-stub-cpu-2026-12-05.md", "host-stub-cpu-2026-12-05-6a45ba3.json")}
 RECORDS = {"gate-params": ("gate-params-ab-h100-2026-12-06.md", "gate parameters as held, A/B"),
-           "gpu-suite": ("gpu-tests-h100-2026-12-06-42be26b.log", "the GPU suite's last run")}
+           "gpu-suite": ("gpu-tests-h100-2026-12-06-0ae87c5.log", "the GPU suite's last run")}
 
 
 def table(head, rows, left=1):
