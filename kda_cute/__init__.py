@@ -4,7 +4,7 @@ pool), CuTe DSL compiled ahead of time."""
 import os
 
 from .api import clear_caches, describe, fwd, validate, workspace_bytes
-from .errors import DeviceValueError, check_errors
+from .errors import DeviceValueError
 from .fla_forms import (
     check_chunk_kda,
     check_fused_recurrent_kda_fwd,
@@ -15,7 +15,7 @@ from .ladder import SHIPPED, FwdConfig, select_config
 from .launch import Bound, bind, run
 from .plans import Plan, plan
 from .problem import Call, Options, Problem, StepCall, StepOptions, StepProblem
-from .serving import commit, decode, recurrent, verify
+from .serving import check_errors, commit, decode, recurrent, verify
 from .specs import PrepConfig, RecurConfig, StepConfig
 
 __all__ = [

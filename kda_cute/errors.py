@@ -118,28 +118,3 @@ def raise_pending(device) -> None:
         f"out-of-range values in an earlier call on cuda:{d}"
         + ("; those rows were treated as padding (zero outputs, no state read or written)"
            if rows else ""))
-
-
-def check_errors(device=None, sync: bool = False) -> None:
-    """Raise DeviceValueError if a serving kernel on `device` (None: the current one; an index,
-    a torch.device or "cuda:N") found a bad value. sync=True waits for the device first (every
-    call queued so far is covered); otherwise only kernels that have finished are."""
-    from .checks.base import flag
-    if isinstance(device, str):
-        try:
-            device = torch.device(device)
-        except RuntimeError:
-            raise ValueError(f"device: expected a CUDA device, got {device!r}") from None
-    if isinstance(device, torch.device) and device.type != "cuda":
-        raise ValueError(f"device: expected a CUDA device, got {device}")
-    if device is not None and not isinstance(device, torch.device) and (
-            isinstance(device, bool) or not isinstance(device, int) or device < 0):
-        raise TypeError(f"device: expected None, a device index, a torch.device or 'cuda:N', "
-                        f"got {device!r}")
-    index = device.index if isinstance(device, torch.device) else device
-    if index is not None and torch.cuda.is_available() and index >= torch.cuda.device_count():
-        raise ValueError(f"device: expected one of the {torch.cuda.device_count()} CUDA "
-                         f"devices, got {index}")
-    if flag("sync", sync):
-        torch.cuda.synchronize(_index(device))
-    raise_pending(device)

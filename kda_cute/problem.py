@@ -12,12 +12,9 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
-
-if TYPE_CHECKING:  # (an annotation only: the ladder reads these records)
-    from .ladder import FwdConfig
 
 STATE_DTYPES = (torch.float32, torch.bfloat16)
 WY_MODES = ("auto", "off", "force")
@@ -141,7 +138,7 @@ class Options:
     qk_l2norm: bool = True
     beta_sigmoid: bool = True
     segments: int | None = None
-    config: FwdConfig | None = None
+    config: object = None  # a ladder.FwdConfig (the ladder reads these records)
     alongside: bool = field(default_factory=lambda: ENV_ALONGSIDE)
     wy: str = field(default_factory=lambda: ENV_WY)
 

@@ -1,7 +1,8 @@
-"""Serving against a state pool: `decode`, `verify`, `commit` and `recurrent`,
-each checks (kda_cute.checks.step: metadata, on the host, no sync, to a StepProblem) -> a
+"""Serving against a state pool: `decode`, `verify`, `commit` and `recurrent`, each checks
+(kda_cute.checks.step: metadata, on the host, no sync, to a StepProblem) -> a
 step plan (kda_cute.plans.step) -> run, one token-step kernel launch; what the checks and the
-plan concluded is kept in kda_cute's one memo by the arguments' metadata. The contract:
+plan concluded is kept in kda_cute's one memo by the arguments' metadata; and `check_errors`,
+what the kernels found. The contract:
 docs/serving.md.
 
 The pool is `state[slots, H, V, K]` (fp32 or bf16, the slot stride free, each slot's [H, V, K]
@@ -268,6 +269,27 @@ def recurrent(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
     return bound if bind else out
 
 
-check_errors = errors.check_errors
+def check_errors(device=None, sync: bool = False) -> None:
+    """Raise DeviceValueError if a serving kernel on `device` (None: the current one; an index,
+    a torch.device or "cuda:N") found a bad value. sync=True waits for the device first (every
+    call queued so far is covered); otherwise only kernels that have finished are."""
+    if isinstance(device, str):
+        try:
+            device = torch.device(device)
+        except RuntimeError:
+            raise ValueError(f"device: expected a CUDA device, got {device!r}") from None
+    if isinstance(device, torch.device) and device.type != "cuda":
+        raise ValueError(f"device: expected a CUDA device, got {device}")
+    if device is not None and not isinstance(device, torch.device) and (
+            isinstance(device, bool) or not isinstance(device, int) or device < 0):
+        raise TypeError(f"device: expected None, a device index, a torch.device or 'cuda:N', "
+                        f"got {device!r}")
+    index = device.index if isinstance(device, torch.device) else device
+    if index is not None and torch.cuda.is_available() and index >= torch.cuda.device_count():
+        raise ValueError(f"device: expected one of the {torch.cuda.device_count()} CUDA "
+                         f"devices, got {index}")
+    if flag("sync", sync):
+        torch.cuda.synchronize(errors._index(device))
+    errors.raise_pending(device)
 
 __all__ = ["check_errors", "commit", "decode", "recurrent", "verify", "verify_style"]
