@@ -3,8 +3,65 @@
 import pytest
 import torch
 
+from kda_cute import Call, checks, launch, plans
+from kda_cute.chunked import chunk_intermediates
 from kda_cute.ladder import EXPERIMENTAL, PRECISE, SIMT, TENSOR_CORE
-from kda_cute.testing import make_inputs, prep_errors
+from kda_cute.plans.workspace import views
+from kda_cute.reference import preprocess, rel_err
+from kda_cute.testing import as_double, make_inputs, token_rows
+
+
+def prep_errors(inp, config=None) -> dict:
+    """K1 alone: its workspace against the float64 chunked twin's intermediates. With bf16
+    operands (config.prep.operands), kd, Aw and Mq are compared as hi + lo; for config.prep.f16
+    the fp16 hi plane against the reference rounded to fp16."""
+    q, v = inp["q"], inp["v"]
+    out = torch.empty(v.shape, dtype=torch.bfloat16, device=q.device)
+    call = Call(q, inp["k"], v, inp["g"], inp["beta"], out, inp["A_log"], inp["dt_bias"], None,
+                None, inp["cu_seqlens"], inp["scale"], inp["lower_bound"])
+    opts = checks.options(inp["gate"], inp["qk_l2norm"], inp["beta_sigmoid"], config=config,
+                          alongside=False)
+    p = checks.forward(call, opts)
+    plan = plans.plan(p, opts, plans.device_info(q.device))
+    cfg, chunk = plan.config, plan.config.chunk
+    ws = torch.full((plan.workspace_bytes,), 0xFF, dtype=torch.uint8, device=q.device)
+    launch.run(plan.only("offsets", "K1"), call, ws)
+    w = views(ws, p, cfg)
+    torch.cuda.synchronize()
+    d = as_double(inp)
+    qn, kn, a, b = preprocess(d["q"], d["k"], d["g"], d["beta"], A_log=d["A_log"],
+                              dt_bias=d["dt_bias"], lower_bound=d["lower_bound"],
+                              gate=d["gate"], qk_l2norm=d["qk_l2norm"],
+                              beta_sigmoid=d["beta_sigmoid"])
+    ref = chunk_intermediates(qn, kn, a, b, chunk=chunk, scale=d["scale"],
+                              cu_seqlens=d["cu_seqlens"])
+    B, T, H = q.shape[:3]
+    rows, chunk_rows = token_rows(B, T, inp["cu_seqlens"], chunk)
+    n_rows = int(chunk_rows.max()) + 1 if chunk_rows.numel() else 0
+    pad = torch.zeros(n_rows, dtype=torch.bool)
+    pad[chunk_rows] = True
+    pad[rows] = False
+    pad = pad.to(q.device)
+    rows = rows.to(q.device)
+    res = {"pad_max": 0.0}
+    for name in ("qg", "kg", "kd", "aw", "mq"):
+        r = ref[name.replace("aw", "Aw").replace("mq", "Mq")].reshape(B * T, H, -1)
+        x = w[name]
+        fp16 = x.dtype == torch.float16
+        if cfg.prep.operands == "bf16" and name in ("kd", "aw", "mq"):
+            # hi + lo; the f16 configs write the hi plane only, in fp16
+            x = x[0].double() if cfg.prep.f16 else x[0].double() + x[1].double()
+        if fp16:
+            # what an fp16 output can hold (the f16 configs' every plane, qg and kg in every
+            # tensor-core config): the reference rounded to fp16 (values below fp16's normal
+            # range, e.g. under strong decay, keep only its absolute spacing)
+            r = r.to(torch.float16).double()
+        res[name] = rel_err(x[rows], r)
+        # the padding rows of each sequence's last chunk: K1 writes them as zeros (K2 reads them)
+        res["pad_max"] = max(res["pad_max"], float(x[:n_rows][pad].double().abs().max())
+                             if bool(pad.any()) else 0.0)
+    return res
+
 
 pytestmark = pytest.mark.gpu
 
