@@ -44,13 +44,19 @@ def remember(k, value):
         hash(k)
     except TypeError:
         return value
-    if len(_memo) >= MOST:
+    bounded_put(_memo, MOST, k, value)
+    return value
+
+
+def bounded_put(cache: dict, most: int, k, value) -> None:
+    """cache[k] = value, the oldest entry dropped first when `most` are held (a dict keeps
+    insertion order)."""
+    if len(cache) >= most:
         try:
-            del _memo[next(iter(_memo))]
+            del cache[next(iter(cache))]
         except (StopIteration, KeyError, RuntimeError):  # (another thread's eviction)
             pass
-    _memo[k] = value
-    return value
+    cache[k] = value
 
 
 def clear() -> None:

@@ -199,6 +199,17 @@ def _scratch(inter, state, H, V, K, dev):
     return R, S_max, inter.stride(1) if S_max > 1 or R > 1 else H * V * K
 
 
+def _scratch_rows(intermediate_state_indices, R: int, N: int, dev) -> tuple:
+    """The scratch row table's strides: intermediate_state_indices [N], or without it row n
+    for sequence n (the launcher's ramp: stride 1), which needs R >= N rows."""
+    if intermediate_state_indices is not None:
+        return _index("intermediate_state_indices", intermediate_state_indices, (N,), dev)
+    if R < N:
+        raise err("intermediate_states", f"at least N = {N} rows without "
+                  "intermediate_state_indices", R)
+    return (1,)
+
+
 def _cu(cu_seqlens, dev):
     tensor("cu_seqlens", cu_seqlens, INDEX_DTYPES, 1, dev)
     if cu_seqlens.numel() < 1 or not cu_seqlens.is_contiguous():
@@ -313,13 +324,7 @@ def verify(q, k, v, g, beta, state, cu_seqlens, ssm_state_indices, num_accepted_
         if per_row is not None and per_row > S_max:
             raise err("q", f"at most {S_max} tokens per row (intermediate_states' steps)",
                       per_row)
-        if intermediate_state_indices is not None:
-            w = _index("intermediate_state_indices", intermediate_state_indices, (N,), dev)
-        else:
-            if R < N:
-                raise err("intermediate_states", f"at least N = {N} rows without "
-                          "intermediate_state_indices", R)
-            w = (1,)  # the ramp
+        w = _scratch_rows(intermediate_state_indices, R, N, dev)
         max_tokens = S_max
         if retrieve_parent_token is not None:
             pt = _index("retrieve_parent_token", retrieve_parent_token, (N, None), dev)
@@ -369,13 +374,7 @@ def commit(state, intermediate_states, state_indices, accepted_step,
     N = state_indices.shape[0]
     w = _index("state_indices", state_indices, (N,), dev)
     _index("accepted_step", accepted_step, (N,), dev)
-    if intermediate_state_indices is not None:
-        r = _index("intermediate_state_indices", intermediate_state_indices, (N,), dev)
-    else:
-        if R < N:
-            raise err("intermediate_states", f"at least N = {N} rows without "
-                      "intermediate_state_indices", R)
-        r = (1,)  # the ramp
+    r = _scratch_rows(intermediate_state_indices, R, N, dev)
     null = _null(null_slot)
     pdt = "float32" if state.dtype == torch.float32 else "bfloat16"
     p = StepProblem(

@@ -9,7 +9,7 @@ import contextlib
 
 import torch
 
-from .. import checks, errors
+from .. import checks, errors, memo
 from ..plans.steps import (
     At,
     CallScalar,
@@ -199,10 +199,11 @@ def run(plan, call, workspace: torch.Tensor | None = None, stream=None, keep=Non
         ops, src = _ops(plan, call, ws, dev, device, h)
         held = list(src.held.values())
         if key is not None:
-            remember(_resolved, _RESOLVED_MAX, key, (ops, held, plan))
+            memo.bounded_put(_resolved, _RESOLVED_MAX, key, (ops, held, plan))
     if keep is not None and key is not None and repeatable(plan):
         cache, addresses = keep
-        remember(cache, _AGAIN_MAX, (addresses, driver.generation, device, h), (ops, held))
+        memo.bounded_put(cache, _AGAIN_MAX, (addresses, driver.generation, device, h),
+                         (ops, held))
     ordered = plan.alongside and not capturing
     if stream is None and not ordered:  # the common case, without the contexts' cost
         _execute(ops, call)
@@ -214,17 +215,6 @@ def run(plan, call, workspace: torch.Tensor | None = None, stream=None, keep=Non
 # a caller's cache of resolved steps for `again` holds this many entries at most: a model's
 # layers call with one metadata and their own pools and weights, an entry each
 _AGAIN_MAX = 256
-
-
-def remember(cache: dict, most: int, key, value) -> None:
-    """cache[key] = value, the oldest entry dropped first when `most` are held (a dict keeps
-    insertion order)."""
-    if len(cache) >= most:
-        try:
-            del cache[next(iter(cache))]
-        except (StopIteration, KeyError, RuntimeError):  # (another thread's eviction)
-            pass
-    cache[key] = value
 
 
 def repeatable(plan) -> bool:
@@ -310,5 +300,5 @@ def clear() -> None:
     _resolved.clear()
 
 
-__all__ = ["Bound", "again", "bind", "buffers", "current", "driver", "remember", "repeatable",
+__all__ = ["Bound", "again", "bind", "buffers", "current", "driver", "repeatable",
            "run"]
