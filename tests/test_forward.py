@@ -358,7 +358,8 @@ def test_segmented_first_call_captured_with_tf32_on():
 def test_slow_decay(decay, precision):
     """A state that remembers many chunks (a constant log-space decay per token): the bf16
     operands' rounding accumulates here as it cannot with the fast-decaying gates above (CPU
-    emulation, bench/precision_products.py --decay: output ~2.7-2.9e-3, state ~4-9e-4)."""
+    emulation: output ~2.7-2.9e-3, state ~4-9e-4; docs/notes/precision.md, "Accuracy with slowly
+    decaying states")."""
     inp = make_inputs(B=1, T=4096, H=4, K=128, gate="none", seed=41)
     inp["g"] = torch.full_like(inp["g"], decay)
     _assert(errors(inp, precision=precision))
@@ -611,7 +612,8 @@ def test_k2_alongside_on_several_streams_at_once():
 def test_large_values(precision, scale, K):
     """Values and initial state scaled by a power of two (exact in bf16; the recurrence is
     linear in them): fast precision's fp16 operands hold max |v| ~2e4 (README: below ~1e4 with
-    a margin; bench/precision_range.py emulates overflow near 1e5), precise's bf16 ones 1.4e5."""
+    a margin; the CPU emulation overflows near 1e5: docs/notes/precision.md), precise's bf16 ones
+    1.4e5."""
     inp = make_inputs(B=1, T=1024, H=4, K=K, seed=51)
     inp["v"] = inp["v"] * scale
     inp["initial_state"] = inp["initial_state"] * scale
