@@ -95,14 +95,6 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     return out, s1
 
 
-# fla's fused_recurrent_kda_fwd arguments, all of which are honoured or refused
-_FLA_ARGS = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state", "scale",
-             "output_final_state", "inplace_final_state", "state_v_first", "cu_seqlens",
-             "ssm_state_indices", "num_accepted_tokens", "use_qk_l2norm_in_kernel",
-             "use_gate_in_kernel", "use_beta_sigmoid_in_kernel", "allow_neg_eigval",
-             "lower_bound", "out")
-
-
 @declare.composite
 def fused_recurrent_kda_fwd(q, k, v, g, beta, A_log=None, dt_bias=None, initial_state=None,
                             scale=None, output_final_state=False, inplace_final_state=True,
