@@ -122,9 +122,8 @@ def op(name: str, *, writes, host_only=(), out_like=None, returns=None, inplace=
         if inplace is not None:
             variants.append((_Form(f"{name}_inplace", tuple(
                 "state" if w in inplace else w for w in writes), inplace), None))
-        ops = {}
         for form, _ in variants:
-            ops[form.name] = _register(fn, form, params, hints)
+            _register(fn, form, params, hints)
             OPS.append(form.name)
 
         names = list(sig.parameters)
@@ -132,7 +131,10 @@ def op(name: str, *, writes, host_only=(), out_like=None, returns=None, inplace=
                     if p.default is not inspect.Parameter.empty}
         floats = {n for n in names if hints.get(n) in (float, float | None)}
 
-        def traced(args, kwargs):
+        # torch.compile traces this wherever it meets the function; eagerly the function is
+        # called as written, with nothing in front of it
+        @functools.wraps(fn)
+        def traced(*args, **kwargs):
             bound = dict(defaults)
             bound.update(zip(names, args, strict=False))
             bound.update(kwargs)
@@ -161,18 +163,12 @@ def op(name: str, *, writes, host_only=(), out_like=None, returns=None, inplace=
                     if form.alias is None and (test is None or test(bound)):
                         chosen = form.name
                         break
-            getattr(torch.ops.kda_cute, chosen).default(**bound)
+            getattr(getattr(torch.ops, NAMESPACE), chosen).default(**bound)
             return None if returns is None else bound[returns]
 
-        @functools.wraps(fn)
-        def call(*args, **kwargs):
-            return traced(args, kwargs)
-
-        # torch.compile traces `call` wherever it meets the function; eagerly the function is
-        # called as written, with nothing in front of it
-        torch.compiler.substitute_in_graph(fn, skip_signature_check=True)(call)
+        torch.compiler.substitute_in_graph(fn, skip_signature_check=True)(traced)
         fn.check = _checker(fn)
-        fn.ops = tuple(ops)
+        fn.ops = tuple(form.name for form, _ in variants)
         return fn
     return wrap
 
