@@ -1,5 +1,6 @@
-"""Public entry points: `fwd` (FlashKDA's low-level call) and `chunk_kda` (fla's), each three
-steps: checks (kda_cute.checks) -> plan (kda_cute.plans) -> run (kda_cute.launch).
+"""The prefill's public entry point `fwd` (FlashKDA's low-level call; fla's `chunk_kda` is made
+of it, kda_cute.fla_forms), in three steps: checks (kda_cute.checks) -> plan (kda_cute.plans)
+-> run (kda_cute.launch); and what a plan says of a problem (`describe`, `schedule`).
 
 Every input is checked on the host before anything is launched; a bad input raises ValueError /
 TypeError naming the argument, what was expected and what was got. A call does no host sync
