@@ -20,7 +20,7 @@ import threading
 import torch
 
 from .specs.offsets import E_PREFILL_CU
-from .specs.step import ERROR_WORDS, ERRORS
+from .specs.step import ERROR_ROLES, ERROR_WORDS, ERRORS
 
 E_NONFINITE = 7  # a forward's state became non-finite (kernels.common.E_NONFINITE)
 assert ERRORS[E_NONFINITE].startswith("precision")
@@ -61,10 +61,6 @@ def address(device) -> int:
     return words(device)[0].data_ptr()
 
 
-# the role of each word E_CU .. E_PARENT in a call (the argument that fills it depends on the
-# call: the read slot is decode's state_indices, verify's ssm_state_indices or state_indices,
-# commit's intermediate_state_indices)
-ROLES = ("offsets", "tokens per row", "accepted count", "read slot", "write slot", "parent")
 _noted: dict[int, dict[int, dict[str, None]]] = {}
 _NOTED_MOST = 4  # names kept a word, the latest last
 
@@ -76,7 +72,7 @@ def note(device, call: str, names) -> None:
     by_word = _noted.setdefault(_index(device), {})
     for i, arg in names:
         seen = by_word.setdefault(i, {})
-        text = f"{arg} ({call}'s {ROLES[i]})"
+        text = f"{arg} ({call}'s {ERROR_ROLES[i]})"
         seen.pop(text, None)
         seen[text] = None
         if len(seen) > _NOTED_MOST:
@@ -92,7 +88,7 @@ def _named(d: int, i: int) -> str:
     """Word i's argument as the calls planned on device d passed it (several where calls of
     different kinds fill it), else the word's general description."""
     seen = _noted.get(d, {}).get(i)
-    return " or ".join(seen) if seen and i < len(ROLES) else ERRORS[i]
+    return " or ".join(seen) if seen and i < len(ERROR_ROLES) else ERRORS[i]
 
 
 def raise_pending(device) -> None:

@@ -29,6 +29,10 @@ ERRORS = ("cu_seqlens", "cu_seqlens (tokens per row past the entries or scratch 
           "precision redoes what overflowed its fp16 operands with its rows rescaled)")
 ERROR_WORDS = len(ERRORS)
 E_CU, E_CU_ROWS, E_ACCEPTED, E_READ, E_WRITE, E_PARENT = range(6)  # the words' indices
+# what each of those words stands for in a call (the argument that fills it depends on the
+# call: the read slot is decode's state_indices, verify's ssm_state_indices or state_indices,
+# commit's intermediate_state_indices)
+ERROR_ROLES = ("offsets", "tokens per row", "accepted count", "read slot", "write slot", "parent")
 
 # write modes: nothing, the state after a row's last token, the state after every token, the
 # start state itself (a commit: no tokens)
