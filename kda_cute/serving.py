@@ -64,8 +64,9 @@ def _aligned(*named) -> None:
 
 
 def _launch(plan, call, dev, stream, bind, keep=None):
-    errors.raise_pending(dev)
+    """Bind or run the step (an eager call has read the error words in _again just before)."""
     if bind:
+        errors.raise_pending(dev)
         return launch.bind(plan, call, None, stream)
     launch.run(plan, call, None, stream, keep)
     return None
