@@ -166,6 +166,12 @@ def scalars(scale, lower_bound, gate: str, K: int | None = None) -> tuple[float,
     return float(scale), (None if lower_bound is None else float(lower_bound))
 
 
+def on_cuda(dev, what: str) -> None:
+    """The call's tensors are on a CUDA device (`what`: the argument that tells)."""
+    if dev.type != "cuda":
+        raise err(what, "a CUDA tensor", f"one on {dev}")
+
+
 def has_address(t) -> bool:
     """Whether `t` is a tensor with memory: not None, not a FakeTensor."""
     return t is not None and not isinstance(t, _fake_tensor())

@@ -37,6 +37,7 @@ from .base import (
     index_words,
     is_wide,
     null_min,
+    on_cuda,
     pool,
     scalars,
     tensor,
@@ -298,8 +299,7 @@ def addresses(c: Call) -> None:
 
 
 def require_cuda(c: Call) -> None:
-    if c.q.device.type != "cuda":
-        raise err("q", "a CUDA tensor", f"one on {c.q.device}")
+    on_cuda(c.q.device, "q")
 
 
 def seqlens(cu_seqlens: torch.Tensor, T: int) -> None:

@@ -40,6 +40,7 @@ from .base import (
     flag,
     flags,
     gate_params,
+    on_cuda,
     pool,
     scalars,
     tensor,
@@ -83,11 +84,6 @@ def _checked(p: StepProblem, opts: StepOptions, dev, scale, lb, out=None, what: 
 
 def _given(name: str, t) -> str | None:
     return None if t is None else name
-
-
-def on_cuda(dev, what: str) -> None:
-    if dev.type != "cuda":
-        raise err(what, "a CUDA tensor", f"one on {dev}")
 
 
 def token_rows(name, t, D, H=None, dev=None):
