@@ -67,30 +67,6 @@ ROLES = {"q": "input", "k": "input", "v": "input", "g": "input", "beta": "input"
          "final_state": "output"}
 
 
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 def _aligned(nbytes: int) -> torch.Tensor:
     """A uint8 tensor of `nbytes` whose base is ALIGN-aligned (the launcher's workspace offsets
     are from the aligned base: with this one they are from the tensor's start)."""
@@ -310,16 +286,6 @@ def export_plan(out_dir, *, B: int, T: int, H: int, K: int, V: int | None = None
     dest.mkdir(parents=True, exist_ok=True)
     (dest / HEADER).write_text(plan.header())
     return plan
-
-
-
-
-
-
-
-
-
-
 
 
 def main(argv=None) -> int:

@@ -13,7 +13,6 @@ from .specs.step import ERRORS
 BUFFER_KINDS = ("input", "output", "workspace", "errors", "constant", "scratch")
 
 
-
 TMA_DTYPES = {"bfloat16": "KDA_TMA_BFLOAT16", "float16": "KDA_TMA_FLOAT16",
               "float32": "KDA_TMA_FLOAT32"}
 
