@@ -36,6 +36,7 @@ def manifest(name: str, arch: str) -> dict:
     """A kernel's manifest, read once per process."""
     return load_manifest(name, arch)[0]
 
+
 _EIATTR_REGCOUNT = 0x2F
 _EIATTR_FRAME_SIZE = 0x11
 _EIATTR_KPARAM_INFO = 0x17
@@ -55,12 +56,28 @@ def _sections(data: bytes) -> list[tuple[str, int, int]]:
             "<IIQQQQ", data, shoff + i * shentsize)
         raw.append((name, off, size))
     strtab = raw[shstrndx][1]
+    return [(_c_string(data, strtab + n), off, size) for n, off, size in raw]
 
-    def name_at(o: int) -> str:
-        start = strtab + o
-        return data[start:data.index(b"\0", start)].decode()
 
-    return [(name_at(n), off, size) for n, off, size in raw]
+def _c_string(data: bytes, start: int) -> str:
+    return data[start:data.index(b"\0", start)].decode()
+
+
+def _attributes(data: bytes, off: int, size: int):
+    """The (attribute, payload) records of an `.nv.info` section, up to an unknown format."""
+    p, end = off, off + size
+    while p < end:
+        fmt, attr = data[p], data[p + 1]
+        if fmt == _EIFMT_SVAL:
+            n = struct.unpack_from("<H", data, p + 2)[0]
+            payload, p = data[p + 4:p + 4 + n], p + 4 + n
+        elif fmt == _EIFMT_HVAL:
+            payload, p = data[p + 2:p + 4], p + 4
+        elif fmt == _EIFMT_NVAL:
+            payload, p = b"", p + 2
+        else:
+            return
+        yield attr, payload
 
 
 def kernel_params(data: bytes) -> dict[str, dict]:
@@ -73,18 +90,7 @@ def kernel_params(data: bytes) -> dict[str, dict]:
         if entry not in out:
             continue
         k = out[entry]
-        p, end = off, off + size
-        while p < end:
-            fmt, attr = data[p], data[p + 1]
-            if fmt == _EIFMT_SVAL:
-                n = struct.unpack_from("<H", data, p + 2)[0]
-                payload, p = data[p + 4:p + 4 + n], p + 4 + n
-            elif fmt == _EIFMT_HVAL:
-                payload, p = data[p + 2:p + 4], p + 4
-            elif fmt == _EIFMT_NVAL:
-                payload, p = b"", p + 2
-            else:
-                break
+        for attr, payload in _attributes(data, off, size):
             if attr == _EIATTR_KPARAM_INFO:
                 _index, ordinal, offset, flags = struct.unpack_from("<IHHI", payload)
                 k["params"].append((ordinal, offset, (flags >> 18) & 0x3FFF))
@@ -103,8 +109,7 @@ def _symbols(data: bytes, secs) -> list[str]:
     names = []
     for i in range(sym_size // 24):  # Elf64_Sym
         st_name = struct.unpack_from("<I", data, sym_off + i * 24)[0]
-        start = str_off + st_name
-        names.append(data[start:data.index(b"\0", start)].decode())
+        names.append(_c_string(data, str_off + st_name))
     return names
 
 
@@ -117,20 +122,9 @@ def kernel_resources(data: bytes) -> dict[str, dict]:
     for name, off, size in secs:
         if name != ".nv.info":
             continue
-        p, end = off, off + size
-        while p < end:
-            fmt, attr = data[p], data[p + 1]
-            if fmt == _EIFMT_SVAL:
-                n = struct.unpack_from("<H", data, p + 2)[0]
-                if n == 8 and attr in (_EIATTR_REGCOUNT, _EIATTR_FRAME_SIZE):
-                    sym, value = struct.unpack_from("<II", data, p + 4)
-                    key = "registers" if attr == _EIATTR_REGCOUNT else "frame_bytes"
-                    out.setdefault(names[sym], {})[key] = value
-                p += 4 + n
-            elif fmt == _EIFMT_HVAL:
-                p += 4
-            elif fmt == _EIFMT_NVAL:
-                p += 2
-            else:
-                break
+        for attr, payload in _attributes(data, off, size):
+            if attr in (_EIATTR_REGCOUNT, _EIATTR_FRAME_SIZE) and len(payload) == 8:
+                sym, value = struct.unpack_from("<II", payload)
+                key = "registers" if attr == _EIATTR_REGCOUNT else "frame_bytes"
+                out.setdefault(names[sym], {})[key] = value
     return out
