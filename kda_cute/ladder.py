@@ -46,16 +46,10 @@ class FwdConfig:
 
 
 def supports(cfg: FwdConfig) -> tuple[bool, str]:
-    if cfg.prep.chunk != cfg.recur.chunk:
-        return False, f"K1 chunk {cfg.prep.chunk} != K2 chunk {cfg.recur.chunk}"
-    if cfg.prep.alongside != cfg.recur.alongside:
-        return False, (f"K1 alongside {cfg.prep.alongside} != K2 alongside "
-                       f"{cfg.recur.alongside}")
-    if cfg.prep.f16 != cfg.recur.f16:
-        return False, f"K1 f16 {cfg.prep.f16} != K2 f16 {cfg.recur.f16}"
-    if cfg.prep.head_dim_k != cfg.recur.head_dim_k:
-        return False, (f"K1 head_dim_k {cfg.prep.head_dim_k} != K2 head_dim_k "
-                       f"{cfg.recur.head_dim_k}")
+    for field in ("chunk", "alongside", "f16", "head_dim_k"):
+        k1, k2 = getattr(cfg.prep, field), getattr(cfg.recur, field)
+        if k1 != k2:
+            return False, f"K1 {field} {k1} != K2 {field} {k2}"
     want = "bf16" if cfg.recur.mma == "wgmma" else "f32"
     if cfg.prep.operands != want:
         return False, (f"K2 mma {cfg.recur.mma!r} reads K1 operands {want!r}, got "
@@ -207,11 +201,8 @@ def rescale_of(recur: RecurConfig) -> RecurConfig | None:
     overflow is reported, not redone)."""
     if not recur.f16 or recur.mma != "wgmma":
         return None
-    for r in RESCALE_RUNS:
-        if (r.head_dim_k, r.head_dim_v, r.chunk) == (recur.head_dim_k, recur.head_dim_v,
-                                                     recur.chunk):
-            return r
-    return None
+    dims = (recur.head_dim_k, recur.head_dim_v, recur.chunk)
+    return next((r for r in RESCALE_RUNS if (r.head_dim_k, r.head_dim_v, r.chunk) == dims), None)
 
 
 COMBINE: tuple[CombineConfig, ...] = tuple(CombineConfig(d) for d in HEAD_DIMS)
@@ -222,10 +213,7 @@ CHECKPOINTS = CheckpointsConfig()
 
 
 def combine_config(head_dim: int) -> CombineConfig | None:
-    for cfg in COMBINE:
-        if cfg.head_dim_k == head_dim:
-            return cfg
-    return None
+    return next((c for c in COMBINE if c.head_dim_k == head_dim), None)
 
 
 def select_config(head_dim_k: int, head_dim_v: int, varlen: bool,
@@ -234,10 +222,8 @@ def select_config(head_dim_k: int, head_dim_v: int, varlen: bool,
     ("fast": fp16 products; "precise": bf16 hi/lo products). One config per head dim and
     precision so far (chunk 16, 64 state rows per CTA); `varlen` is accepted for
     layout-specific entries and not used yet."""
-    for cfg in FAST if precision == "fast" else PRECISE:
-        if cfg.prep.head_dim_k == head_dim_k and cfg.recur.head_dim_v == head_dim_v:
-            return cfg
-    return None
+    return next((c for c in (FAST if precision == "fast" else PRECISE)
+                 if (c.prep.head_dim_k, c.recur.head_dim_v) == (head_dim_k, head_dim_v)), None)
 
 
 def config_for(p, opts=None):
@@ -272,13 +258,7 @@ def all_kernels() -> tuple:
     (shipped, experimental and alongside builds), then K2's segment runs, WY and checkpoints
     builds, the looped K1s, the rescale runs, the combines, the token steps, the offsets and
     the checkpoints kernel."""
-    seen, out = set(), []
-    for cfg in [c for f in SHIPPED + EXPERIMENTAL + ALONGSIDE for c in (f.prep, f.recur)] + [
-            *SEGMENT_RUNS, *WY_RUNS, *CHECKPOINT_RUNS, *SIDE_PREPS, *RESCALE_RUNS, *COMBINE,
-            *STEP,
-            *(c for _, c in STEP_SINGLE + STEP_MULTI + STEP_CHUNK), *STEP_VARIANTS, OFFSETS,
-            CHECKPOINTS]:
-        if cfg not in seen:
-            seen.add(cfg)
-            out.append(cfg)
-    return tuple(out)
+    return tuple(dict.fromkeys(
+        [c for f in SHIPPED + EXPERIMENTAL + ALONGSIDE for c in (f.prep, f.recur)]
+        + [*SEGMENT_RUNS, *WY_RUNS, *CHECKPOINT_RUNS, *SIDE_PREPS, *RESCALE_RUNS, *COMBINE,
+           *step_tiles(), OFFSETS, CHECKPOINTS]))
