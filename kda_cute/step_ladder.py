@@ -11,8 +11,7 @@ from .specs.step import supports as step_supports
 
 # The token step (decode, verify, commit): per head dim and pool dtype, as many lanes per state
 # row as 16-byte pool accesses make a row (at most a warp) and 32 rows per CTA, so many CTAs (and
-# their bytes) are in flight on each SM. Other tiles
-# are reachable through StepOptions.config.
+# their bytes) are in flight on each SM. Other tiles are reachable through StepOptions.config.
 def _step(d: int, pool: str, block_v: int = 32, unroll: int = 0) -> StepConfig:
     vec = 4 if pool == "float32" else 8
     return StepConfig(d, d, pool, min(d, block_v), min(32, d // vec), 128, unroll=unroll)
@@ -149,8 +148,8 @@ def select_chunk(head_dim_k: int, head_dim_v: int, pool: str, tokens: int) -> St
     """STEP_CHUNK's tile of the fewest tokens that holds rows of up to `tokens` (at least two)
     for (K, V) and the pool's dtype name, or None (the caller has ruled out tree parents and
     commits)."""
-    fits = [(most, c) for most, c in STEP_CHUNK if 2 <= tokens <= most
-            and (c.head_dim_k, c.head_dim_v, c.pool) == (head_dim_k, head_dim_v, pool)]
+    fits = [(most, c) for most, c in STEP_CHUNK
+            if 2 <= tokens <= most and _dims(c) == (head_dim_k, head_dim_v, pool)]
     return min(fits, key=lambda x: x[0])[1] if fits else None
 
 
@@ -162,24 +161,18 @@ def select_step(head_dim_k: int, head_dim_v: int, pool: str, heads: int = 0,
     token), where there is one; else, for a multi-token plan of up to `tokens` tokens a row,
     STEP_MULTI's tile with the largest threshold reached; else STEP's."""
     key = (head_dim_k, head_dim_v, pool)
-    if heads <= 0:
-        multi = [(least, c) for least, c in STEP_MULTI
-                 if tokens >= least and (c.head_dim_k, c.head_dim_v, c.pool) == key]
-        if multi:
-            return max(multi, key=lambda x: x[0])[1]
-    best = None
-    for least, cfg in STEP_SINGLE:
-        if cfg.persist and not persistent:
-            continue
-        if heads > 0 and heads >= least and (cfg.head_dim_k, cfg.head_dim_v, cfg.pool) == key:
-            if best is None or least >= best[0]:
-                best = (least, cfg)
-    if best is not None:
-        return best[1]
-    for cfg in STEP:
-        if (cfg.head_dim_k, cfg.head_dim_v, cfg.pool) == key:
-            return cfg
-    return None
+    if heads > 0:
+        table, reached = [(n, c) for n, c in STEP_SINGLE if persistent or not c.persist], heads
+    else:
+        table, reached = STEP_MULTI, tokens
+    fits = [(least, c) for least, c in table if reached >= least and _dims(c) == key]
+    if fits:
+        return max(fits, key=lambda x: x[0])[1]
+    return next((c for c in STEP if _dims(c) == key), None)
+
+
+def _dims(c: StepConfig) -> tuple[int, int, str]:
+    return c.head_dim_k, c.head_dim_v, c.pool
 
 
 def single_token(p) -> bool:
@@ -221,7 +214,7 @@ def step_config(p, opts) -> StepConfig:
             raise ValueError("q/state: expected head dims K == V in (64, 128, 256) with an "
                              f"fp32 or bf16 pool, got K={p.K}, V={p.V}, pool {p.pool}")
     ok, why = step_supports(cfg)
-    if not ok or (cfg.head_dim_k, cfg.head_dim_v, cfg.pool) != (p.K, p.V, p.pool):
+    if not ok or _dims(cfg) != (p.K, p.V, p.pool):
         raise ValueError(f"config: expected a StepConfig for K={p.K}, V={p.V}, pool {p.pool}, "
                          f"got {why or cfg.name}")
     return cfg
