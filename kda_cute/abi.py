@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import re
 import struct
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 # Dynamic dimensions: name -> bit width. One name is one run-time value within a kernel.
 SYM_WIDTH = {
@@ -77,6 +77,18 @@ class Arg:
 
     def dynamic(self, entries) -> list[str]:
         return [e for e in entries if isinstance(e, str)]
+
+
+class SpecConfig:
+    """What every spec's config dataclass has: the threads of its CTA (`threads`, where the
+    config says no other) and its fields as a dict (the build's manifest and cache key)."""
+
+    @property
+    def block_threads(self) -> int:
+        return self.threads
+
+    def as_dict(self) -> dict:
+        return asdict(self)
 
 
 def operand_dtype(f16: bool) -> str:

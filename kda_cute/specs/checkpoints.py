@@ -19,9 +19,9 @@ grid), and within rounding of one without.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
-from ..abi import Arg, scalar, tensor
+from ..abi import Arg, SpecConfig, scalar, tensor
 from .recur import index_args
 
 # the most checkpoints a sequence row may ask for (one CTA's entries, in shared memory)
@@ -29,7 +29,7 @@ MAX_ENTRIES = 1024
 
 
 @dataclass(frozen=True)
-class CheckpointsConfig:
+class CheckpointsConfig(SpecConfig):
     """One CTA of `threads` threads per batch row, over its checkpoint entries: each entry's
     offset (`every` == 0: checkpoint_offsets[n, e]; else first[n] + e * every, its slot
     checkpoint_slots[n, e]), checked, ranked among the row's valid ones and written to K2's
@@ -42,13 +42,6 @@ class CheckpointsConfig:
     @property
     def name(self) -> str:
         return f"kda_checkpoints_t{self.threads}"
-
-    @property
-    def block_threads(self) -> int:
-        return self.threads
-
-    def as_dict(self) -> dict:
-        return asdict(self)
 
 
 def supports(cfg: CheckpointsConfig) -> tuple[bool, str]:

@@ -3,14 +3,14 @@ list. No DSL import here."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
-from ..abi import Arg, scalar, tensor
+from ..abi import Arg, SpecConfig, scalar, tensor
 from .recur import index_args
 
 
 @dataclass(frozen=True)
-class CombineConfig:
+class CombineConfig(SpecConfig):
     """The segments' combine (kda_cute.segments) of the few-heads K2: the start states
     S_start(j + 1) = S_start(j) A_j + B_j in fp32. One CTA per (block of `rows` state rows, head,
     sequence), one thread per key column (V = K: segments need K == V)."""
@@ -25,9 +25,6 @@ class CombineConfig:
     @property
     def block_threads(self) -> int:
         return self.head_dim_k
-
-    def as_dict(self) -> dict:
-        return asdict(self)
 
 
 def supports(cfg: CombineConfig) -> tuple[bool, str]:

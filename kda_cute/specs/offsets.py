@@ -4,9 +4,9 @@ argument list; no DSL import here."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
-from ..abi import Arg, scalar, tensor
+from ..abi import Arg, SpecConfig, scalar, tensor
 from .step import ERRORS
 
 # the error word a bad prefill cu_seqlens sets (kda_cute.errors)
@@ -15,7 +15,7 @@ assert ERRORS[E_PREFILL_CU].startswith("cu_seqlens (a prefill")
 
 
 @dataclass(frozen=True)
-class OffsetsConfig:
+class OffsetsConfig(SpecConfig):
     """One CTA of `threads` threads over the N + 1 entries of cu_seqlens: each entry checked
     (0 first, non-decreasing, at most T; an int64 one within int32's range), copied as int32
     into `cu_seqlens` and its sequence's first workspace chunk slot, cu_seqlens[s] // chunk + s,
@@ -30,13 +30,6 @@ class OffsetsConfig:
     @property
     def name(self) -> str:
         return f"kda_offsets_t{self.threads}"
-
-    @property
-    def block_threads(self) -> int:
-        return self.threads
-
-    def as_dict(self) -> dict:
-        return asdict(self)
 
 
 def supports(cfg: OffsetsConfig) -> tuple[bool, str]:

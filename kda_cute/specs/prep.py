@@ -3,9 +3,9 @@ is built under, and its argument list. No DSL import here."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
-from ..abi import QK_DTYPE, Arg, operand_dtype, scalar, tensor, tma, ws_rows, ws_tile
+from ..abi import QK_DTYPE, Arg, SpecConfig, operand_dtype, scalar, tensor, tma, ws_rows, ws_tile
 
 # gate_mode values passed to K1 at run time (one cubin serves all three forms)
 GATE_NONE, GATE_BOUNDED, GATE_UNBOUNDED = 0, 1, 2
@@ -16,7 +16,7 @@ K1_GRID_Y = 65535
 
 
 @dataclass(frozen=True)
-class PrepConfig:
+class PrepConfig(SpecConfig):
     """K1 (token-parallel preparation)."""
 
     head_dim_k: int
@@ -44,13 +44,6 @@ class PrepConfig:
         f16 = "_f16" if self.f16 else ""
         lp = "_lp" if self.looped else ""
         return f"kda_prep{tag}_k{self.head_dim_k}_c{self.chunk}_t{self.threads}{f16}{al}{lp}"
-
-    @property
-    def block_threads(self) -> int:
-        return self.threads
-
-    def as_dict(self) -> dict:
-        return asdict(self)
 
 
 def supports(cfg: PrepConfig) -> tuple[bool, str]:

@@ -3,8 +3,9 @@ the fp32 CUDA-core baseline): its config, constraints and argument list. No DSL 
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
+from .. import abi
 from ..abi import QK_DTYPE, Arg, operand_dtype, operand_tma, scalar, tensor, tma, ws_tile
 
 # The dtype of a state K2 or the combine reads or writes (`state_in`, `state_out`): none, fp32
@@ -37,7 +38,7 @@ def index_args() -> list[Arg]:
 
 
 @dataclass(frozen=True)
-class RecurConfig:
+class RecurConfig(abi.SpecConfig):
     """K2 (chunk recurrence). One CTA per (sequence, head, block of `block_v` state rows)."""
 
     head_dim_k: int
@@ -90,9 +91,6 @@ class RecurConfig:
     def block_threads(self) -> int:
         """Threads per CTA: `threads` compute threads, plus one TMA producer warp for wgmma."""
         return self.threads + (32 if self.mma == "wgmma" else 0)
-
-    def as_dict(self) -> dict:
-        return asdict(self)
 
 
 def supports(cfg: RecurConfig) -> tuple[bool, str]:

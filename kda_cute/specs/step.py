@@ -9,9 +9,9 @@ one cubin per (head dims, pool dtype, tile) covers decode, both verify styles an
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
-from ..abi import Arg, scalar, tensor
+from ..abi import Arg, SpecConfig, scalar, tensor
 
 POOL_DTYPES = ("float32", "bfloat16")
 
@@ -42,7 +42,7 @@ STEP_GATES = {"none": 0, "bounded": 1, "unbounded": 2}
 
 
 @dataclass(frozen=True)
-class StepConfig:
+class StepConfig(SpecConfig):
     """One CTA per (block of `block_v` state rows, head, row of the batch); `tpr` lanes per state
     row, each holding K / tpr columns of `rows_per_thread` rows in fp32 registers. `pool` is
     the dtype of the state pool read and written (and of the verify scratch)."""
@@ -131,13 +131,6 @@ class StepConfig:
         ch = "" if not self.chunk else f"_k{self.chunk}"
         return (f"kda_step_k{self.head_dim_k}_v{self.head_dim_v}_{p}_bv{self.block_v}"
                 f"_r{self.tpr}_t{self.threads}{a}{u}{m}{ps}{ah}{pr}{ch}")
-
-    @property
-    def block_threads(self) -> int:
-        return self.threads
-
-    def as_dict(self) -> dict:
-        return asdict(self)
 
 
 def supports(cfg: StepConfig) -> tuple[bool, str]:
