@@ -189,11 +189,8 @@ def checkpoint_args(cfg: RecurConfig) -> list[Arg]:
         dest = [tma(name, dt, (n, "HV", K), ("sCK", K, 1), ck_slab_box(K, pad), dsl=dsl)
                 for name, dt, n, pad, dsl in CK_DESTS]
     else:
-        dest = [tensor("ck_f", "float32", ("NCK", "H", V, K), ("sCK", V * K, K, 1), dsl="mCkF"),
-                tensor("ck_h", "bfloat16", ("NCK", "H", V, K), ("sCK", V * K, K, 1),
-                       dsl="mCkH"),
-                tensor("ck_s", "float32", ("NSK", "H", V, K), ("sCK", V * K, K, 1),
-                       dsl="mCkS")]
+        dest = [tensor(name, dt, (n, "H", V, K), ("sCK", V * K, K, 1), dsl=dsl)
+                for name, dt, n, _, dsl in CK_DESTS]
     return [
         tensor("ck_at", "int32", ("NCT",), (1,), dsl="mCkAt"),
         tensor("ck_to", "int32", ("NCT",), (1,), dsl="mCkTo"),
