@@ -34,7 +34,7 @@ STATE_CODE = {None: STATE_NONE, torch.float32: STATE_F32, torch.bfloat16: STATE_
 
 
 def kernel_launch(name, cfg, grid, values: dict, syms: dict, dev: DeviceInfo, smem: int = 0,
-            programmatic: bool = False) -> Launch:
+                  programmatic: bool = False) -> Launch:
     """A Launch of kernel `cfg`: each of its parameter arguments' source taken by name from
     `values`, the dynamic dimensions its arguments use from `syms`."""
     res = resources(cfg, dev.arch)
@@ -46,7 +46,7 @@ def kernel_launch(name, cfg, grid, values: dict, syms: dict, dev: DeviceInfo, sm
 
 
 def index_values(p: Problem, N: int, mode: int | None = None, row_div: int = 1,
-                  has_init: bool | None = None) -> dict:
+                 has_init: bool | None = None) -> dict:
     """The pool form's arguments of K2 and the combine (kda_cute.specs.recur.index_args) for
     problem `p` (the error words stand in for the tables a plan does not read): dense states
     unless `p.pool`, `mode` (INDEX_*) and `has_init` overriding the problem's."""
@@ -76,8 +76,8 @@ def index_syms(p: Problem) -> dict:
 
 # K2 without checkpoints: no table (ck_rows 0; the error words stand in for its tensors)
 NO_CHECKPOINTS = {"ck_at": Errors(), "ck_to": Errors(), "ck_f": Errors(), "ck_h": Errors(),
-                   "ck_s": Errors(), "ck_rows": Scalar(0), "ck_dtype": Scalar(STATE_NONE),
-                   "side": Scalar(0)}
+                  "ck_s": Errors(), "ck_rows": Scalar(0), "ck_dtype": Scalar(STATE_NONE),
+                  "side": Scalar(0)}
 
 
 NO_CHECKPOINTS_SYMS = {"NCT": 1, "NCK": 1, "NSK": 1}
@@ -96,7 +96,7 @@ def rescale_run(name: str, k2, grid, vals: dict, syms: dict, dev: DeviceInfo) ->
         return []
     z = min(grid[2], max(1, -(-2 * dev.sms // (grid[0] * grid[1]))))
     return [kernel_launch(name + " rescale", rs, (grid[0], grid[1], z),
-                    {**vals, "ordered": Scalar(0)}, syms, dev, programmatic=not k2.alongside)]
+                          {**vals, "ordered": Scalar(0)}, syms, dev, programmatic=not k2.alongside)]
 
 
 def stores_build(recur, ck):

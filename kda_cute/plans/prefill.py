@@ -174,10 +174,10 @@ def forward_plan(p: Problem, opts: Options, cfg: FwdConfig, dev: DeviceInfo) -> 
         notes.append(f"K1 held to {ctas} CTAs per SM")
         steps.append(Memset("zero flags", ws["flags"], 0, nch * H))
         steps.append(kernel_launch("K2", stores_build(acfg.recur, ck), grid, vals2, syms, dev,
-                             dev.smem_per_block))
+                                   dev.smem_per_block))
         # always K1 work here (alongside needs 32 chunks a sequence): K2 waits on its flags
         steps.append(kernel_launch("K1", acfg.prep, k1_grid, vals1, syms1, dev,
-                             sch.k1_alongside_smem(dev, ctas), programmatic=True))
+                                   sch.k1_alongside_smem(dev, ctas), programmatic=True))
         steps += rescale_run("K2", acfg.recur, grid, vals2, syms, dev)
         k2 = cfg.recur  # (the side run's: the same steps as the alongside build's)
     elif sched.kind == "segments":
@@ -201,13 +201,6 @@ def forward_plan(p: Problem, opts: Options, cfg: FwdConfig, dev: DeviceInfo) -> 
                 alongside=sched.kind == "alongside", notes=tuple(notes))
 
 
-def _segment_run_configs(recur, K: int) -> tuple:
-    """K2's configs for the segment runs: the output-free variant, and the identity run's
-    (V = K) with and without outputs."""
-    quiet = replace(recur, outputs=False)
-    return quiet, replace(quiet, head_dim_v=K), replace(recur, head_dim_v=K)
-
-
 def _segments(p: Problem, cfg: FwdConfig, P: int, vals2: dict, syms: dict,
               dev: DeviceInfo) -> list:
     """K2 over B * P segments (kda_cute.segments): the value rows from zero (end states B_j),
@@ -224,7 +217,9 @@ def _segments(p: Problem, cfg: FwdConfig, P: int, vals2: dict, syms: dict,
     ends, maps, starts = At(states), At(states, one), At(states, 2 * one)
     zeros = At(Buffer("zeros", (B * T, H, K), BF16))
     eye = At(Buffer("eye", (N, H, K, K), F32))
-    quiet, ident_quiet, ident = _segment_run_configs(cfg.recur, K)
+    # K2's output-free variant, and the identity run's (V = K) with and without outputs
+    quiet = replace(cfg.recur, outputs=False)
+    ident_quiet, ident = replace(quiet, head_dim_v=K), replace(cfg.recur, head_dim_v=K)
     quiet_built = quiet in SEGMENT_RUNS
     # without the output-free variant the value run writes `out` (overwritten by the third
     # run) and the identity run a scratch tensor; with it they write nothing
@@ -243,13 +238,13 @@ def _segments(p: Problem, cfg: FwdConfig, P: int, vals2: dict, syms: dict,
     steps = [
         Fork("fork: identity rows beside the value rows"),
         kernel_launch("K2 identity", ident_quiet if quiet_built else ident, (K // bv, H, N),
-                {**vals2, **seg, **dense, **NO_CHECKPOINTS, "v": zeros, "out": scratch,
-                 "out_tma": scratch,
-                 "state_in": Scalar(1), "s0f": eye, "s0h": eye, "state_out": Scalar(1),
-                 "s1f": maps, "s1h": maps, "fix_on": Scalar(0)}, syms_i, dev),
+                      {**vals2, **seg, **dense, **NO_CHECKPOINTS, "v": zeros, "out": scratch,
+                       "out_tma": scratch,
+                       "state_in": Scalar(1), "s0f": eye, "s0h": eye, "state_out": Scalar(1),
+                       "s1f": maps, "s1h": maps, "fix_on": Scalar(0)}, syms_i, dev),
         Merge("merge: value rows"),
         kernel_launch("K2 from zero", quiet if quiet_built else cfg.recur, (V // bv, H, N),
-                zero_vals, syms_v, dev),
+                      zero_vals, syms_v, dev),
         *rescale_run("K2 from zero", cfg.recur, (V // bv, H, N), zero_vals, syms_v, dev),
         Join("join: identity rows"),
     ]
@@ -272,7 +267,6 @@ def _segments(p: Problem, cfg: FwdConfig, P: int, vals2: dict, syms: dict,
         p, N, INDEX_PAD if p.pool else INDEX_DENSE, P, has_init=False),
         "state_in": Scalar(1), "s0f": starts, "s0h": starts, "state_out": Scalar(0)}
     steps.append(kernel_launch("K2 from starts", stores_build(cfg.recur, vals2["ck_rows"].value),
-                         (V // bv, H, N), start_vals, syms_v, dev))
-    steps += rescale_run("K2 from starts", cfg.recur, (V // bv, H, N), start_vals, syms_v,
-                          dev)
+                               (V // bv, H, N), start_vals, syms_v, dev))
+    steps += rescale_run("K2 from starts", cfg.recur, (V // bv, H, N), start_vals, syms_v, dev)
     return steps

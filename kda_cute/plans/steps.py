@@ -183,22 +183,18 @@ class Plan:
     def describe(self) -> str:
         """In words: what this plan runs."""
         p, o = self.problem, self.options
+        notes = "".join(f"; {n}" for n in self.notes)
         if hasattr(p, "form"):  # a serving step
             lines = [f"KDA {p.form}: N={p.N} T={p.T} H={p.H} K={p.K} V={p.V}, {p.pool} pool of "
-                     f"{p.slots} slots, {o.gate} gate"
-                     + "".join(f"; {n}" for n in self.notes)]
-            return "\n".join(lines + self._steps_text())
-        states = "/".join("none" if d is None else str(d).replace("torch.", "")
-                          for d in (p.state_in, p.state_out))
-        lines = [f"KDA forward: B={p.B} T={p.T} H={p.H} K={p.K} V={p.V}, "
-                 f"{'varlen, ' + str(p.N) + ' sequences' if p.varlen else 'fixed length'}, "
-                 f"state in/out {states}, {o.precision} precision, {o.gate} gate",
-                 f"schedule: {self.schedule}" + "".join(f"; {n}" for n in self.notes),
-                 f"workspace: {self.workspace_bytes} bytes"]
-        return "\n".join(lines + self._steps_text())
-
-    def _steps_text(self) -> list[str]:
-        lines = []
+                     f"{p.slots} slots, {o.gate} gate{notes}"]
+        else:
+            states = "/".join("none" if d is None else str(d).replace("torch.", "")
+                              for d in (p.state_in, p.state_out))
+            lines = [f"KDA forward: B={p.B} T={p.T} H={p.H} K={p.K} V={p.V}, "
+                     f"{'varlen, ' + str(p.N) + ' sequences' if p.varlen else 'fixed length'}, "
+                     f"state in/out {states}, {o.precision} precision, {o.gate} gate",
+                     f"schedule: {self.schedule}{notes}",
+                     f"workspace: {self.workspace_bytes} bytes"]
         for i, s in enumerate(self.steps, 1):
             if isinstance(s, Launch):
                 extra = " programmatic" if s.programmatic else ""
@@ -208,4 +204,4 @@ class Plan:
                 lines.append(f"{i}. {s.name}: memset {s.count} words to {s.value}")
             else:
                 lines.append(f"{i}. {s.name}")
-        return lines
+        return "\n".join(lines)
