@@ -184,17 +184,16 @@ def header(plan: ExportedPlan) -> str:
             continue
         params = []
         for j, p in enumerate(op.params):
-            data = "NULL"
-            if p.tma is None:
-                data = f"kda_plan_op{i}_p{j}"
-                out += _bytes_array(data, p.literal)
             if p.tma is not None:
                 t = p.tma
                 params.append(f"  {{KDA_PARAM_TMA, {p.size}, NULL, {buf(t.at.buffer)}, "
                               f"{t.at.offset}ULL, {TMA_DTYPES[t.dtype]}, 2, {_dims(t.dims, 2)}, "
                               f"{t.row_stride_bytes}ULL, {{{t.box[0]}, {t.box[1]}}}, "
                               f"{t.swizzle}}}, /* {p.arg} */")
-            elif p.address is not None:
+                continue
+            data = f"kda_plan_op{i}_p{j}"
+            out += _bytes_array(data, p.literal)
+            if p.address is not None:
                 params.append(f"  {{KDA_PARAM_ADDRESS, {p.size}, {data}, {buf(p.address.buffer)}, "
                               f"{p.address.offset}ULL, KDA_TMA_BFLOAT16, 0, {{0, 0}}, 0, "
                               f"{{0, 0}}, 0}}, /* {p.arg} */")

@@ -68,8 +68,10 @@ class _Recorder(kdriver.StandIn):
         self.allowed[f] = int(value)
         return (0,)
 
-    def _launch(self, f, grid, block, smem, addr, programmatic):
+    def _launch(self, f, grid, block, smem, addr, programmatic, extra):
         name = self.kernels[f]
+        if extra:
+            raise PlanExportError(f"{name}: launched with `extra` options")
         if smem > self.allowed.get(f, 0):
             raise PlanExportError(f"{name}: launched with {smem} bytes of dynamic shared "
                                   f"memory, allowed {self.allowed.get(f, 0)}")
@@ -82,13 +84,9 @@ class _Recorder(kdriver.StandIn):
         return (0,)
 
     def cuLaunchKernel(self, f, gx, gy, gz, bx, by, bz, smem, stream, addr, extra):  # noqa: N802
-        if extra:
-            raise PlanExportError(f"{self.kernels[f]}: launched with `extra` options")
-        return self._launch(f, (gx, gy, gz), (bx, by, bz), smem, addr, False)
+        return self._launch(f, (gx, gy, gz), (bx, by, bz), smem, addr, False, extra)
 
     def cuLaunchKernelEx(self, conf, f, addr, extra):  # noqa: N802
-        if extra:
-            raise PlanExportError(f"{self.kernels[f]}: launched with `extra` options")
         for a in conf.attrs[:conf.numAttrs]:
             if (a.id != "CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION"
                     or getattr(a.value, "programmaticStreamSerializationAllowed", 0) != 1):
@@ -96,7 +94,7 @@ class _Recorder(kdriver.StandIn):
                                       f"kda_cute_plan.h expresses")
         return self._launch(f, (conf.gridDimX, conf.gridDimY, conf.gridDimZ),
                             (conf.blockDimX, conf.blockDimY, conf.blockDimZ),
-                            conf.sharedMemBytes, addr, conf.numAttrs > 0)
+                            conf.sharedMemBytes, addr, conf.numAttrs > 0, extra)
 
     def cuMemsetD32Async(self, ptr, value, count, stream):  # noqa: N802
         self.ops.append({"op": "memset_d32", "ptr": int(ptr), "value": int(value),
