@@ -126,14 +126,6 @@ def device_of(call):
     return (call.q if call.q is not None else call.pool).device
 
 
-def _where(call, stream):
-    dev = device_of(call)
-    device = dev.index if dev.index is not None else torch.cuda.current_device()
-    s = torch.cuda.current_stream(dev) if stream is None else stream
-    _handle(s)
-    return dev, device, s
-
-
 def _handle(stream) -> int:
     """A given stream's handle (a torch.cuda.Stream, or anything with its cuda_stream)."""
     try:
@@ -208,7 +200,8 @@ def run(plan, call, workspace: torch.Tensor | None = None, stream=None, keep=Non
     if stream is None and not ordered:  # the common case, without the contexts' cost
         _execute(ops, call)
     else:
-        with _on(stream), alongside_order(device, h, ordered):
+        on = contextlib.nullcontext() if stream is None else torch.cuda.stream(stream)
+        with on, alongside_order(device, h, ordered):
             _execute(ops, call)
 
 
@@ -243,10 +236,6 @@ def again(cache: dict, addresses: tuple, dev: torch.device, stream=None) -> bool
     return True
 
 
-def _on(stream):
-    return contextlib.nullcontext() if stream is None else torch.cuda.stream(stream)
-
-
 class Bound:
     """A plan bound to one call's tensors, workspace and stream: each call launches the plan's
     steps again with everything resolved, packed and loaded at bind time, without checking or
@@ -258,9 +247,11 @@ class Bound:
     def __init__(self, plan, call, workspace=None, stream=None, check_seqlens: bool = False):
         dev = device_of(call)
         with torch.cuda.device(dev):
-            dev, device, s = _where(call, stream)
+            device = dev.index if dev.index is not None else torch.cuda.current_device()
+            s = torch.cuda.current_stream(dev) if stream is None else stream
+            h = _handle(s)
             self.workspace = _workspace(plan, workspace, dev)
-            self._ops, src = _ops(plan, call, self.workspace, dev, device, s.cuda_stream)
+            self._ops, src = _ops(plan, call, self.workspace, dev, device, h)
         self.plan, self.call, self.stream = plan, call, s
         self._held = list(src.held.values())  # the buffers its launches read
         self._torch = any(isinstance(x, Copy) for x in plan.steps)
