@@ -67,18 +67,9 @@ class StandIn:
     CUtensorMapL2promotion = _OwnNames()
     CUtensorMapFloatOOBfill = _OwnNames()
 
-    def CUstream(self, s):  # noqa: N802 (the driver's names)
-        return int(s)
+    CUstream = CUevent = cuuint64_t = cuuint32_t = staticmethod(int)  # noqa: N815
 
-    def CUevent(self, e):  # noqa: N802
-        return int(e)
-
-    def cuuint64_t(self, x):
-        return int(x)
-
-    cuuint32_t = cuuint64_t
-
-    def CUlaunchAttribute(self):  # noqa: N802
+    def CUlaunchAttribute(self):  # noqa: N802 (the driver's names)
         return Namespace(id=None, value=Namespace())
 
     def CUlaunchConfig(self):  # noqa: N802
