@@ -17,7 +17,7 @@ from ..specs.recur import (
     STATE_F32,
 )
 from . import workspace
-from .device import DeviceInfo
+from .device import DeviceInfo, resident, resources
 from .launches import (
     F32,
     I32,
@@ -29,7 +29,6 @@ from .launches import (
     kernel_launch,
     rescale_run,
     segment_offsets,
-    side_k1_rows,
 )
 from .steps import (
     At,
@@ -110,14 +109,17 @@ class CheckpointSteps:
                  "seq_len": Scalar(0)}
         syms1 = {**self.syms, "NCH": S, "R": S * C, "N1": 2 * S}
         # the looped twin of K1: a CTA the side slots y, y + grid y, ... below the count of
-        # those in use (side_cu[2S], which it reads: N1 one more), one resident wave of CTAs
-        # (side_k1_rows): a CTA a side slot and head, nearly all finding nothing where the
-        # boundaries end chunks, cost more (docs/notes/k2.md)
+        # those in use (side_cu[2S], which it reads: N1 one more), over one resident wave of
+        # CTAs, rounded down (a CTA a side slot and head, nearly all finding nothing where the
+        # boundaries end chunks, cost more: docs/notes/k2.md; a grid a little past a wave
+        # leaves its second wave to start when the first has run every slot)
         k1 = looped_of(self.cfg.prep)
-        if k1 is not None:
+        if k1 is None:
+            grid = (p.H, min(S, K1_GRID_Y), -(-S // K1_GRID_Y))
+        else:
             syms1["N1"] = 2 * S + 1
-        grid = (p.H, min(S, K1_GRID_Y), -(-S // K1_GRID_Y)) if k1 is None else (
-            p.H, min(S, side_k1_rows(p.H, self.dev, k1)), 1)
+            wave = resident(self.dev, resources(k1, self.dev.arch))
+            grid = (p.H, min(S, max(1, wave // p.H)), 1)
         steps.append(kernel_launch("K1 side", k1 or self.cfg.prep, grid, vals1, syms1, self.dev))
         return steps
 

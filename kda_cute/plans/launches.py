@@ -1,6 +1,6 @@
 """The launches a prefill plan is made of, each kernel's arguments taken by name (the specs'
 names): the launch itself, the pool form's index arguments, K2's rescale run and its
-checkpoints build, the looped K1's rows, a fixed-length batch's segment offsets."""
+checkpoints build, a fixed-length batch's segment offsets."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from ..specs.recur import (
     STATE_F32,
     STATE_NONE,
 )
-from .device import DeviceInfo, resident, resources
+from .device import DeviceInfo, resources
 from .steps import (
     At,
     Buffer,
@@ -109,14 +109,6 @@ def stores_build(recur, ck):
         raise ValueError(f"config: expected a forward with a checkpoints build of its K2 "
                          f"(ladder.CHECKPOINT_RUNS) with checkpoints, got {recur.name}")
     return twin
-
-
-def side_k1_rows(heads: int, dev: DeviceInfo, kernel, waves: int = 1) -> int:
-    """Grid y of the looped K1 side run (`kernel`): `waves` times the CTAs the device holds at
-    once, over the heads (rounded down, so that one wave's CTAs are all resident and each loops
-    over its share of the slots: a grid a little past a wave leaves the CTAs of the second
-    start when the first have run all their slots)."""
-    return max(1, waves * resident(dev, resources(kernel, dev.arch)) // heads)
 
 
 def segment_offsets(B: int, T: int, C: int, P: int) -> tuple[At, At]:
