@@ -81,16 +81,14 @@ def _planes(p: Problem, cfg: FwdConfig) -> tuple[tuple, int]:
 
 def _sized(p: Problem) -> Problem:
     """The fields the workspace depends on (so problems differing elsewhere share a cache
-    entry)."""
+    entry): of the checkpoints, a stand-in with the same slots."""
     ck = p.ckpt
-    keep = ck is not None and (side_slots(p) or ck.shifts)
-    return Problem(p.B, p.T, p.H, p.K, p.V, p.N, p.varlen, ckpt=_stand_in(ck) if keep else None)
-
-
-def _stand_in(ck: Checkpoints) -> Checkpoints:
-    """A stand-in ckpt with the same slots (the workspace depends on nothing else)."""
-    return Checkpoints(64 if ck.shifts else 0, ck.per_row, 0, 0, torch.float32, 0, 0, 0, 0,
-                       first_on=int(ck.shifts))
+    if ck is not None and (side_slots(p) or ck.shifts):
+        ck = Checkpoints(64 if ck.shifts else 0, ck.per_row, 0, 0, torch.float32, 0, 0, 0, 0,
+                         first_on=int(ck.shifts))
+    else:
+        ck = None
+    return Problem(p.B, p.T, p.H, p.K, p.V, p.N, p.varlen, ckpt=ck)
 
 
 def workspace_bytes(p: Problem, cfg: FwdConfig) -> int:
