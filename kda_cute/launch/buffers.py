@@ -56,23 +56,20 @@ def _segment_offsets(B: int, T: int, C: int, P: int, which: str, dev) -> torch.T
 
 def get(b: Buffer, dev, stream: int) -> torch.Tensor:
     """The tensor of `b` on `dev` (scratch: for `stream`)."""
+    capture = capturing(dev)
     if b.kind == "scratch":
+        if capture:
+            return _make(b, dev)
         cache, key = _scratches, (b, dev, stream)
     else:
         cache, key = (_ramps if b.kind == "ramp" else _constants), (b, dev)
-    if capturing(dev):
-        if b.kind == "scratch":
-            return _make(b, dev)
-        hit = _pinned.get(key)
-        if hit is None:
-            hit = cache.get(key)
-            if hit is None:
-                return _make(b, dev)
-            _pinned[key] = hit
-        return hit
-    hit = cache.get(key)
+    hit = cache.get(key)  # (a key both hold is the same tensor: a pinned one came from here)
     if hit is None:
         hit = _pinned.get(key)
+    if capture:
+        if hit is not None:
+            _pinned[key] = hit
+        return hit if hit is not None else _make(b, dev)
     if hit is None:
         hit = _make(b, dev)
         if len(cache) >= _MAX:
