@@ -4,14 +4,10 @@
 
 `export_plan(out_dir, B=, T=, H=, K=, ...)` writes `kda_cute_plan.h` beside what `kda-cute
 export` writes (the cubins and `kda_cute_kernels.h`, which it includes): the buffers the runtime
-provides (the call's tensors by role, with their byte sizes and layouts; the workspace; the
-device error words; the launcher's own small tensors, constants with their bytes), then the
-operations of one forward in order: 32-bit memsets (buffer, byte offset, value, count) and
-kernel launches (a kernel of kda_cute_kernels.h, grid, block, dynamic shared memory, the
-programmatic flag, and a recipe for each parameter: literal bytes; a buffer's address plus an
-offset, written over the first 8 bytes; or a TMA descriptor to encode with
-cuTensorMapEncodeTiled from a buffer's address plus an offset, dtype, dims, row stride, box and
-swizzle). examples/cpp/kda_forward.cpp runs such a header.
+provides (the call's tensors by role, the workspace, the device error words, the launcher's own
+small tensors), then one forward's 32-bit memsets and kernel launches in order, each parameter a
+recipe (literal bytes, a buffer's address, or a TMA descriptor to encode; kda_cute.plan_header
+says what each record holds). examples/cpp/kda_forward.cpp runs such a header.
 
 How: the forward's plan runs through the Python launcher (kda_cute.launch.run) on the CPU, the
 tensors CPU ones that nothing reads, with the CUDA driver replaced by a recorder
