@@ -150,7 +150,6 @@ class Kernel:
             raise RuntimeError(f"{name}: launcher parameters {expected} disagree with the cubin's "
                                f"{self.sizes}; rebuild with `make kernels`")
         self.block = tuple(self.manifest["block"])
-        self.smem = int(self.manifest["dynamic_smem_bytes"])
         image = path.read_bytes()
         self._image = ctypes.create_string_buffer(image, len(image))
         cu = bindings()
@@ -182,20 +181,17 @@ class Kernel:
         arr = self._packed.get(key)
         if arr is None:
             params = pack_params(self.args, dict(zip(names, values, strict=True)), dict(syms))
-            arr = self._param_array(params)
+            if [len(p) for p in params] != self.sizes:
+                raise RuntimeError(f"{self.manifest['name']}: packed {[len(p) for p in params]}, "
+                                   f"cubin expects {self.sizes}")
+            bufs = [ctypes.create_string_buffer(p, len(p)) for p in params]
+            # (the buffers must outlive every launch that uses the pointers)
+            arr = bufs, (ctypes.c_void_p * len(bufs))(*[ctypes.addressof(b) for b in bufs])
             with _lock:
                 if len(self._packed) >= _PACKED_MAX:
                     self._packed.clear()
                 self._packed[key] = arr
         return arr
-
-    def _param_array(self, params: list[bytes]):
-        if [len(p) for p in params] != self.sizes:
-            raise RuntimeError(f"{self.manifest['name']}: packed {[len(p) for p in params]}, "
-                               f"cubin expects {self.sizes}")
-        bufs = [ctypes.create_string_buffer(p, len(p)) for p in params]
-        ptrs = (ctypes.c_void_p * len(bufs))(*[ctypes.addressof(b) for b in bufs])
-        return bufs, ptrs  # the buffers must outlive every launch that uses the pointers
 
     def launch(self, f, grid, arr, stream: int, smem: int, programmatic: bool = False) -> None:
         """Launch CUfunction `f` (from `function`) with a packed block `arr` on `stream`.
