@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import re
 import struct
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 # Dynamic dimensions: name -> bit width. One name is one run-time value within a kernel.
 SYM_WIDTH = {
@@ -141,42 +141,28 @@ def scalar(name, kind="i32", grid_only=False):
 
 
 # ------------------------------------------------------------------------------------ packing
-@dataclass
-class _Struct:
-    buf: bytearray = field(default_factory=bytearray)
-    align: int = 1
-
-    def put(self, fmt: str, value) -> None:
+def _struct(fields, align: int = 1) -> bytes:
+    """(format, value) fields as a C struct: each at its natural alignment, the whole rounded up
+    to its largest field (at least `align`)."""
+    buf = bytearray()
+    for fmt, value in fields:
         size = struct.calcsize(fmt)
-        self.buf += b"\0" * (-len(self.buf) % size)
-        self.buf += struct.pack("<" + fmt, value)
-        self.align = max(self.align, size)
-
-    def bytes(self, min_align: int = 1) -> bytes:
-        a = max(self.align, min_align)
-        return bytes(self.buf + b"\0" * (-len(self.buf) % a))
+        buf += b"\0" * (-len(buf) % size) + struct.pack("<" + fmt, value)
+        align = max(align, size)
+    return bytes(buf + b"\0" * (-len(buf) % align))
 
 
-def _fmt(sym: str) -> str:
-    return "q" if SYM_WIDTH[sym] == 64 else "i"
+def _dynamic(entries, syms: dict) -> list[tuple[str, int]]:
+    return [("q" if SYM_WIDTH[e] == 64 else "i", syms[e]) for e in entries if isinstance(e, str)]
 
 
 def pack_dynamic(entries, syms: dict) -> bytes:
     """The coordinate tensor of a TMA argument: its dynamic shape entries."""
-    s = _Struct()
-    for e in entries:
-        if isinstance(e, str):
-            s.put(_fmt(e), syms[e])
-    return s.bytes()
+    return _struct(_dynamic(entries, syms))
 
 
 def pack_tensor(arg: Arg, ptr: int, syms: dict) -> bytes:
-    s = _Struct()
-    s.put("Q", ptr)
-    for e in arg.shape + arg.stride:
-        if isinstance(e, str):
-            s.put(_fmt(e), syms[e])
-    return s.bytes(8)
+    return _struct([("Q", ptr), *_dynamic(arg.shape + arg.stride, syms)], 8)
 
 
 def params(args: list[Arg]) -> list[tuple[str, str, int]]:
