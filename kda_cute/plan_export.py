@@ -79,10 +79,6 @@ def _extent(t: torch.Tensor) -> int:
             ) * t.element_size()
 
 
-def _dtype(t: torch.Tensor) -> str:
-    return str(t.dtype).removeprefix("torch.")
-
-
 def _buffer_name(b, used: set) -> str:
     """A launcher buffer's name: its kind and what it is for (segments_cu_chunks,
     scratch_rescale), numbered where two would share one."""
@@ -149,8 +145,8 @@ def _buffers(call: Call, ws, error_words, taken: dict) -> tuple[tuple[PlanBuffer
 
     def add(name, kind, t, contents=None):
         spans.add(len(buffers), t)
-        buffers.append(PlanBuffer(name, kind, _dtype(t), tuple(t.shape), tuple(t.stride()),
-                                  _extent(t), contents))
+        buffers.append(PlanBuffer(name, kind, str(t.dtype).removeprefix("torch."),
+                                  tuple(t.shape), tuple(t.stride()), _extent(t), contents))
 
     for role, kind in ROLES.items():
         t = getattr(call, role)
@@ -294,10 +290,8 @@ def main(argv=None) -> int:
     ap.add_argument("--gate", default="bounded", choices=("bounded", "unbounded", "none"))
     ap.add_argument("--precision", default="fast", choices=("fast", "precise"))
     ap.add_argument("--wy", default="off", choices=("off", "auto", "force"))
-    ap.add_argument("--no-qk-l2norm", action="store_true")
-    ap.add_argument("--no-beta-sigmoid", action="store_true")
-    ap.add_argument("--no-initial-state", action="store_true")
-    ap.add_argument("--no-final-state", action="store_true")
+    for flag in ("qk-l2norm", "beta-sigmoid", "initial-state", "final-state"):
+        ap.add_argument(f"--no-{flag}", action="store_true")
     ap.add_argument("--scale", type=float, default=None)
     ap.add_argument("--lower-bound", type=float, default=-5.0)
     a = ap.parse_args(argv)

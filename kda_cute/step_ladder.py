@@ -71,6 +71,7 @@ STEP_CHUNK: tuple[tuple[int, StepConfig], ...] = (
     # 5-8 tokens: 128 rows and 256 threads a CTA, faster than the 64-row tile
     # (docs/notes/step.md, "The chunked tile in the CuTe kernel")
     (8, StepConfig(128, 128, "bfloat16", 128, 16, 256, unroll=2, chunk=8)))
+_SHIPPED = STEP + tuple(c for _, c in STEP_SINGLE + STEP_MULTI + STEP_CHUNK)
 
 # other tiles, built for the tile sweep (bench/serving.py --sweep): fewer and more rows per CTA
 STEP_VARIANTS: tuple[StepConfig, ...] = tuple(c for c in dict.fromkeys(
@@ -135,13 +136,12 @@ STEP_VARIANTS: tuple[StepConfig, ...] = tuple(c for c in dict.fromkeys(
     + [StepConfig(128, 128, "float32", 32, 16, 64, chunk=c) for c in (2, 4)]
     + [StepConfig(128, 128, "float32", bv, 16, 2 * bv, unroll=u, chunk=2, persist=p)
        for bv, u, p in ((64, 2, 2), (32, 0, 4))])
-    if c not in STEP + tuple(c for _, c in STEP_SINGLE + STEP_MULTI + STEP_CHUNK))
+    if c not in _SHIPPED)
 
 
 def step_tiles() -> tuple[StepConfig, ...]:
     """Every built token-step tile once: STEP's, STEP_SINGLE's, then the sweep's variants."""
-    return tuple(dict.fromkeys(STEP + tuple(c for _, c in STEP_SINGLE + STEP_MULTI + STEP_CHUNK)
-                               + STEP_VARIANTS))
+    return tuple(dict.fromkeys(_SHIPPED + STEP_VARIANTS))
 
 
 def select_chunk(head_dim_k: int, head_dim_v: int, pool: str, tokens: int) -> StepConfig | None:

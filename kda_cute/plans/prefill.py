@@ -165,6 +165,7 @@ def forward_plan(p: Problem, opts: Options, cfg: FwdConfig, dev: DeviceInfo) -> 
         syms.update(ck.k2_syms())
     notes = []
     grid = sched.k2_grid
+    k2 = cfg.recur  # (the side run's K2; an alongside build's takes the same steps)
     if sched.kind == "alongside":
         # the alongside builds: K2 first, alone on its SMs (its shared memory padded to a whole
         # SM's), waiting on K1's per-chunk flags; K1 as its programmatic dependent on the SMs
@@ -179,10 +180,8 @@ def forward_plan(p: Problem, opts: Options, cfg: FwdConfig, dev: DeviceInfo) -> 
         steps.append(kernel_launch("K1", acfg.prep, k1_grid, vals1, syms1, dev,
                                    sch.k1_alongside_smem(dev, ctas), programmatic=True))
         steps += rescale_run("K2", acfg.recur, grid, vals2, syms, dev)
-        k2 = cfg.recur  # (the side run's: the same steps as the alongside build's)
     elif sched.kind == "segments":
         steps += _segments(p, cfg, sched.segments, vals2, syms, dev)
-        k2 = cfg.recur
     elif grid is not None:
         k2 = sch.k2_serial(opts, cfg, grid, dev)
         if k2.wy:

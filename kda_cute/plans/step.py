@@ -7,16 +7,12 @@ from __future__ import annotations
 import functools
 from dataclasses import replace
 
-import torch
-
 from ..ladder import config_for, single_token
 from ..problem import StepOptions, StepProblem
 from ..specs.step import STEP_GATES
 from .device import H200, DeviceInfo
-from .launches import kernel_launch
+from .launches import BF16, F32, I32, kernel_launch
 from .steps import At, Buffer, CallScalar, Errors, Plan, Role, Scalar
-
-F32 = torch.float32
 
 
 @functools.lru_cache(maxsize=256)
@@ -27,13 +23,13 @@ def _step_plan(p: StepProblem, opts: StepOptions, dev: DeviceInfo) -> Plan:
             "P": max(1, p.slots), "sP": p.slot_stride, "PD": max(1, p.dst_rows),
             "sPD": p.dst_stride, **{n: max(1, x) for n, x in p.lengths._asdict().items()}}
     tokens = p.T > 0
-    pdt = torch.float32 if p.pool == "float32" else torch.bfloat16
+    pdt = F32 if p.pool == "float32" else BF16
     err = Errors()
 
     def role(name, present=True):
         return Role(name) if present else err
 
-    ramp = At(Buffer("ramp", (max(1, p.N),), torch.int32))
+    ramp = At(Buffer("ramp", (max(1, p.N),), I32))
     values = {
         "q": role("q", tokens), "k": role("k", tokens), "g": role("g", tokens),
         "v": role("v", tokens), "beta": role("beta", tokens), "out": role("out", tokens),

@@ -113,12 +113,9 @@ def side_offsets(p: Problem, cfg: FwdConfig) -> dict[str, int]:
     for name, off in operand_offsets(p, cfg).items():
         base = name[:-1] if name[:-1] in ("kd", "aw", "mq") else name
         shape, dtype = shapes[base]
-        if base == "flags":
-            out[name] = off
-            continue
-        # a plane's rows: (R, H, X), (planes, R, H, X), or gl's (chunks, H, K)
+        # a plane's rows: (R, H, X), (planes, R, H, X), or gl's (chunks, H, K); the flags stay
         row = math.prod(shape[-2:]) * _ELEM[dtype]
-        out[name] = off + first * (1 if base == "gl" else C) * row
+        out[name] = off if base == "flags" else off + first * (1 if base == "gl" else C) * row
     return out
 
 

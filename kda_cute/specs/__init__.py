@@ -42,8 +42,7 @@ _BY_TYPE = {s.config: s for s in SPECS}
 
 
 def spec_of(cfg) -> KernelSpec:
-    """The spec of a kernel config (PrepConfig, RecurConfig, CombineConfig, StepConfig,
-    OffsetsConfig or CheckpointsConfig)."""
+    """The spec of a kernel config (of one of SPECS' config types)."""
     try:
         return _BY_TYPE[type(cfg)]
     except KeyError:
