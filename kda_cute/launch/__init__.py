@@ -161,10 +161,6 @@ _resolved: dict[tuple, tuple] = {}
 _RESOLVED_MAX = 256  # (a model's layers: one entry each, as _AGAIN_MAX below)
 
 
-def _key(x):
-    return x.data_ptr() if isinstance(x, torch.Tensor) else x
-
-
 def run(plan, call, workspace: torch.Tensor | None = None, stream=None, keep=None) -> None:
     """Launch `plan` for `call` (a problem.Call whose metadata the plan was made from) on
     `stream` (a torch.cuda.Stream; None: the current one of the call's device). `workspace`:
@@ -183,7 +179,8 @@ def run(plan, call, workspace: torch.Tensor | None = None, stream=None, keep=Non
     # not kept: buffers made for one capture. A workspace allocated here is kept by its
     # address, as a caller's is: the allocator mostly hands the same block to the next call
     key = None if capturing else (
-        id(plan), driver.generation, device, h, ws.data_ptr(), *map(_key, call))
+        id(plan), driver.generation, device, h, ws.data_ptr(),
+        *(x.data_ptr() if isinstance(x, torch.Tensor) else x for x in call))
     hit = _resolved.get(key) if key is not None else None
     if hit is not None and hit[2] is plan:
         ops, held = hit[0], hit[1]

@@ -53,19 +53,14 @@ class StandIn:
     descriptors, events)."""
 
     CUresult = Namespace(CUDA_SUCCESS=0)
-    CUfunction_attribute = _OwnNames()
-    CUlaunchAttributeID = _OwnNames()
-    CUevent_flags = _OwnNames()
-    CUstream_flags = _OwnNames()
+    CUfunction_attribute = CUlaunchAttributeID = CUevent_flags = CUstream_flags = _OwnNames()
     CUtensorMapSwizzle = Namespace(
         CU_TENSOR_MAP_SWIZZLE_NONE=0, CU_TENSOR_MAP_SWIZZLE_32B=32,
         CU_TENSOR_MAP_SWIZZLE_64B=64, CU_TENSOR_MAP_SWIZZLE_128B=128)
     CUtensorMapDataType = Namespace(
         CU_TENSOR_MAP_DATA_TYPE_BFLOAT16="bfloat16", CU_TENSOR_MAP_DATA_TYPE_FLOAT16="float16",
         CU_TENSOR_MAP_DATA_TYPE_FLOAT32="float32")
-    CUtensorMapInterleave = _OwnNames()
-    CUtensorMapL2promotion = _OwnNames()
-    CUtensorMapFloatOOBfill = _OwnNames()
+    CUtensorMapInterleave = CUtensorMapL2promotion = CUtensorMapFloatOOBfill = _OwnNames()
 
     CUstream = CUevent = cuuint64_t = cuuint32_t = staticmethod(int)  # noqa: N815
 

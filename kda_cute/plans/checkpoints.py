@@ -108,11 +108,9 @@ class CheckpointSteps:
                  "cu_chunks": self.k1_chunks, "num_seqs": Scalar(2 * S - 1),
                  "seq_len": Scalar(0)}
         syms1 = {**self.syms, "NCH": S, "R": S * C, "N1": 2 * S}
-        # the looped twin of K1: a CTA the side slots y, y + grid y, ... below the count of
-        # those in use (side_cu[2S], which it reads: N1 one more), over one resident wave of
-        # CTAs, rounded down (a CTA a side slot and head, nearly all finding nothing where the
-        # boundaries end chunks, cost more: docs/notes/k2.md; a grid a little past a wave
-        # leaves its second wave to start when the first has run every slot)
+        # the looped twin of K1 (ladder.SIDE_PREPS; N1 one more: it reads the count of side
+        # slots in use, side_cu[2S]) over one resident wave of CTAs, rounded down (a grid a
+        # little past a wave leaves its second wave to start when the first has run every slot)
         k1 = looped_of(self.cfg.prep)
         if k1 is None:
             grid = (p.H, min(S, K1_GRID_Y), -(-S // K1_GRID_Y))
