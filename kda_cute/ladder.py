@@ -149,12 +149,9 @@ ALONGSIDE_K1_PER_PAIR = {64: 12.0, 128: 13.0, 256: 8.0}
 def alongside_of(cfg: FwdConfig) -> FwdConfig | None:
     """The alongside build of a shipped tensor-core forward, or None (cached: the launch path
     asks on every call)."""
-    for a in ALONGSIDE:
-        if (dataclasses.replace(a.prep, alongside=False) == cfg.prep
-                and dataclasses.replace(a.recur, alongside=False, stages=cfg.recur.stages)
-                == cfg.recur):
-            return a
-    return None
+    return next((a for a in ALONGSIDE if dataclasses.replace(a.prep, alongside=False) == cfg.prep
+                 and dataclasses.replace(a.recur, alongside=False, stages=cfg.recur.stages)
+                 == cfg.recur), None)
 
 
 # K2 storing checkpoints (RecurConfig.checkpoints): the main K2 of a forward asked for them, a

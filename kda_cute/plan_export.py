@@ -63,14 +63,6 @@ ROLES = {"q": "input", "k": "input", "v": "input", "g": "input", "beta": "input"
          "final_state": "output"}
 
 
-def _aligned(nbytes: int) -> torch.Tensor:
-    """A uint8 tensor of `nbytes` whose base is ALIGN-aligned (the launcher's workspace offsets
-    are from the aligned base: with this one they are from the tensor's start)."""
-    buf = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
-    start = (-buf.data_ptr()) % ALIGN
-    return buf[start:start + nbytes]
-
-
 def _extent(t: torch.Tensor) -> int:
     """The bytes a tensor spans, from its first element to past its last."""
     if not t.numel():
@@ -126,7 +118,9 @@ def _record(call: Call, opts, problem: dict) -> ExportedPlan:
     images = {}
     for s in plan.launches():
         images[load_manifest(s.kernel.name, ARCH)[1].read_bytes()] = s.kernel.name
-    ws = _aligned(plan.workspace_bytes)
+    # the workspace ALIGN-aligned: the launcher's offsets from its aligned base are from its start
+    ws = torch.empty(plan.workspace_bytes + ALIGN, dtype=torch.uint8)
+    ws = ws[(-ws.data_ptr()) % ALIGN:][:plan.workspace_bytes]
     error_words = torch.zeros(len(ERRORS), dtype=torch.int32)
     taken: dict = {}
     rec = _Recorder(images)

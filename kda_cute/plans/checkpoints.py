@@ -139,7 +139,7 @@ class CheckpointSteps:
         return {"NCT": self.rows * (self.E + 1) + 2, "NCK": ck.dest_rows, "sCK": ck.dest_stride,
                 "NSK": self.S if self.side_runs else 1}
 
-    def side_run(self, k2, vals2: dict, syms: dict) -> Launch:
+    def side_run(self, k2, vals2: dict, syms: dict) -> list[Launch]:
         """K2 over the side slots used (their count on the device): each from its scratch row
         (the state before its chunk) through its partial chunk into its destination; then its
         rescale run where the forward has one."""
