@@ -121,22 +121,19 @@ _lock = threading.Lock()
 
 @contextlib.contextmanager
 def _on_the_cpu(error_words: torch.Tensor, taken: dict):
-    """launch.run on CPU tensors: torch.cuda answers as device 0 with stream 0 and no capture
-    (its device context does nothing), the device error words are `error_words`, and each
-    launcher buffer the run takes is noted in `taken` (Buffer -> tensor). Everything is put
-    back on exit; the lock keeps two exports from interleaving (a forward on a GPU meanwhile,
-    in another thread, would see the stand-ins: export where nothing else runs)."""
+    """launch.run on CPU tensors: launch.current answers as device 0 with stream 0 and no
+    capture (a CPU call's device is the current one, so no torch.cuda call is made), the device
+    error words are `error_words`, and each launcher buffer the run takes is noted in `taken`
+    (Buffer -> tensor). Everything is put back on exit; the lock keeps two exports from
+    interleaving (a forward on a GPU meanwhile, in another thread, would see the stand-ins:
+    export where nothing else runs)."""
     real_get = launch.buffers.get
 
     def get(b, dev, stream):
         t = taken[b] = real_get(b, dev, stream)
         return t
 
-    patches = [(torch.cuda, "device", contextlib.nullcontext),
-               (torch.cuda, "current_device", lambda: 0),
-               (torch.cuda, "current_stream", lambda *a: kdriver.Namespace(cuda_stream=0)),
-               (torch.cuda, "is_current_stream_capturing", lambda: False),
-               (launch.current, "device", lambda: 0),
+    patches = [(launch.current, "device", lambda: 0),
                (launch.current, "stream", lambda device: 0),
                (launch.current, "capturing", lambda: False),
                (errors, "address", lambda dev: error_words.data_ptr()),
