@@ -40,10 +40,9 @@ class PrepConfig(SpecConfig):
     @property
     def name(self) -> str:
         tag = "" if self.operands == "f32" else f"_{self.operands}"
-        al = "_al" if self.alongside else ""
-        f16 = "_f16" if self.f16 else ""
-        lp = "_lp" if self.looped else ""
-        return f"kda_prep{tag}_k{self.head_dim_k}_c{self.chunk}_t{self.threads}{f16}{al}{lp}"
+        flags = ((self.f16, "_f16"), (self.alongside, "_al"), (self.looped, "_lp"))
+        return (f"kda_prep{tag}_k{self.head_dim_k}_c{self.chunk}_t{self.threads}"
+                + "".join(t for on, t in flags if on))
 
 
 def supports(cfg: PrepConfig) -> tuple[bool, str]:

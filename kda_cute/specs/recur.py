@@ -78,14 +78,11 @@ class RecurConfig(abi.SpecConfig):
     @property
     def name(self) -> str:
         tag = "" if self.mma == "simt" else f"_{self.mma}"
-        no = "" if self.outputs else "_noout"
-        al = "_al" if self.alongside else ""
-        f16 = "_f16" if self.f16 else ""
-        wy = "_wy" if self.wy else ""
-        ck = "_ck" if self.checkpoints else ""
-        rs = "_rs" if self.rescale else ""
+        flags = ((self.f16, "_f16"), (self.wy, "_wy"), (not self.outputs, "_noout"),
+                 (self.alongside, "_al"), (self.checkpoints, "_ck"), (self.rescale, "_rs"))
         return (f"kda_recur{tag}_k{self.head_dim_k}_v{self.head_dim_v}_c{self.chunk}"
-                f"_bv{self.block_v}_t{self.threads}_s{self.stages}{f16}{wy}{no}{al}{ck}{rs}")
+                f"_bv{self.block_v}_t{self.threads}_s{self.stages}"
+                + "".join(t for on, t in flags if on))
 
     @property
     def block_threads(self) -> int:

@@ -122,15 +122,11 @@ class StepConfig(SpecConfig):
     @property
     def name(self) -> str:
         p = "f32" if self.pool == "float32" else "bf16"
-        a = "" if self.access == 16 else f"_a{self.access}"
-        u = "" if not self.unroll else f"_u{self.unroll}"
-        m = "" if not self.min_blocks else f"_m{self.min_blocks}"
-        ps = "" if not self.persist else f"_p{self.persist}"
-        ah = "_n" if self.ahead else ""
-        pr = "" if not self.prep else f"_c{self.prep}"
-        ch = "" if not self.chunk else f"_k{self.chunk}"
+        opts = ((self.access != 16, f"_a{self.access}"), (self.unroll, f"_u{self.unroll}"),
+                (self.min_blocks, f"_m{self.min_blocks}"), (self.persist, f"_p{self.persist}"),
+                (self.ahead, "_n"), (self.prep, f"_c{self.prep}"), (self.chunk, f"_k{self.chunk}"))
         return (f"kda_step_k{self.head_dim_k}_v{self.head_dim_v}_{p}_bv{self.block_v}"
-                f"_r{self.tpr}_t{self.threads}{a}{u}{m}{ps}{ah}{pr}{ch}")
+                f"_r{self.tpr}_t{self.threads}" + "".join(t for on, t in opts if on))
 
 
 def supports(cfg: StepConfig) -> tuple[bool, str]:
