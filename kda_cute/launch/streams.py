@@ -75,9 +75,8 @@ def put_back(held: tuple) -> None:
 def forget() -> None:
     """Forget the last alongside forwards and the side streams (their streams and events
     belong to a driver being replaced)."""
-    _last.clear()
-    _side.clear()
-    _events.clear()
+    for d in (_last, _side, _events):
+        d.clear()
 
 
 driver.holds_driver_objects(set_aside, put_back)

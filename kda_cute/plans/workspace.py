@@ -48,14 +48,13 @@ def layout(p: Problem, cfg: FwdConfig) -> list[tuple[str, tuple, torch.dtype]]:
     the f16 configs)."""
     C, H, K = cfg.chunk, p.H, p.K
     nch, R = rows(p, C)
-    f32, bf16 = torch.float32, torch.bfloat16
+    f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
     # one int32 per (chunk slot, head): K1 flags the pair once written, for a K2 running
     # alongside it (zeroed before each such launch)
     flags = ("flags", (nch * H,), torch.int32)
     if cfg.prep.operands == "bf16":
-        h, planes = (torch.float16, 1) if cfg.prep.f16 else (bf16, 2)
+        h, planes = (f16, 1) if cfg.prep.f16 else (bf16, 2)
         # qg and kg fp16 in every tensor-core config (abi.QK_DTYPE)
-        f16 = torch.float16
         return [("qg", (R, H, K), f16), ("kg", (R, H, K), f16), ("kd", (planes, R, H, K), h),
                 ("gl", (nch, H, K), f32), ("aw", (planes, R, H, C), h),
                 ("mq", (planes, R, H, C), h), flags]
