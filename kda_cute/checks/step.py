@@ -393,25 +393,22 @@ def recurrent(q, k, v, g, beta, initial_state, final_state, cu_seqlens, out, A_l
     tk = _Tokens(q, k, v, g, beta, out)
     dev, H, K, V = tk.dev, tk.H, tk.K, tk.V
     N, fixed = _seqs(q, cu_seqlens, dev, "B")
-    s0s = s1s = H * V * K
     dt = None
+    slot_strides = {}
     for name, t in (("initial_state", initial_state), ("final_state", final_state)):
         if t is None:
             continue
-        s = pool(name, t, H, V, K, dev)
+        slot_strides[name] = pool(name, t, H, V, K, dev)
         if t.shape[0] != N:
             raise err(name, f"[N={N}, H, V, K]", tuple(t.shape))
         if dt is not None and t.dtype != dt:
             raise err(name, f"the dtype of initial_state ({_dtype_name(dt)})",
                       _dtype_name(t.dtype))
         dt = t.dtype
-        if name == "initial_state":
-            s0s = s
-        else:
-            s1s = s
     a, b = gate_params(A_log, dt_bias, opts.gate, H, K, dev)
     scale, lb = scalars(scale, lower_bound, opts.gate, K)
     pdt = "bfloat16" if dt == torch.bfloat16 else "float32"
+    s0s, s1s = (slot_strides.get(n, H * V * K) for n in ("initial_state", "final_state"))
     n0 = N if initial_state is not None else 0
     n1 = N if final_state is not None else 0
     p = StepProblem(
