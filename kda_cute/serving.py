@@ -41,11 +41,11 @@ def _plan(c: Checked, dev):
 
 
 def _entry(kind: str, check, tensors: tuple, scalars: tuple, out=None, like=None):
-    """What a call of `kind`'s checks (`check(*tensors, *scalars)`) concluded, kept in the memo
-    by the arguments' metadata: plan, scale, lower bound and a dict for launch.again (the
-    resolved steps of this metadata's calls, by their tensors' addresses; planned for the first
-    tensor's device); then `out`, where None the one the checks allocated (a miss) or a new
-    bf16 one like `like`. A dry run only checks: no plan."""
+    """A call of `kind`: its plan, scale, lower bound and a dict for launch.again (the resolved
+    steps of this metadata's calls, by their tensors' addresses), kept in the memo by the
+    arguments' metadata and made on a miss by `check(*tensors, *scalars)` and a plan for the
+    first tensor's device; then `out`: where None, the one the checks allocated (a miss) or a
+    new bf16 one like `like`. A dry run only checks: no plan."""
     if declare.dry():
         return None, None, None, None, check(*tensors, *scalars).out
     key = memo.key(kind, tensors, scalars)
@@ -117,7 +117,7 @@ def decode(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tens
         "decode", step_checks.decode, tensors,
         (scale, lower_bound, gate, qk_l2norm, beta_sigmoid, null_slot, config), out, v)
     if plan is not None and not bind:  # a call like an earlier one (metadata by the key)
-        addresses = _addresses(*tensors, out)
+        addresses = _addresses(*tensors[:7], out, *tensors[8:])  # the out written
         if _again(again, addresses, q.device, stream):
             return out
     _aligned(("q", q), ("k", k), ("v", v), ("g", g), ("out", out), ("state", state))
@@ -166,7 +166,7 @@ def verify(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tens
         "verify", step_checks.verify, tensors,
         (scale, lower_bound, gate, qk_l2norm, beta_sigmoid, null_slot, config), out, v)
     if plan is not None and not bind:  # a call like an earlier one (metadata by the key)
-        addresses = _addresses(*tensors, out)
+        addresses = _addresses(*tensors[:13], out, *tensors[14:])  # the out written
         if _again(again, addresses, q.device, stream):
             return out
     _aligned(("q", q), ("k", k), ("v", v), ("g", g), ("out", out), ("state", state),
@@ -227,7 +227,7 @@ def recurrent(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
         "recurrent", step_checks.recurrent, tensors,
         (scale, lower_bound, gate, qk_l2norm, beta_sigmoid, config), out, v)
     if plan is not None and not bind:  # a call like an earlier one (metadata by the key)
-        addresses = _addresses(*tensors, out)
+        addresses = _addresses(*tensors[:8], out, *tensors[9:])  # the out written
         if _again(again, addresses, q.device, stream):
             return out
     _aligned(("q", q), ("k", k), ("v", v), ("g", g), ("out", out),
