@@ -94,8 +94,6 @@ def fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float, 
     launch.run(plans.plan(p, opts, device_info(q.device)), call, workspace)
 
 
-
-
 def config_for(p: Problem, config: FwdConfig | None = None, precision: str = "fast"
                ) -> FwdConfig:
     """The forward config for problem `p`: `config` as given (checked), or the ladder's for

@@ -115,10 +115,8 @@ def op(name: str, *, writes, host_only=(), out_like=None, returns=None, inplace=
         sig = inspect.signature(fn)
         hints = typing.get_type_hints(fn)
         params = [p for n, p in sig.parameters.items() if n not in host_only]
-        if forms is None:
-            variants = [(_Form(name, tuple(writes), None), None)]
-        else:
-            variants = [(_Form(n, tuple(w), None), test) for n, (w, test) in forms.items()]
+        variants = [(_Form(n, tuple(w), None), test)
+                    for n, (w, test) in (forms or {name: (writes, None)}).items()]
         if inplace is not None:
             variants.append((_Form(f"{name}_inplace", tuple(
                 "state" if w in inplace else w for w in writes), inplace), None))
@@ -152,17 +150,14 @@ def op(name: str, *, writes, host_only=(), out_like=None, returns=None, inplace=
             if out_like is not None and bound.get("out") is None:
                 like = bound[out_like]
                 bound["out"] = torch.empty(like.shape, dtype=torch.bfloat16, device=like.device)
-            chosen = None
             if inplace is not None and bound[inplace[0]] is not None and \
                     bound[inplace[1]] is bound[inplace[0]]:
                 chosen = f"{name}_inplace"
                 bound["state"] = bound.pop(inplace[0])
                 del bound[inplace[1]]
             else:
-                for form, test in variants:
-                    if form.alias is None and (test is None or test(bound)):
-                        chosen = form.name
-                        break
+                chosen = next(form.name for form, test in variants
+                              if form.alias is None and (test is None or test(bound)))
             getattr(getattr(torch.ops, NAMESPACE), chosen).default(**bound)
             return None if returns is None else bound[returns]
 

@@ -104,8 +104,7 @@ def raise_pending(device) -> None:
     bad = [_named(d, i) for i in range(ERROR_WORDS) if view[i]]
     rows = any(view[i] for i in range(ERROR_WORDS) if i not in (E_PREFILL_CU, E_NONFINITE))
     values = any(view[i] for i in range(ERROR_WORDS) if i != E_NONFINITE)
-    for i in range(ERROR_WORDS):
-        view[i] = 0
+    view[:] = (0,) * ERROR_WORDS
     if not values:
         raise DeviceValueError(f"{bad[0]}, in an earlier forward on cuda:{d}")
     raise DeviceValueError(

@@ -18,15 +18,8 @@ import torch
 
 STATE_DTYPES = (torch.float32, torch.bfloat16)
 WY_MODES = ("auto", "off", "force")
-
-
-def _env_wy() -> str:
-    v = os.environ.get("KDA_CUTE_WY", "1")
-    return "off" if v == "0" else "force" if v == "force" else "auto"
-
-
 ENV_ALONGSIDE = os.environ.get("KDA_CUTE_ALONGSIDE", "1") != "0"
-ENV_WY = _env_wy()
+ENV_WY = {"0": "off", "force": "force"}.get(os.environ.get("KDA_CUTE_WY", "1"), "auto")
 
 
 @dataclass(frozen=True)

@@ -40,10 +40,23 @@ def _plan(c: Checked, dev):
     return plan
 
 
-def _remember(key, *value):
-    """The memo's entry for `key`: `value` and a dict for launch.again (the resolved steps of
-    this metadata's calls, by their tensors' addresses)."""
-    return memo.remember(key, (*value, {}))
+def _entry(kind: str, check, tensors: tuple, scalars: tuple, out=None, like=None):
+    """A call of `kind`: its plan, scale, lower bound and a dict for launch.again (the resolved
+    steps of this metadata's calls, by their tensors' addresses), kept in the memo by the
+    arguments' metadata and made on a miss by `check(*tensors, *scalars)` and a plan for the
+    first tensor's device; then `out`: where None, the one the checks allocated (a miss) or a
+    new bf16 one like `like`. A dry run only checks: no plan."""
+    if declare.dry():
+        return None, None, None, None, check(*tensors, *scalars).out
+    key = memo.key(kind, tensors, scalars)
+    hit = memo.recall(key)
+    if hit is None:
+        c = check(*tensors, *scalars)
+        hit = memo.remember(key, (_plan(c, tensors[0].device), c.scale, c.lower_bound, {}))
+        out = c.out
+    if out is None and like is not None:
+        out = torch.empty(like.shape, dtype=BF16, device=like.device)
+    return (*hit, out)
 
 
 def _addresses(*tensors) -> tuple:
@@ -63,13 +76,14 @@ def _aligned(*named) -> None:
             raise err(name, "a 16-byte aligned base address", t.data_ptr())
 
 
-def _launch(plan, call, dev, stream, bind, keep=None):
-    """Bind or run the step (an eager call has read the error words in _again just before)."""
+def _launch(plan, call, dev, stream, bind, keep, result):
+    """Bind the step (returns the Bound) or run it (returns `result`); an eager call has read
+    the error words in _again just before."""
     if bind:
         errors.raise_pending(dev)
         return launch.bind(plan, call, None, stream)
     launch.run(plan, call, None, stream, keep)
-    return None
+    return result
 
 
 # ---------------------------------------------------------------------------------- API
@@ -97,36 +111,23 @@ def decode(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tens
     """
     if bind.__class__ is not bool:
         bind = flag("bind", bind)
-    if declare.dry():
-        step_checks.decode(q, k, v, g, beta, state, state_indices, out, output_state_indices,
-                           has_initial_state, A_log, dt_bias, scale, lower_bound, gate,
-                           qk_l2norm, beta_sigmoid, null_slot, config)
-        _aligned(("q", q), ("k", k), ("v", v), ("g", g), ("out", out), ("state", state))
-        return out
-    key = memo.key("decode", (q, k, v, g, beta, state, state_indices, out, output_state_indices,
-                              has_initial_state, A_log, dt_bias),
-                   (scale, lower_bound, gate, qk_l2norm, beta_sigmoid, null_slot, config))
-    hit = memo.recall(key)
-    if hit is None:
-        c = step_checks.decode(q, k, v, g, beta, state, state_indices, out,
-                               output_state_indices, has_initial_state, A_log, dt_bias, scale,
-                               lower_bound, gate, qk_l2norm, beta_sigmoid, null_slot, config)
-        hit = _remember(key, _plan(c, q.device), c.scale, c.lower_bound)
-    plan, scale, lb, again = hit
-    if out is None:
-        out = torch.empty(v.shape, dtype=BF16, device=v.device)
-    if not bind:  # a call like an earlier one (metadata by the key, the addresses here)
-        addresses = _addresses(q, k, v, g, beta, out, A_log, dt_bias, state, state_indices,
-                               output_state_indices, has_initial_state)
+    tensors = (q, k, v, g, beta, state, state_indices, out, output_state_indices,
+               has_initial_state, A_log, dt_bias)
+    plan, scale, lb, again, out = _entry(
+        "decode", step_checks.decode, tensors,
+        (scale, lower_bound, gate, qk_l2norm, beta_sigmoid, null_slot, config), out, v)
+    if plan is not None and not bind:  # a call like an earlier one (metadata by the key)
+        addresses = _addresses(*tensors[:7], out, *tensors[8:])  # the out written
         if _again(again, addresses, q.device, stream):
             return out
     _aligned(("q", q), ("k", k), ("v", v), ("g", g), ("out", out), ("state", state))
+    if plan is None:  # a dry run: its checks only
+        return out
     wi = output_state_indices if output_state_indices is not None else state_indices
     hi = None if has_initial_state is None else has_initial_state.view(torch.int8)
     call = StepCall(q, k, v, g, beta, out, A_log, dt_bias, state, state, None, state_indices,
                     wi, None, None, hi, scale, lb)
-    bound = _launch(plan, call, q.device, stream, bind, None if bind else (again, addresses))
-    return bound if bind else out
+    return _launch(plan, call, q.device, stream, bind, None if bind else (again, addresses), out)
 
 
 @declare.op("verify", writes=("state", "out"), host_only=_HOST, out_like="v", returns="out",
@@ -161,36 +162,24 @@ def verify(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tens
     tensors = (q, k, v, g, beta, state, cu_seqlens, ssm_state_indices, num_accepted_tokens,
                state_indices, intermediate_states, intermediate_state_indices,
                retrieve_parent_token, out, A_log, dt_bias)
-    if declare.dry():
-        step_checks.verify(*tensors, scale, lower_bound, gate, qk_l2norm, beta_sigmoid,
-                           null_slot, config)
-        _aligned(("q", q), ("k", k), ("v", v), ("g", g), ("out", out), ("state", state),
-                 ("intermediate_states", intermediate_states))
-        return out
-    key = memo.key("verify", tensors,
-                   (scale, lower_bound, gate, qk_l2norm, beta_sigmoid, null_slot, config))
-    hit = memo.recall(key)
-    if hit is None:
-        c = step_checks.verify(*tensors, scale, lower_bound, gate, qk_l2norm, beta_sigmoid,
-                               null_slot, config)
-        hit = _remember(key, _plan(c, q.device), c.scale, c.lower_bound)
-    plan, scale, lb, again = hit
-    if out is None:
-        out = torch.empty(v.shape, dtype=BF16, device=v.device)
-    if not bind:  # a call like an earlier one (metadata by the key, the addresses here)
-        addresses = _addresses(*tensors[:13], out, A_log, dt_bias)
+    plan, scale, lb, again, out = _entry(
+        "verify", step_checks.verify, tensors,
+        (scale, lower_bound, gate, qk_l2norm, beta_sigmoid, null_slot, config), out, v)
+    if plan is not None and not bind:  # a call like an earlier one (metadata by the key)
+        addresses = _addresses(*tensors[:13], out, *tensors[14:])  # the out written
         if _again(again, addresses, q.device, stream):
             return out
     _aligned(("q", q), ("k", k), ("v", v), ("g", g), ("out", out), ("state", state),
              ("intermediate_states", intermediate_states))
+    if plan is None:  # a dry run: its checks only
+        return out
     if ssm_state_indices is not None:
         dst, ridx, widx = state, ssm_state_indices, ssm_state_indices
     else:
         dst, ridx, widx = intermediate_states, state_indices, intermediate_state_indices
     call = StepCall(q, k, v, g, beta, out, A_log, dt_bias, state, dst, cu_seqlens, ridx,
                     widx, num_accepted_tokens, retrieve_parent_token, None, scale, lb)
-    bound = _launch(plan, call, q.device, stream, bind, None if bind else (again, addresses))
-    return bound if bind else out
+    return _launch(plan, call, q.device, stream, bind, None if bind else (again, addresses), out)
 
 
 @declare.op("commit", writes=("state",), host_only=("stream", "bind"), returns="state")
@@ -204,25 +193,19 @@ def commit(state: Tensor, intermediate_states: Tensor, state_indices: Tensor,
         bind = flag("bind", bind)
     tensors = (state, intermediate_states, state_indices, accepted_step,
                intermediate_state_indices)
-    if declare.dry():
-        step_checks.commit(*tensors, null_slot)
-        _aligned(("state", state), ("intermediate_states", intermediate_states))
-        return state
-    key = memo.key("commit", tensors, (null_slot,))
-    hit = memo.recall(key)
-    if hit is None:
-        hit = _remember(key, _plan(step_checks.commit(*tensors, null_slot), state.device))
-    plan, again = hit
-    if not bind:  # a call like an earlier one (metadata by the key, the addresses here)
+    plan, _, _, again, _ = _entry("commit", step_checks.commit, tensors, (null_slot,))
+    if plan is not None and not bind:  # a call like an earlier one (metadata by the key)
         addresses = _addresses(*tensors)
         if _again(again, addresses, state.device, stream):
             return state
     _aligned(("state", state), ("intermediate_states", intermediate_states))
+    if plan is None:  # a dry run: its checks only
+        return state
     call = StepCall(None, None, None, None, None, None, None, None, intermediate_states, state,
                     None, intermediate_state_indices, state_indices, accepted_step, None, None,
                     1.0, None)
-    bound = _launch(plan, call, state.device, stream, bind, None if bind else (again, addresses))
-    return bound if bind else state
+    keep = None if bind else (again, addresses)
+    return _launch(plan, call, state.device, stream, bind, keep, state)
 
 
 @declare.op("recurrent", writes=("final_state", "out"), host_only=_HOST, out_like="v",
@@ -240,34 +223,20 @@ def recurrent(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
     if bind.__class__ is not bool:
         bind = flag("bind", bind)
     tensors = (q, k, v, g, beta, initial_state, final_state, cu_seqlens, out, A_log, dt_bias)
-    if declare.dry():
-        out = step_checks.recurrent(*tensors, scale, lower_bound, gate, qk_l2norm,
-                                    beta_sigmoid, config).out
-        _aligned(("q", q), ("k", k), ("v", v), ("g", g), ("out", out),
-                 ("initial_state", initial_state), ("final_state", final_state))
-        return out
-    key = memo.key("recurrent", tensors,
-                   (scale, lower_bound, gate, qk_l2norm, beta_sigmoid, config))
-    hit = memo.recall(key)
-    made = None  # the out the checks allocated (out None), on a first call
-    if hit is None:
-        c = step_checks.recurrent(*tensors, scale, lower_bound, gate, qk_l2norm, beta_sigmoid,
-                                  config)
-        made = c.out
-        hit = _remember(key, _plan(c, q.device), c.scale, c.lower_bound)
-    plan, scale, lb, again = hit
-    if out is None:
-        out = made if made is not None else torch.empty(v.shape, dtype=BF16, device=v.device)
-    if not bind:  # a call like an earlier one (metadata by the key, the addresses here)
-        addresses = _addresses(*tensors[:8], out, A_log, dt_bias)
+    plan, scale, lb, again, out = _entry(
+        "recurrent", step_checks.recurrent, tensors,
+        (scale, lower_bound, gate, qk_l2norm, beta_sigmoid, config), out, v)
+    if plan is not None and not bind:  # a call like an earlier one (metadata by the key)
+        addresses = _addresses(*tensors[:8], out, *tensors[9:])  # the out written
         if _again(again, addresses, q.device, stream):
             return out
     _aligned(("q", q), ("k", k), ("v", v), ("g", g), ("out", out),
              ("initial_state", initial_state), ("final_state", final_state))
+    if plan is None:  # a dry run: its checks only
+        return out
     call = StepCall(q, k, v, g, beta, out, A_log, dt_bias, initial_state, final_state,
                     cu_seqlens, None, None, None, None, None, scale, lb)
-    bound = _launch(plan, call, q.device, stream, bind, None if bind else (again, addresses))
-    return bound if bind else out
+    return _launch(plan, call, q.device, stream, bind, None if bind else (again, addresses), out)
 
 
 def check_errors(device=None, sync: bool = False) -> None:

@@ -1,47 +1,11 @@
 """Every call's checks, each raising ValueError / TypeError that names the argument the caller
-passed, what was expected and what was got, before anything is planned or launched:
-
-- `base`: what every call shares (tensors, pools and slot tables, switches, the gate
-  parameters, the scalars);
-- `prefill`: a prefill's (fwd, and fla's chunk_kda through it);
-- `step`: a serving step's (decode, verify, commit, the dense token-by-token forward).
-"""
+passed, what was expected and what was got, before anything is planned or launched: `base`
+(what every call shares), `prefill` (fwd's, and fla's chunk_kda through it) and `step` (the
+serving steps'). The package holds the names its callers use; the rest are in the modules."""
 
 from . import step
-from .base import (
-    GATE_DTYPES,
-    INDEX_DTYPES,
-    POOL_DTYPES,
-    capturing,
-    err,
-    flag,
-    flags,
-    gate_params,
-    has_address,
-    index_table,
-    index_words,
-    is_wide,
-    null_min,
-    pool,
-    scalars,
-    tensor,
-)
-from .prefill import (
-    CHECKPOINT_ARGS,
-    addresses,
-    forward,
-    metadata,
-    options,
-    problem,
-    require_cuda,
-    seqlens,
-    validate,
-    workspace,
-)
+from .base import INDEX_DTYPES, POOL_DTYPES, capturing, err, flag, has_address, tensor
+from .prefill import forward, metadata, options, seqlens, validate, workspace
 
-__all__ = [
-    "CHECKPOINT_ARGS", "GATE_DTYPES", "INDEX_DTYPES", "POOL_DTYPES", "addresses", "capturing",
-    "err", "flag", "flags", "forward", "gate_params", "has_address", "index_table",
-    "index_words", "is_wide", "metadata", "null_min", "options", "pool", "problem",
-    "require_cuda", "scalars", "seqlens", "step", "tensor", "validate", "workspace",
-]
+__all__ = ["INDEX_DTYPES", "POOL_DTYPES", "capturing", "err", "flag", "forward", "has_address",
+           "metadata", "options", "seqlens", "step", "tensor", "validate", "workspace"]

@@ -21,7 +21,7 @@ def _dtype_name(d) -> str:
     return str(d).replace("torch.", "")
 
 
-def tensor(name, t, dtypes, ndim=None, device=None):
+def tensor(name, t, dtypes, ndim=None, device=None, shape=None):
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in dtypes:
@@ -33,10 +33,7 @@ def tensor(name, t, dtypes, ndim=None, device=None):
         raise err(name, f"a {ndim}-d tensor", f"shape {tuple(t.shape)}")
     if device is not None and t.device != device:
         raise err(name, f"a tensor on {device}", f"one on {t.device}")
-
-
-def _shape(name, t, shape):
-    if tuple(t.shape) != tuple(shape):
+    if shape is not None and tuple(t.shape) != tuple(shape):
         raise err(name, f"shape {tuple(shape)}", f"{tuple(t.shape)}")
 
 

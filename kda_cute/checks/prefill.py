@@ -26,7 +26,6 @@ from ..specs.checkpoints import MAX_ENTRIES
 from ..specs.prep import GATE_MODES
 from ..specs.step import E_READ, E_WRITE
 from .base import (
-    _shape,
     capturing,
     err,
     flag,
@@ -81,8 +80,7 @@ def options(gate="bounded", qk_l2norm=True, beta_sigmoid=True, segments=None, co
 
 
 @functools.lru_cache(maxsize=256, typed=True)
-def _options(gate="bounded", qk_l2norm=True, beta_sigmoid=True, segments=None, config=None,
-            precision="fast", alongside=None, wy=None) -> Options:
+def _options(gate, qk_l2norm, beta_sigmoid, segments, config, precision, alongside, wy) -> Options:
     if not isinstance(gate, str) or gate not in GATE_MODES:
         raise err("gate", f"one of {sorted(GATE_MODES)}", repr(gate))
     if segments is not None and (isinstance(segments, bool) or not isinstance(segments, int)
@@ -115,25 +113,21 @@ def problem(c: Call, opts: Options) -> Problem:
     dev = q.device
     B, T, H, K = q.shape
     for name, t in (("k", k), ("g", g)):
-        tensor(name, t, (torch.bfloat16,), 4, dev)
-        _shape(name, t, (B, T, H, K))
+        tensor(name, t, (torch.bfloat16,), 4, dev, (B, T, H, K))
     tensor("v", v, (torch.bfloat16,), 4, dev)
     if tuple(v.shape[:3]) != (B, T, H):
         raise err("v", f"shape ({B}, {T}, {H}, V)", f"{tuple(v.shape)}")
     V = v.shape[3]
-    tensor("beta", beta, (torch.bfloat16,), 3, dev)
-    _shape("beta", beta, (B, T, H))
+    tensor("beta", beta, (torch.bfloat16,), 3, dev, (B, T, H))
     if (H > 1 and beta.stride(2) != 1) or (T > 1 and beta.stride(1) < H) or (
             B > 1 and T > 0 and beta.stride(0) != T * beta.stride(1)):
         raise err("beta", "heads contiguous, token stride >= H, batch stride == T * token "
                   "stride", f"strides {tuple(beta.stride())}")
     if out is None:
         raise err("out", "a bf16 tensor [B, T, H, V] to write", None)
-    tensor("out", out, (torch.bfloat16,), 4, dev)
-    _shape("out", out, (B, T, H, V))
-    _rows("out", out, SYM_DIV["sO"])
-    for name, t in (("q", q), ("k", k), ("g", g), ("v", v)):
-        _rows(name, t, SYM_DIV["s" + name.upper()])
+    tensor("out", out, (torch.bfloat16,), 4, dev, (B, T, H, V))
+    for name, t in (("out", out), ("q", q), ("k", k), ("g", g), ("v", v)):
+        _rows(name, t, SYM_DIV["s" + name[0].upper()])
     a_dt, b_dt = gate_params(c.A_log, c.dt_bias, opts.gate, H, K, dev)
     cu = c.cu_seqlens
     if cu is not None:
@@ -157,8 +151,7 @@ def problem(c: Call, opts: Options) -> Problem:
         for name, st in (("initial_state", c.initial_state), ("final_state", c.final_state)):
             if st is None:
                 continue
-            tensor(name, st, STATE_DTYPES, 4, dev)
-            _shape(name, st, (N, H, V, K))
+            tensor(name, st, STATE_DTYPES, 4, dev, (N, H, V, K))
             if not st.is_contiguous():
                 raise err(name, "a contiguous tensor", f"strides {tuple(st.stride())}")
     hi = c.has_initial_state
@@ -209,8 +202,7 @@ def _checkpoints(c: Call, N: int, H: int, V: int, K: int, dev) -> Checkpoints | 
         E = offs.shape[1]
         if not 1 <= E <= MAX_ENTRIES:
             raise err("checkpoint_offsets", f"1 to {MAX_ENTRIES} checkpoints per sequence", E)
-        tensor("checkpoint_state", cs, STATE_DTYPES, 5, dev)
-        _shape("checkpoint_state", cs, (N, E, H, V, K))
+        tensor("checkpoint_state", cs, STATE_DTYPES, 5, dev, (N, E, H, V, K))
         st = cs.stride()
         if st[2:] != (V * K, K, 1):
             raise err("checkpoint_state", f"each checkpoint's [H, V, K] dense (strides (..., "

@@ -58,7 +58,8 @@ _NO_PARENT = Parent(0, p_sn=0, p_st=0, p_wide=0)
 
 class Checked(NamedTuple):
     """What a step's checks conclude: its problem and options (its plan's key), the scale and
-    lower bound as floats, and the out it allocated (None: the caller's)."""
+    lower bound as floats, and the out to write (the caller's, or one the checks allocated;
+    None for a commit)."""
 
     problem: StepProblem
     options: StepOptions
@@ -118,9 +119,7 @@ def token_rows(name, t, D, H=None, dev=None):
 
 
 def _beta(t, rows, lead, H, dev):
-    tensor("beta", t, (BF16,), None, dev)
-    if tuple(t.shape) != (*lead, H):
-        raise err("beta", f"shape {(*lead, H)}", tuple(t.shape))
+    tensor("beta", t, (BF16,), None, dev, (*lead, H))
     if H > 1 and t.stride(-1) != 1:
         raise err("beta", "heads contiguous", f"strides {tuple(t.stride())}")
     if t.dim() == 3 and t.shape[1] == 1:
@@ -214,6 +213,19 @@ def _cu(cu_seqlens, dev):
     return cu_seqlens.numel() - 1
 
 
+def _seqs(q, cu_seqlens, dev, n: str) -> tuple[int, int]:
+    """(sequences, tokens per row): cu_seqlens' N and -1 (packed rows, batch size 1), or
+    q [n, T, H, K]'s."""
+    if cu_seqlens is not None:
+        N = _cu(cu_seqlens, dev)
+        if q.dim() == 4 and q.shape[0] != 1:
+            raise err("q", "batch size 1 when cu_seqlens is given", tuple(q.shape))
+        return N, -1
+    if q.dim() != 4:
+        raise err("q", f"[{n}, T, H, K] without cu_seqlens", tuple(q.shape))
+    return q.shape[0], q.shape[1]
+
+
 def verify_style(ssm_state_indices, num_accepted_tokens, state_indices, intermediate_states,
                  retrieve_parent_token, intermediate_state_indices=None) -> str:
     """Which verify style the arguments ask for, "a" (ssm_state_indices) or "b" (state_indices
@@ -257,18 +269,18 @@ def decode(q, k, v, g, beta, state, state_indices, out, output_state_indices,
         flags("has_initial_state", has_initial_state, B, dev)
     a, b = gate_params(A_log, dt_bias, opts.gate, H, K, dev)
     scale, lb = scalars(scale, lower_bound, opts.gate, K)
-    pdt = "float32" if state.dtype == torch.float32 else "bfloat16"
     if state_indices is None and state.shape[0] < B:
         raise err("state", f"at least B = {B} slots without state_indices", state.shape[0])
     p = StepProblem(
-        "decode", B, B, H, K, V, pdt, state.shape[0], ss, state.shape[0], ss, tk.strides,
-        1, False, 1, Read(1, r_sn=r[0], r_st=0, r_wide=_wide(state_indices), r_mul=1, r_add=0),
-        _NO_ACCEPTED, has_initial_state is not None,
+        "decode", B, B, H, K, V, _dtype_name(state.dtype), state.shape[0], ss, state.shape[0],
+        ss, tk.strides, 1, False, 1,
+        Read(1, r_sn=r[0], r_st=0, r_wide=_wide(state_indices), r_mul=1, r_add=0), _NO_ACCEPTED,
+        has_initial_state is not None,
         Write(WRITE_LAST, w_sn=w[0], w_st=0, w_wide=_wide(wi), w_mul=1, w_add=0), _NO_PARENT,
         Nulls(r_null=null, w_null=null), a, b,
         Words(NCU=0, NRI=_words(state_indices), NWI=_words(wi), NAC=0, NPA=0,
               NHI=0 if has_initial_state is None else B))
-    return _checked(p, opts, dev, scale, lb, read=_given("state_indices", state_indices),
+    return _checked(p, opts, dev, scale, lb, tk.out, read=_given("state_indices", state_indices),
                     write=_given("output_state_indices", output_state_indices)
                     or _given("state_indices", state_indices))
 
@@ -283,17 +295,7 @@ def verify(q, k, v, g, beta, state, cu_seqlens, ssm_state_indices, num_accepted_
     dev, H, K, V = tk.dev, tk.H, tk.K, tk.V
     ss = pool("state", state, H, V, K, dev)
     null = _null(null_slot)
-    if cu_seqlens is not None:
-        N = _cu(cu_seqlens, dev)
-        if q.dim() == 4 and q.shape[0] != 1:
-            raise err("q", "batch size 1 when cu_seqlens is given", tuple(q.shape))
-        fixed, per_row = -1, None
-    else:
-        if q.dim() != 4:
-            raise err("q", "[N, T, H, K] without cu_seqlens", tuple(q.shape))
-        N, fixed = q.shape[0], q.shape[1]
-        per_row = fixed
-    pdt = "float32" if state.dtype == torch.float32 else "bfloat16"
+    N, fixed = _seqs(q, cu_seqlens, dev, "N")
     par = _NO_PARENT
     npa = 0
     if verify_style(ssm_state_indices, num_accepted_tokens, state_indices,
@@ -301,8 +303,8 @@ def verify(q, k, v, g, beta, state, cu_seqlens, ssm_state_indices, num_accepted_
                     intermediate_state_indices) == "a":
         st = _index("ssm_state_indices", ssm_state_indices, (N, None), dev)
         S1 = ssm_state_indices.shape[1]
-        if per_row is not None and per_row > S1:
-            raise err("q", f"at most {S1} tokens per row (ssm_state_indices' entries)", per_row)
+        if fixed > S1:
+            raise err("q", f"at most {S1} tokens per row (ssm_state_indices' entries)", fixed)
         # the start slot: entry num_accepted_tokens[n] - 1 of the row's (entry 0 without)
         acc = Accepted(0, acc_wide=0, acc_base=1, acc_skip=0, max_sel=S1)
         if num_accepted_tokens is not None:
@@ -311,22 +313,23 @@ def verify(q, k, v, g, beta, state, cu_seqlens, ssm_state_indices, num_accepted_
         wide = _wide(ssm_state_indices)
         read = Read(1, r_sn=st[0], r_st=st[1], r_wide=wide, r_mul=1, r_add=0)
         write = Write(WRITE_ALL, w_sn=st[0], w_st=st[1], w_wide=wide, w_mul=1, w_add=0)
-        dst, ds, drows, form = state, ss, state.shape[0], "verify"
+        ds, drows, form = ss, state.shape[0], "verify"
         ridx = widx = ssm_state_indices
         max_tokens, nulls = S1, Nulls(r_null=null, w_null=null)
+        names = dict(read="ssm_state_indices", write="ssm_state_indices",
+                     accepted=_given("num_accepted_tokens", num_accepted_tokens))
     else:
         r = _index("state_indices", state_indices, (N,), dev)
         R, S_max, ds = _scratch(intermediate_states, state, H, V, K, dev)
-        if per_row is not None and per_row > S_max:
-            raise err("q", f"at most {S_max} tokens per row (intermediate_states' steps)",
-                      per_row)
+        if fixed > S_max:
+            raise err("q", f"at most {S_max} tokens per row (intermediate_states' steps)", fixed)
         w = _scratch_rows(intermediate_state_indices, R, N, dev)
         max_tokens = S_max
         if retrieve_parent_token is not None:
             pt = _index("retrieve_parent_token", retrieve_parent_token, (N, None), dev)
             max_tokens = min(S_max, retrieve_parent_token.shape[1])
-            if per_row is not None and per_row > retrieve_parent_token.shape[1]:
-                raise err("retrieve_parent_token", f"at least {per_row} entries per row",
+            if fixed > retrieve_parent_token.shape[1]:
+                raise err("retrieve_parent_token", f"at least {fixed} entries per row",
                           tuple(retrieve_parent_token.shape))
             par = Parent(1, p_sn=pt[0], p_st=pt[1], p_wide=_wide(retrieve_parent_token))
             npa = _words(retrieve_parent_token)
@@ -335,25 +338,21 @@ def verify(q, k, v, g, beta, state, cu_seqlens, ssm_state_indices, num_accepted_
         # the scratch row of token t: index * S_max + t
         write = Write(WRITE_ALL, w_sn=w[0], w_st=0, w_wide=_wide(intermediate_state_indices),
                       w_mul=S_max, w_add=1)
-        dst, drows, form = intermediate_states, R * S_max, "verify scratch"
+        drows, form = R * S_max, "verify scratch"
         ridx, widx = state_indices, intermediate_state_indices
         nulls = Nulls(r_null=null, w_null=0)
-    a, b = gate_params(A_log, dt_bias, opts.gate, H, K, dev)
-    scale, lb = scalars(scale, lower_bound, opts.gate, K)
-    p = StepProblem(
-        form, N, tk.rows, H, K, V, pdt, state.shape[0], ss, drows, ds, tk.strides, fixed,
-        _wide(cu_seqlens) == 1, max_tokens, read, acc, False, write, par, nulls, a, b,
-        Words(NCU=_words(cu_seqlens), NRI=_words(ridx), NWI=_words(widx),
-              NAC=_words(num_accepted_tokens), NPA=npa, NHI=0))
-    if form == "verify":
-        names = dict(read="ssm_state_indices", write="ssm_state_indices",
-                     accepted=_given("num_accepted_tokens", num_accepted_tokens))
-    else:
         names = dict(read="state_indices",
                      write=_given("intermediate_state_indices", intermediate_state_indices),
                      parent=_given("retrieve_parent_token", retrieve_parent_token))
-    del dst, ridx, widx  # the call's, chosen again each call
-    return _checked(p, opts, dev, scale, lb, cu=_given("cu_seqlens", cu_seqlens), **names)
+    a, b = gate_params(A_log, dt_bias, opts.gate, H, K, dev)
+    scale, lb = scalars(scale, lower_bound, opts.gate, K)
+    p = StepProblem(
+        form, N, tk.rows, H, K, V, _dtype_name(state.dtype), state.shape[0], ss, drows, ds,
+        tk.strides, fixed, _wide(cu_seqlens) == 1, max_tokens, read, acc, False, write, par,
+        nulls, a, b, Words(NCU=_words(cu_seqlens), NRI=_words(ridx), NWI=_words(widx),
+                           NAC=_words(num_accepted_tokens), NPA=npa, NHI=0))
+    return _checked(p, opts, dev, scale, lb, tk.out, cu=_given("cu_seqlens", cu_seqlens),
+                    **names)
 
 
 def commit(state, intermediate_states, state_indices, accepted_step,
@@ -366,15 +365,13 @@ def commit(state, intermediate_states, state_indices, accepted_step,
     H, V, K = state.shape[1:]
     ss = pool("state", state, H, V, K, dev)
     R, S_max, ds = _scratch(intermediate_states, state, H, V, K, dev)
-    tensor("state_indices", state_indices, INDEX_DTYPES, 1, dev)
+    w = _index("state_indices", state_indices, (None,), dev)
     N = state_indices.shape[0]
-    w = _index("state_indices", state_indices, (N,), dev)
     _index("accepted_step", accepted_step, (N,), dev)
     r = _scratch_rows(intermediate_state_indices, R, N, dev)
     null = _null(null_slot)
-    pdt = "float32" if state.dtype == torch.float32 else "bfloat16"
     p = StepProblem(
-        "commit", N, 0, H, K, V, pdt, R * S_max, ds, state.shape[0], ss,
+        "commit", N, 0, H, K, V, _dtype_name(state.dtype), R * S_max, ds, state.shape[0], ss,
         TokenStrides(H * K, H * K, H * K, H * V, H * V, H), 0, False, 0,
         # the scratch row of the accepted step: index * S_max + step
         Read(1, r_sn=r[0], r_st=0, r_wide=_wide(intermediate_state_indices), r_mul=S_max,
@@ -395,34 +392,23 @@ def recurrent(q, k, v, g, beta, initial_state, final_state, cu_seqlens, out, A_l
     opts = step_options(gate, qk_l2norm, beta_sigmoid, config)
     tk = _Tokens(q, k, v, g, beta, out)
     dev, H, K, V = tk.dev, tk.H, tk.K, tk.V
-    if cu_seqlens is not None:
-        N = _cu(cu_seqlens, dev)
-        fixed = -1
-        if q.dim() == 4 and q.shape[0] != 1:
-            raise err("q", "batch size 1 when cu_seqlens is given", tuple(q.shape))
-    else:
-        if q.dim() != 4:
-            raise err("q", "[B, T, H, K] without cu_seqlens", tuple(q.shape))
-        N, fixed = q.shape[0], q.shape[1]
-    s0s = s1s = H * V * K
+    N, fixed = _seqs(q, cu_seqlens, dev, "B")
     dt = None
+    slot_strides = {}
     for name, t in (("initial_state", initial_state), ("final_state", final_state)):
         if t is None:
             continue
-        s = pool(name, t, H, V, K, dev)
+        slot_strides[name] = pool(name, t, H, V, K, dev)
         if t.shape[0] != N:
             raise err(name, f"[N={N}, H, V, K]", tuple(t.shape))
         if dt is not None and t.dtype != dt:
             raise err(name, f"the dtype of initial_state ({_dtype_name(dt)})",
                       _dtype_name(t.dtype))
         dt = t.dtype
-        if name == "initial_state":
-            s0s = s
-        else:
-            s1s = s
     a, b = gate_params(A_log, dt_bias, opts.gate, H, K, dev)
     scale, lb = scalars(scale, lower_bound, opts.gate, K)
     pdt = "bfloat16" if dt == torch.bfloat16 else "float32"
+    s0s, s1s = (slot_strides.get(n, H * V * K) for n in ("initial_state", "final_state"))
     n0 = N if initial_state is not None else 0
     n1 = N if final_state is not None else 0
     p = StepProblem(
