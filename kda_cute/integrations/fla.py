@@ -33,7 +33,6 @@ from ..plans.device import ready
 from ..specs import HEAD_DIMS
 
 try:
-    import fla
     from fla.backends import BaseBackend
     from fla.backends import register as _fla_register
 except ImportError as e:  # fla < 0.6 has no fla.backends
@@ -55,17 +54,15 @@ def _reject(name: str, expected: str, got) -> Reject:
     return Reject(f"{name}: expected {expected}, got {got}")
 
 
-def _grad(**tensors) -> None:
-    if not torch.is_grad_enabled():
-        return
-    for name, t in tensors.items():
-        if isinstance(t, torch.Tensor) and t.requires_grad:
-            raise _reject(name, "no tensor that requires grad while grad is enabled (kda-cute "
-                          "is forward only)", "one that does")
-
-
-def _common(q, v) -> None:
-    """Checks both entries share (dt_bias [H*K] is taken as [H, K] by the call's checks)."""
+def _common(**tensors) -> None:
+    """Both entries' rules on their tensors: none requires grad while grad is enabled; q and v
+    alike in rank, heads and head dims (dt_bias [H*K] is taken as [H, K] by the call's checks)."""
+    if torch.is_grad_enabled():
+        for name, t in tensors.items():
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                raise _reject(name, "no tensor that requires grad while grad is enabled "
+                              "(kda-cute is forward only)", "one that does")
+    q, v = tensors["q"], tensors["v"]
     for name, t in (("q", q), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise _reject(name, "a torch.Tensor", type(t).__name__)
@@ -108,9 +105,8 @@ def _chunk_args(q, k, v, g, beta, scale=None, initial_state=None, output_final_s
     if cp_context is not None:
         raise _reject("cp_context", "None (context parallel is not supported)",
                       type(cp_context).__name__)
-    _grad(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state, A_log=A_log,
-          dt_bias=dt_bias)
-    _common(q, v)
+    _common(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state, A_log=A_log,
+            dt_bias=dt_bias)
     return dict(q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=initial_state,
                 output_final_state=output_final_state,
                 use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
@@ -132,9 +128,8 @@ def _recurrent_args(q, k, v, g, beta, A_log=None, dt_bias=None, initial_state=No
         unknown = sorted(kwargs)
         raise _reject(unknown[0], "an argument of fla's fused_recurrent_kda_fwd (unsupported "
                       f"arguments {unknown})", repr(kwargs[unknown[0]])[:40])
-    _grad(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state, A_log=A_log,
-          dt_bias=dt_bias)
-    _common(q, v)
+    _common(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state, A_log=A_log,
+            dt_bias=dt_bias)
     return dict(q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias,
                 initial_state=initial_state, scale=scale, output_final_state=output_final_state,
                 inplace_final_state=inplace_final_state, state_v_first=state_v_first,
@@ -150,15 +145,12 @@ def _device(args, kwargs) -> None:
     """The device of q (a real tensor: a FakeTensor has none to ask) runs kda-cute's cubins."""
     q = kwargs.get("q", args[0] if args else None)
     if isinstance(q, torch.Tensor) and q.device.type == "cuda" and checks.has_address(q):
-        ok, why = _device_ok(q.device)
+        ok, why = _ready(q.device)
         if not ok:
-            raise _reject("q", "a tensor on a device kda-cute runs on", why)
+            raise _reject("q", "a tensor on a device kda-cute runs on", f"{q.device}: {why}")
 
 
-@functools.lru_cache(maxsize=16)
-def _device_ok(dev) -> tuple[bool, str]:
-    ok, why = ready(dev)
-    return ok, ("" if ok else f"{dev}: {why}")
+_ready = functools.lru_cache(maxsize=16)(ready)
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
@@ -212,27 +204,20 @@ class KdaCuteBackend(BaseBackend):
         return fla_forms.chunk_kda(**_chunk_args(*args, **kwargs))
 
     def fused_recurrent_kda_fwd_verifier(self, *args, **kwargs) -> tuple[bool, str | None]:
-        return _verdict(fla_forms.check_fused_recurrent_kda_fwd, _recurrent_args, args,
-                        kwargs)
+        return _verdict(fla_forms.check_fused_recurrent_kda_fwd, _recurrent_args, args, kwargs)
 
     def fused_recurrent_kda_fwd(self, *args, **kwargs):
         return fla_forms.fused_recurrent_kda_fwd(**_recurrent_args(*args, **kwargs))
 
 
-_registered = False
-
-
+@functools.cache
 def register() -> type[KdaCuteBackend]:
     """Register the backend with fla (once; later calls do nothing): for `chunk_kda` and for
     the "kda" operations (`fused_recurrent_kda_fwd`). Returns the backend class."""
-    global _registered
-    if not _registered:
-        from fla.ops.kda.chunk import chunk_kda
-        _fla_register(chunk_kda)(KdaCuteBackend)
-        _fla_register("kda")(KdaCuteBackend)
-        _registered = True
+    from fla.ops.kda.chunk import chunk_kda
+    _fla_register(chunk_kda)(KdaCuteBackend)
+    _fla_register("kda")(KdaCuteBackend)
     return KdaCuteBackend
 
 
 __all__ = ["ENV_VAR", "PRIORITY", "KdaCuteBackend", "Reject", "register"]
-FLA_VERSION = getattr(fla, "__version__", "unknown")
