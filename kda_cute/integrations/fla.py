@@ -172,8 +172,7 @@ def _meta(x):
 
 def _verdict(check, as_call, args, kwargs) -> tuple[bool, str | None]:
     """The form's `check` of fla's arguments `as_call` maps, as fla's verdict (ok, reason)."""
-    # (fla asks before every call: the verdict is kept in kda_cute's one memo, but for a call
-    # with an unhashable argument, checked each time)
+    # (fla asks before every call: the verdict is kept in kda_cute's one memo)
     key = ("verdict", check, torch.is_grad_enabled(), *map(_meta, args), *kwargs,
            *map(_meta, kwargs.values()))
     hit = memo.recall(key)
