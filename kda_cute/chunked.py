@@ -224,17 +224,14 @@ def segmented_recurrence(inter, v, *, chunk, segments, initial_state=None, rerun
     edges = [min(T, j * per * chunk) for j in range(segments + 1)]
     spans = [(s, e) for s, e in itertools.pairwise(edges) if e > s]
 
-    def piece(x, s, e):
-        return x[:, s:e]
-
     # pass 1: each segment's affine map, from [0; I]
     eye = torch.eye(K, dtype=dtype, device=device).expand(1, H, K, K)
     maps, o_zero, o_eye = [], [], []
     for s, e in spans:
-        sub = {key: piece(x, s, e) for key, x in inter.items()}
+        sub = {key: x[:, s:e] for key, x in inter.items()}
         zero_v = torch.zeros(1, e - s, H, K, dtype=dtype, device=device)
         # the identity block follows the linear part only: it sees no values (v = 0)
-        o_top, top = chunk_recurrence(sub, piece(v, s, e), chunk=chunk)
+        o_top, top = chunk_recurrence(sub, v[:, s:e], chunk=chunk)
         o_bot, bottom = chunk_recurrence(sub, zero_v, chunk=chunk, initial_state=eye)
         maps.append((bottom[0], top[0]))  # A [H, K, K], B [H, V, K]
         o_zero.append(o_top)
@@ -247,8 +244,8 @@ def segmented_recurrence(inter, v, *, chunk, segments, initial_state=None, rerun
     out = torch.zeros(1, T, H, V, dtype=dtype, device=device)
     for j, ((s, e), St) in enumerate(zip(spans, starts, strict=True)):
         if rerun:  # pass 2: the segment again, from its true start
-            sub = {key: piece(x, s, e) for key, x in inter.items()}
-            out[:, s:e], _ = chunk_recurrence(sub, piece(v, s, e), chunk=chunk,
+            sub = {key: x[:, s:e] for key, x in inter.items()}
+            out[:, s:e], _ = chunk_recurrence(sub, v[:, s:e], chunk=chunk,
                                               initial_state=St[None])
         else:  # the correction: out += S_start O_I, token by token
             out[:, s:e] = o_zero[j] + torch.einsum("hvk,bthk->bthv", St, o_eye[j])

@@ -95,9 +95,6 @@ def header(entries: list[tuple[object, dict]], arch: str) -> str:
         "  unsigned num_tma; const kda_tma *tma;",
         "} kda_kernel;", "",
     ]
-    roles = {"tma_descriptor": "KDA_TMA_DESCRIPTOR", "tma_coordinates": "KDA_TMA_COORDINATES",
-             "tensor": "KDA_TENSOR", "i32": "KDA_I32", "f32": "KDA_F32",
-             "mma_flag": "KDA_MMA_FLAG"}
     table = []
     for cfg, man in entries:
         ident = c_ident(man["name"])
@@ -108,7 +105,8 @@ def header(entries: list[tuple[object, dict]], arch: str) -> str:
                            f"rebuild the cubins")
         out.append(f"static const kda_param {ident}_params[] = {{")
         for (arg, role, _), (_, offset, size) in zip(spec, params, strict=True):
-            out.append(f'  {{"{arg}", {roles[role]}, {offset}, {size}}},')
+            # (kda_param_role's names are abi.params' roles in capitals)
+            out.append(f'  {{"{arg}", KDA_{role.upper()}, {offset}, {size}}},')
         out.append("};")
         tma = man.get("tma", [])
         if tma:

@@ -60,37 +60,31 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
             raise checks.err("lower_bound", "a float in [-5, 0) with safe_gate", None)
     else:
         gate = "none"
-    if state_indices is not None:
-        if not state_v_first:
-            raise checks.err("state_v_first", "True with state_indices (the pool [slots, H, V, "
-                             "K] is updated in place; a K-first pool cannot be)", state_v_first)
-        out = torch.empty(*q.shape[:3], v.shape[-1], dtype=torch.bfloat16, device=q.device)
-        fwd(q, k, v, g, beta, float(scale), out, A_log, dt_bias, lower_bound, initial_state,
-            initial_state, cu_seqlens, workspace, gate=gate, qk_l2norm=use_qk_l2norm_in_kernel,
-            beta_sigmoid=use_beta_sigmoid_in_kernel, precision=precision,
-            state_indices=state_indices, output_state_indices=output_state_indices,
-            has_initial_state=has_initial_state, null_slot=null_slot)
-        return out, initial_state if output_final_state else None
+    if state_indices is not None and not state_v_first:
+        raise checks.err("state_v_first", "True with state_indices (the pool [slots, H, V, K] is "
+                         "updated in place; a K-first pool cannot be)", state_v_first)
     if initial_state is not None and not state_v_first:
         checks.tensor("initial_state", initial_state, (torch.float32, torch.bfloat16), 4)
-    if output_final_state and cu_seqlens is not None:
+    if output_final_state and cu_seqlens is not None and state_indices is None:
         checks.tensor("cu_seqlens", cu_seqlens, checks.INDEX_DTYPES, 1)
         if cu_seqlens.numel() < 1:
             raise checks.err("cu_seqlens", "N+1 >= 1 offsets", "none")
     out = torch.empty(*q.shape[:3], v.shape[-1], dtype=torch.bfloat16, device=q.device)
-    s0 = initial_state
+    s0 = s1 = initial_state  # (a pool is read and written in place)
     if s0 is not None and not state_v_first:  # (a contiguous V-first copy)
         s0 = s0.transpose(-1, -2).contiguous()
-    s1 = None
-    if output_final_state:
+    if state_indices is None:
         N = q.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
-        s1 = torch.empty(N, q.shape[2], v.shape[-1], K, dtype=torch.float32, device=q.device)
+        s1 = torch.empty(N, q.shape[2], v.shape[-1], K, dtype=torch.float32,
+                         device=q.device) if output_final_state else None
     fwd(q, k, v, g, beta, float(scale), out, A_log, dt_bias, lower_bound, s0, s1, cu_seqlens,
         workspace, gate=gate, qk_l2norm=use_qk_l2norm_in_kernel,
         beta_sigmoid=use_beta_sigmoid_in_kernel, precision=precision,
-        has_initial_state=has_initial_state, output_state_indices=output_state_indices,
-        null_slot=null_slot)
-    if s1 is not None and not state_v_first:
+        state_indices=state_indices, output_state_indices=output_state_indices,
+        has_initial_state=has_initial_state, null_slot=null_slot)
+    if state_indices is not None:  # (the pool is the final state)
+        s1 = initial_state if output_final_state else None
+    elif s1 is not None and not state_v_first:
         s1 = s1.transpose(-1, -2).contiguous()
     return out, s1
 
@@ -135,8 +129,6 @@ def fused_recurrent_kda_fwd(q, k, v, g, beta, A_log=None, dt_bias=None, initial_
     else:
         gate = "none"
     H, K = q.shape[2], q.shape[3]
-    if scale is None:
-        scale = K ** -0.5
     if out is None:
         out = torch.zeros_like(v)
     kw = dict(A_log=A_log, dt_bias=dt_bias, scale=scale, lower_bound=lower_bound, gate=gate,

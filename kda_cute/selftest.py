@@ -17,10 +17,11 @@ import statistics
 import torch
 
 from . import testing
+from .api import fwd
 from .reference import rel_err
+from .serving import decode, verify
 
-OUT_TOL = 3.5e-3  # bf16 output rounding alone is ~1.7e-3
-STATE_TOL = {torch.float32: 2.5e-3, torch.bfloat16: 6e-3}
+STATE_TOL = {torch.float32: testing.STATE_TOL, torch.bfloat16: testing.STATE_TOL_BF16}
 
 
 def _prefill_cases():
@@ -38,15 +39,13 @@ def _prefill_cases():
 
 
 def _prefill(shape, kw) -> tuple[float, float]:
-    inp = testing.make_inputs(seed=7, **shape)
-    out, final = testing.run_kda(inp, **kw)  # in place: final is the state it updated
-    ref_o, ref_s = testing.reference(inp)
-    return rel_err(out, ref_o), rel_err(final, ref_s)
+    # (in place: state_err is the updated initial state's)
+    res = testing.errors(testing.make_inputs(seed=7, **shape), **kw)
+    return res["out_err"], res["state_err"]
 
 
 def _checkpoints() -> tuple[float, float]:
     """Checkpoints at offsets against the reference of each prefix."""
-    from .api import fwd
     inp = testing.make_inputs(B=1, T=600, H=4, K=128, seed=8)
     offs = torch.tensor([[1, 257, 600]], device="cuda")
     ck = torch.full((1, 3, 4, 128, 128), float("nan"), device="cuda")
@@ -65,22 +64,15 @@ def _checkpoints() -> tuple[float, float]:
 
 
 def _decode(K, dtype) -> tuple[float, float]:
-    from .serving import decode
-    N, H, slots = 16, 8, 48
-    inp = testing.make_inputs(B=N, T=1, H=H, K=K, seed=K + 1)
-    pool = torch.randn(slots, H, K, K, device="cuda").to(dtype)
-    idx = torch.randperm(slots, device="cuda")[:N].to(torch.int32)
+    run, inp, pool, idx, out = _decode_runner(16, 8, K, dtype, slots=48, seed=K + 1)
     start = pool[idx.long()].clone()
-    out = torch.full_like(inp["v"], float("nan"))
-    decode(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], pool, idx, out=out,
-           A_log=inp["A_log"], dt_bias=inp["dt_bias"], lower_bound=inp["lower_bound"])
+    run()
     ref_o, ref_s = testing.reference(dict(inp, initial_state=start))
     return rel_err(out, ref_o), rel_err(pool[idx.long()], ref_s)
 
 
 def _verify() -> tuple[float, float]:
     """Style (a), 4 tokens a row, the state after every token to its own slot."""
-    from .serving import verify
     N, T, H, K, slots = 4, 4, 8, 128, 40
     inp = testing.make_inputs(B=N, T=T, H=H, K=K, seed=21)
     pool = torch.randn(slots, H, K, K, device="cuda")
@@ -114,7 +106,7 @@ def check(echo=print) -> bool:
     for name, run, state_tol in cases:
         try:
             o, s = run()
-            passed = o < OUT_TOL and s < state_tol  # NaN compares False: a failure
+            passed = o < testing.OUT_TOL and s < state_tol  # NaN compares False: a failure
             detail = f"{o:9.2e} {s:9.2e}"
         except Exception as e:  # a case that raises is a failure, the others still run
             passed, detail = False, f"raised {type(e).__name__}: {e}"
@@ -146,7 +138,6 @@ def _median_ms(fn, iters=30, warmup=5) -> float:
 
 
 def _fwd_runner(shape):
-    from .api import fwd
     inp = testing.make_inputs(seed=1, **shape)
     out = torch.empty_like(inp["v"])
     final = torch.empty_like(inp["initial_state"])
@@ -159,20 +150,19 @@ def _fwd_runner(shape):
     return run, inp["q"].shape[0] * inp["q"].shape[1]
 
 
-def _decode_runner(N, H, K, dtype):
-    from .serving import decode
-    inp = testing.make_inputs(B=N, T=1, H=H, K=K, seed=2)
-    slots = 4 * N
+def _decode_runner(N, H, K, dtype, slots, seed):
+    """A decode step of N rows on `slots` random slots of a random pool, its output poisoned:
+    (run, inputs, pool, slot indices, out)."""
+    inp = testing.make_inputs(B=N, T=1, H=H, K=K, seed=seed)
     pool = torch.randn(slots, H, K, K, device="cuda").to(dtype)
     idx = torch.randperm(slots, device="cuda")[:N].to(torch.int32)
-    out = torch.empty_like(inp["v"])
+    out = torch.full_like(inp["v"], float("nan"))
 
     def run():
         decode(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], pool, idx, out=out,
-               A_log=inp["A_log"], dt_bias=inp["dt_bias"], lower_bound=-5.0)
+               A_log=inp["A_log"], dt_bias=inp["dt_bias"], lower_bound=inp["lower_bound"])
 
-    nbytes = 2 * N * H * K * K * pool.element_size() + N * H * (4 * K + K + 1) * 2
-    return run, nbytes
+    return run, inp, pool, idx, out
 
 
 def bench(echo=print) -> list[dict]:
@@ -191,9 +181,11 @@ def bench(echo=print) -> list[dict]:
         ms = _median_ms(run)
         rows.append(dict(case=name, ms=ms, mtok_per_s=tokens / ms / 1e3))
         echo(f"{name:40s} {ms:8.3f}  {tokens / ms / 1e3:6.1f} M tokens/s")
+    K = 128
     for N, H, dt in ((256, 32, torch.float32), (256, 32, torch.bfloat16), (8, 32, torch.float32)):
-        name = f"decode N{N} H{H} K128 {str(dt)[6:]} pool"
-        run, nbytes = _decode_runner(N, H, 128, dt)
+        name = f"decode N{N} H{H} K{K} {str(dt)[6:]} pool"
+        run, _, pool, _, _ = _decode_runner(N, H, K, dt, slots=4 * N, seed=2)
+        nbytes = 2 * N * H * K * K * pool.element_size() + N * H * (4 * K + K + 1) * 2
         ms = _median_ms(run)
         rows.append(dict(case=name, ms=ms, gbps=nbytes / ms / 1e6))
         echo(f"{name:40s} {ms:8.3f}  {nbytes / ms / 1e6:6.0f} GB/s (compulsory bytes)")

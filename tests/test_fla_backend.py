@@ -93,13 +93,14 @@ def test_layer_call_accepted(fake):
     (dict(v="gva"), "GVA"),
     (dict(g="fp32"), "g: expected dtype bfloat16"),
     (dict(lower_bound=1.0), "lower_bound"),
-    (dict(safe_gate=True, lower_bound=None), "safe_gate needs lower_bound"),
+    (dict(safe_gate=True, lower_bound=None),
+     "lower_bound: expected a float in [-5, 0) with safe_gate"),
     (dict(use_gate_in_kernel=True, lower_bound=None, safe_gate=False, A_log=None),
-     "unbounded gate needs A_log"),
+     "A_log: expected a tensor [4] (float32, bfloat16 or float16) for the unbounded gate"),
     (dict(initial_state="wrong"), "initial_state"),
     (dict(transpose_state_layout=True), "both given"),
     (dict(some_new_option=1), "unsupported arguments ['some_new_option']"),
-    (dict(device="cpu"), "CUDA tensors"),
+    (dict(device="cpu"), "q: expected a CUDA tensor"),
 ])
 def test_turned_down_with_a_reason(fake, over, reason):
     K_ = over.pop("K", K)
@@ -149,13 +150,15 @@ def test_fla_chunk_kda_dispatches_here_with_arguments_mapped(fake, monkeypatch, 
         assert fla_chunk_kda(transpose_state_layout=True, **kw) == "ours"
     assert seen["state_v_first"] is True
     assert tuple(seen["dt_bias"].shape) == (H * K,)  # [H*K], as fla passes it
-    assert seen["scale"] == K ** -0.5 and seen["lower_bound"] == -5.0
+    assert seen["scale"] is None and seen["lower_bound"] == -5.0  # (the call defaults scale)
     assert seen["use_gate_in_kernel"] and seen["safe_gate"]
 
 
-def test_bounded_gate_without_A_log_gets_unit_decay_rate(fake):
-    args = kda_fla._chunk_args(**layer_call(A_log=None))
-    assert tuple(args["A_log"].shape) == (H,) and args["A_log"].dtype == F32
+def test_bounded_gate_without_A_log_is_the_calls_own(fake):
+    """fla's bounded gate without A_log (exp(A_log) = 1): the call takes A_log None as that."""
+    kw = layer_call(A_log=None)
+    assert kda_fla._chunk_args(**kw)["A_log"] is None
+    assert backend().verify("chunk_kda", **kw) == (True, None)
 
 
 def test_a_rejected_call_is_logged_by_fla(fake, caplog):
@@ -202,7 +205,7 @@ def test_fla_decode_entry_dispatches_here(fake, monkeypatch):
 
 @pytest.mark.parametrize("over, reason", [
     (dict(allow_neg_eigval=True), "allow_neg_eigval"),
-    (dict(state_v_first=False), "V-first"),
+    (dict(state_v_first=False), "state_v_first: expected True"),
     (dict(beta="headwise"), "headwise beta"),
     (dict(mystery=1), "unsupported arguments"),
 ])
@@ -219,12 +222,11 @@ def test_decode_turned_down_with_a_reason(fake, over, reason):
 @pytest.fixture
 def runs(monkeypatch):
     """kda-cute's implementations run on a CPU up to their launch, which is recorded instead:
-    the CUDA requirements lifted (the fla backend's, the forward's, the step's device check),
+    the CUDA requirements lifted (the forward's and the step's device checks),
     the device taken as an H200. Returns the list of launches ("fwd" / "step")."""
     from kda_cute import errors, launch, plans
     from kda_cute.plans.step import step_plan
     made = []
-    monkeypatch.setattr(kda_fla, "_cuda", lambda q: None)
     monkeypatch.setattr(prefill_checks, "require_cuda", lambda c: None)
     monkeypatch.setattr(api, "device_info", lambda dev: plans.H200)
     monkeypatch.setattr(errors, "raise_pending", lambda dev: None)

@@ -33,7 +33,6 @@ from ..plans.device import ready
 from ..specs import HEAD_DIMS
 
 try:
-    import fla
     from fla.backends import BaseBackend
     from fla.backends import register as _fla_register
 except ImportError as e:  # fla < 0.6 has no fla.backends
@@ -44,7 +43,6 @@ PRIORITY = 2  # FlashKDA's backend is 3; lower goes first
 ENV_VAR = "FLA_KDA_CUTE"
 # chunk_kda keywords that change nothing here (fla's own scheduling and recompute options)
 _IGNORED = frozenset({"chunk_size"})
-_zeros: dict[tuple, torch.Tensor] = {}
 
 
 class Reject(Exception):
@@ -56,41 +54,18 @@ def _reject(name: str, expected: str, got) -> Reject:
     return Reject(f"{name}: expected {expected}, got {got}")
 
 
-def _grad(**tensors) -> None:
-    if not torch.is_grad_enabled():
-        return
-    for name, t in tensors.items():
-        if isinstance(t, torch.Tensor) and t.requires_grad:
-            raise _reject(name, "no tensor that requires grad while grad is enabled (kda-cute "
-                          "is forward only)", "one that does")
-
-
-def _unit_A_log(q: torch.Tensor) -> torch.Tensor:
-    """A_log = 0 (exp(A_log) = 1): fla's bounded gate without A_log (one a head count and
-    device; a FakeTensor q gets a stand-in of its own)."""
-    H, dev = q.shape[-2], q.device
-    if not checks.has_address(q):
-        return torch.zeros(H, dtype=torch.float32, device=dev)
-    key = (H, dev)
-    t = _zeros.get(key)
-    if t is None:
-        t = _zeros[key] = torch.zeros(H, dtype=torch.float32, device=dev)
-    return t
-
-
-def _cuda(q) -> None:
-    if q.device.type != "cuda":
-        raise _reject("q", "a CUDA tensor (kda-cute runs on CUDA tensors)",
-                      f"one on {q.device}")
-
-
-def _common(q, v) -> None:
-    """Checks both entries share (dt_bias [H*K] is taken as [H, K] by the call's checks)."""
+def _common(**tensors) -> None:
+    """Both entries' rules on their tensors: none requires grad while grad is enabled; q and v
+    alike in rank, heads and head dims (dt_bias [H*K] is taken as [H, K] by the call's checks)."""
+    if torch.is_grad_enabled():
+        for name, t in tensors.items():
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                raise _reject(name, "no tensor that requires grad while grad is enabled "
+                              "(kda-cute is forward only)", "one that does")
+    q, v = tensors["q"], tensors["v"]
     for name, t in (("q", q), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise _reject(name, "a torch.Tensor", type(t).__name__)
-    _cuda(q)
-    for name, t in (("q", q), ("v", v)):
         if t.dim() not in (3, 4) or t.dim() != q.dim():
             raise _reject(name, f"[B, T, H, D] or [T, H, D] as q ({q.dim()}-d)",
                           f"shape {tuple(t.shape)}")
@@ -103,15 +78,6 @@ def _common(q, v) -> None:
         raise _reject("v", f"head dims K == V in {HEAD_DIMS}", f"K={K}, V={V}")
 
 
-def _fla_only(allow_neg_eigval, return_intermediate_states) -> None:
-    """fla's options kda-cute does not have."""
-    if checks.flag("allow_neg_eigval", allow_neg_eigval):
-        raise _reject("allow_neg_eigval", "False (allow_neg_eigval=True is not supported)", True)
-    if checks.flag("return_intermediate_states", return_intermediate_states):
-        raise _reject("return_intermediate_states", "False (return_intermediate_states=True is "
-                      "not supported)", True)
-
-
 def _chunk_args(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                 use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
                 use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, safe_gate=False,
@@ -122,7 +88,6 @@ def _chunk_args(q, k, v, g, beta, scale=None, initial_state=None, output_final_s
     does not follow (the call's checks come after, in the verdict)."""
     A_log, dt_bias = kwargs.pop("A_log", None), kwargs.pop("dt_bias", None)
     state_v_first = checks.flag("state_v_first", state_v_first)
-    safe_gate = checks.flag("safe_gate", safe_gate)
     if "transpose_state_layout" in kwargs:
         if state_v_first:
             raise _reject("transpose_state_layout", "None with state_v_first=True (both "
@@ -132,24 +97,16 @@ def _chunk_args(q, k, v, g, beta, scale=None, initial_state=None, output_final_s
     if unknown:
         raise _reject(unknown[0], "an argument of fla's chunk_kda (unsupported arguments "
                       f"{unknown})", repr(kwargs[unknown[0]])[:40])
-    _fla_only(allow_neg_eigval, return_intermediate_states)
+    # (fla's options kda-cute does not have; the gate's rules are the call's own checks)
+    for name, x in (("allow_neg_eigval", allow_neg_eigval),
+                    ("return_intermediate_states", return_intermediate_states)):
+        if checks.flag(name, x):
+            raise _reject(name, f"False ({name}=True is not supported)", True)
     if cp_context is not None:
         raise _reject("cp_context", "None (context parallel is not supported)",
                       type(cp_context).__name__)
-    _grad(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state, A_log=A_log,
-          dt_bias=dt_bias)
-    _common(q, v)
-    K = q.shape[-1]
-    if checks.flag("use_gate_in_kernel", use_gate_in_kernel):
-        if lower_bound is None and safe_gate:
-            raise _reject("lower_bound", "a float in [-5, 0) with safe_gate (safe_gate needs "
-                          "lower_bound)", None)
-        if A_log is None:
-            if lower_bound is None:
-                raise _reject("A_log", "a tensor [H] for the unbounded gate (the unbounded "
-                              "gate needs A_log)", None)
-            A_log = _unit_A_log(q)
-    scale = K ** -0.5 if scale is None else scale
+    _common(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state, A_log=A_log,
+            dt_bias=dt_bias)
     return dict(q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=initial_state,
                 output_final_state=output_final_state,
                 use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
@@ -171,25 +128,8 @@ def _recurrent_args(q, k, v, g, beta, A_log=None, dt_bias=None, initial_state=No
         unknown = sorted(kwargs)
         raise _reject(unknown[0], "an argument of fla's fused_recurrent_kda_fwd (unsupported "
                       f"arguments {unknown})", repr(kwargs[unknown[0]])[:40])
-    _fla_only(allow_neg_eigval, False)
-    inplace_final_state, state_v_first, use_gate_in_kernel = (checks.flag(n, x) for n, x in (
-        ("inplace_final_state", inplace_final_state), ("state_v_first", state_v_first),
-        ("use_gate_in_kernel", use_gate_in_kernel)))
-    _grad(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state, A_log=A_log,
-          dt_bias=dt_bias)
-    _common(q, v)
-    if isinstance(beta, torch.Tensor) and beta.dim() == v.dim():
-        raise _reject("beta", "one value per head [B, T, H] (headwise beta is not supported)",
-                      f"shape {tuple(beta.shape)}")
-    if (ssm_state_indices is not None or (inplace_final_state and initial_state is not None)) \
-            and not state_v_first:
-        raise _reject("state_v_first", "True for a state updated in place (V-first)",
-                      state_v_first)
-    if use_gate_in_kernel and A_log is None:
-        if lower_bound is None:
-            raise _reject("A_log", "a tensor [H] for the unbounded gate (the unbounded gate "
-                          "needs A_log)", None)
-        A_log = _unit_A_log(q)
+    _common(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state, A_log=A_log,
+            dt_bias=dt_bias)
     return dict(q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias,
                 initial_state=initial_state, scale=scale, output_final_state=output_final_state,
                 inplace_final_state=inplace_final_state, state_v_first=state_v_first,
@@ -197,78 +137,54 @@ def _recurrent_args(q, k, v, g, beta, A_log=None, dt_bias=None, initial_state=No
                 num_accepted_tokens=num_accepted_tokens,
                 use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                 use_gate_in_kernel=use_gate_in_kernel,
-                use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, lower_bound=lower_bound,
-                out=out)
-
-
-def _check_chunk(*args, **kwargs) -> None:
-    fla_forms.check_chunk_kda(**_chunk_args(*args, **kwargs))
-
-
-def _check_recurrent(*args, **kwargs) -> None:
-    fla_forms.check_fused_recurrent_kda_fwd(**_recurrent_args(*args, **kwargs))
+                use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+                allow_neg_eigval=allow_neg_eigval, lower_bound=lower_bound, out=out)
 
 
 def _device(args, kwargs) -> None:
     """The device of q (a real tensor: a FakeTensor has none to ask) runs kda-cute's cubins."""
     q = kwargs.get("q", args[0] if args else None)
     if isinstance(q, torch.Tensor) and q.device.type == "cuda" and checks.has_address(q):
-        ok, why = _device_ok(q.device)
+        ok, why = _ready(q.device)
         if not ok:
-            raise _reject("q", "a tensor on a device kda-cute runs on", why)
+            raise _reject("q", "a tensor on a device kda-cute runs on", f"{q.device}: {why}")
 
 
-@functools.lru_cache(maxsize=16)
-def _device_ok(dev) -> tuple[bool, str]:
-    ok, why = ready(dev)
-    return ok, ("" if ok else f"{dev}: {why}")
+_ready = functools.lru_cache(maxsize=16)(ready)
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
-_SCALARS = (bool, int, float, str, type(None))
-
-
 def _meta(x):
-    """What a verdict depends on of an argument, hashable (a TypeError if not)."""
-    t = type(x)
-    if t in _SCALARS:  # (with its type: True is not 1)
-        return t, x
-    if t in _PLAIN and x.layout is torch.strided:  # a tensor with memory, the common case
-        return (x.dtype, x.shape, x.stride(), x.device, x.requires_grad, x.data_ptr() & 15)
-    if isinstance(x, torch.Tensor):
-        try:
-            stride = x.stride()
-        except RuntimeError:  # no strides (a sparse tensor): checked, and refused
-            stride = None
-        try:
-            align = x.data_ptr() & 15 if checks.has_address(x) else None
-        except RuntimeError:  # no storage (a sparse tensor): checked, and refused
-            align = None
-        return (type(x), x.dtype, x.shape, stride, x.layout, x.device, x.requires_grad, align)
-    return type(x), x
-
-
-def _verdict(check, *args, **kwargs) -> tuple[bool, str | None]:
+    """What a verdict depends on of an argument: memo.meta's, and a tensor's type, requires_grad
+    and base alignment (None: no address to read, a FakeTensor's or a sparse tensor's)."""
+    if type(x) in _PLAIN and x.layout is torch.strided:  # a tensor with memory, the common case
+        return x.dtype, x.shape, x.stride(), x.device, x.requires_grad, x.data_ptr() & 15
+    if not isinstance(x, torch.Tensor):
+        return memo.meta(x)
     try:
-        # (fla asks before every call: the verdict kept in kda_cute's one memo)
-        key = ("verdict", check, torch.is_grad_enabled(), *map(_meta, args), *kwargs,
-               *map(_meta, kwargs.values()))
-        hit = memo.recall(key)
-    except TypeError:  # an unhashable argument: checked each time
-        key = hit = None
+        align = x.data_ptr() & 15 if checks.has_address(x) else None
+    except RuntimeError:  # no storage (a sparse tensor): checked, and refused
+        align = None
+    return type(x), memo.meta(x), x.requires_grad, align
+
+
+def _verdict(check, as_call, args, kwargs) -> tuple[bool, str | None]:
+    """The form's `check` of fla's arguments `as_call` maps, as fla's verdict (ok, reason)."""
+    # (fla asks before every call: the verdict is kept in kda_cute's one memo)
+    key = ("verdict", check, torch.is_grad_enabled(), *map(_meta, args), *kwargs,
+           *map(_meta, kwargs.values()))
+    hit = memo.recall(key)
     if hit is not None:
         return hit
     try:
         _device(args, kwargs)
-        check(*args, **kwargs)
+        check(**as_call(*args, **kwargs))
         hit = (True, None)
     except (Reject, ValueError, TypeError) as e:  # fla's rules, or the call's own checks
         hit = (False, str(e))
-    if key is not None:
-        memo.remember(key, hit)
-    return hit
+    return memo.remember(key, hit)
 
 
 class KdaCuteBackend(BaseBackend):
@@ -281,32 +197,26 @@ class KdaCuteBackend(BaseBackend):
     priority = PRIORITY
 
     def chunk_kda_verifier(self, *args, **kwargs) -> tuple[bool, str | None]:
-        return _verdict(_check_chunk, *args, **kwargs)
+        return _verdict(fla_forms.check_chunk_kda, _chunk_args, args, kwargs)
 
     def chunk_kda(self, *args, **kwargs):
         return fla_forms.chunk_kda(**_chunk_args(*args, **kwargs))
 
     def fused_recurrent_kda_fwd_verifier(self, *args, **kwargs) -> tuple[bool, str | None]:
-        return _verdict(_check_recurrent, *args, **kwargs)
+        return _verdict(fla_forms.check_fused_recurrent_kda_fwd, _recurrent_args, args, kwargs)
 
     def fused_recurrent_kda_fwd(self, *args, **kwargs):
         return fla_forms.fused_recurrent_kda_fwd(**_recurrent_args(*args, **kwargs))
 
 
-_registered = False
-
-
+@functools.cache
 def register() -> type[KdaCuteBackend]:
     """Register the backend with fla (once; later calls do nothing): for `chunk_kda` and for
     the "kda" operations (`fused_recurrent_kda_fwd`). Returns the backend class."""
-    global _registered
-    if not _registered:
-        from fla.ops.kda.chunk import chunk_kda
-        _fla_register(chunk_kda)(KdaCuteBackend)
-        _fla_register("kda")(KdaCuteBackend)
-        _registered = True
+    from fla.ops.kda.chunk import chunk_kda
+    _fla_register(chunk_kda)(KdaCuteBackend)
+    _fla_register("kda")(KdaCuteBackend)
     return KdaCuteBackend
 
 
 __all__ = ["ENV_VAR", "PRIORITY", "KdaCuteBackend", "Reject", "register"]
-FLA_VERSION = getattr(fla, "__version__", "unknown")
