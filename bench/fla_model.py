@@ -52,9 +52,10 @@ def counted():
     """Counts of KDA layer calls and of kda-cute's fla entries taken inside."""
     from fla.layers.kda import KimiDeltaAttention
 
-    from kda_cute import api, serving
-    seen = {"layer": 0, "chunk_kda": 0, "fused_recurrent_kda_fwd": 0}
-    real = {"chunk_kda": api.chunk_kda, "fused_recurrent_kda_fwd": serving.fused_recurrent_kda_fwd}
+    from kda_cute import fla_forms
+    names = ("chunk_kda", "fused_recurrent_kda_fwd")
+    seen = {"layer": 0, **dict.fromkeys(names, 0)}
+    real = {n: getattr(fla_forms, n) for n in names}
 
     def wrap(name):
         def f(*a, **kw):
@@ -65,14 +66,14 @@ def counted():
     def hook(*_):
         seen["layer"] += 1
 
-    api.chunk_kda = wrap("chunk_kda")
-    serving.fused_recurrent_kda_fwd = wrap("fused_recurrent_kda_fwd")
+    for n in names:  # the backend calls the forms through the module: they count here
+        setattr(fla_forms, n, wrap(n))
     handles = []
     try:
         yield seen, handles, KimiDeltaAttention, hook
     finally:
-        api.chunk_kda = real["chunk_kda"]
-        serving.fused_recurrent_kda_fwd = real["fused_recurrent_kda_fwd"]
+        for n in names:
+            setattr(fla_forms, n, real[n])
         for h in handles:
             h.remove()
 

@@ -209,11 +209,11 @@ VERIFY_SWEEP = [(64, 2), (64, 8), (256, 4), (256, 8)]  # verify, N:T at H 32
 def sweep(bw, iters, flush, verify=False, match=(), pools=("float32", "bfloat16"), shapes=None
           ) -> list[dict]:
     """Every built step tile of K (128, or --head-dim) timed as a CUDA graph: decode at N:H
-    shapes (ladder.STEP, STEP_SINGLE and STEP_VARIANTS), or with `verify` a verify (style (a),
+    shapes (step_ladder.STEP, STEP_SINGLE and STEP_VARIANTS), or with `verify` a verify (style (a),
     every token accepted) at N:T shapes and H 32 with the tiles that run multi-token steps (not
     the persistent ones but chunked; a chunked tile at the shapes of up to its chunk); only the
     tiles whose name holds one of `match`, when given."""
-    from kda_cute.ladder import step_tiles
+    from kda_cute.step_ladder import step_tiles
     rows = []
     for dtype in (getattr(torch, p) for p in pools):
         pool = "float32" if dtype == torch.float32 else "bfloat16"

@@ -20,17 +20,8 @@ from .specs.offsets import OffsetsConfig
 from .specs.prep import PrepConfig
 from .specs.recur import RecurConfig
 
-# the token step's tiles (config_for below chooses among them), the ladder's names too
-from .step_ladder import STEP as STEP
-from .step_ladder import STEP_CHUNK as STEP_CHUNK
-from .step_ladder import STEP_MULTI as STEP_MULTI
-from .step_ladder import STEP_SINGLE as STEP_SINGLE
-from .step_ladder import STEP_VARIANTS as STEP_VARIANTS
-from .step_ladder import select_chunk as select_chunk
-from .step_ladder import select_step as select_step
-from .step_ladder import single_token as single_token
-from .step_ladder import step_config
-from .step_ladder import step_tiles as step_tiles
+# the token step's tiles: config_for below chooses among them
+from .step_ladder import step_config, step_tiles
 
 
 @dataclass(frozen=True)

@@ -23,11 +23,6 @@ from kda_cute.ladder import (
     SHIPPED,
     SIDE_PREPS,
     SIMT,
-    STEP,
-    STEP_CHUNK,
-    STEP_MULTI,
-    STEP_SINGLE,
-    STEP_VARIANTS,
     TENSOR_CORE,
     WY_RUNS,
     WY_STAGES,
@@ -41,6 +36,7 @@ from kda_cute.ladder import (
 from kda_cute.specs import PrepConfig, RecurConfig
 from kda_cute.specs.prep import supports as supports_prep
 from kda_cute.specs.recur import supports as supports_recur
+from kda_cute.step_ladder import STEP, STEP_CHUNK, STEP_MULTI, STEP_SINGLE, STEP_VARIANTS
 from kernels.build import build_key, up_to_date
 
 ARCH = "sm_90a"

@@ -22,7 +22,7 @@ N, H = 300, 4
 
 
 def _persistent():
-    from kda_cute.ladder import step_tiles
+    from kda_cute.step_ladder import step_tiles
     return [c for c in step_tiles() if c.persist]
 
 

@@ -151,7 +151,7 @@ def test_rescale_runs_wait_for_the_k2_that_releases_them(cfg):
 
 
 def _chunk_tiles():
-    from kda_cute.ladder import step_tiles
+    from kda_cute.step_ladder import step_tiles
     return [c for c in step_tiles() if c.chunk]
 
 

@@ -18,7 +18,6 @@ import torch
 import kda_cute
 from kda_cute import launch, memo, serving
 from kda_cute.checks import step as step_checks
-from kda_cute.ladder import STEP, select_step
 from kda_cute.plans.step import step_plan
 from kda_cute.plans.steps import At, Errors, Role
 from kda_cute.reference import preprocess, rel_err
@@ -31,6 +30,7 @@ from kda_cute.specs.step import (
     StepConfig,
     supports,
 )
+from kda_cute.step_ladder import STEP, select_step
 from kda_cute.testing import SENTINEL
 from kda_cute.testing import bits as _bits
 from kda_cute.testing import guarded as _guarded
@@ -71,7 +71,7 @@ def decode_args(B=8, slots=32, dtype=torch.float32):
 
 def test_single_token_tiles_by_width():
     """STEP_SINGLE: from each threshold of rows x heads on, its tile; below all, STEP's."""
-    from kda_cute.ladder import STEP_SINGLE
+    from kda_cute.step_ladder import STEP_SINGLE
     by = {}
     for least, cfg in STEP_SINGLE:
         by.setdefault((cfg.head_dim_k, cfg.pool), []).append((least, cfg))
@@ -93,7 +93,7 @@ def test_single_token_tiles_by_width():
 
 
 def test_single_token_tiles_for_single_tokens_only(planned):
-    from kda_cute.ladder import STEP_SINGLE
+    from kda_cute.step_ladder import STEP_SINGLE
     single = {c for _, c in STEP_SINGLE}
     B, slots = 6144 // H, 2 * 6144 // H
     kda_cute.decode(*decode_args(B, slots, BF), lower_bound=-5.0)
@@ -119,7 +119,7 @@ def test_multi_token_tiles_by_tokens(planned):
     """STEP_MULTI: a multi-token plan whose rows may hold at least its threshold of tokens, and
     more than the chunked tiles take, takes its tile (a verify of 9 tokens a row, a bf16 pool);
     fewer tokens, another pool or a single-token plan take the others."""
-    from kda_cute.ladder import STEP_MULTI
+    from kda_cute.step_ladder import STEP_MULTI
     assert STEP_MULTI
     for least, cfg in STEP_MULTI:
         d, pool = cfg.head_dim_k, cfg.pool
@@ -146,7 +146,7 @@ def test_chunk_tiles_by_tokens(planned):
     cu_seqlens; style (b) without tree parents) of 2-8 tokens a row takes the chunked tile of
     the fewest tokens that holds them; tree drafts, commits, single tokens, more tokens or an
     fp32 pool take the others."""
-    from kda_cute.ladder import STEP_CHUNK, STEP_MULTI, STEP_SINGLE, select_chunk
+    from kda_cute.step_ladder import STEP_CHUNK, STEP_MULTI, STEP_SINGLE, select_chunk
     assert [m for m, _ in STEP_CHUNK] == [2, 4, 8]
     for most, cfg in STEP_CHUNK:
         assert cfg.chunk == most and supports(cfg) == (True, "")
@@ -373,8 +373,8 @@ def test_fla_call_refusals(planned):
 def test_persistent_tile_plan(planned):
     """A persistent tile: a grid of CTAs per SM x SMs (at most one a tile), rows and heads as
     kernel parameters, refused by multi-token plans."""
-    from kda_cute.ladder import step_tiles
     from kda_cute.specs.step import args as step_args
+    from kda_cute.step_ladder import step_tiles
     cfg = next(c for c in step_tiles() if c.persist and c.head_dim_k == K
                and c.pool == "bfloat16")
     names = [a.name for a in step_args(cfg) if not a.grid_only]
@@ -1002,7 +1002,7 @@ def test_chunk_tiles_forms(K, tpr, chunk, pool, form):
 
 
 def _chunk_persistent():
-    from kda_cute.ladder import step_tiles
+    from kda_cute.step_ladder import step_tiles
     return [c for c in step_tiles() if c.chunk and c.persist]
 
 
@@ -1358,7 +1358,7 @@ def test_bound_decode_replays():
 
 
 def _tiles():
-    from kda_cute.ladder import step_tiles
+    from kda_cute.step_ladder import step_tiles
     return list(step_tiles())
 
 

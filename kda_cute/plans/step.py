@@ -7,9 +7,10 @@ from __future__ import annotations
 import functools
 from dataclasses import replace
 
-from ..ladder import config_for, single_token
+from ..ladder import config_for
 from ..problem import StepOptions, StepProblem
 from ..specs.step import STEP_GATES
+from ..step_ladder import single_token
 from .device import H200, DeviceInfo
 from .launches import BF16, F32, I32, kernel_launch
 from .steps import At, Buffer, CallScalar, Errors, Plan, Role, Scalar
