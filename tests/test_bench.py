@@ -422,3 +422,49 @@ def test_serving_head_dim_is_the_sweeps(probes):
     with pytest.raises(SystemExit, match="--head-dim: the tile sweep"):
         serving.main(["--head-dim", "64", "--no-fla"])
     assert serving.K == serving.V == 128
+
+
+def test_prep_probe_reference_is_the_recurrence(probes):
+    """The prep probe checks its outputs against `reference`: from a zero state, one chunk of
+    the float64 token loop gives out = Mq v and a final state (Aw v)^T kd, so Aw, Mq and kd as
+    the reference forms them are the chunk's exact operators."""
+    from kda_cute.reference import kda_reference
+
+    pp = probes("probes/prep_probe")
+    gen = torch.Generator().manual_seed(3)
+    H, T = 2, 32
+    x = {n: torch.randn(T, H, 128, generator=gen).bfloat16() for n in ("q", "k", "g")}
+    x.update(beta=torch.randn(T, H, generator=gen).bfloat16(), A_log=torch.rand(H, generator=gen),
+             dt_bias=torch.rand(H, 128, generator=gen))
+    v = torch.randn(1, 16, 1, 128, generator=gen, dtype=torch.float64)
+    h, c = 1, 1
+    rows = slice(16 * c, 16 * c + 16)
+    out, state = kda_reference(
+        *(x[n][None, rows, h:h + 1] for n in ("q", "k")), v, x["g"][None, rows, h:h + 1],
+        x["beta"][None, rows, h:h + 1], A_log=x["A_log"][h:h + 1],
+        dt_bias=x["dt_bias"][h:h + 1], lower_bound=-5.0)
+    r = pp.reference(x, h, c)
+    vv = v[0, :, 0]
+    assert torch.allclose(out[0, :, 0], r["mq"] @ vv, rtol=1e-9, atol=1e-12)
+    assert torch.allclose(state[0, 0], (r["aw"] @ vv).T @ r["kd"], rtol=1e-9, atol=1e-12)
+
+
+def test_peers_gates_and_tables(probes):
+    """bench/peers.py: the slow and mixed gates shift every channel or one in ten; the summary
+    and the Markdown table take rows with a peer absent."""
+    peers = probes("peers")
+    sets = [{"g": torch.zeros(1, 4, 2, 20, dtype=torch.bfloat16)} for _ in range(2)]
+    peers.shaped(sets, "mixed")
+    assert (sets[1]["g"][..., ::10] == peers.SLOW_SHIFT).all()
+    assert (sets[1]["g"][..., 1::10] == 0).all()
+    peers.shaped(sets, "slow")
+    assert (sets[0]["g"][..., 1] == peers.SLOW_SHIFT).all()
+    row = {"case": "2048/12/1", "gate": "random", "roofline_ms": 0.01, "kda_ms": 0.05,
+           "kda_k1_ms": 0.02, "kda_k2_ms": 0.03, "kda_pct_roofline": 20.0, "kda_err": 1.7e-3,
+           "cudnn_ms": 0.04, "kda_vs_cudnn": 0.8, "cudnn_err": 5e-3}
+    s = peers.summary([row, {**row, "case": "1024/4/1", "kda_ms": 0.02, "kda_vs_cudnn": 2.0}])
+    assert s["random"]["kda_vs_cudnn_min"] == 0.8
+    assert abs(s["random"]["kda_vs_cudnn_geomean"] - 1.6 ** 0.5) < 1e-12
+    assert s["random"]["kda_vs_flashkda_geomean"] is None
+    md = peers.markdown([row], peers.summary([row]))
+    assert "| 2048/12/1 | 10.0 | 50.0 | 20 / 30 | 20.0 | 40.0 | 0.80x | - | -x |" in md
