@@ -4,7 +4,8 @@
 // its running sum per channel, the operand tiles the chain reads (qg, kg, kd in fp16, swizzled
 // rows), the intra-chunk products L and Mqk on mma.sync (tf32), the inverse (I + L)^-1 by
 // forward substitution on one warp, Aw = T diag(beta) and Mq = Mqk Aw. Nothing is shipped from
-// here: bench/probes/prep_probe.py builds it with nvcc on the device and times it.
+// here: bench/probes/prep_probe.py builds it with nvcc on the device and times it. `phases`
+// (bits: 1 norms, 2 the channel pass, 4 L and Mqk, 8 the inverse, Aw and Mq) times a prefix.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <stdint.h>
@@ -76,7 +77,7 @@ __device__ void load_chunk(Smem& s, int b, const __nv_bfloat16* q, const __nv_bf
 extern "C" __global__ void __launch_bounds__(NT) prep_probe(
     const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* g,
     const __nv_bfloat16* beta, const float* A_log, const float* dt_bias, int T, int H,
-    int chunks_per_cta, int window, float lb, float scale, float* dump, float* sink) {
+    int chunks_per_cta, int window, int phases, float lb, float scale, float* dump, float* sink) {
   extern __shared__ __align__(128) unsigned char smem_raw[];
   Smem& s = *reinterpret_cast<Smem*>(smem_raw);
   const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
@@ -100,7 +101,7 @@ extern "C" __global__ void __launch_bounds__(NT) prep_probe(
     }
     __syncthreads();
     // row norms: eight threads a row, sixteen channels each
-    {
+    if (phases & 1) {
       const int r = t >> 3, p = t & 7;
       float sq = 0.f, sk = 0.f;
 #pragma unroll
@@ -123,7 +124,7 @@ extern "C" __global__ void __launch_bounds__(NT) prep_probe(
     }
     __syncthreads();
     // one channel a thread: the gate, its running sum, the operands
-    {
+    if (phases & 2) {
       float G[C];
       float run = 0.f;
 #pragma unroll
@@ -150,7 +151,7 @@ extern "C" __global__ void __launch_bounds__(NT) prep_probe(
     }
     __syncthreads();
     // L and Mqk: each warp sums its 32 channels on mma.sync, the four partials added below
-    {
+    if (phases & 4) {
       const int gq = lane >> 2, tq = lane & 3;
       float cl[2][4] = {}, cm[2][4] = {};
 #pragma unroll
@@ -182,7 +183,7 @@ extern "C" __global__ void __launch_bounds__(NT) prep_probe(
       }
     }
     __syncthreads();
-    for (int e = t; e < 2 * C * C; e += NT) {
+    for (int e = t; (phases & 4) && e < 2 * C * C; e += NT) {
       const int which = e / (C * C), i = (e / C) % C, j = e % C;
       float v = s.part[0][which][i][j] + s.part[1][which][i][j] + s.part[2][which][i][j] +
                 s.part[3][which][i][j];
@@ -194,7 +195,7 @@ extern "C" __global__ void __launch_bounds__(NT) prep_probe(
     }
     __syncthreads();
     // T = (I + L)^-1, unit lower triangular: a column a lane pair, each half of every row's sum
-    if (warp == 0) {
+    if ((phases & 8) && warp == 0) {
       const int j = lane & 15, half = lane >> 4;
       float col[C];
 #pragma unroll
@@ -212,7 +213,7 @@ extern "C" __global__ void __launch_bounds__(NT) prep_probe(
     }
     __syncthreads();
     // Aw = T diag(beta), Mq = Mqk Aw (both lower triangular)
-    for (int e = t; e < C * C; e += NT) {
+    for (int e = t; (phases & 8) && e < C * C; e += NT) {
       const int i = e / C, j = e % C;
       float aw = j <= i ? s.T[i][j] * s.bt[j] : 0.f;
       float mq = 0.f;
@@ -247,8 +248,8 @@ extern "C" int prep_probe_smem() { return sizeof(Smem); }
 
 extern "C" int prep_probe_launch(const void* q, const void* k, const void* g, const void* beta,
                                  const float* A_log, const float* dt_bias, int T, int H,
-                                 int ctas, int chunks_per_cta, int window, float lb, float scale,
-                                 float* dump, float* sink, void* stream) {
+                                 int ctas, int chunks_per_cta, int window, int phases, float lb,
+                                 float scale, float* dump, float* sink, void* stream) {
   static bool set = false;
   if (!set) {
     cudaError_t e = cudaFuncSetAttribute(prep_probe, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -258,8 +259,8 @@ extern "C" int prep_probe_launch(const void* q, const void* k, const void* g, co
   }
   prep_probe<<<ctas, NT, sizeof(Smem), (cudaStream_t)stream>>>(
       (const __nv_bfloat16*)q, (const __nv_bfloat16*)k, (const __nv_bfloat16*)g,
-      (const __nv_bfloat16*)beta, A_log, dt_bias, T, H, chunks_per_cta, window, lb, scale, dump,
-      sink);
+      (const __nv_bfloat16*)beta, A_log, dt_bias, T, H, chunks_per_cta, window, phases, lb, scale,
+      dump, sink);
   return (int)cudaGetLastError();
 }
 

@@ -7,7 +7,9 @@ Builds bench/probes/prep_probe.cu with nvcc (K = 128, chunk 16, one warpgroup a 
 bounded gate), checks its outputs (qg, kg, kd, gl, Aw, Mq) against float64 on a small problem,
 then times it with 1, 2 and 3 CTAs per SM (as many CTAs as the SMs hold, one head each), its
 inputs streamed from HBM or re-read from L2 (a window of four chunks). Prints us per chunk per
-CTA and SM-us per (chunk, head): the prep's cost on the SM that would also run the chain.
+CTA and SM-us per (chunk, head): the prep's cost on the SM that would also run the chain; then
+the phases' prefixes (none, norms, + the channel pass, + L and Mqk), whose differences share it
+out.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ def build() -> ctypes.CDLL:
                     "-fPIC", "-Xptxas", "-v", "-o", str(so), str(HERE / "prep_probe.cu")],
                    check=True)
     lib = ctypes.CDLL(str(so))
-    lib.prep_probe_launch.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 5 + \
+    lib.prep_probe_launch.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + \
         [ctypes.c_float] * 2 + [ctypes.c_void_p] * 3
     return lib
 
@@ -47,12 +49,12 @@ def inputs(T, H, seed=0):
                 dt_bias=torch.rand(H, K, generator=gen, device="cuda"))
 
 
-def launch(lib, x, ctas, chunks, window, dump=None, sink=None):
+def launch(lib, x, ctas, chunks, window, dump=None, sink=None, phases=15):
     T, H = x["q"].shape[:2]
     sink = sink if sink is not None else torch.empty(ctas * 128, device="cuda")
     rc = lib.prep_probe_launch(
         x["q"].data_ptr(), x["k"].data_ptr(), x["g"].data_ptr(), x["beta"].data_ptr(),
-        x["A_log"].data_ptr(), x["dt_bias"].data_ptr(), T, H, ctas, chunks, window, -5.0,
+        x["A_log"].data_ptr(), x["dt_bias"].data_ptr(), T, H, ctas, chunks, window, phases, -5.0,
         K ** -0.5, 0 if dump is None else dump.data_ptr(), sink.data_ptr(),
         torch.cuda.current_stream().cuda_stream)
     if rc:
@@ -98,26 +100,27 @@ def check(lib) -> dict:
     return worst
 
 
-def time_case(lib, per_sm, chunks, window, iters=10) -> dict:
+def time_case(lib, per_sm, chunks, window, iters=10, phases=15) -> dict:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     ctas = sms * per_sm
     x = inputs(chunks * C if window == 0 else 4 * C, ctas)
     sink = torch.empty(ctas * 128, device="cuda")
     for _ in range(2):
-        launch(lib, x, ctas, chunks, window, sink=sink)
+        launch(lib, x, ctas, chunks, window, sink=sink, phases=phases)
     torch.cuda.synchronize()
     ts = []
     for _ in range(iters):
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         s.record()
-        launch(lib, x, ctas, chunks, window, sink=sink)
+        launch(lib, x, ctas, chunks, window, sink=sink, phases=phases)
         e.record()
         e.synchronize()
         ts.append(s.elapsed_time(e) * 1e3)
     us = statistics.median(ts)
     per_chunk = us / chunks
     read = ctas * chunks * (3 * C * K * 2 + 2 * C)
-    return {"ctas_per_sm": per_sm, "source": "L2 window" if window else "HBM", "us": us,
+    return {"ctas_per_sm": per_sm, "source": "L2 window" if window else "HBM", "phases": phases,
+            "us": us,
             "us_per_chunk_per_cta": per_chunk, "sm_us_per_chunk_head": per_chunk / per_sm,
             "read_TBps": read / us / 1e6}
 
@@ -134,9 +137,12 @@ def main(argv=None):
     print("errors against float64:", json.dumps({k: f"{v:.1e}" for k, v in errs.items()}))
     rows = [time_case(lib, n, a.chunks, w) for n in (1, 2, 3)
             if n <= lib.prep_probe_occupancy() for w in (0, 4)]
+    # the phases' shares: each prefix of the chunk's phases, two CTAs an SM, from L2
+    rows += [time_case(lib, 2, a.chunks, 4, phases=m) for m in (0, 1, 3, 7)]
     for r in rows:
-        print(f"{r['ctas_per_sm']} CTA/SM, {r['source']:9s}: {r['us_per_chunk_per_cta']:.3f} us "
-              f"a chunk a CTA, {r['sm_us_per_chunk_head']:.3f} SM-us a (chunk, head), "
+        print(f"{r['ctas_per_sm']} CTA/SM, {r['source']:9s}, phases {r['phases']:2d}: "
+              f"{r['us_per_chunk_per_cta']:.3f} us a chunk a CTA, "
+              f"{r['sm_us_per_chunk_head']:.3f} SM-us a (chunk, head), "
               f"reads {r['read_TBps']:.2f} TB/s")
     if a.out:
         a.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "errors": errs,
