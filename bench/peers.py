@@ -245,11 +245,18 @@ def main(argv=None):
         cases += list(CASES.items())
     runners = {"kda": kda_runner(), "cudnn": cudnn_fused(), "flashkda": flashkda()}
     ceiling = copy_bandwidth()
-    rows = [bench_case(name, spec, gate, runners, a.iters, ceiling)
-            for gate in gates for name, spec in cases]
+    rows = []
+    for gate in gates:
+        for name, spec in cases:
+            rows.append(bench_case(name, spec, gate, runners, a.iters, ceiling))
+            write(rows, a, ceiling, final=False)  # a run cut short keeps its rows
+    write(rows, a, ceiling, final=True)
+
+
+def write(rows, a, ceiling, final: bool) -> None:
     summ = summary(rows)
     doc = {"versions": versions(), "method": __doc__.strip(), "copy_TBps": ceiling / 1e12,
-           "summary": summ, "rows": rows}
+           "complete": final, "summary": summ, "rows": rows}
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.with_suffix(".json").write_text(json.dumps(doc, indent=1) + "\n")
     md = (f"# The prefill against its peers ({doc['versions']['device']}, commit "
@@ -257,10 +264,10 @@ def main(argv=None):
           f"graphs, cold L2, median of {a.iters}; copy ceiling {ceiling / 1e12:.2f} TB/s.\n"
           + markdown(rows, summ))
     a.out.with_suffix(".md").write_text(md)
-    plot(rows, a.out.with_suffix(".png"))
-    print(md)
-    print(json.dumps(summ))
-
+    if final:
+        plot(rows, a.out.with_suffix(".png"))
+        print(md)
+        print(json.dumps(summ))
 
 if __name__ == "__main__":
     main()
