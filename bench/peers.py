@@ -142,6 +142,12 @@ def bench_case(name, spec, gate, runners, iters, ceiling) -> dict:
             k1, k2, other = kernel_split(gpu_kernel_ms(run, sets))
             row.update(kda_k1_ms=k1, kda_k2_ms=k2, kda_other_ms=other)
     row["kda_pct_roofline"] = 100 * row["roofline_ms"] / row["kda_ms"]
+    if "cudnn_ms" in row:  # its pieces, and its time per chunk a piece walks (warm-up included)
+        T, H, N = base["q"].shape[1] * base["q"].shape[0], base["q"].shape[2], base["N"]
+        chunks = math.ceil(math.ceil(T / N) / 16)
+        pieces = max(1, min(264 // (N * H), chunks))
+        row.update(cudnn_pieces=pieces, cudnn_us_per_chunk=row["cudnn_ms"] * 1e3
+                   / math.ceil(chunks / pieces))
     for peer in ("cudnn", "flashkda"):
         if f"{peer}_ms" in row:
             row[f"kda_vs_{peer}"] = row[f"{peer}_ms"] / row["kda_ms"]
