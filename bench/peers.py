@@ -115,6 +115,7 @@ def cudnn_fused():
                   n_heads=H, a_log=x["A_log"].data_ptr(), dt_bias=x["dt_bias"].data_ptr(),
                   gate_lower_bound=float(x["lower_bound"]), flags=flags,
                   q_scale=float(x["scale"]))
+    run.pieces = ch.pieces_per_sequence  # (total tokens, sequences, heads): its own split
     return run
 
 
@@ -145,7 +146,7 @@ def bench_case(name, spec, gate, runners, iters, ceiling) -> dict:
     if "cudnn_ms" in row:  # its pieces, and its time per chunk a piece walks (warm-up included)
         T, H, N = base["q"].shape[1] * base["q"].shape[0], base["q"].shape[2], base["N"]
         chunks = math.ceil(math.ceil(T / N) / 16)
-        pieces = max(1, min(264 // (N * H), chunks))
+        pieces = runners["cudnn"].pieces(T, N, H)
         row.update(cudnn_pieces=pieces, cudnn_us_per_chunk=row["cudnn_ms"] * 1e3
                    / math.ceil(chunks / pieces))
     for peer in ("cudnn", "flashkda"):
