@@ -38,6 +38,10 @@ CURRENT = {
     "fla-suite": ("fla-suite-h100-2026-12-06-85dbdc6.json", "fla's KDA op tests"),
     "library-overhead": ("ecosystem-h200-2026-12-03-bf82d78.json", "library overhead, wheel"),
     "host": ("host-stub-cpu-2026-12-05-2aad21c.json", "launcher host time, CPU"),
+    "peers-tp": ("peers-tp-h100-2026-12-06-fa640c8.json",
+                 "prefill vs cuDNN fused and FlashKDA, TP shapes"),
+    "peers-ten": ("peers-ten-h100-2026-12-06-fa640c8.json",
+                  "prefill vs cuDNN fused and FlashKDA, ten cases"),
     "refactor-ab": ("refactor-ab-h100-2026-12-06.json", "one shape for every call, old / new"),
 }
 # files of a table beyond those sharing its JSON's stem, and results with no JSON

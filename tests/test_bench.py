@@ -424,31 +424,6 @@ def test_serving_head_dim_is_the_sweeps(probes):
     assert serving.K == serving.V == 128
 
 
-def test_prep_probe_reference_is_the_recurrence(probes):
-    """The prep probe checks its outputs against `reference`: from a zero state, one chunk of
-    the float64 token loop gives out = Mq v and a final state (Aw v)^T kd, so Aw, Mq and kd as
-    the reference forms them are the chunk's exact operators."""
-    from kda_cute.reference import kda_reference
-
-    pp = probes("probes/prep_probe")
-    gen = torch.Generator().manual_seed(3)
-    H, T = 2, 32
-    x = {n: torch.randn(T, H, 128, generator=gen).bfloat16() for n in ("q", "k", "g")}
-    x.update(beta=torch.randn(T, H, generator=gen).bfloat16(), A_log=torch.rand(H, generator=gen),
-             dt_bias=torch.rand(H, 128, generator=gen))
-    v = torch.randn(1, 16, 1, 128, generator=gen, dtype=torch.float64)
-    h, c = 1, 1
-    rows = slice(16 * c, 16 * c + 16)
-    out, state = kda_reference(
-        *(x[n][None, rows, h:h + 1] for n in ("q", "k")), v, x["g"][None, rows, h:h + 1],
-        x["beta"][None, rows, h:h + 1], A_log=x["A_log"][h:h + 1],
-        dt_bias=x["dt_bias"][h:h + 1], lower_bound=-5.0)
-    r = pp.reference(x, h, c)
-    vv = v[0, :, 0]
-    assert torch.allclose(out[0, :, 0], r["mq"] @ vv, rtol=1e-9, atol=1e-12)
-    assert torch.allclose(state[0, 0], (r["aw"] @ vv).T @ r["kd"], rtol=1e-9, atol=1e-12)
-
-
 def test_peers_gates_and_tables(probes):
     """bench/peers.py: the slow and mixed gates shift every channel or one in ten; the summary
     and the Markdown table take rows with a peer absent."""

@@ -10,7 +10,8 @@ any small torch kernels), and their sum. Eager and graph timings in bench.py als
 between launches; this does not. --states in,out / in / out / none: which of the initial and
 final states the forward reads and writes (default both; the others show what K2's state
 traffic costs). --config NAME: the forward whose K2 (or K1) config has that name
-(ladder.SHIPPED + EXPERIMENTAL), not the ladder's.
+(ladder.SHIPPED + EXPERIMENTAL), not the ladder's. --segments P: K2 over P segments a sequence
+(a fixed-length batch; 1: none), not the launcher's choice.
 """
 
 from __future__ import annotations
@@ -43,7 +44,9 @@ def main(argv=None):
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--states", default="in,out", choices=["in,out", "in", "out", "none"])
     ap.add_argument("--config", default=None)
+    ap.add_argument("--segments", type=int, default=0)
     a = ap.parse_args(argv)
+    bench.SEGMENTS = a.segments or None
     config = None
     if a.config:
         from kda_cute.ladder import EXPERIMENTAL, SHIPPED
@@ -54,7 +57,8 @@ def main(argv=None):
     for name in a.cases:
         label, spec = bench.parse_case(name)
         times = kernel_times(spec, a.head_dim, a.iters, a.states, config)
-        print(f"{label} K{a.head_dim} states {a.states} {a.config or 'ladder'}: "
+        print(f"{label} K{a.head_dim} states {a.states} {a.config or 'ladder'}"
+              f"{f' segments {a.segments}' if a.segments else ''}: "
               f"sum {sum(times.values()):.3f} ms")
         for kname, ms in sorted(times.items(), key=lambda kv: -kv[1]):
             print(f"    {ms:8.4f} ms  {kname[:90]}")
