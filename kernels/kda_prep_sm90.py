@@ -9,29 +9,34 @@ Warp roles: none; all `threads` threads run every phase, separated by CTA barrie
 Pipeline: one mbarrier; one elected thread issues three TMA loads (q, k and g tiles of
 `chunk x K` bf16, row-strided, OOB rows zero-filled) and every thread waits on phase 0.
 Phases:
-  A  thread per key column: L2 norms (block reduction), gate activation, cumulative decay G,
-     and the token-indexed outputs qg = scale qn e^G, kg = kn e^G, kd = kn e^(Gl - G), gl = e^Gl.
+  A  L2 norms (block reduction), gate activation, cumulative decay G, and the token-indexed
+     outputs qg = scale qn e^G, kg = kn e^G, kd = kn e^(Gl - G), gl = e^Gl.
   B  the chunk matrices L and Mqk. When every |G_i - r| of the chunk is at most 80 (r: G at the
      chunk's middle row; always so for the bounded gate up to chunk 32), they are products of
      the factors (kn_i e^(G_i - r)) and (kn_j e^(r - G_j)), each inside fp32 range, on warp
      MMA (16 x 8 tiles, bf16 hi/lo splits); otherwise (strong unbounded decays) each term takes
      e^(G_i - G_j) from the difference on the CUDA cores, so no factor exceeds 1.
   C  thread per column j: forward substitution for Aw = (I + L)^-1 diag(beta).
-Outputs (config `operands`): "f32" writes fp32 tensors for the SIMT K2; "bf16" writes the
-tensor-core K2's operands: fp16 qg and kg (|x| <= 1 for unit-norm rows: kda_cute.abi.QK_DTYPE);
-kd, Aw and Mq as bf16 hi + lo planes (x = hi + lo to ~16 bits); fp32 gl. Constraints: K % 32 ==
-0, K <= 256, chunk 16 or 32 (specs.prep.supports).
 The workspace holds whole chunks: chunk b's rows are b*C .. b*C + C - 1, and rows past the
 sequence's length are written as zeros (so K2 needs no tail masking of its operands).
-bf16 outputs: qg and kg overwrite the q and k tiles in place (each thread rewrites only the
-columns it read) and leave by TMA stores that overlap phases B and C; kd's, Aw's and Mq's planes
-go straight from registers to the workspace (a warp writes whole 128-byte row segments of kd).
-With no staging tiles for those, and phase B's L over the g tile (dead after the gates), the
-one-pass bf16 K1 at K = 128 needs 37.5 KB of smem: six CTAs per SM.
-The bf16 K1 of every shipped config (chunk 16) runs phases A and B in column passes instead
-(KdaPrepSm90Split._body_passes): phase B's fp32 operand rows exist for one pass's columns only,
-so at K = 128 it needs 26.5 KB and, capped at 64 registers without spilling, runs eight CTAs per
-SM, more items in flight (docs/notes/k1.md, "K1 in column passes").
+Constraints: K % 32 == 0, K <= 256, chunk 16 or 32 (specs.prep.supports).
+
+Three classes, one per form (specs.prep.dsl_class; the class names are the cubins' kernel
+symbols):
+- KdaPrepSm90Split, the shipped K1 (every ladder forward: bf16 operands, chunk 16): phases A
+  and B in column passes of W = max(64, threads / 2) key columns (`_body_passes`), so phase B's
+  fp32 operand rows exist for one pass's columns only; at K = 128 it needs 26.5 KB of smem and,
+  capped at 64 registers without spilling, runs eight CTAs per SM (docs/notes/k1.md, "K1 in
+  column passes"). Its outputs are the tensor-core K2's operands: fp16 qg and kg (|x| <= 1 for
+  unit-norm rows: kda_cute.abi.QK_DTYPE), written over the q and k tiles in place (each thread
+  rewrites only the columns it read) and sent by TMA stores that overlap phase B and C; kd, Aw
+  and Mq as bf16 hi + lo planes (x = hi + lo to ~16 bits) or fp16 single planes (cfg.f16),
+  straight from registers to the workspace (a warp writes whole 128-byte row segments of kd);
+  fp32 gl.
+- KdaPrepSm90OnePass (chunk 32, experimental): the same outputs, phases A and B over all K
+  columns at once (`_body`), with no staging tiles for kd, Aw and Mq and phase B's L over the
+  g tile (dead after the gates).
+- KdaPrepSm90 (the SIMT ladder): the one-pass kernel writing fp32 tensors for the SIMT K2.
 """
 
 import cutlass
@@ -88,8 +93,13 @@ def flag_unfactorable(big, first, ref, last, lim):
     return big
 
 
-class KdaPrepSm90(TileCopy):
-    """The f32-operand K1 (for the SIMT K2): plain stores of its fp32 outputs."""
+class KdaPrepSm90Split(TileCopy):
+    """The shipped K1: bf16-operand outputs for the tensor-core K2, chunk 16 in column passes
+    (specs.prep.column_passes; the name is its cubins' kernel symbol). qg and kg leave by TMA
+    stores from smem tiles; kd, Aw and Mq (hi/lo planes, or fp16 single planes) by the threads,
+    straight from registers. Phases A and B run W = max(64, threads / 2) key columns at a time,
+    so phase B's fp32 operand rows take C x W floats, not C x K (K = 128: 26.5 KB of smem per CTA
+    instead of the one-pass kernel's 37.5)."""
 
     def __init__(self, cfg: PrepConfig):
         self.cfg = cfg
@@ -109,825 +119,11 @@ class KdaPrepSm90(TileCopy):
         self.split = cfg.operands == "bf16"  # outputs as bf16 (hi + lo planes for kd and Aw)
         # a CTA loops over the chunk slots y, y + grid y, ... (the side run: cfg.looped)
         self.looped = cfg.looped
-        self.smem_bytes = 0
-        self.tma_meta = []
-
-    # ------------------------------------------------------------------ host
-    @cute.jit
-    def __call__(
-        self,
-        mQ: cute.Tensor,  # (T, H*K) bf16, row stride dynamic
-        mK: cute.Tensor,
-        mG: cute.Tensor,
-        mBeta: cute.Tensor,  # (T, H) bf16, row stride dynamic
-        mALog: cute.Tensor,  # (H,) fp32, bf16 or fp16 (a_log_dtype)
-        mDtBias: cute.Tensor,  # (H*K,) likewise (dt_bias_dtype)
-        mCuSeq: cute.Tensor,  # (N+1,) int32
-        mCuChunk: cute.Tensor,  # (N+1,) int32
-        mQg: cute.Tensor,  # (R, H, K) fp32: R rows of whole chunks
-        mKg: cute.Tensor,
-        mKd: cute.Tensor,
-        mGl: cute.Tensor,  # (num_chunks, H, K) fp32
-        mAw: cute.Tensor,  # (R, H, C) fp32
-        mMq: cute.Tensor,
-        mFlags: cute.Tensor,  # (num_chunks * H,) int32: a (chunk, head)'s flag, set when written
-        num_seqs: cutlass.Int32,
-        seq_len: cutlass.Int32,
-        num_chunks: cutlass.Int32,
-        num_heads: cutlass.Int32,
-        scale: cutlass.Float32,
-        lower_bound: cutlass.Float32,
-        gate_mode: cutlass.Int32,
-        qk_l2norm: cutlass.Int32,
-        beta_sigmoid: cutlass.Int32,
-        a_log_dtype: cutlass.Int32,  # how A_log and dt_bias are held (abi.GATE_PARAM_DTYPES)
-        dt_bias_dtype: cutlass.Int32,
-        stream,
-    ):
-        loads, s_tile = self._make_loads(mQ, mK, mG)
-        self._launch((*loads, mBeta, mALog, mDtBias, mCuSeq, mCuChunk,
-                      mQg, mKg, mKd, mGl, mAw, mMq, mFlags, num_seqs, seq_len, scale, lower_bound,
-                      gate_mode, qk_l2norm, beta_sigmoid, a_log_dtype, dt_bias_dtype,
-                      s_tile), num_chunks,
-                     num_heads, stream)
-
-    def _launch(self, kernel_args, num_chunks, num_heads, stream):
-        """Size the shared storage, then one CTA per (chunk, head), heads fastest (grid x): the
-        CTAs resident together read whole token rows of q, k and g, contiguous (docs/notes/k1.md,
-        "K1's grid, heads fastest"). Chunk = y + K1_GRID_Y z (grid y is at most 65535)."""
-        self._make_storage()
-        self.kernel(*kernel_args).launch(
-            grid=(num_heads, cutlass.min(num_chunks, K1_GRID_Y),
-                  (num_chunks + K1_GRID_Y - 1) // K1_GRID_Y),
-            block=(self.threads, 1, 1),
-            smem=self.smem_bytes, stream=stream, **self._occupancy(),
-        )
-
-    def _occupancy(self) -> dict:
-        """Launch bounds: none for the one-pass kernel."""
-        return {}
-
-    def _make_loads(self, mQ, mK, mG):
-        """The q, k and g TMA loads (C x K bf16 tiles) and their smem tile layout."""
-        C, K = self.C, self.K
-        s_tile = cute.make_layout((C, K), stride=(K, 1))
-        op = cpasync.CopyBulkTensorTileG2SOp()
-        atoms = []
-        self.tma_meta = []
-        for name, m in (("q", mQ), ("k", mK), ("g", mG)):
-            atom, tX = cpasync.make_tiled_tma_atom(op, m, s_tile, (C, K))
-            atoms += [atom, tX]
-            self.tma_meta.append(tma_meta(name, atom, "bfloat16"))
-        return atoms, s_tile
-
-    def _make_storage(self):
-        C, K = self.C, self.K
-
-        @cute.struct
-        class SharedStorage:
-            mbar: cute.struct.MemRange[cutlass.Int64, 1]
-            # q's tile, then k's: one (2C, K) array for the row norms
-            sQK: cute.struct.Align[cute.struct.MemRange[self.io_dtype, 2 * C * K], 128]
-            # g's tile; once the gates are computed, phase B's L (fp32, C x C) lives here
-            sG: cute.struct.Align[cute.struct.MemRange[self.io_dtype, C * K], 128]
-            # fp32 working rows, padded by one word against bank conflicts in phase B:
-            # factored chunks hold (qn e^G, kn e^G, kn e^-G), others (qn, kn, G)
-            fA: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, C * (K + 1)], 16]
-            fB: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, C * (K + 1)], 16]
-            fG: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, C * (K + 1)], 16]
-            norm: cute.struct.MemRange[cutlass.Float32, 2 * C]
-            beta: cute.struct.MemRange[cutlass.Float32, C]
-            unsafe: cute.struct.MemRange[cutlass.Int32, 1]
-
-        self.shared_storage = SharedStorage
-        self.smem_bytes = SharedStorage.size_in_bytes()
-
-    @cute.kernel
-    def kernel(
-        self,
-        tma_q: cute.CopyAtom, tQ: cute.Tensor,
-        tma_k: cute.CopyAtom, tK: cute.Tensor,
-        tma_g: cute.CopyAtom, tG: cute.Tensor,
-        mBeta: cute.Tensor, mALog: cute.Tensor, mDtBias: cute.Tensor,
-        mCuSeq: cute.Tensor, mCuChunk: cute.Tensor,
-        mQg: cute.Tensor, mKg: cute.Tensor, mKd: cute.Tensor, mGl: cute.Tensor,
-        mAw: cute.Tensor, mMq: cute.Tensor, mFlags: cute.Tensor,
-        num_seqs: cutlass.Int32,
-        seq_len: cutlass.Int32,
-        scale: cutlass.Float32, lower_bound: cutlass.Float32,
-        gate_mode: cutlass.Int32, qk_l2norm: cutlass.Int32, beta_sigmoid: cutlass.Int32,
-        a_log_dtype: cutlass.Int32, dt_bias_dtype: cutlass.Int32,
-        s_tile: cute.Layout,
-    ):
-        self._body(((tma_q, tQ), (tma_k, tK), (tma_g, tG)), mBeta,
-                   (mALog, mDtBias, a_log_dtype, dt_bias_dtype), mCuSeq, mCuChunk,
-                   (mQg, mKg, mKd, mGl, mAw, mMq), (num_seqs, seq_len), scale, lower_bound,
-                   gate_mode, qk_l2norm, beta_sigmoid, s_tile, mFlags)
-
-
-    # ---------------------------------------------------------------- device
-    @cute.jit
-    def _body(self, loads, mBeta: cute.Tensor, gates,
-              mCuSeq: cute.Tensor, mCuChunk: cute.Tensor, outs, seqs,
-              scale: cutlass.Float32, lower_bound: cutlass.Float32, gate_mode: cutlass.Int32,
-              qk_l2norm: cutlass.Int32, beta_sigmoid: cutlass.Int32, s_tile: cute.Layout,
-              mFlags: cute.Tensor):
-        """The kernel, whatever the output mode: `outs` holds tensors (f32) or TMA stores;
-        `gates` is (A_log, dt_bias, their dtypes)."""
-        mALog, mDtBias, a_dtype, b_dtype = gates
-        if cutlass.const_expr(self.split):
-            st_qg, st_kg, mKdh, mKdl, mGl, mAwh, mAwl, mMqh, mMql = outs
-            mQg = mKg = mKd = mAw = mMq = None
-        else:
-            mQg, mKg, mKd, mGl, mAw, mMq = outs
-        C, K, NT = self.C, self.K, self.threads
-        tidx, warp, lane, h, bid = self._ids()
-
-        t0, length, bound = self._locate(mCuSeq, mCuChunk, seqs, bid, lane)
-
-        if bid < bound:
-            st, mbar, sQK, sQ, sK, sG = self._input_tiles(s_tile)
-            f_layout = cute.make_layout((C, K), stride=(K + 1, 1))
-            fA = st.fA.get_tensor(f_layout)
-            fB = st.fB.get_tensor(f_layout)
-            fG = st.fG.get_tensor(f_layout)
-            norm = st.norm.get_tensor(cute.make_layout(2 * C))
-            sBeta = st.beta.get_tensor(cute.make_layout(C))
-            # L over g's tile (read by the gate pass only, before phase B writes L)
-            sL = cute.make_tensor(cute.recast_ptr(sG.iterator, dtype=cutlass.Float32),
-                                  cute.make_layout((C, C), stride=(C, 1)))
-            row0 = bid * C  # this chunk's first workspace row
-            # split mode: Mq's (hi, lo) planes, written by phase B straight to the workspace
-            sMq = (mMqh, mMql) if cutlass.const_expr(self.split) else None
-            unsafe = st.unsafe.get_tensor(cute.make_layout(1))
-
-            if tidx == 0:
-                unsafe[0] = cutlass.Int32(0)
-            self._load_tiles(loads, (sQ, sK, sG), mbar, mBeta, sBeta, t0, h, length,
-                             beta_sigmoid, tidx, warp)
-            self._norms(sQK, norm, length, scale, qk_l2norm, tidx)
-
-            # ---- phase A: gates and cumulative decay G (chunk-local) ---------------------
-            a_log = gate_param(mALog, h, a_dtype)
-            a_exp = cute.math.exp(a_log)
-            acts = cute.make_rmem_tensor((C,), cutlass.Float32)
-            for d in cutlass.range(tidx, K, NT):
-                bias = gate_param(mDtBias, h * K + d, b_dtype)
-                G = cutlass.Float32(0.0)
-                big = cutlass.Int32(0)
-                # the gate of every row first, one branch per mode (not per row), so the rows'
-                # exponentials overlap; then the running sum
-                if gate_mode == GATE_BOUNDED:
-                    for i in cutlass.range_constexpr(C):
-                        x = a_exp * (sG[i, d].to(cutlass.Float32) + bias)
-                        acts[i] = lower_bound * cute.arch.rcp_approx(
-                            1.0 + cute.math.exp(-x, fastmath=True))
-                elif gate_mode == GATE_UNBOUNDED:
-                    for i in cutlass.range_constexpr(C):
-                        x = sG[i, d].to(cutlass.Float32) + bias
-                        # softplus without a branch: max(x, 0) + log1p(e^-|x|)
-                        sp = cute.arch.fmax(x, 0.0) + cute.math.log1p(
-                            cute.math.exp(-cute.arch.fmax(x, -x)))
-                        acts[i] = -a_exp * sp
-                else:
-                    for i in cutlass.range_constexpr(C):
-                        acts[i] = sG[i, d].to(cutlass.Float32)
-                for i in cutlass.range_constexpr(C):
-                    if i < length:
-                        G = G + acts[i]
-                    fG[i, d] = G
-                    if cutlass.const_expr(i == C // 2 - 1):
-                        ref = G
-                mGl[bid, h, d] = cute.math.exp(G, fastmath=True)
-                big = flag_unfactorable(big, fG[0, d], ref, G, FACTOR_LIMIT)
-                if big != 0:
-                    unsafe[0] = big
-            cute.arch.sync_threads()
-
-            # ---- phase A: token-indexed outputs and phase B's operands -----------------------
-            factored = unsafe[0] == 0
-            outs_a = (mKdh, mKdl, mQg, mKg, mKd) if cutlass.const_expr(self.split) else (
-                None, None, mQg, mKg, mKd)
-            # thread t < K: columns 2p, 2p + 1 (p = t mod K/2) of one half of the rows, so the
-            # bf16 tiles move as 32-bit pairs; G at rows C/2 - 1 and C - 1 is read before either
-            # half overwrites its rows of fG
-            HP = K // 2
-            pair = tidx % HP
-            half = tidx // HP
-            gref = cute.make_rmem_tensor((2, 2), cutlass.Float32)  # (Gl, ref) x column
-            if tidx < K:
-                for c in cutlass.range_constexpr(2):
-                    gref[0, c] = fG[C - 1, 2 * pair + c]
-                    gref[1, c] = fG[C // 2 - 1, 2 * pair + c]
-            cute.arch.sync_threads()
-            if tidx < K:
-                # one branch for the chunk, not one per row, so the rows' work overlaps
-                args = (pair, gref, sQ, sK, fA, fB, fG, norm, outs_a, row0, h)
-                if factored:
-                    if half == 0:
-                        self._output_pair(True, 0, *args)
-                    else:
-                        self._output_pair(True, 1, *args)
-                else:
-                    if half == 0:
-                        self._output_pair(False, 0, *args)
-                    else:
-                        self._output_pair(False, 1, *args)
-            if cutlass.const_expr(self.split):
-                cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.sync_threads()
-            if cutlass.const_expr(self.split):
-                # qg and kg leave now; phases B and C run while the stores drain
-                if warp == 0:
-                    for (tma, tX), sX in ((st_qg, sQ), (st_kg, sK)):
-                        self._tile_store(tma, tX, self._as_qk(sX), (row0, h * K), (C, K))
-                    cute.arch.cp_async_bulk_commit_group()
-
-            # ---- phase B: L and Mqk ------------------------------------------------------
-            if factored:
-                if cutlass.const_expr(C == 16):
-                    self._phase_b_ksplit(fA, fB, fG, sL, sBeta, mMq, sMq, row0, h, tidx, warp,
-                                         lane, length)
-                else:
-                    # on warp MMA: 16 x 8 tiles of L and Mqk, dealt round-robin to the warps
-                    MT, NTL = C // 16, C // 8
-                    for tile in cutlass.range_constexpr(2 * MT * NTL):
-                        if tile % (NT // 32) == warp:
-                            self._phase_b_mma(fA, fB, fG, sL, sBeta, mMq, sMq, row0, h, lane,
-                                              length, tile // (MT * NTL),
-                                              (tile % (MT * NTL)) // NTL, tile % NTL)
-            else:
-                # strong decays: each term takes e^(G_i - G_j), two columns j per thread
-                HC = C // 2
-                for p in cutlass.range(tidx, C * HC, NT):
-                    i = p // HC
-                    j1 = p - i * HC
-                    j2 = j1 + HC
-                    l1 = cutlass.Float32(0.0)
-                    l2 = cutlass.Float32(0.0)
-                    m1 = cutlass.Float32(0.0)
-                    m2 = cutlass.Float32(0.0)
-                    if j1 <= i and i < length:
-                        for d in cutlass.range(K, unroll=2):
-                            gi = fG[i, d]
-                            ki = fB[i, d]
-                            qi = fA[i, d]
-                            e1 = cute.math.exp(gi - fG[j1, d]) * fB[j1, d]
-                            e2 = cute.math.exp(gi - fG[j2, d]) * fB[j2, d]
-                            l1 = l1 + ki * e1
-                            m1 = m1 + qi * e1
-                            l2 = l2 + ki * e2
-                            m2 = m2 + qi * e2
-                    self._store_l(sL, sBeta, i, j1, l1, length)
-                    self._store_l(sL, sBeta, i, j2, l2, length)
-                    self._store_m(mMq, sMq, row0, h, i, j1, m1, length)
-                    self._store_m(mMq, sMq, row0, h, i, j2, m2, length)
-            cute.arch.sync_threads()
-
-            self._phase_c(sL, sBeta, outs, row0, h, length, tidx)
-            self._publish(mFlags, tidx, warp, h, bid, bound)
-
-    @cute.jit
-    def _publish(self, mFlags: cute.Tensor, tidx, warp, h, bid, bound):
-        """A chunk's end. The TMA stores of qg and kg (bf16 outputs) must have read smem before
-        the CTA exits; built `alongside` they must have landed, and then one thread flags this
-        (chunk, head) with a release (the barrier orders every thread's stores before it): a
-        K2 running alongside (api: K2 first, this grid its programmatic dependent) waits on
-        the flag before loading the chunk. The last chunk of the last head then waits for that
-        K2 to complete (griddepcontrol.wait; a no-op without a programmatic primary), so what
-        follows K1 on the stream sees both kernels done."""
-        if cutlass.const_expr(self.alongside):
-            if cutlass.const_expr(self.split):
-                if warp == 0:
-                    cute.arch.cp_async_bulk_wait_group(0, read=False)
-                    cute.arch.fence_proxy("async.global")
-            cute.arch.sync_threads()
-            if tidx == 0:
-                nh, _, _ = cute.arch.grid_dim()
-                cute.arch.atomic_add(mFlags.iterator + bid * nh + h, cutlass.Int32(1),
-                                     sem="release", scope="gpu")
-                if h == nh - 1 and bid == bound - 1:
-                    cute.arch.griddepcontrol_wait()
-        elif cutlass.const_expr(self.split):
-            if warp == 0:
-                # smem must outlive the stores' reads of it
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
-
-    @cute.jit
-    def _ids(self):
-        """(thread, warp, lane, head, chunk) of this thread: heads on grid x, the chunk
-        y + K1_GRID_Y z."""
-        tidx, _, _ = cute.arch.thread_idx()
-        h, by, bz = cute.arch.block_idx()
-        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        return tidx, warp, cute.arch.lane_idx(), h, by + bz * K1_GRID_Y
-
-    @cute.jit
-    def _input_tiles(self, s_tile: cute.Layout):
-        """The shared storage, its mbarrier and the q, k (one (2C, K) array for the row norms)
-        and g tiles."""
-        C, K = self.C, self.K
-        st = utils.SmemAllocator().allocate(self.shared_storage)
-        sQK = st.sQK.get_tensor(cute.make_layout((2 * C, K), stride=(K, 1)))
-        return (st, st.mbar.data_ptr(), sQK, cute.make_tensor(sQK.iterator, s_tile),
-                cute.make_tensor(sQK.iterator + C * K, s_tile), st.sG.get_tensor(s_tile))
-
-    def _words(self, t):
-        """A row-major bf16 smem tile (rows, K) as int32 words (rows, K/2): bf16 pairs, column
-        2p in the low half of word p (bf16x2_lo / bf16x2_hi read them exactly)."""
-        rows = cute.size(t, mode=[0])
-        return cute.make_tensor(cute.recast_ptr(t.iterator, dtype=cutlass.Int32),
-                                cute.make_layout((rows, self.K // 2), stride=(self.K // 2, 1)))
-
-    @cute.jit
-    def _locate(self, mCuSeq: cute.Tensor, mCuChunk: cute.Tensor, seqs, bid, lane):
-        """(first token, valid rows, chunk bound) of chunk slot `bid`; seqs = (num_seqs,
-        seq_len). A fixed-length batch (seq_len > 0: num_seqs sequences of seq_len tokens,
-        ceil(seq_len / C) slots each) is located by arithmetic, with no load before the TMA's.
-        Otherwise (varlen, seq_len 0) the sequence holding the slot is found by a 32-way search,
-        each warp by itself: a round's lanes read 32 evenly spaced entries of cu_chunks (and
-        the cu_seqlens pair beside each) at once and a ballot counts those at or before `bid`,
-        so N <= 32 sequences take one round of loads and N <= 1024 two (a binary search's
-        dependent loads were log2(N) rounds, each an L2 round trip at the CTA's start). The
-        lane that sampled the sequence in the last round hands its loads over by shuffles. The
-        bound is the number of slots, or 0 for a slot that holds no tokens (past the end, or
-        between two varlen sequences: workspace.chunk_slots), so `bid < bound` says whether this CTA
-        has a chunk."""
-        C = self.C
-        num_seqs, seq_len = seqs
-        t0 = cutlass.Int32(0)
-        length = cutlass.Int32(0)
-        bound = cutlass.Int32(0)
-        if seq_len > 0:
-            slots = (seq_len + (C - 1)) // C
-            n = bid // slots
-            j = bid - n * slots
-            t0 = n * seq_len + j * C
-            length = cutlass.min(C, seq_len - j * C)
-            bound = num_seqs * slots
-        else:
-            bound = mCuChunk[num_seqs]
-            lo, hi, c0, s0, s1, k = self._locate_round(mCuSeq, mCuChunk, cutlass.Int32(0),
-                                                       num_seqs, bid, lane)
-            while hi - lo > 1:
-                lo, hi, c0, s0, s1, k = self._locate_round(mCuSeq, mCuChunk, lo, hi, bid,
-                                                           lane)
-            c0 = cute.arch.shuffle_sync(c0, k)
-            s0 = cute.arch.shuffle_sync(s0, k)
-            s1 = cute.arch.shuffle_sync(s1, k)
-            t0 = s0 + (bid - c0) * C
-            length = cutlass.min(C, s1 - t0)
-            if length < 1:
-                bound = cutlass.Int32(0)
-        return t0, length, bound
-
-    @cute.jit
-    def _locate_round(self, mCuSeq: cute.Tensor, mCuChunk: cute.Tensor, lo, hi, bid, lane):
-        """One round of _locate's search over [lo, hi) (cu_chunks[lo] <= bid, or lo = 0): lane
-        l samples entry lo + l * step, step = ceil((hi - lo) / 32), so the 32 samples cover the
-        range; cu_chunks increases, so the lanes at or before `bid` are the first k + 1 and the
-        sequence lies in [lo + k step, lo + (k + 1) step). Returns the new range, this lane's
-        cu_chunks, cu_seqlens pair and k."""
-        step = (hi - lo + 31) // 32
-        idx = lo + lane * step
-        j = cutlass.min(idx, hi - 1)
-        c0 = mCuChunk[j]
-        s0 = mCuSeq[j]
-        s1 = mCuSeq[j + 1]
-        ok = cutlass.Int32(0)
-        if idx < hi:
-            if c0 <= bid:
-                ok = cutlass.Int32(1)
-        k = cute.arch.popc(cute.arch.vote_ballot_sync(ok != 0)) - 1
-        k = cutlass.max(k, 0)
-        lo2 = lo + k * step
-        return lo2, cutlass.min(lo2 + step, hi), c0, s0, s1, k
-
-    @cute.jit
-    def _load_tiles(self, loads, tiles, mbar, mBeta: cute.Tensor, sBeta, t0, h, length,
-                    beta_sigmoid: cutlass.Int32, tidx, warp, phase=0,
-                    init: cutlass.Constexpr = True):
-        """TMA: the q, k and g tiles of this chunk and head into smem (one mbarrier, phase
-        `phase`; every thread waits on it); beta (through its sigmoid if asked) into sBeta
-        meanwhile. Warp 0 initialises the barrier (`init`: a looped CTA's is initialised once,
-        before its loop) and issues the loads at once; the CTA barrier after (every thread
-        must see the initialised mbarrier before it waits on it) then runs while they are in
-        flight."""
-        C, K = self.C, self.K
-        if warp == 0:
-            with cute.arch.elect_one():
-                if cutlass.const_expr(init):
-                    cute.arch.mbarrier_init(mbar, 1)
-                    cute.arch.mbarrier_init_fence()
-                cute.arch.mbarrier_arrive_and_expect_tx(mbar, 3 * C * K * 2)
-            cute.arch.sync_warp()
-            for (tma, tX), sX_ in zip(loads, tiles, strict=True):
-                self._tile_copy(tma, tX, sX_, (t0, h * K), (C, K), mbar)
-        if tidx < C:
-            b = cutlass.Float32(0.0)
-            if tidx < length:
-                b = mBeta[t0 + tidx, h].to(cutlass.Float32)
-            if beta_sigmoid != 0:
-                b = 1.0 / (1.0 + cute.math.exp(-b))
-            sBeta[tidx] = b
-        cute.arch.sync_threads()
-        cute.arch.mbarrier_wait(mbar, phase)
-
-    @cute.jit
-    def _norms(self, sQK, norm, length, scale: cutlass.Float32, qk_l2norm: cutlass.Int32,
-               tidx):
-        """Phase A's row norms, TPR threads per row of q (rows 0..C-1) and k (C..2C-1), into
-        norm[]: 8-element (16-byte) vectors, thread `sub_` of a row takes vectors sub_ + TPR m,
-        rotated by the row against bank conflicts between the rows of one access phase."""
-        C, K, NT = self.C, self.K, self.threads
-        TPR = NT // (2 * C)
-        nvec = K // 8 // TPR
-        row = tidx // TPR
-        sub_ = tidx - row * TPR
-        vecs = cute.logical_divide(self._words(sQK), (None, 4))  # (2C, (4, K/8)) bf16 pairs
-        acc2 = cutlass.Float32(0.0)
-        for m in cutlass.range_constexpr(nvec):
-            wv = vecs[row, (None, sub_ + TPR * ((m + row) % nvec))].load()
-            part = cutlass.Float32(0.0)
-            for e in cutlass.range_constexpr(4):
-                x0, x1 = bf16x2(wv[e])
-                part = part + x0 * x0 + x1 * x1
-            acc2 = acc2 + part
-        for off in cutlass.range_constexpr(TPR.bit_length() - 1):
-            acc2 = acc2 + cute.arch.shuffle_sync_bfly(acc2, offset=1 << off)
-        if sub_ == 0:
-            r = cutlass.Float32(1.0)
-            if qk_l2norm != 0:
-                r = cute.math.rsqrt(acc2 + 1e-6)
-            # q's rows carry the scale; rows past the length are zero, and with them every
-            # output and phase B operand of those rows (no per-element masking)
-            if row < C:
-                r = r * scale
-            if row - (row // C) * C >= length:
-                r = cutlass.Float32(0.0)
-            norm[row] = r
-        cute.arch.sync_threads()
-
-    @cute.jit
-    def _phase_c(self, sL, sBeta, outs, row0, h, length, tidx):
-        """Phase C: Aw = (I + L)^-1 diag(beta), one column per thread, by forward substitution
-        with the column in registers; L entries are smem broadcasts. Right-looking: once x_l is
-        final it is taken out of every later row at once, so the dependent chain is C
-        multiply-adds long, not C(C-1)/2 (same order of terms per row as the row-by-row form,
-        so the same result)."""
-        C = self.C
-        if cutlass.const_expr(self.split):
-            mAwh, mAwl = outs[5], outs[6]
-        else:
-            mAw = outs[4]
-        if tidx < C:
-            j = tidx
-            xs = cute.make_rmem_tensor((C,), cutlass.Float32)
-            bj = sBeta[j]
-            for i in cutlass.range_constexpr(C):
-                xs[i] = cutlass.Float32(0.0)
-                if j == i:
-                    xs[i] = bj
-            for l_ in cutlass.range_constexpr(C - 1):
-                xl = xs[l_]
-                for i in cutlass.range_constexpr(l_ + 1, C):
-                    xs[i] = xs[i] - sL[i, l_] * xl
-            for i in cutlass.range_constexpr(C):
-                x = xs[i]
-                if j >= length or i >= length:
-                    x = cutlass.Float32(0.0)
-                if cutlass.const_expr(self.f16):
-                    mAwh[row0 + i, h, j] = x.to(self.out_dtype)
-                elif cutlass.const_expr(self.split):
-                    hi_ = x.to(self.io_dtype)
-                    mAwh[row0 + i, h, j] = hi_
-                    mAwl[row0 + i, h, j] = (x - hi_.to(cutlass.Float32)).to(self.io_dtype)
-                else:
-                    mAw[row0 + i, h, j] = x
-
-    @cute.jit
-    def _output_pair(self, factored: cutlass.Constexpr, half: cutlass.Constexpr, pair, gref,
-                     sQ, sK, fA, fB, fG, norm, outs_a, row0, h):
-        """Columns d = 2 pair + c (c = 0, 1) of rows half*C/2 .. half*C/2 + C/2 - 1: qg = scale
-        qn e^G, kg = kn e^G, kd = kn e^(Gl - G) (zeros past the length, whose rows have zero
-        norms: a whole chunk's rows are stored) and phase B's operands (factored: (qn e^(G - r),
-        kn e^(G - r), kn e^(r - G)); otherwise (qn, kn, G)). gref holds (Gl, r) per column."""
-        C = self.C
-        f32 = cutlass.Float32
-        mKdh, mKdl, mQg, mKg, mKd = outs_a
-        vQ, vK = (cute.logical_divide(x, (None, 2)) for x in (sQ, sK))
-        e_ref = cute.make_rmem_tensor((2,), f32)
-        e_lr = cute.make_rmem_tensor((2,), f32)
-        if cutlass.const_expr(factored):
-            # one exponential and one reciprocal per element: e^G = e^(G - r) e^r and
-            # e^(Gl - G) = e^(r - G) e^(Gl - r), every factor a normal float (|G - r| <= 80,
-            # |r| <= 80: the chunk is not factored otherwise)
-            for c in cutlass.range_constexpr(2):
-                e_ref[c] = cute.math.exp(gref[1, c], fastmath=True)
-                e_lr[c] = cute.math.exp(gref[0, c] - gref[1, c], fastmath=True)
-        qs2 = cute.make_rmem_tensor((2,), f32)
-        ke2 = cute.make_rmem_tensor((2,), f32)
-        kd2 = cute.make_rmem_tensor((2,), f32)
-        for ii in cutlass.range_constexpr(C // 2):
-            i = half * (C // 2) + ii
-            q2 = vQ[i, (None, pair)].load().to(f32)
-            k2 = vK[i, (None, pair)].load().to(f32)
-            for c in cutlass.range_constexpr(2):
-                d = 2 * pair + c
-                Gi = fG[i, d]
-                qn = q2[c] * norm[i]
-                kn = k2[c] * norm[C + i]
-                if cutlass.const_expr(factored):
-                    # the outputs: phase B's operands times a per-column constant
-                    er = cute.math.exp(Gi - gref[1, c], fastmath=True)
-                    inv = cute.arch.rcp_approx(er)
-                    fa = qn * er
-                    fb = kn * er
-                    fg = kn * inv
-                    fA[i, d] = fa
-                    fB[i, d] = fb
-                    fG[i, d] = fg
-                    qs = fa * e_ref[c]
-                    ke = fb * e_ref[c]
-                    kd = fg * e_lr[c]
-                else:
-                    fA[i, d] = qn
-                    fB[i, d] = kn
-                    eg = cute.math.exp(Gi, fastmath=True)
-                    qs = qn * eg
-                    ke = kn * eg
-                    kd = kn * cute.math.exp(gref[0, c] - Gi, fastmath=True)
-                qs2[c] = qs
-                ke2[c] = ke
-                kd2[c] = kd
-                if cutlass.const_expr(not self.split):
-                    mQg[row0 + i, h, d] = qs
-                    mKg[row0 + i, h, d] = ke
-                    mKd[row0 + i, h, d] = kd
-            if cutlass.const_expr(self.split):
-                # qg and kg in place of the q and k tiles (only this thread reads these two
-                # columns of these rows), as bf16 pairs, for the TMA stores; kd's planes
-                # straight to the workspace (a warp writes 128 contiguous bytes of a row)
-                self._store_row_pair(vQ, vK, (mKdh, mKdl), row0, h, i, pair, qs2, ke2, kd2)
-
-    @cute.jit
-    def _store_row_pair(self, vQ, vK, kd_planes, row0, h, i, pair, qs2, ke2, kd2):
-        """Columns 2 pair, 2 pair + 1 of row i: qg and kg as fp16 pairs in place
-        of the q and k tiles (only this thread reads them), for the TMA stores; kd's hi and lo
-        planes (fp16: its one plane) straight to the workspace (a warp writes 128 contiguous
-        bytes of a row)."""
-        f32, io = cutlass.Float32, self.out_dtype
-        mKdh, mKdl = kd_planes
-        self._as_qk(vQ)[i, (None, pair)].store(qs2.load().to(self.qk_dtype))
-        self._as_qk(vK)[i, (None, pair)].store(ke2.load().to(self.qk_dtype))
-        x = kd2.load()
-        kh = x.to(io)
-        pairs_g = cute.make_layout((2, self.K // 2), stride=(1, 2))
-        cute.make_tensor(mKdh[row0 + i, h, None].iterator, pairs_g)[None, pair].store(kh)
-        if cutlass.const_expr(not self.f16):
-            cute.make_tensor(mKdl[row0 + i, h, None].iterator, pairs_g)[None, pair].store(
-                (x - kh.to(f32)).to(io))
-
-    def _as_qk(self, t):
-        """A bf16 smem tile (the q and k input tiles, which take qg and kg in place) as qg's
-        and kg's dtype: an fp16 view of its bytes."""
-        return cute.make_tensor(cute.recast_ptr(t.iterator, dtype=self.qk_dtype), t.layout)
-
-    @cute.jit
-    def _phase_b_ksplit(self, fA, fB, fG, sL, sBeta, mMq, sMq, row0, h, tidx, warp, lane,
-                        length):
-        """Chunk 16, factored: K split over the warps. Each converts its 32-column slabs of the
-        three operands once and accumulates all four 16 x 8 tiles of L and Mqk; the partial
-        tiles meet in smem (over fA, read by then) and one pass sums and stores them."""
-        C, K, NT = self.C, self.K, self.threads
-        bf16, f32 = cutlass.BFloat16, cutlass.Float32
-        nred = min(self.num_warps, K // 32)
-        mma = cute.make_tiled_mma(warp_mma.MmaF16BF16Op(bf16, f32, (16, 8, 16)))
-        c_shape = mma.get_slice(lane).partition_shape_C((16, 8))
-        accs = [cute.make_rmem_tensor(c_shape, f32) for _ in range(4)]
-        self._phase_b_partials(fA, fB, fG, warp, lane, accs)
-        cute.arch.sync_threads()
-        sRed = cute.make_tensor(fA.iterator, cute.make_layout(
-            (nred, 2, C, C), stride=(2 * C * C, C * C, C, 1)))
-        if warp < nred:
-            self._phase_b_spill(sRed, warp, lane, accs)
-        cute.arch.sync_threads()
-        for p in cutlass.range_constexpr(2 * C * C // NT):
-            idx = tidx + p * NT
-            prod = idx // (C * C)
-            i = (idx - prod * C * C) // C
-            j = idx - prod * C * C - i * C
-            acc = cutlass.Float32(0.0)
-            for w in cutlass.range_constexpr(nred):
-                acc = acc + sRed[w, prod, i, j]
-            if prod == 0:
-                self._store_l(sL, sBeta, i, j, acc, length)
-            else:
-                self._store_m(mMq, sMq, row0, h, i, j, acc, length)
-
-    @cute.jit
-    def _phase_b_partials(self, fA, fB, fG, warp, lane, accs):
-        """Chunk 16: this warp's share of L' = (kn e^(G-r))(kn e^(r-G))^T and Mqk' = (qn e^(G-r))
-        (kn e^(r-G))^T over the 32-column slabs ks with ks % warps == warp, all four 16 x 8
-        tiles ((L', Mqk') x (columns 0-7, 8-15)) into accs[2 * product + nt]."""
-        KS = 32
-        for acc in accs:
-            acc.fill(0.0)
-        for ks in cutlass.range_constexpr(self.K // KS):
-            if ks % self.num_warps == warp:
-                self._phase_b_block(fA, fB, fG, ks * KS, lane, accs, self.K + 1, KS)
-
-    @cute.jit
-    def _phase_b_block(self, fA, fB, fG, c0, lane, accs, row_stride: cutlass.Constexpr,
-                       width: cutlass.Constexpr = 16):
-        """One block of `width` columns (c0 ...) of the factored L' = (kn e^(G-r))
-        (kn e^(r-G))^T and Mqk' = (qn e^(G-r))(kn e^(r-G))^T into accs[2 * product + nt]
-        (both 16 x 8 column tiles nt), by m16n8k16 bf16 MMAs on hi/lo splits (hi*hi + hi*lo +
-        lo*hi), each operand converted once.
-        The sum runs over the block's columns in any order, so the MMA's k index is dealt to
-        the columns of a 32-column slab as column 8t + 4 kb + 2h + c for k = c + 2t + 8h of
-        block kb: lanes (g, t) of a fragment load then read rows g (+ 8) at columns 8t + const,
-        and with rows `row_stride` = 1 (mod 32) words apart the 32 lanes hit 32 banks (in
-        natural order, g + 2t, it was a 4-way conflict)."""
-        bf16, f32 = cutlass.BFloat16, cutlass.Float32
-        mma = cute.make_tiled_mma(warp_mma.MmaF16BF16Op(bf16, f32, (16, 8, 16)))
-        thr = mma.get_slice(lane)
-        if cutlass.const_expr(width == 16):
-            k_mode = ((2, 4, 2), (1, 8, 2))
-            off = c0 - ((c0 // 16) % 2) * 12  # the slab's first column + 4 kb
-        else:
-            k_mode = ((2, 4, 2, 2), (1, 8, 2, 4))
-            off = c0
-
-        def block(src, row0, rows):
-            return cute.make_tensor(src.iterator + row0 * row_stride + off, cute.make_layout(
-                (rows, k_mode[0]), stride=(row_stride, k_mode[1])))
-
-        vA = [thr.partition_A(block(src, 0, 16)) for src in (fB, fA)]  # L', Mqk'
-        vB = [thr.partition_B(block(fG, 8 * nt, 8)) for nt in range(2)]
-        a = [self._hi_lo(v) for v in vA]
-        b = [self._hi_lo(v) for v in vB]
-        for prod in cutlass.range_constexpr(2):
-            for nt in cutlass.range_constexpr(2):
-                acc = accs[2 * prod + nt]
-                for ah, bh in ((0, 0), (0, 1), (1, 0)):
-                    cute.gemm(mma, acc, a[prod][ah], b[nt][bh], acc)
-
-    @cute.jit
-    def _hi_lo(self, view):
-        """(bf16(x), bf16(x - bf16(x))) of every element of an fp32 smem fragment view, a
-        pair of elements (one register of the MMA fragment) at a time: one packed conversion
-        per plane, and the hi pair back to fp32 by a shift and a mask."""
-        bf16 = cutlass.BFloat16
-        hi = cute.make_rmem_tensor(view.shape, bf16)
-        lo = cute.make_rmem_tensor(view.shape, bf16)
-        hw, lw = (cute.recast_tensor(t, cutlass.Int32) for t in (hi, lo))
-        for m in cutlass.range_constexpr(cute.size(view) // 2):
-            x0, x1 = view[2 * m], view[2 * m + 1]
-            w = pack_bf16x2(x0, x1)
-            hw[m] = w
-            r0, r1 = bf16x2(w)
-            lw[m] = pack_bf16x2(x0 - r0, x1 - r1)
-        return hi, lo
-
-    @cute.jit
-    def _phase_b_spill(self, sRed, warp, lane, accs):
-        """This warp's partial tiles into sRed[warp, product, i, j]."""
-        bf16, f32 = cutlass.BFloat16, cutlass.Float32
-        mma = cute.make_tiled_mma(warp_mma.MmaF16BF16Op(bf16, f32, (16, 8, 16)))
-        cC = mma.get_slice(lane).partition_C(cute.make_identity_tensor((16, 8)))
-        for prod in cutlass.range_constexpr(2):
-            for nt in cutlass.range_constexpr(2):
-                for e in cutlass.range_constexpr(cute.size(cC)):
-                    i, jj = cC[e]
-                    sRed[warp, prod, i, nt * 8 + jj] = accs[2 * prod + nt][e]
-
-    @cute.jit
-    def _phase_b_mma(self, fA, fB, fG, sL, sBeta, mMq, sMq, row0, h, lane, length,
-                     product: cutlass.Constexpr, mt: cutlass.Constexpr, nt: cutlass.Constexpr):
-        """Tile (mt, nt) (16 x 8) of L = diag(beta) (kn e^(G-r))(kn e^(r-G))^T (product 0) or
-        Mqk = scale (qn e^(G-r))(kn e^(r-G))^T (product 1), lower parts kept, by m16n8k16 bf16
-        MMAs on hi/lo splits (hi*hi + hi*lo + lo*hi: ~16 mantissa bits, fp32 accumulation)."""
-        K = self.K
-        bf16, f32 = cutlass.BFloat16, cutlass.Float32
-        KS = 32  # K slab per step: two k16 blocks
-        mma = cute.make_tiled_mma(warp_mma.MmaF16BF16Op(bf16, f32, (16, 8, 16)))
-        thr = mma.get_slice(lane)
-        i0, j0 = mt * 16, nt * 8
-        cA = thr.partition_A(cute.make_identity_tensor((16, KS)))  # (i - i0, d - slab)
-        cB = thr.partition_B(cute.make_identity_tensor((8, KS)))  # (j - j0, d - slab)
-        cC = thr.partition_C(cute.make_identity_tensor((16, 8)))  # (i - i0, j - j0)
-        a_hi = cute.make_rmem_tensor(cA.shape, bf16)
-        a_lo = cute.make_rmem_tensor(cA.shape, bf16)
-        b_hi = cute.make_rmem_tensor(cB.shape, bf16)
-        b_lo = cute.make_rmem_tensor(cB.shape, bf16)
-        acc = cute.make_rmem_tensor(cC.shape, f32)
-        acc.fill(0.0)
-        for ks in cutlass.range_constexpr(K // KS):
-            for e in cutlass.range_constexpr(cute.size(cA)):
-                i, d = cA[e]
-                if cutlass.const_expr(product == 0):
-                    x = fB[i0 + i, ks * KS + d]
-                else:
-                    x = fA[i0 + i, ks * KS + d]
-                hi = x.to(bf16)
-                a_hi[e] = hi
-                a_lo[e] = (x - hi.to(f32)).to(bf16)
-            for e in cutlass.range_constexpr(cute.size(cB)):
-                jj, d = cB[e]
-                x = fG[j0 + jj, ks * KS + d]
-                hi = x.to(bf16)
-                b_hi[e] = hi
-                b_lo[e] = (x - hi.to(f32)).to(bf16)
-            cute.gemm(mma, acc, a_hi, b_hi, acc)
-            cute.gemm(mma, acc, a_hi, b_lo, acc)
-            cute.gemm(mma, acc, a_lo, b_hi, acc)
-        for e in cutlass.range_constexpr(cute.size(cC)):
-            i, jj = cC[e]
-            if cutlass.const_expr(product == 0):
-                self._store_l(sL, sBeta, i0 + i, j0 + jj, acc[e], length)
-            else:
-                self._store_m(mMq, sMq, row0, h, i0 + i, j0 + jj, acc[e], length)
-
-    @cute.jit
-    def _store_l(self, sL, sBeta, i, j, lacc, length):
-        """Entry (i, j) of L = beta_i k_i . k_j (decayed), strictly lower, zero past length."""
-        lval = cutlass.Float32(0.0)
-        if j < i and i < length:
-            lval = sBeta[i] * lacc
-        sL[i, j] = lval
-
-    @cute.jit
-    def _store_m(self, mMq, sMq, row0, h, i, j, macc, length):
-        """Entry (i, j) of Mqk = scale q_i . k_j (decayed; q's norms carry the scale), lower,
-        zero past length: to global
-        (f32) or as a (hi, lo) pair to the smem planes the TMA store sends (split)."""
-        m = cutlass.Float32(0.0)
-        if j <= i and i < length:
-            m = macc
-        if cutlass.const_expr(self.f16):
-            sMq[0][row0 + i, h, j] = m.to(self.out_dtype)
-        elif cutlass.const_expr(self.split):
-            hi = m.to(self.io_dtype)
-            sMq[0][row0 + i, h, j] = hi
-            sMq[1][row0 + i, h, j] = (m - hi.to(cutlass.Float32)).to(self.io_dtype)
-        else:
-            mMq[row0 + i, h, j] = m
-
-
-class KdaPrepSm90Split(KdaPrepSm90):
-    """The bf16-operand K1 (for the tensor-core K2): qg and kg leave by TMA stores from smem
-    tiles; kd, Aw and Mq (hi/lo planes) by the threads, straight from registers.
-
-    At chunk 16 with 64, 128 or 256 threads (every shipped config) it runs in column passes
-    (`_body_passes`): W = max(64, threads / 2) key columns at a time, so phase B's fp32 operand
-    rows take C x W floats, not C x K (K = 128: 26.5 KB of smem per CTA instead of 37.5)."""
-
-    def __init__(self, cfg: PrepConfig):
-        super().__init__(cfg)
-        self.W = max(64, cfg.threads // 2)
+        self.W = max(64, cfg.threads // 2)  # a column pass's width
         self.RPG = cfg.chunk * self.W // (2 * cfg.threads)  # a row group's rows in a pass
         self.passes = column_passes(cfg)
-
-    def _occupancy(self) -> dict:
-        """The passes kernel asks ptxas for as many CTAs per SM as its smem allows, at most
-        64 registers per thread: at K = 128 eight CTAs (64 registers, no spills) instead of six."""
-        if not self.passes or self.looped:  # (a looped side run: few CTAs, no cap)
-            return {}
-        per_sm = min(SMEM_PER_SM // (self.smem_bytes + SMEM_PER_CTA_RESERVED),
-                     REGS_PER_SM // (64 * self.threads))
-        return {"min_blocks_per_mp": per_sm, "preferred_smem_carveout": 100}
-
-    def _make_storage(self):
-        if not self.passes:
-            super()._make_storage()
-            return
-        C, K, W, NT = self.C, self.K, self.W, self.threads
-        RG = 2 * NT // W
-        # the warps' partial L and Mqk tiles reuse the operand rows after the last pass
-        assert (NT // 32) * 2 * C * C <= 3 * C * (W + 1)
-
-        @cute.struct
-        class SharedStorage:
-            mbar: cute.struct.MemRange[cutlass.Int64, 1]
-            sQK: cute.struct.Align[cute.struct.MemRange[self.io_dtype, 2 * C * K], 128]
-            sG: cute.struct.Align[cute.struct.MemRange[self.io_dtype, C * K], 128]
-            # one pass's phase B operand rows fA, fB, fG, each (C, W) padded by a word
-            fABG: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, 3 * C * (W + 1)], 16]
-            part: cute.struct.MemRange[cutlass.Float32, RG * W]  # gate sum per row group
-            first: cute.struct.MemRange[cutlass.Float32, W]  # G at row 0
-            norm: cute.struct.MemRange[cutlass.Float32, 2 * C]
-            beta: cute.struct.MemRange[cutlass.Float32, C]
-            # unfactored 64-column groups; the f16 build then keeps the chunk's length there
-            flag: cute.struct.MemRange[cutlass.Int32, K // 64 + self._length_slot()]
-
-        self.shared_storage = SharedStorage
-        self.smem_bytes = SharedStorage.size_in_bytes()
-
-    def _length_slot(self) -> int:
-        """1 where the chunk's length waits in smem over phase B (the f16 build: held in a
-        register across the last pass, it was spilled at K = 256), else 0."""
-        return 1 if self.f16 else 0
+        self.smem_bytes = 0
+        self.tma_meta = []
 
     @cute.jit
     def __call__(
@@ -972,6 +168,68 @@ class KdaPrepSm90Split(KdaPrepSm90):
                       dt_bias_dtype, s_tile),
                      num_chunks, num_heads, stream)
 
+    def _launch(self, kernel_args, num_chunks, num_heads, stream):
+        """Size the shared storage, then one CTA per (chunk, head), heads fastest (grid x): the
+        CTAs resident together read whole token rows of q, k and g, contiguous (docs/notes/k1.md,
+        "K1's grid, heads fastest"). Chunk = y + K1_GRID_Y z (grid y is at most 65535)."""
+        self._make_storage()
+        self.kernel(*kernel_args).launch(
+            grid=(num_heads, cutlass.min(num_chunks, K1_GRID_Y),
+                  (num_chunks + K1_GRID_Y - 1) // K1_GRID_Y),
+            block=(self.threads, 1, 1),
+            smem=self.smem_bytes, stream=stream, **self._occupancy(),
+        )
+
+    def _occupancy(self) -> dict:
+        """The passes kernel asks ptxas for as many CTAs per SM as its smem allows, at most
+        64 registers per thread: at K = 128 eight CTAs (64 registers, no spills) instead of six."""
+        if self.looped:  # (a looped side run: few CTAs, no cap)
+            return {}
+        per_sm = min(SMEM_PER_SM // (self.smem_bytes + SMEM_PER_CTA_RESERVED),
+                     REGS_PER_SM // (64 * self.threads))
+        return {"min_blocks_per_mp": per_sm, "preferred_smem_carveout": 100}
+
+    def _make_loads(self, mQ, mK, mG):
+        """The q, k and g TMA loads (C x K bf16 tiles) and their smem tile layout."""
+        C, K = self.C, self.K
+        s_tile = cute.make_layout((C, K), stride=(K, 1))
+        op = cpasync.CopyBulkTensorTileG2SOp()
+        atoms = []
+        self.tma_meta = []
+        for name, m in (("q", mQ), ("k", mK), ("g", mG)):
+            atom, tX = cpasync.make_tiled_tma_atom(op, m, s_tile, (C, K))
+            atoms += [atom, tX]
+            self.tma_meta.append(tma_meta(name, atom, "bfloat16"))
+        return atoms, s_tile
+
+    def _make_storage(self):
+        C, K, W, NT = self.C, self.K, self.W, self.threads
+        RG = 2 * NT // W
+        # the warps' partial L and Mqk tiles reuse the operand rows after the last pass
+        assert (NT // 32) * 2 * C * C <= 3 * C * (W + 1)
+
+        @cute.struct
+        class SharedStorage:
+            mbar: cute.struct.MemRange[cutlass.Int64, 1]
+            sQK: cute.struct.Align[cute.struct.MemRange[self.io_dtype, 2 * C * K], 128]
+            sG: cute.struct.Align[cute.struct.MemRange[self.io_dtype, C * K], 128]
+            # one pass's phase B operand rows fA, fB, fG, each (C, W) padded by a word
+            fABG: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, 3 * C * (W + 1)], 16]
+            part: cute.struct.MemRange[cutlass.Float32, RG * W]  # gate sum per row group
+            first: cute.struct.MemRange[cutlass.Float32, W]  # G at row 0
+            norm: cute.struct.MemRange[cutlass.Float32, 2 * C]
+            beta: cute.struct.MemRange[cutlass.Float32, C]
+            # unfactored 64-column groups; the f16 build then keeps the chunk's length there
+            flag: cute.struct.MemRange[cutlass.Int32, K // 64 + self._length_slot()]
+
+        self.shared_storage = SharedStorage
+        self.smem_bytes = SharedStorage.size_in_bytes()
+
+    def _length_slot(self) -> int:
+        """1 where the chunk's length waits in smem over phase B (the f16 build: held in a
+        register across the last pass, it was spilled at K = 256), else 0."""
+        return 1 if self.f16 else 0
+
     @cute.kernel
     def kernel(
         self,
@@ -994,11 +252,12 @@ class KdaPrepSm90Split(KdaPrepSm90):
         s_tile: cute.Layout,
     ):
         outs = ((tma_qg, tQg), (tma_kg, tKg), mKdh, mKdl, mGl, mAwh, mAwl, mMqh, mMql)
-        body = self._body_passes if cutlass.const_expr(self.passes) else self._body
-        body(((tma_q, tQ), (tma_k, tK), (tma_g, tG)), mBeta,
+        self._body_passes(((tma_q, tQ), (tma_k, tK), (tma_g, tG)), mBeta,
              (mALog, mDtBias, a_log_dtype, dt_bias_dtype), mCuSeq, mCuChunk, outs,
              (num_seqs, seq_len), scale, lower_bound, gate_mode, qk_l2norm, beta_sigmoid,
              s_tile, mFlags)
+
+    # ---------------------------------------------------------------- device
 
     @cute.jit
     def _body_passes(self, loads, mBeta: cute.Tensor, gates, mCuSeq: cute.Tensor,
@@ -1018,7 +277,7 @@ class KdaPrepSm90Split(KdaPrepSm90):
              accumulators kept over the passes: factored groups on warp MMA (bf16 hi/lo),
              unfactored ones elementwise with e^(G_i - G_j), each lane its own tile entries.
         Then the warps' partial tiles meet in smem, L goes to smem, Mq to the workspace, and
-        phase C runs as in the one-pass kernel."""
+        phase C (`_phase_c`)."""
         tidx, warp, lane, h, bid = self._ids()
         args = (loads, mBeta, gates, outs, scale, lower_bound, gate_mode, qk_l2norm,
                 beta_sigmoid, mFlags, tidx, warp, lane, h)
@@ -1315,6 +574,283 @@ class KdaPrepSm90Split(KdaPrepSm90):
             self._store_row_pair(vQ, vK, kd_planes, row0, h, i, gp, qs2, ke2, kd2)
 
     @cute.jit
+    def _publish(self, mFlags: cute.Tensor, tidx, warp, h, bid, bound):
+        """A chunk's end. The TMA stores of qg and kg (bf16 outputs) must have read smem before
+        the CTA exits; built `alongside` they must have landed, and then one thread flags this
+        (chunk, head) with a release (the barrier orders every thread's stores before it): a
+        K2 running alongside (api: K2 first, this grid its programmatic dependent) waits on
+        the flag before loading the chunk. The last chunk of the last head then waits for that
+        K2 to complete (griddepcontrol.wait; a no-op without a programmatic primary), so what
+        follows K1 on the stream sees both kernels done."""
+        if cutlass.const_expr(self.alongside):
+            if cutlass.const_expr(self.split):
+                if warp == 0:
+                    cute.arch.cp_async_bulk_wait_group(0, read=False)
+                    cute.arch.fence_proxy("async.global")
+            cute.arch.sync_threads()
+            if tidx == 0:
+                nh, _, _ = cute.arch.grid_dim()
+                cute.arch.atomic_add(mFlags.iterator + bid * nh + h, cutlass.Int32(1),
+                                     sem="release", scope="gpu")
+                if h == nh - 1 and bid == bound - 1:
+                    cute.arch.griddepcontrol_wait()
+        elif cutlass.const_expr(self.split):
+            if warp == 0:
+                # smem must outlive the stores' reads of it
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    @cute.jit
+    def _ids(self):
+        """(thread, warp, lane, head, chunk) of this thread: heads on grid x, the chunk
+        y + K1_GRID_Y z."""
+        tidx, _, _ = cute.arch.thread_idx()
+        h, by, bz = cute.arch.block_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        return tidx, warp, cute.arch.lane_idx(), h, by + bz * K1_GRID_Y
+
+    @cute.jit
+    def _input_tiles(self, s_tile: cute.Layout):
+        """The shared storage, its mbarrier and the q, k (one (2C, K) array for the row norms)
+        and g tiles."""
+        C, K = self.C, self.K
+        st = utils.SmemAllocator().allocate(self.shared_storage)
+        sQK = st.sQK.get_tensor(cute.make_layout((2 * C, K), stride=(K, 1)))
+        return (st, st.mbar.data_ptr(), sQK, cute.make_tensor(sQK.iterator, s_tile),
+                cute.make_tensor(sQK.iterator + C * K, s_tile), st.sG.get_tensor(s_tile))
+
+    def _words(self, t):
+        """A row-major bf16 smem tile (rows, K) as int32 words (rows, K/2): bf16 pairs, column
+        2p in the low half of word p (bf16x2_lo / bf16x2_hi read them exactly)."""
+        rows = cute.size(t, mode=[0])
+        return cute.make_tensor(cute.recast_ptr(t.iterator, dtype=cutlass.Int32),
+                                cute.make_layout((rows, self.K // 2), stride=(self.K // 2, 1)))
+
+    @cute.jit
+    def _locate(self, mCuSeq: cute.Tensor, mCuChunk: cute.Tensor, seqs, bid, lane):
+        """(first token, valid rows, chunk bound) of chunk slot `bid`; seqs = (num_seqs,
+        seq_len). A fixed-length batch (seq_len > 0: num_seqs sequences of seq_len tokens,
+        ceil(seq_len / C) slots each) is located by arithmetic, with no load before the TMA's.
+        Otherwise (varlen, seq_len 0) the sequence holding the slot is found by a 32-way search,
+        each warp by itself: a round's lanes read 32 evenly spaced entries of cu_chunks (and
+        the cu_seqlens pair beside each) at once and a ballot counts those at or before `bid`,
+        so N <= 32 sequences take one round of loads and N <= 1024 two (a binary search's
+        dependent loads were log2(N) rounds, each an L2 round trip at the CTA's start). The
+        lane that sampled the sequence in the last round hands its loads over by shuffles. The
+        bound is the number of slots, or 0 for a slot that holds no tokens (past the end, or
+        between two varlen sequences: workspace.chunk_slots), so `bid < bound` says whether this CTA
+        has a chunk."""
+        C = self.C
+        num_seqs, seq_len = seqs
+        t0 = cutlass.Int32(0)
+        length = cutlass.Int32(0)
+        bound = cutlass.Int32(0)
+        if seq_len > 0:
+            slots = (seq_len + (C - 1)) // C
+            n = bid // slots
+            j = bid - n * slots
+            t0 = n * seq_len + j * C
+            length = cutlass.min(C, seq_len - j * C)
+            bound = num_seqs * slots
+        else:
+            bound = mCuChunk[num_seqs]
+            lo, hi, c0, s0, s1, k = self._locate_round(mCuSeq, mCuChunk, cutlass.Int32(0),
+                                                       num_seqs, bid, lane)
+            while hi - lo > 1:
+                lo, hi, c0, s0, s1, k = self._locate_round(mCuSeq, mCuChunk, lo, hi, bid,
+                                                           lane)
+            c0 = cute.arch.shuffle_sync(c0, k)
+            s0 = cute.arch.shuffle_sync(s0, k)
+            s1 = cute.arch.shuffle_sync(s1, k)
+            t0 = s0 + (bid - c0) * C
+            length = cutlass.min(C, s1 - t0)
+            if length < 1:
+                bound = cutlass.Int32(0)
+        return t0, length, bound
+
+    @cute.jit
+    def _locate_round(self, mCuSeq: cute.Tensor, mCuChunk: cute.Tensor, lo, hi, bid, lane):
+        """One round of _locate's search over [lo, hi) (cu_chunks[lo] <= bid, or lo = 0): lane
+        l samples entry lo + l * step, step = ceil((hi - lo) / 32), so the 32 samples cover the
+        range; cu_chunks increases, so the lanes at or before `bid` are the first k + 1 and the
+        sequence lies in [lo + k step, lo + (k + 1) step). Returns the new range, this lane's
+        cu_chunks, cu_seqlens pair and k."""
+        step = (hi - lo + 31) // 32
+        idx = lo + lane * step
+        j = cutlass.min(idx, hi - 1)
+        c0 = mCuChunk[j]
+        s0 = mCuSeq[j]
+        s1 = mCuSeq[j + 1]
+        ok = cutlass.Int32(0)
+        if idx < hi:
+            if c0 <= bid:
+                ok = cutlass.Int32(1)
+        k = cute.arch.popc(cute.arch.vote_ballot_sync(ok != 0)) - 1
+        k = cutlass.max(k, 0)
+        lo2 = lo + k * step
+        return lo2, cutlass.min(lo2 + step, hi), c0, s0, s1, k
+
+    @cute.jit
+    def _load_tiles(self, loads, tiles, mbar, mBeta: cute.Tensor, sBeta, t0, h, length,
+                    beta_sigmoid: cutlass.Int32, tidx, warp, phase=0,
+                    init: cutlass.Constexpr = True):
+        """TMA: the q, k and g tiles of this chunk and head into smem (one mbarrier, phase
+        `phase`; every thread waits on it); beta (through its sigmoid if asked) into sBeta
+        meanwhile. Warp 0 initialises the barrier (`init`: a looped CTA's is initialised once,
+        before its loop) and issues the loads at once; the CTA barrier after (every thread
+        must see the initialised mbarrier before it waits on it) then runs while they are in
+        flight."""
+        C, K = self.C, self.K
+        if warp == 0:
+            with cute.arch.elect_one():
+                if cutlass.const_expr(init):
+                    cute.arch.mbarrier_init(mbar, 1)
+                    cute.arch.mbarrier_init_fence()
+                cute.arch.mbarrier_arrive_and_expect_tx(mbar, 3 * C * K * 2)
+            cute.arch.sync_warp()
+            for (tma, tX), sX_ in zip(loads, tiles, strict=True):
+                self._tile_copy(tma, tX, sX_, (t0, h * K), (C, K), mbar)
+        if tidx < C:
+            b = cutlass.Float32(0.0)
+            if tidx < length:
+                b = mBeta[t0 + tidx, h].to(cutlass.Float32)
+            if beta_sigmoid != 0:
+                b = 1.0 / (1.0 + cute.math.exp(-b))
+            sBeta[tidx] = b
+        cute.arch.sync_threads()
+        cute.arch.mbarrier_wait(mbar, phase)
+
+    @cute.jit
+    def _norms(self, sQK, norm, length, scale: cutlass.Float32, qk_l2norm: cutlass.Int32,
+               tidx):
+        """Phase A's row norms, TPR threads per row of q (rows 0..C-1) and k (C..2C-1), into
+        norm[]: 8-element (16-byte) vectors, thread `sub_` of a row takes vectors sub_ + TPR m,
+        rotated by the row against bank conflicts between the rows of one access phase."""
+        C, K, NT = self.C, self.K, self.threads
+        TPR = NT // (2 * C)
+        nvec = K // 8 // TPR
+        row = tidx // TPR
+        sub_ = tidx - row * TPR
+        vecs = cute.logical_divide(self._words(sQK), (None, 4))  # (2C, (4, K/8)) bf16 pairs
+        acc2 = cutlass.Float32(0.0)
+        for m in cutlass.range_constexpr(nvec):
+            wv = vecs[row, (None, sub_ + TPR * ((m + row) % nvec))].load()
+            part = cutlass.Float32(0.0)
+            for e in cutlass.range_constexpr(4):
+                x0, x1 = bf16x2(wv[e])
+                part = part + x0 * x0 + x1 * x1
+            acc2 = acc2 + part
+        for off in cutlass.range_constexpr(TPR.bit_length() - 1):
+            acc2 = acc2 + cute.arch.shuffle_sync_bfly(acc2, offset=1 << off)
+        if sub_ == 0:
+            r = cutlass.Float32(1.0)
+            if qk_l2norm != 0:
+                r = cute.math.rsqrt(acc2 + 1e-6)
+            # q's rows carry the scale; rows past the length are zero, and with them every
+            # output and phase B operand of those rows (no per-element masking)
+            if row < C:
+                r = r * scale
+            if row - (row // C) * C >= length:
+                r = cutlass.Float32(0.0)
+            norm[row] = r
+        cute.arch.sync_threads()
+
+    @cute.jit
+    def _phase_c(self, sL, sBeta, outs, row0, h, length, tidx):
+        """Phase C: Aw = (I + L)^-1 diag(beta), one column per thread, by forward substitution
+        with the column in registers; L entries are smem broadcasts. Right-looking: once x_l is
+        final it is taken out of every later row at once, so the dependent chain is C
+        multiply-adds long, not C(C-1)/2 (same order of terms per row as the row-by-row form,
+        so the same result)."""
+        C = self.C
+        if cutlass.const_expr(self.split):
+            mAwh, mAwl = outs[5], outs[6]
+        else:
+            mAw = outs[4]
+        if tidx < C:
+            j = tidx
+            xs = cute.make_rmem_tensor((C,), cutlass.Float32)
+            bj = sBeta[j]
+            for i in cutlass.range_constexpr(C):
+                xs[i] = cutlass.Float32(0.0)
+                if j == i:
+                    xs[i] = bj
+            for l_ in cutlass.range_constexpr(C - 1):
+                xl = xs[l_]
+                for i in cutlass.range_constexpr(l_ + 1, C):
+                    xs[i] = xs[i] - sL[i, l_] * xl
+            for i in cutlass.range_constexpr(C):
+                x = xs[i]
+                if j >= length or i >= length:
+                    x = cutlass.Float32(0.0)
+                if cutlass.const_expr(self.f16):
+                    mAwh[row0 + i, h, j] = x.to(self.out_dtype)
+                elif cutlass.const_expr(self.split):
+                    hi_ = x.to(self.io_dtype)
+                    mAwh[row0 + i, h, j] = hi_
+                    mAwl[row0 + i, h, j] = (x - hi_.to(cutlass.Float32)).to(self.io_dtype)
+                else:
+                    mAw[row0 + i, h, j] = x
+
+    @cute.jit
+    def _store_row_pair(self, vQ, vK, kd_planes, row0, h, i, pair, qs2, ke2, kd2):
+        """Columns 2 pair, 2 pair + 1 of row i: qg and kg as fp16 pairs in place
+        of the q and k tiles (only this thread reads them), for the TMA stores; kd's hi and lo
+        planes (fp16: its one plane) straight to the workspace (a warp writes 128 contiguous
+        bytes of a row)."""
+        f32, io = cutlass.Float32, self.out_dtype
+        mKdh, mKdl = kd_planes
+        self._as_qk(vQ)[i, (None, pair)].store(qs2.load().to(self.qk_dtype))
+        self._as_qk(vK)[i, (None, pair)].store(ke2.load().to(self.qk_dtype))
+        x = kd2.load()
+        kh = x.to(io)
+        pairs_g = cute.make_layout((2, self.K // 2), stride=(1, 2))
+        cute.make_tensor(mKdh[row0 + i, h, None].iterator, pairs_g)[None, pair].store(kh)
+        if cutlass.const_expr(not self.f16):
+            cute.make_tensor(mKdl[row0 + i, h, None].iterator, pairs_g)[None, pair].store(
+                (x - kh.to(f32)).to(io))
+
+    def _as_qk(self, t):
+        """A bf16 smem tile (the q and k input tiles, which take qg and kg in place) as qg's
+        and kg's dtype: an fp16 view of its bytes."""
+        return cute.make_tensor(cute.recast_ptr(t.iterator, dtype=self.qk_dtype), t.layout)
+
+    @cute.jit
+    def _phase_b_block(self, fA, fB, fG, c0, lane, accs, row_stride: cutlass.Constexpr,
+                       width: cutlass.Constexpr = 16):
+        """One block of `width` columns (c0 ...) of the factored L' = (kn e^(G-r))
+        (kn e^(r-G))^T and Mqk' = (qn e^(G-r))(kn e^(r-G))^T into accs[2 * product + nt]
+        (both 16 x 8 column tiles nt), by m16n8k16 bf16 MMAs on hi/lo splits (hi*hi + hi*lo +
+        lo*hi), each operand converted once.
+        The sum runs over the block's columns in any order, so the MMA's k index is dealt to
+        the columns of a 32-column slab as column 8t + 4 kb + 2h + c for k = c + 2t + 8h of
+        block kb: lanes (g, t) of a fragment load then read rows g (+ 8) at columns 8t + const,
+        and with rows `row_stride` = 1 (mod 32) words apart the 32 lanes hit 32 banks (in
+        natural order, g + 2t, it was a 4-way conflict)."""
+        bf16, f32 = cutlass.BFloat16, cutlass.Float32
+        mma = cute.make_tiled_mma(warp_mma.MmaF16BF16Op(bf16, f32, (16, 8, 16)))
+        thr = mma.get_slice(lane)
+        if cutlass.const_expr(width == 16):
+            k_mode = ((2, 4, 2), (1, 8, 2))
+            off = c0 - ((c0 // 16) % 2) * 12  # the slab's first column + 4 kb
+        else:
+            k_mode = ((2, 4, 2, 2), (1, 8, 2, 4))
+            off = c0
+
+        def block(src, row0, rows):
+            return cute.make_tensor(src.iterator + row0 * row_stride + off, cute.make_layout(
+                (rows, k_mode[0]), stride=(row_stride, k_mode[1])))
+
+        vA = [thr.partition_A(block(src, 0, 16)) for src in (fB, fA)]  # L', Mqk'
+        vB = [thr.partition_B(block(fG, 8 * nt, 8)) for nt in range(2)]
+        a = [self._hi_lo(v) for v in vA]
+        b = [self._hi_lo(v) for v in vB]
+        for prod in cutlass.range_constexpr(2):
+            for nt in cutlass.range_constexpr(2):
+                acc = accs[2 * prod + nt]
+                for ah, bh in ((0, 0), (0, 1), (1, 0)):
+                    cute.gemm(mma, acc, a[prod][ah], b[nt][bh], acc)
+
+    @cute.jit
     def _phase_b_block_elementwise(self, fA, fB, fG, c0, lane, accs):
         """An unfactored 16-column block (pass columns c0 ...: fA = qn, fB = kn, fG = G; steep
         decay) into the same accumulators as `_phase_b_block`: each entry (i, j <= i) this lane
@@ -1337,3 +873,500 @@ class KdaPrepSm90Split(KdaPrepSm90):
                         macc = macc + fA[i, c0 + d] * t
                     accs[nt][e] = lacc
                     accs[2 + nt][e] = macc
+
+    @cute.jit
+    def _hi_lo(self, view):
+        """(bf16(x), bf16(x - bf16(x))) of every element of an fp32 smem fragment view, a
+        pair of elements (one register of the MMA fragment) at a time: one packed conversion
+        per plane, and the hi pair back to fp32 by a shift and a mask."""
+        bf16 = cutlass.BFloat16
+        hi = cute.make_rmem_tensor(view.shape, bf16)
+        lo = cute.make_rmem_tensor(view.shape, bf16)
+        hw, lw = (cute.recast_tensor(t, cutlass.Int32) for t in (hi, lo))
+        for m in cutlass.range_constexpr(cute.size(view) // 2):
+            x0, x1 = view[2 * m], view[2 * m + 1]
+            w = pack_bf16x2(x0, x1)
+            hw[m] = w
+            r0, r1 = bf16x2(w)
+            lw[m] = pack_bf16x2(x0 - r0, x1 - r1)
+        return hi, lo
+
+    @cute.jit
+    def _phase_b_spill(self, sRed, warp, lane, accs):
+        """This warp's partial tiles into sRed[warp, product, i, j]."""
+        bf16, f32 = cutlass.BFloat16, cutlass.Float32
+        mma = cute.make_tiled_mma(warp_mma.MmaF16BF16Op(bf16, f32, (16, 8, 16)))
+        cC = mma.get_slice(lane).partition_C(cute.make_identity_tensor((16, 8)))
+        for prod in cutlass.range_constexpr(2):
+            for nt in cutlass.range_constexpr(2):
+                for e in cutlass.range_constexpr(cute.size(cC)):
+                    i, jj = cC[e]
+                    sRed[warp, prod, i, nt * 8 + jj] = accs[2 * prod + nt][e]
+
+    @cute.jit
+    def _store_l(self, sL, sBeta, i, j, lacc, length):
+        """Entry (i, j) of L = beta_i k_i . k_j (decayed), strictly lower, zero past length."""
+        lval = cutlass.Float32(0.0)
+        if j < i and i < length:
+            lval = sBeta[i] * lacc
+        sL[i, j] = lval
+
+    @cute.jit
+    def _store_m(self, mMq, sMq, row0, h, i, j, macc, length):
+        """Entry (i, j) of Mqk = scale q_i . k_j (decayed; q's norms carry the scale), lower,
+        zero past length: to global
+        (f32) or as a (hi, lo) pair to the smem planes the TMA store sends (split)."""
+        m = cutlass.Float32(0.0)
+        if j <= i and i < length:
+            m = macc
+        if cutlass.const_expr(self.f16):
+            sMq[0][row0 + i, h, j] = m.to(self.out_dtype)
+        elif cutlass.const_expr(self.split):
+            hi = m.to(self.io_dtype)
+            sMq[0][row0 + i, h, j] = hi
+            sMq[1][row0 + i, h, j] = (m - hi.to(cutlass.Float32)).to(self.io_dtype)
+        else:
+            mMq[row0 + i, h, j] = m
+
+
+class KdaPrepSm90OnePass(KdaPrepSm90Split):
+    """The one-pass K1 with bf16 outputs (chunk 32, outside the column passes' reach): the
+    shipped K1's call, loads and helpers, with phases A and B over all K columns at once
+    (`_body`)."""
+
+    def _occupancy(self) -> dict:
+        """Launch bounds: none for the one-pass kernel."""
+        return {}
+
+    def _make_storage(self):
+        C, K = self.C, self.K
+
+        @cute.struct
+        class SharedStorage:
+            mbar: cute.struct.MemRange[cutlass.Int64, 1]
+            # q's tile, then k's: one (2C, K) array for the row norms
+            sQK: cute.struct.Align[cute.struct.MemRange[self.io_dtype, 2 * C * K], 128]
+            # g's tile; once the gates are computed, phase B's L (fp32, C x C) lives here
+            sG: cute.struct.Align[cute.struct.MemRange[self.io_dtype, C * K], 128]
+            # fp32 working rows, padded by one word against bank conflicts in phase B:
+            # factored chunks hold (qn e^G, kn e^G, kn e^-G), others (qn, kn, G)
+            fA: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, C * (K + 1)], 16]
+            fB: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, C * (K + 1)], 16]
+            fG: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, C * (K + 1)], 16]
+            norm: cute.struct.MemRange[cutlass.Float32, 2 * C]
+            beta: cute.struct.MemRange[cutlass.Float32, C]
+            unsafe: cute.struct.MemRange[cutlass.Int32, 1]
+
+        self.shared_storage = SharedStorage
+        self.smem_bytes = SharedStorage.size_in_bytes()
+
+    @cute.kernel
+    def kernel(
+        self,
+        tma_q: cute.CopyAtom, tQ: cute.Tensor,
+        tma_k: cute.CopyAtom, tK: cute.Tensor,
+        tma_g: cute.CopyAtom, tG: cute.Tensor,
+        mBeta: cute.Tensor, mALog: cute.Tensor, mDtBias: cute.Tensor,
+        mCuSeq: cute.Tensor, mCuChunk: cute.Tensor,
+        tma_qg: cute.CopyAtom, tQg: cute.Tensor,
+        tma_kg: cute.CopyAtom, tKg: cute.Tensor,
+        mKdh: cute.Tensor, mKdl: cute.Tensor,
+        mAwh: cute.Tensor, mAwl: cute.Tensor,
+        mMqh: cute.Tensor, mMql: cute.Tensor,
+        mGl: cute.Tensor, mFlags: cute.Tensor,
+        num_seqs: cutlass.Int32,
+        seq_len: cutlass.Int32,
+        scale: cutlass.Float32, lower_bound: cutlass.Float32,
+        gate_mode: cutlass.Int32, qk_l2norm: cutlass.Int32, beta_sigmoid: cutlass.Int32,
+        a_log_dtype: cutlass.Int32, dt_bias_dtype: cutlass.Int32,
+        s_tile: cute.Layout,
+    ):
+        outs = ((tma_qg, tQg), (tma_kg, tKg), mKdh, mKdl, mGl, mAwh, mAwl, mMqh, mMql)
+        self._body(((tma_q, tQ), (tma_k, tK), (tma_g, tG)), mBeta,
+             (mALog, mDtBias, a_log_dtype, dt_bias_dtype), mCuSeq, mCuChunk, outs,
+             (num_seqs, seq_len), scale, lower_bound, gate_mode, qk_l2norm, beta_sigmoid,
+             s_tile, mFlags)
+
+    # ---------------------------------------------------------------- device
+
+    @cute.jit
+    def _body(self, loads, mBeta: cute.Tensor, gates,
+              mCuSeq: cute.Tensor, mCuChunk: cute.Tensor, outs, seqs,
+              scale: cutlass.Float32, lower_bound: cutlass.Float32, gate_mode: cutlass.Int32,
+              qk_l2norm: cutlass.Int32, beta_sigmoid: cutlass.Int32, s_tile: cute.Layout,
+              mFlags: cute.Tensor):
+        """The kernel, whatever the output mode: `outs` holds tensors (f32) or TMA stores;
+        `gates` is (A_log, dt_bias, their dtypes)."""
+        mALog, mDtBias, a_dtype, b_dtype = gates
+        if cutlass.const_expr(self.split):
+            st_qg, st_kg, mKdh, mKdl, mGl, mAwh, mAwl, mMqh, mMql = outs
+            mQg = mKg = mKd = mAw = mMq = None
+        else:
+            mQg, mKg, mKd, mGl, mAw, mMq = outs
+        C, K, NT = self.C, self.K, self.threads
+        tidx, warp, lane, h, bid = self._ids()
+
+        t0, length, bound = self._locate(mCuSeq, mCuChunk, seqs, bid, lane)
+
+        if bid < bound:
+            st, mbar, sQK, sQ, sK, sG = self._input_tiles(s_tile)
+            f_layout = cute.make_layout((C, K), stride=(K + 1, 1))
+            fA = st.fA.get_tensor(f_layout)
+            fB = st.fB.get_tensor(f_layout)
+            fG = st.fG.get_tensor(f_layout)
+            norm = st.norm.get_tensor(cute.make_layout(2 * C))
+            sBeta = st.beta.get_tensor(cute.make_layout(C))
+            # L over g's tile (read by the gate pass only, before phase B writes L)
+            sL = cute.make_tensor(cute.recast_ptr(sG.iterator, dtype=cutlass.Float32),
+                                  cute.make_layout((C, C), stride=(C, 1)))
+            row0 = bid * C  # this chunk's first workspace row
+            # split mode: Mq's (hi, lo) planes, written by phase B straight to the workspace
+            sMq = (mMqh, mMql) if cutlass.const_expr(self.split) else None
+            unsafe = st.unsafe.get_tensor(cute.make_layout(1))
+
+            if tidx == 0:
+                unsafe[0] = cutlass.Int32(0)
+            self._load_tiles(loads, (sQ, sK, sG), mbar, mBeta, sBeta, t0, h, length,
+                             beta_sigmoid, tidx, warp)
+            self._norms(sQK, norm, length, scale, qk_l2norm, tidx)
+
+            # ---- phase A: gates and cumulative decay G (chunk-local) ---------------------
+            a_log = gate_param(mALog, h, a_dtype)
+            a_exp = cute.math.exp(a_log)
+            acts = cute.make_rmem_tensor((C,), cutlass.Float32)
+            for d in cutlass.range(tidx, K, NT):
+                bias = gate_param(mDtBias, h * K + d, b_dtype)
+                G = cutlass.Float32(0.0)
+                big = cutlass.Int32(0)
+                # the gate of every row first, one branch per mode (not per row), so the rows'
+                # exponentials overlap; then the running sum
+                if gate_mode == GATE_BOUNDED:
+                    for i in cutlass.range_constexpr(C):
+                        x = a_exp * (sG[i, d].to(cutlass.Float32) + bias)
+                        acts[i] = lower_bound * cute.arch.rcp_approx(
+                            1.0 + cute.math.exp(-x, fastmath=True))
+                elif gate_mode == GATE_UNBOUNDED:
+                    for i in cutlass.range_constexpr(C):
+                        x = sG[i, d].to(cutlass.Float32) + bias
+                        # softplus without a branch: max(x, 0) + log1p(e^-|x|)
+                        sp = cute.arch.fmax(x, 0.0) + cute.math.log1p(
+                            cute.math.exp(-cute.arch.fmax(x, -x)))
+                        acts[i] = -a_exp * sp
+                else:
+                    for i in cutlass.range_constexpr(C):
+                        acts[i] = sG[i, d].to(cutlass.Float32)
+                for i in cutlass.range_constexpr(C):
+                    if i < length:
+                        G = G + acts[i]
+                    fG[i, d] = G
+                    if cutlass.const_expr(i == C // 2 - 1):
+                        ref = G
+                mGl[bid, h, d] = cute.math.exp(G, fastmath=True)
+                big = flag_unfactorable(big, fG[0, d], ref, G, FACTOR_LIMIT)
+                if big != 0:
+                    unsafe[0] = big
+            cute.arch.sync_threads()
+
+            # ---- phase A: token-indexed outputs and phase B's operands -----------------------
+            factored = unsafe[0] == 0
+            outs_a = (mKdh, mKdl, mQg, mKg, mKd) if cutlass.const_expr(self.split) else (
+                None, None, mQg, mKg, mKd)
+            # thread t < K: columns 2p, 2p + 1 (p = t mod K/2) of one half of the rows, so the
+            # bf16 tiles move as 32-bit pairs; G at rows C/2 - 1 and C - 1 is read before either
+            # half overwrites its rows of fG
+            HP = K // 2
+            pair = tidx % HP
+            half = tidx // HP
+            gref = cute.make_rmem_tensor((2, 2), cutlass.Float32)  # (Gl, ref) x column
+            if tidx < K:
+                for c in cutlass.range_constexpr(2):
+                    gref[0, c] = fG[C - 1, 2 * pair + c]
+                    gref[1, c] = fG[C // 2 - 1, 2 * pair + c]
+            cute.arch.sync_threads()
+            if tidx < K:
+                # one branch for the chunk, not one per row, so the rows' work overlaps
+                args = (pair, gref, sQ, sK, fA, fB, fG, norm, outs_a, row0, h)
+                if factored:
+                    if half == 0:
+                        self._output_pair(True, 0, *args)
+                    else:
+                        self._output_pair(True, 1, *args)
+                else:
+                    if half == 0:
+                        self._output_pair(False, 0, *args)
+                    else:
+                        self._output_pair(False, 1, *args)
+            if cutlass.const_expr(self.split):
+                cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.sync_threads()
+            if cutlass.const_expr(self.split):
+                # qg and kg leave now; phases B and C run while the stores drain
+                if warp == 0:
+                    for (tma, tX), sX in ((st_qg, sQ), (st_kg, sK)):
+                        self._tile_store(tma, tX, self._as_qk(sX), (row0, h * K), (C, K))
+                    cute.arch.cp_async_bulk_commit_group()
+
+            # ---- phase B: L and Mqk ------------------------------------------------------
+            if factored:
+                if cutlass.const_expr(C == 16):
+                    self._phase_b_ksplit(fA, fB, fG, sL, sBeta, mMq, sMq, row0, h, tidx, warp,
+                                         lane, length)
+                else:
+                    # on warp MMA: 16 x 8 tiles of L and Mqk, dealt round-robin to the warps
+                    MT, NTL = C // 16, C // 8
+                    for tile in cutlass.range_constexpr(2 * MT * NTL):
+                        if tile % (NT // 32) == warp:
+                            self._phase_b_mma(fA, fB, fG, sL, sBeta, mMq, sMq, row0, h, lane,
+                                              length, tile // (MT * NTL),
+                                              (tile % (MT * NTL)) // NTL, tile % NTL)
+            else:
+                # strong decays: each term takes e^(G_i - G_j), two columns j per thread
+                HC = C // 2
+                for p in cutlass.range(tidx, C * HC, NT):
+                    i = p // HC
+                    j1 = p - i * HC
+                    j2 = j1 + HC
+                    l1 = cutlass.Float32(0.0)
+                    l2 = cutlass.Float32(0.0)
+                    m1 = cutlass.Float32(0.0)
+                    m2 = cutlass.Float32(0.0)
+                    if j1 <= i and i < length:
+                        for d in cutlass.range(K, unroll=2):
+                            gi = fG[i, d]
+                            ki = fB[i, d]
+                            qi = fA[i, d]
+                            e1 = cute.math.exp(gi - fG[j1, d]) * fB[j1, d]
+                            e2 = cute.math.exp(gi - fG[j2, d]) * fB[j2, d]
+                            l1 = l1 + ki * e1
+                            m1 = m1 + qi * e1
+                            l2 = l2 + ki * e2
+                            m2 = m2 + qi * e2
+                    self._store_l(sL, sBeta, i, j1, l1, length)
+                    self._store_l(sL, sBeta, i, j2, l2, length)
+                    self._store_m(mMq, sMq, row0, h, i, j1, m1, length)
+                    self._store_m(mMq, sMq, row0, h, i, j2, m2, length)
+            cute.arch.sync_threads()
+
+            self._phase_c(sL, sBeta, outs, row0, h, length, tidx)
+            self._publish(mFlags, tidx, warp, h, bid, bound)
+
+    @cute.jit
+    def _output_pair(self, factored: cutlass.Constexpr, half: cutlass.Constexpr, pair, gref,
+                     sQ, sK, fA, fB, fG, norm, outs_a, row0, h):
+        """Columns d = 2 pair + c (c = 0, 1) of rows half*C/2 .. half*C/2 + C/2 - 1: qg = scale
+        qn e^G, kg = kn e^G, kd = kn e^(Gl - G) (zeros past the length, whose rows have zero
+        norms: a whole chunk's rows are stored) and phase B's operands (factored: (qn e^(G - r),
+        kn e^(G - r), kn e^(r - G)); otherwise (qn, kn, G)). gref holds (Gl, r) per column."""
+        C = self.C
+        f32 = cutlass.Float32
+        mKdh, mKdl, mQg, mKg, mKd = outs_a
+        vQ, vK = (cute.logical_divide(x, (None, 2)) for x in (sQ, sK))
+        e_ref = cute.make_rmem_tensor((2,), f32)
+        e_lr = cute.make_rmem_tensor((2,), f32)
+        if cutlass.const_expr(factored):
+            # one exponential and one reciprocal per element: e^G = e^(G - r) e^r and
+            # e^(Gl - G) = e^(r - G) e^(Gl - r), every factor a normal float (|G - r| <= 80,
+            # |r| <= 80: the chunk is not factored otherwise)
+            for c in cutlass.range_constexpr(2):
+                e_ref[c] = cute.math.exp(gref[1, c], fastmath=True)
+                e_lr[c] = cute.math.exp(gref[0, c] - gref[1, c], fastmath=True)
+        qs2 = cute.make_rmem_tensor((2,), f32)
+        ke2 = cute.make_rmem_tensor((2,), f32)
+        kd2 = cute.make_rmem_tensor((2,), f32)
+        for ii in cutlass.range_constexpr(C // 2):
+            i = half * (C // 2) + ii
+            q2 = vQ[i, (None, pair)].load().to(f32)
+            k2 = vK[i, (None, pair)].load().to(f32)
+            for c in cutlass.range_constexpr(2):
+                d = 2 * pair + c
+                Gi = fG[i, d]
+                qn = q2[c] * norm[i]
+                kn = k2[c] * norm[C + i]
+                if cutlass.const_expr(factored):
+                    # the outputs: phase B's operands times a per-column constant
+                    er = cute.math.exp(Gi - gref[1, c], fastmath=True)
+                    inv = cute.arch.rcp_approx(er)
+                    fa = qn * er
+                    fb = kn * er
+                    fg = kn * inv
+                    fA[i, d] = fa
+                    fB[i, d] = fb
+                    fG[i, d] = fg
+                    qs = fa * e_ref[c]
+                    ke = fb * e_ref[c]
+                    kd = fg * e_lr[c]
+                else:
+                    fA[i, d] = qn
+                    fB[i, d] = kn
+                    eg = cute.math.exp(Gi, fastmath=True)
+                    qs = qn * eg
+                    ke = kn * eg
+                    kd = kn * cute.math.exp(gref[0, c] - Gi, fastmath=True)
+                qs2[c] = qs
+                ke2[c] = ke
+                kd2[c] = kd
+                if cutlass.const_expr(not self.split):
+                    mQg[row0 + i, h, d] = qs
+                    mKg[row0 + i, h, d] = ke
+                    mKd[row0 + i, h, d] = kd
+            if cutlass.const_expr(self.split):
+                # qg and kg in place of the q and k tiles (only this thread reads these two
+                # columns of these rows), as bf16 pairs, for the TMA stores; kd's planes
+                # straight to the workspace (a warp writes 128 contiguous bytes of a row)
+                self._store_row_pair(vQ, vK, (mKdh, mKdl), row0, h, i, pair, qs2, ke2, kd2)
+
+    @cute.jit
+    def _phase_b_ksplit(self, fA, fB, fG, sL, sBeta, mMq, sMq, row0, h, tidx, warp, lane,
+                        length):
+        """Chunk 16, factored: K split over the warps. Each converts its 32-column slabs of the
+        three operands once and accumulates all four 16 x 8 tiles of L and Mqk; the partial
+        tiles meet in smem (over fA, read by then) and one pass sums and stores them."""
+        C, K, NT = self.C, self.K, self.threads
+        bf16, f32 = cutlass.BFloat16, cutlass.Float32
+        nred = min(self.num_warps, K // 32)
+        mma = cute.make_tiled_mma(warp_mma.MmaF16BF16Op(bf16, f32, (16, 8, 16)))
+        c_shape = mma.get_slice(lane).partition_shape_C((16, 8))
+        accs = [cute.make_rmem_tensor(c_shape, f32) for _ in range(4)]
+        self._phase_b_partials(fA, fB, fG, warp, lane, accs)
+        cute.arch.sync_threads()
+        sRed = cute.make_tensor(fA.iterator, cute.make_layout(
+            (nred, 2, C, C), stride=(2 * C * C, C * C, C, 1)))
+        if warp < nred:
+            self._phase_b_spill(sRed, warp, lane, accs)
+        cute.arch.sync_threads()
+        for p in cutlass.range_constexpr(2 * C * C // NT):
+            idx = tidx + p * NT
+            prod = idx // (C * C)
+            i = (idx - prod * C * C) // C
+            j = idx - prod * C * C - i * C
+            acc = cutlass.Float32(0.0)
+            for w in cutlass.range_constexpr(nred):
+                acc = acc + sRed[w, prod, i, j]
+            if prod == 0:
+                self._store_l(sL, sBeta, i, j, acc, length)
+            else:
+                self._store_m(mMq, sMq, row0, h, i, j, acc, length)
+
+    @cute.jit
+    def _phase_b_partials(self, fA, fB, fG, warp, lane, accs):
+        """Chunk 16: this warp's share of L' = (kn e^(G-r))(kn e^(r-G))^T and Mqk' = (qn e^(G-r))
+        (kn e^(r-G))^T over the 32-column slabs ks with ks % warps == warp, all four 16 x 8
+        tiles ((L', Mqk') x (columns 0-7, 8-15)) into accs[2 * product + nt]."""
+        KS = 32
+        for acc in accs:
+            acc.fill(0.0)
+        for ks in cutlass.range_constexpr(self.K // KS):
+            if ks % self.num_warps == warp:
+                self._phase_b_block(fA, fB, fG, ks * KS, lane, accs, self.K + 1, KS)
+
+    @cute.jit
+    def _phase_b_mma(self, fA, fB, fG, sL, sBeta, mMq, sMq, row0, h, lane, length,
+                     product: cutlass.Constexpr, mt: cutlass.Constexpr, nt: cutlass.Constexpr):
+        """Tile (mt, nt) (16 x 8) of L = diag(beta) (kn e^(G-r))(kn e^(r-G))^T (product 0) or
+        Mqk = scale (qn e^(G-r))(kn e^(r-G))^T (product 1), lower parts kept, by m16n8k16 bf16
+        MMAs on hi/lo splits (hi*hi + hi*lo + lo*hi: ~16 mantissa bits, fp32 accumulation)."""
+        K = self.K
+        bf16, f32 = cutlass.BFloat16, cutlass.Float32
+        KS = 32  # K slab per step: two k16 blocks
+        mma = cute.make_tiled_mma(warp_mma.MmaF16BF16Op(bf16, f32, (16, 8, 16)))
+        thr = mma.get_slice(lane)
+        i0, j0 = mt * 16, nt * 8
+        cA = thr.partition_A(cute.make_identity_tensor((16, KS)))  # (i - i0, d - slab)
+        cB = thr.partition_B(cute.make_identity_tensor((8, KS)))  # (j - j0, d - slab)
+        cC = thr.partition_C(cute.make_identity_tensor((16, 8)))  # (i - i0, j - j0)
+        a_hi = cute.make_rmem_tensor(cA.shape, bf16)
+        a_lo = cute.make_rmem_tensor(cA.shape, bf16)
+        b_hi = cute.make_rmem_tensor(cB.shape, bf16)
+        b_lo = cute.make_rmem_tensor(cB.shape, bf16)
+        acc = cute.make_rmem_tensor(cC.shape, f32)
+        acc.fill(0.0)
+        for ks in cutlass.range_constexpr(K // KS):
+            for e in cutlass.range_constexpr(cute.size(cA)):
+                i, d = cA[e]
+                if cutlass.const_expr(product == 0):
+                    x = fB[i0 + i, ks * KS + d]
+                else:
+                    x = fA[i0 + i, ks * KS + d]
+                hi = x.to(bf16)
+                a_hi[e] = hi
+                a_lo[e] = (x - hi.to(f32)).to(bf16)
+            for e in cutlass.range_constexpr(cute.size(cB)):
+                jj, d = cB[e]
+                x = fG[j0 + jj, ks * KS + d]
+                hi = x.to(bf16)
+                b_hi[e] = hi
+                b_lo[e] = (x - hi.to(f32)).to(bf16)
+            cute.gemm(mma, acc, a_hi, b_hi, acc)
+            cute.gemm(mma, acc, a_hi, b_lo, acc)
+            cute.gemm(mma, acc, a_lo, b_hi, acc)
+        for e in cutlass.range_constexpr(cute.size(cC)):
+            i, jj = cC[e]
+            if cutlass.const_expr(product == 0):
+                self._store_l(sL, sBeta, i0 + i, j0 + jj, acc[e], length)
+            else:
+                self._store_m(mMq, sMq, row0, h, i0 + i, j0 + jj, acc[e], length)
+
+
+class KdaPrepSm90(KdaPrepSm90OnePass):
+    """The f32-operand K1 (for the SIMT K2): the one-pass kernel with plain stores of its fp32
+    outputs."""
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # (T, H*K) bf16, row stride dynamic
+        mK: cute.Tensor,
+        mG: cute.Tensor,
+        mBeta: cute.Tensor,  # (T, H) bf16, row stride dynamic
+        mALog: cute.Tensor,  # (H,) fp32, bf16 or fp16 (a_log_dtype)
+        mDtBias: cute.Tensor,  # (H*K,) likewise (dt_bias_dtype)
+        mCuSeq: cute.Tensor,  # (N+1,) int32
+        mCuChunk: cute.Tensor,  # (N+1,) int32
+        mQg: cute.Tensor,  # (R, H, K) fp32: R rows of whole chunks
+        mKg: cute.Tensor,
+        mKd: cute.Tensor,
+        mGl: cute.Tensor,  # (num_chunks, H, K) fp32
+        mAw: cute.Tensor,  # (R, H, C) fp32
+        mMq: cute.Tensor,
+        mFlags: cute.Tensor,  # (num_chunks * H,) int32: a (chunk, head)'s flag, set when written
+        num_seqs: cutlass.Int32,
+        seq_len: cutlass.Int32,
+        num_chunks: cutlass.Int32,
+        num_heads: cutlass.Int32,
+        scale: cutlass.Float32,
+        lower_bound: cutlass.Float32,
+        gate_mode: cutlass.Int32,
+        qk_l2norm: cutlass.Int32,
+        beta_sigmoid: cutlass.Int32,
+        a_log_dtype: cutlass.Int32,  # how A_log and dt_bias are held (abi.GATE_PARAM_DTYPES)
+        dt_bias_dtype: cutlass.Int32,
+        stream,
+    ):
+        loads, s_tile = self._make_loads(mQ, mK, mG)
+        self._launch((*loads, mBeta, mALog, mDtBias, mCuSeq, mCuChunk,
+                      mQg, mKg, mKd, mGl, mAw, mMq, mFlags, num_seqs, seq_len, scale, lower_bound,
+                      gate_mode, qk_l2norm, beta_sigmoid, a_log_dtype, dt_bias_dtype,
+                      s_tile), num_chunks,
+                     num_heads, stream)
+
+    @cute.kernel
+    def kernel(
+        self,
+        tma_q: cute.CopyAtom, tQ: cute.Tensor,
+        tma_k: cute.CopyAtom, tK: cute.Tensor,
+        tma_g: cute.CopyAtom, tG: cute.Tensor,
+        mBeta: cute.Tensor, mALog: cute.Tensor, mDtBias: cute.Tensor,
+        mCuSeq: cute.Tensor, mCuChunk: cute.Tensor,
+        mQg: cute.Tensor, mKg: cute.Tensor, mKd: cute.Tensor, mGl: cute.Tensor,
+        mAw: cute.Tensor, mMq: cute.Tensor, mFlags: cute.Tensor,
+        num_seqs: cutlass.Int32,
+        seq_len: cutlass.Int32,
+        scale: cutlass.Float32, lower_bound: cutlass.Float32,
+        gate_mode: cutlass.Int32, qk_l2norm: cutlass.Int32, beta_sigmoid: cutlass.Int32,
+        a_log_dtype: cutlass.Int32, dt_bias_dtype: cutlass.Int32,
+        s_tile: cute.Layout,
+    ):
+        self._body(((tma_q, tQ), (tma_k, tK), (tma_g, tG)), mBeta,
+                   (mALog, mDtBias, a_log_dtype, dt_bias_dtype), mCuSeq, mCuChunk,
+                   (mQg, mKg, mKd, mGl, mAw, mMq), (num_seqs, seq_len), scale, lower_bound,
+                   gate_mode, qk_l2norm, beta_sigmoid, s_tile, mFlags)

@@ -125,5 +125,6 @@ def args(cfg: PrepConfig) -> list[Arg]:
 
 def dsl_class(cfg: PrepConfig) -> str:
     """Where the DSL class that compiles `cfg` lives (module:attribute)."""
-    cls = "KdaPrepSm90Split" if cfg.operands == "bf16" else "KdaPrepSm90"
+    cls = ("KdaPrepSm90" if cfg.operands == "f32"
+           else "KdaPrepSm90Split" if column_passes(cfg) else "KdaPrepSm90OnePass")
     return f"kernels.kda_prep_sm90:{cls}"
