@@ -1,6 +1,7 @@
 """Helpers shared by the kernel classes (trace time only)."""
 
 import re
+from dataclasses import dataclass, fields
 
 import cutlass
 import cutlass.cute as cute
@@ -21,6 +22,32 @@ LOG2E = 1.4426950408889634  # log2(e): K1's column passes carry G in base 2
 # the factored phase B needs every |G_i - r| and |r| of a chunk's column within this (natural
 # units): e^80 ~ 5.5e34, so each factor and product stays a normal fp32
 FACTOR_LIMIT = 80.0
+
+@dataclass
+class Record:
+    """A kernel argument made of named fields (tensors, copy atoms, scalars): the kernel takes
+    it as one parameter and the DSL flattens it into the fields' values in field order, so its
+    launch parameters are those the fields would be one by one."""
+
+    def __extract_mlir_values__(self):
+        values, self._counts = [], []
+        for f in fields(self):
+            v = cutlass.extract_mlir_values(getattr(self, f.name))
+            values += v
+            self._counts.append(len(v))
+        return values
+
+    def values(self) -> tuple:
+        """The fields' values in order (not copied, unlike dataclasses.astuple)."""
+        return tuple(getattr(self, f.name) for f in fields(self))
+
+    def __new_from_mlir_values__(self, values):
+        kw = {}
+        for f, n in zip(fields(self), self._counts, strict=True):
+            kw[f.name] = cutlass.new_from_mlir_values(getattr(self, f.name), values[:n])
+            values = values[n:]
+        return type(self)(**kw)
+
 
 _GBASIS = re.compile(r'tma_gbasis = <"\(([^)]*)\):\(([^)]*)\)">')
 _BITS = re.compile(r"copy_bits = (\d+)")

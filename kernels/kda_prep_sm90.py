@@ -39,6 +39,9 @@ symbols):
 - KdaPrepSm90 (the SIMT ladder): the one-pass kernel writing fp32 tensors for the SIMT K2.
 """
 
+from dataclasses import dataclass
+from typing import NamedTuple
+
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils as utils
@@ -56,6 +59,7 @@ from kda_cute.specs.prep import (
 from kernels.common import (
     FACTOR_LIMIT,
     LOG2E,
+    Record,
     TileCopy,
     bf16x2,
     gate_param,
@@ -91,6 +95,104 @@ def flag_unfactorable(big, first, ref, last, lim):
     if ref < -lim:
         big = cutlass.Int32(1)
     return big
+
+
+@dataclass
+class Loads(Record):
+    """K1's TMA loads: (atom, global view) of q, k and g."""
+    tma_q: cute.CopyAtom
+    q: cute.Tensor
+    tma_k: cute.CopyAtom
+    k: cute.Tensor
+    tma_g: cute.CopyAtom
+    g: cute.Tensor
+
+    def pairs(self):
+        return (self.tma_q, self.q), (self.tma_k, self.k), (self.tma_g, self.g)
+
+
+@dataclass
+class Raw(Record):
+    """The per-token beta (T, H) and the gate's parameters: A_log (H,), dt_bias (H*K,)."""
+    beta: cute.Tensor
+    a_log: cute.Tensor
+    dt_bias: cute.Tensor
+
+
+@dataclass
+class Offsets(Record):
+    """The checked cu_seqlens and each sequence's first chunk slot (N + 1 each)."""
+    cu_seqlens: cute.Tensor
+    cu_chunks: cute.Tensor
+
+
+@dataclass
+class Outs(Record):
+    """The bf16-operand outputs: qg and kg by TMA store, kd, Aw and Mq as (hi, lo) planes (fp16
+    builds: the hi planes alone), gl, and the (chunk, head) flags of a K2 alongside."""
+    tma_qg: cute.CopyAtom
+    qg: cute.Tensor
+    tma_kg: cute.CopyAtom
+    kg: cute.Tensor
+    kdh: cute.Tensor
+    kdl: cute.Tensor
+    awh: cute.Tensor
+    awl: cute.Tensor
+    mqh: cute.Tensor
+    mql: cute.Tensor
+    gl: cute.Tensor
+    flags: cute.Tensor
+
+
+@dataclass
+class F32Outs(Record):
+    """The f32-operand outputs (the SIMT K2's): qg, kg, kd (R, H, K), gl, Aw, Mq (R, H, C), and
+    the (chunk, head) flags."""
+    qg: cute.Tensor
+    kg: cute.Tensor
+    kd: cute.Tensor
+    gl: cute.Tensor
+    aw: cute.Tensor
+    mq: cute.Tensor
+    flags: cute.Tensor
+
+
+@dataclass
+class Batch(Record):
+    """num_seqs sequences; seq_len > 0: a fixed-length batch of that length, 0: varlen."""
+    num_seqs: cutlass.Int32
+    seq_len: cutlass.Int32
+
+
+@dataclass
+class Modes(Record):
+    """The run-time scalars: q's scale, the gate's lower bound and form, whether q and k are
+    normalised and beta goes through its sigmoid, and how A_log and dt_bias are held."""
+    scale: cutlass.Float32
+    lower_bound: cutlass.Float32
+    gate_mode: cutlass.Int32
+    qk_l2norm: cutlass.Int32
+    beta_sigmoid: cutlass.Int32
+    a_log_dtype: cutlass.Int32
+    dt_bias_dtype: cutlass.Int32
+
+
+class Ids(NamedTuple):
+    """This thread's place: thread, warp and lane in the CTA, its head and chunk slot."""
+    tidx: cutlass.Int32
+    warp: cutlass.Int32
+    lane: cutlass.Int32
+    h: cutlass.Int32
+    bid: cutlass.Int32
+
+
+class Slot(NamedTuple):
+    """A chunk slot: its first token, its valid rows, and the slots' bound (`bid < bound`: the
+    slot holds a chunk)."""
+    bid: cutlass.Int32
+    t0: cutlass.Int32
+    length: cutlass.Int32
+    bound: cutlass.Int32
 
 
 class KdaPrepSm90Split(TileCopy):
@@ -162,10 +264,11 @@ class KdaPrepSm90Split(TileCopy):
             atom, tX = cpasync.make_tiled_tma_atom(op, m, s_tile, (C, K))
             stores += [atom, tX]
             self.tma_meta.append(tma_meta(name, atom, QK_DTYPE))
-        self._launch((*loads, mBeta, mALog, mDtBias, mCuSeq, mCuChunk, *stores, mKdh, mKdl,
-                      mAwh, mAwl, mMqh, mMql, mGl, mFlags, num_seqs, seq_len,
-                      scale, lower_bound, gate_mode, qk_l2norm, beta_sigmoid, a_log_dtype,
-                      dt_bias_dtype, s_tile),
+        self._launch((Loads(*loads), Raw(mBeta, mALog, mDtBias), Offsets(mCuSeq, mCuChunk),
+                      Outs(*stores, mKdh, mKdl, mAwh, mAwl, mMqh, mMql, mGl, mFlags),
+                      Batch(num_seqs, seq_len),
+                      Modes(scale, lower_bound, gate_mode, qk_l2norm, beta_sigmoid, a_log_dtype,
+                            dt_bias_dtype), s_tile),
                      num_chunks, num_heads, stream)
 
     def _launch(self, kernel_args, num_chunks, num_heads, stream):
@@ -231,40 +334,15 @@ class KdaPrepSm90Split(TileCopy):
         return 1 if self.f16 else 0
 
     @cute.kernel
-    def kernel(
-        self,
-        tma_q: cute.CopyAtom, tQ: cute.Tensor,
-        tma_k: cute.CopyAtom, tK: cute.Tensor,
-        tma_g: cute.CopyAtom, tG: cute.Tensor,
-        mBeta: cute.Tensor, mALog: cute.Tensor, mDtBias: cute.Tensor,
-        mCuSeq: cute.Tensor, mCuChunk: cute.Tensor,
-        tma_qg: cute.CopyAtom, tQg: cute.Tensor,
-        tma_kg: cute.CopyAtom, tKg: cute.Tensor,
-        mKdh: cute.Tensor, mKdl: cute.Tensor,
-        mAwh: cute.Tensor, mAwl: cute.Tensor,
-        mMqh: cute.Tensor, mMql: cute.Tensor,
-        mGl: cute.Tensor, mFlags: cute.Tensor,
-        num_seqs: cutlass.Int32,
-        seq_len: cutlass.Int32,
-        scale: cutlass.Float32, lower_bound: cutlass.Float32,
-        gate_mode: cutlass.Int32, qk_l2norm: cutlass.Int32, beta_sigmoid: cutlass.Int32,
-        a_log_dtype: cutlass.Int32, dt_bias_dtype: cutlass.Int32,
-        s_tile: cute.Layout,
-    ):
-        outs = ((tma_qg, tQg), (tma_kg, tKg), mKdh, mKdl, mGl, mAwh, mAwl, mMqh, mMql)
-        self._body_passes(((tma_q, tQ), (tma_k, tK), (tma_g, tG)), mBeta,
-             (mALog, mDtBias, a_log_dtype, dt_bias_dtype), mCuSeq, mCuChunk, outs,
-             (num_seqs, seq_len), scale, lower_bound, gate_mode, qk_l2norm, beta_sigmoid,
-             s_tile, mFlags)
+    def kernel(self, loads: Loads, raw: Raw, offsets: Offsets, outs: Outs, batch: Batch,
+               modes: Modes, s_tile: cute.Layout):
+        self._body_passes(loads, raw, offsets, outs, batch, modes, s_tile)
 
     # ---------------------------------------------------------------- device
 
     @cute.jit
-    def _body_passes(self, loads, mBeta: cute.Tensor, gates, mCuSeq: cute.Tensor,
-                     mCuChunk: cute.Tensor, outs, seqs, scale: cutlass.Float32,
-                     lower_bound: cutlass.Float32, gate_mode: cutlass.Int32,
-                     qk_l2norm: cutlass.Int32, beta_sigmoid: cutlass.Int32, s_tile: cute.Layout,
-                     mFlags: cute.Tensor):
+    def _body_passes(self, loads: Loads, raw: Raw, offsets: Offsets, outs: Outs, batch: Batch,
+                     modes: Modes, s_tile: cute.Layout):
         """Chunk 16 in K / W column passes. Thread (pl, rg) = (tidx mod W/2, tidx div W/2) of a
         pass owns columns 2 pl, 2 pl + 1 of row group rg (C / RG rows); a warp covers one
         64-column group of one row group. Per pass:
@@ -278,9 +356,8 @@ class KdaPrepSm90Split(TileCopy):
              unfactored ones elementwise with e^(G_i - G_j), each lane its own tile entries.
         Then the warps' partial tiles meet in smem, L goes to smem, Mq to the workspace, and
         phase C (`_phase_c`)."""
-        tidx, warp, lane, h, bid = self._ids()
-        args = (loads, mBeta, gates, outs, scale, lower_bound, gate_mode, qk_l2norm,
-                beta_sigmoid, mFlags, tidx, warp, lane, h)
+        ids = self._ids()
+        args = (loads, raw, outs, modes, ids)
         if cutlass.const_expr(self.looped):
             # the checkpoints' side run: side slot b's partial chunk is tokens cu_seqlens[2b]
             # .. cu_seqlens[2b + 1], and the slots in use are counted at cu_seqlens[2S]
@@ -291,36 +368,37 @@ class KdaPrepSm90Split(TileCopy):
             # between chunks, so that no thread still reads the last chunk's tiles when the
             # next ones' loads are issued
             tiles = self._input_tiles(s_tile)
-            if warp == 0:
+            if ids.warp == 0:
                 with cute.arch.elect_one():
                     cute.arch.mbarrier_init(tiles[1], 1)
                     cute.arch.mbarrier_init_fence()
             cute.arch.sync_threads()
             _, ny, _ = cute.arch.grid_dim()
             phase = cutlass.Int32(0)
-            for b in cutlass.range(bid, mCuSeq[seqs[0] + 1], ny, unroll=1):
-                t0 = mCuSeq[2 * b]
-                length = mCuSeq[2 * b + 1] - t0
+            cu = offsets.cu_seqlens
+            for b in cutlass.range(ids.bid, cu[batch.num_seqs + 1], ny, unroll=1):
+                t0 = cu[2 * b]
+                length = cu[2 * b + 1] - t0
                 if length > 0:
-                    self._chunk_passes(*args, b, t0, length, b + 1, tiles, phase, False)
+                    self._chunk_passes(*args, Slot(b, t0, length, b + 1), tiles, phase, False)
                     phase = phase ^ 1
                 cute.arch.sync_threads()
         else:
-            t0, length, bound = self._locate(mCuSeq, mCuChunk, seqs, bid, lane)
-            if bid < bound:
-                self._chunk_passes(*args, bid, t0, length, bound, self._input_tiles(s_tile),
-                                   0, True)
+            slot = self._locate(offsets, batch, ids.bid, ids.lane)
+            if slot.bid < slot.bound:
+                self._chunk_passes(*args, slot, self._input_tiles(s_tile), 0, True)
 
     @cute.jit
-    def _chunk_passes(self, loads, mBeta: cute.Tensor, gates, outs, scale: cutlass.Float32,
-                      lower_bound: cutlass.Float32, gate_mode: cutlass.Int32,
-                      qk_l2norm: cutlass.Int32, beta_sigmoid: cutlass.Int32,
-                      mFlags: cute.Tensor, tidx, warp, lane, h, bid, t0, length, bound, tiles,
-                      phase, init: cutlass.Constexpr):
-        """_body_passes for chunk slot `bid` (first token t0, `length` rows) in the shared
-        `tiles` (_input_tiles), its loads completing mbarrier phase `phase`."""
-        st_qg, st_kg, mKdh, mKdl, mGl, mAwh, mAwl, mMqh, mMql = outs
-        mALog, mDtBias, a_dtype, b_dtype = gates
+    def _chunk_passes(self, loads: Loads, raw: Raw, outs: Outs, modes: Modes, ids: Ids,
+                      slot: Slot, tiles, phase, init: cutlass.Constexpr):
+        """_body_passes for one chunk slot in the shared `tiles` (_input_tiles), its loads
+        completing mbarrier phase `phase`."""
+        tidx, warp, lane, h, _ = ids
+        bid, t0, length, bound = slot
+        mBeta, mALog, mDtBias = raw.beta, raw.a_log, raw.dt_bias
+        a_dtype, b_dtype = modes.a_log_dtype, modes.dt_bias_dtype
+        lower_bound, gate_mode = modes.lower_bound, modes.gate_mode
+        mGl, mMqh, mMql = outs.gl, outs.mqh, outs.mql
         C, K, NT, W = self.C, self.K, self.threads, self.W
         f32, bf16 = cutlass.Float32, cutlass.BFloat16
         NPAIR = W // 2
@@ -352,12 +430,12 @@ class KdaPrepSm90Split(TileCopy):
             b0 = gate_param16(mDtBias, h * K + 2 * pl, b_dtype, b0)
             b1 = gate_param16(mDtBias, h * K + 2 * pl + 1, b_dtype, b1)
         bias0 = [b0, b1]
-        self._load_tiles(loads, (sQ, sK, sG), mbar, mBeta, sBeta, t0, h, length,
-                         beta_sigmoid, tidx, warp, phase, init)
+        self._load_tiles(loads.pairs(), (sQ, sK, sG), mbar, mBeta, sBeta, t0, h, length,
+                         modes.beta_sigmoid, tidx, warp, phase, init)
         if cutlass.const_expr(self._length_slot() == 1):
             if tidx == 0:
                 flag[K // 64] = length  # read back after the passes (a barrier between)
-        self._norms(sQK, norm, length, scale, qk_l2norm, tidx)
+        self._norms(sQK, norm, length, modes.scale, modes.qk_l2norm, tidx)
 
         a_exp = cute.math.exp(a_log)
         mma = cute.make_tiled_mma(warp_mma.MmaF16BF16Op(bf16, f32, (16, 8, 16)))
@@ -379,14 +457,14 @@ class KdaPrepSm90Split(TileCopy):
                                    lower_bound, gate_mode, length)
             cute.arch.sync_threads()
             self._pass_outputs(loc, part, first, flag, (fA, fB, fG), sQ, sK, norm,
-                               (mKdh, mKdl), mGl, row0, h, bid, gp, pl, rg, lane)
+                               (outs.kdh, outs.kdl), mGl, row0, h, bid, gp, pl, rg, lane)
             if cutlass.const_expr(ps == K // W - 1):
                 cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.sync_threads()
             if cutlass.const_expr(ps == K // W - 1):
                 # qg and kg leave now; the final sums and phase C run while they drain
                 if warp == 0:
-                    for (tma, tX), sX in ((st_qg, sQ), (st_kg, sK)):
+                    for tma, tX, sX in ((outs.tma_qg, outs.qg, sQ), (outs.tma_kg, outs.kg, sK)):
                         self._tile_store(tma, tX, self._as_qk(sX), (row0, h * K), (C, K))
                     cute.arch.cp_async_bulk_commit_group()
             for bb in cutlass.range_constexpr(BPW):
@@ -415,8 +493,8 @@ class KdaPrepSm90Split(TileCopy):
             else:
                 self._store_m(None, (mMqh, mMql), row0, h, i, j, acc, length)
         cute.arch.sync_threads()
-        self._phase_c(sL, sBeta, outs, row0, h, length, tidx)
-        self._publish(mFlags, tidx, warp, h, bid, bound)
+        self._phase_c(sL, sBeta, (outs.awh, outs.awl), row0, h, length, tidx)
+        self._publish(outs.flags, tidx, warp, h, bid, bound)
 
     @cute.jit
     def _pass_gates(self, sG, bias, part, first, gp, pl, rg, a_exp,
@@ -600,13 +678,12 @@ class KdaPrepSm90Split(TileCopy):
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
-    def _ids(self):
-        """(thread, warp, lane, head, chunk) of this thread: heads on grid x, the chunk
-        y + K1_GRID_Y z."""
+    def _ids(self) -> Ids:
+        """This thread's place: heads on grid x, the chunk slot y + K1_GRID_Y z."""
         tidx, _, _ = cute.arch.thread_idx()
         h, by, bz = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        return tidx, warp, cute.arch.lane_idx(), h, by + bz * K1_GRID_Y
+        return Ids(tidx, warp, cute.arch.lane_idx(), h, by + bz * K1_GRID_Y)
 
     @cute.jit
     def _input_tiles(self, s_tile: cute.Layout):
@@ -626,9 +703,9 @@ class KdaPrepSm90Split(TileCopy):
                                 cute.make_layout((rows, self.K // 2), stride=(self.K // 2, 1)))
 
     @cute.jit
-    def _locate(self, mCuSeq: cute.Tensor, mCuChunk: cute.Tensor, seqs, bid, lane):
-        """(first token, valid rows, chunk bound) of chunk slot `bid`; seqs = (num_seqs,
-        seq_len). A fixed-length batch (seq_len > 0: num_seqs sequences of seq_len tokens,
+    def _locate(self, offsets: Offsets, batch: Batch, bid, lane) -> Slot:
+        """Chunk slot `bid`: its first token, valid rows and the slots' bound. A fixed-length
+        batch (seq_len > 0: num_seqs sequences of seq_len tokens,
         ceil(seq_len / C) slots each) is located by arithmetic, with no load before the TMA's.
         Otherwise (varlen, seq_len 0) the sequence holding the slot is found by a 32-way search,
         each warp by itself: a round's lanes read 32 evenly spaced entries of cu_chunks (and
@@ -640,7 +717,8 @@ class KdaPrepSm90Split(TileCopy):
         between two varlen sequences: workspace.chunk_slots), so `bid < bound` says whether this CTA
         has a chunk."""
         C = self.C
-        num_seqs, seq_len = seqs
+        mCuSeq, mCuChunk = offsets.cu_seqlens, offsets.cu_chunks
+        num_seqs, seq_len = batch.num_seqs, batch.seq_len
         t0 = cutlass.Int32(0)
         length = cutlass.Int32(0)
         bound = cutlass.Int32(0)
@@ -665,7 +743,7 @@ class KdaPrepSm90Split(TileCopy):
             length = cutlass.min(C, s1 - t0)
             if length < 1:
                 bound = cutlass.Int32(0)
-        return t0, length, bound
+        return Slot(bid, t0, length, bound)
 
     @cute.jit
     def _locate_round(self, mCuSeq: cute.Tensor, mCuChunk: cute.Tensor, lo, hi, bid, lane):
@@ -755,17 +833,14 @@ class KdaPrepSm90Split(TileCopy):
         cute.arch.sync_threads()
 
     @cute.jit
-    def _phase_c(self, sL, sBeta, outs, row0, h, length, tidx):
+    def _phase_c(self, sL, sBeta, aw, row0, h, length, tidx):
         """Phase C: Aw = (I + L)^-1 diag(beta), one column per thread, by forward substitution
         with the column in registers; L entries are smem broadcasts. Right-looking: once x_l is
         final it is taken out of every later row at once, so the dependent chain is C
         multiply-adds long, not C(C-1)/2 (same order of terms per row as the row-by-row form,
-        so the same result)."""
+        so the same result). `aw`: Aw's (hi, lo) planes (fp16 builds: the hi plane alone) or
+        its fp32 tensor, in a tuple."""
         C = self.C
-        if cutlass.const_expr(self.split):
-            mAwh, mAwl = outs[5], outs[6]
-        else:
-            mAw = outs[4]
         if tidx < C:
             j = tidx
             xs = cute.make_rmem_tensor((C,), cutlass.Float32)
@@ -783,13 +858,13 @@ class KdaPrepSm90Split(TileCopy):
                 if j >= length or i >= length:
                     x = cutlass.Float32(0.0)
                 if cutlass.const_expr(self.f16):
-                    mAwh[row0 + i, h, j] = x.to(self.out_dtype)
+                    aw[0][row0 + i, h, j] = x.to(self.out_dtype)
                 elif cutlass.const_expr(self.split):
                     hi_ = x.to(self.io_dtype)
-                    mAwh[row0 + i, h, j] = hi_
-                    mAwl[row0 + i, h, j] = (x - hi_.to(cutlass.Float32)).to(self.io_dtype)
+                    aw[0][row0 + i, h, j] = hi_
+                    aw[1][row0 + i, h, j] = (x - hi_.to(cutlass.Float32)).to(self.io_dtype)
                 else:
-                    mAw[row0 + i, h, j] = x
+                    aw[0][row0 + i, h, j] = x
 
     @cute.jit
     def _store_row_pair(self, vQ, vK, kd_planes, row0, h, i, pair, qs2, ke2, kd2):
@@ -961,52 +1036,32 @@ class KdaPrepSm90OnePass(KdaPrepSm90Split):
         self.smem_bytes = SharedStorage.size_in_bytes()
 
     @cute.kernel
-    def kernel(
-        self,
-        tma_q: cute.CopyAtom, tQ: cute.Tensor,
-        tma_k: cute.CopyAtom, tK: cute.Tensor,
-        tma_g: cute.CopyAtom, tG: cute.Tensor,
-        mBeta: cute.Tensor, mALog: cute.Tensor, mDtBias: cute.Tensor,
-        mCuSeq: cute.Tensor, mCuChunk: cute.Tensor,
-        tma_qg: cute.CopyAtom, tQg: cute.Tensor,
-        tma_kg: cute.CopyAtom, tKg: cute.Tensor,
-        mKdh: cute.Tensor, mKdl: cute.Tensor,
-        mAwh: cute.Tensor, mAwl: cute.Tensor,
-        mMqh: cute.Tensor, mMql: cute.Tensor,
-        mGl: cute.Tensor, mFlags: cute.Tensor,
-        num_seqs: cutlass.Int32,
-        seq_len: cutlass.Int32,
-        scale: cutlass.Float32, lower_bound: cutlass.Float32,
-        gate_mode: cutlass.Int32, qk_l2norm: cutlass.Int32, beta_sigmoid: cutlass.Int32,
-        a_log_dtype: cutlass.Int32, dt_bias_dtype: cutlass.Int32,
-        s_tile: cute.Layout,
-    ):
-        outs = ((tma_qg, tQg), (tma_kg, tKg), mKdh, mKdl, mGl, mAwh, mAwl, mMqh, mMql)
-        self._body(((tma_q, tQ), (tma_k, tK), (tma_g, tG)), mBeta,
-             (mALog, mDtBias, a_log_dtype, dt_bias_dtype), mCuSeq, mCuChunk, outs,
-             (num_seqs, seq_len), scale, lower_bound, gate_mode, qk_l2norm, beta_sigmoid,
-             s_tile, mFlags)
+    def kernel(self, loads: Loads, raw: Raw, offsets: Offsets, outs: Outs, batch: Batch,
+               modes: Modes, s_tile: cute.Layout):
+        self._body(loads, raw, offsets, outs, batch, modes, s_tile)
 
     # ---------------------------------------------------------------- device
 
     @cute.jit
-    def _body(self, loads, mBeta: cute.Tensor, gates,
-              mCuSeq: cute.Tensor, mCuChunk: cute.Tensor, outs, seqs,
-              scale: cutlass.Float32, lower_bound: cutlass.Float32, gate_mode: cutlass.Int32,
-              qk_l2norm: cutlass.Int32, beta_sigmoid: cutlass.Int32, s_tile: cute.Layout,
-              mFlags: cute.Tensor):
-        """The kernel, whatever the output mode: `outs` holds tensors (f32) or TMA stores;
-        `gates` is (A_log, dt_bias, their dtypes)."""
-        mALog, mDtBias, a_dtype, b_dtype = gates
+    def _body(self, loads: Loads, raw: Raw, offsets: Offsets, outs, batch: Batch, modes: Modes,
+              s_tile: cute.Layout):
+        """The kernel, whatever the output mode: `outs` is Outs (bf16: TMA stores and planes)
+        or F32Outs (fp32 tensors)."""
+        mBeta, mALog, mDtBias = raw.beta, raw.a_log, raw.dt_bias
+        a_dtype, b_dtype = modes.a_log_dtype, modes.dt_bias_dtype
+        lower_bound, gate_mode = modes.lower_bound, modes.gate_mode
+        mGl = outs.gl
         if cutlass.const_expr(self.split):
-            st_qg, st_kg, mKdh, mKdl, mGl, mAwh, mAwl, mMqh, mMql = outs
-            mQg = mKg = mKd = mAw = mMq = None
+            mKdh, mKdl, mMqh, mMql = outs.kdh, outs.kdl, outs.mqh, outs.mql
+            mQg = mKg = mKd = mMq = None
+            aw = (outs.awh, outs.awl)
         else:
-            mQg, mKg, mKd, mGl, mAw, mMq = outs
+            mQg, mKg, mKd, mMq = outs.qg, outs.kg, outs.kd, outs.mq
+            aw = (outs.aw,)
         C, K, NT = self.C, self.K, self.threads
         tidx, warp, lane, h, bid = self._ids()
 
-        t0, length, bound = self._locate(mCuSeq, mCuChunk, seqs, bid, lane)
+        _, t0, length, bound = self._locate(offsets, batch, bid, lane)
 
         if bid < bound:
             st, mbar, sQK, sQ, sK, sG = self._input_tiles(s_tile)
@@ -1026,9 +1081,9 @@ class KdaPrepSm90OnePass(KdaPrepSm90Split):
 
             if tidx == 0:
                 unsafe[0] = cutlass.Int32(0)
-            self._load_tiles(loads, (sQ, sK, sG), mbar, mBeta, sBeta, t0, h, length,
-                             beta_sigmoid, tidx, warp)
-            self._norms(sQK, norm, length, scale, qk_l2norm, tidx)
+            self._load_tiles(loads.pairs(), (sQ, sK, sG), mbar, mBeta, sBeta, t0, h, length,
+                             modes.beta_sigmoid, tidx, warp)
+            self._norms(sQK, norm, length, modes.scale, modes.qk_l2norm, tidx)
 
             # ---- phase A: gates and cumulative decay G (chunk-local) ---------------------
             a_log = gate_param(mALog, h, a_dtype)
@@ -1102,7 +1157,7 @@ class KdaPrepSm90OnePass(KdaPrepSm90Split):
             if cutlass.const_expr(self.split):
                 # qg and kg leave now; phases B and C run while the stores drain
                 if warp == 0:
-                    for (tma, tX), sX in ((st_qg, sQ), (st_kg, sK)):
+                    for tma, tX, sX in ((outs.tma_qg, outs.qg, sQ), (outs.tma_kg, outs.kg, sK)):
                         self._tile_store(tma, tX, self._as_qk(sX), (row0, h * K), (C, K))
                     cute.arch.cp_async_bulk_commit_group()
 
@@ -1147,8 +1202,8 @@ class KdaPrepSm90OnePass(KdaPrepSm90Split):
                     self._store_m(mMq, sMq, row0, h, i, j2, m2, length)
             cute.arch.sync_threads()
 
-            self._phase_c(sL, sBeta, outs, row0, h, length, tidx)
-            self._publish(mFlags, tidx, warp, h, bid, bound)
+            self._phase_c(sL, sBeta, aw, row0, h, length, tidx)
+            self._publish(outs.flags, tidx, warp, h, bid, bound)
 
     @cute.jit
     def _output_pair(self, factored: cutlass.Constexpr, half: cutlass.Constexpr, pair, gref,
@@ -1343,30 +1398,13 @@ class KdaPrepSm90(KdaPrepSm90OnePass):
         stream,
     ):
         loads, s_tile = self._make_loads(mQ, mK, mG)
-        self._launch((*loads, mBeta, mALog, mDtBias, mCuSeq, mCuChunk,
-                      mQg, mKg, mKd, mGl, mAw, mMq, mFlags, num_seqs, seq_len, scale, lower_bound,
-                      gate_mode, qk_l2norm, beta_sigmoid, a_log_dtype, dt_bias_dtype,
-                      s_tile), num_chunks,
-                     num_heads, stream)
+        self._launch((Loads(*loads), Raw(mBeta, mALog, mDtBias), Offsets(mCuSeq, mCuChunk),
+                      F32Outs(mQg, mKg, mKd, mGl, mAw, mMq, mFlags), Batch(num_seqs, seq_len),
+                      Modes(scale, lower_bound, gate_mode, qk_l2norm, beta_sigmoid, a_log_dtype,
+                            dt_bias_dtype), s_tile),
+                     num_chunks, num_heads, stream)
 
     @cute.kernel
-    def kernel(
-        self,
-        tma_q: cute.CopyAtom, tQ: cute.Tensor,
-        tma_k: cute.CopyAtom, tK: cute.Tensor,
-        tma_g: cute.CopyAtom, tG: cute.Tensor,
-        mBeta: cute.Tensor, mALog: cute.Tensor, mDtBias: cute.Tensor,
-        mCuSeq: cute.Tensor, mCuChunk: cute.Tensor,
-        mQg: cute.Tensor, mKg: cute.Tensor, mKd: cute.Tensor, mGl: cute.Tensor,
-        mAw: cute.Tensor, mMq: cute.Tensor, mFlags: cute.Tensor,
-        num_seqs: cutlass.Int32,
-        seq_len: cutlass.Int32,
-        scale: cutlass.Float32, lower_bound: cutlass.Float32,
-        gate_mode: cutlass.Int32, qk_l2norm: cutlass.Int32, beta_sigmoid: cutlass.Int32,
-        a_log_dtype: cutlass.Int32, dt_bias_dtype: cutlass.Int32,
-        s_tile: cute.Layout,
-    ):
-        self._body(((tma_q, tQ), (tma_k, tK), (tma_g, tG)), mBeta,
-                   (mALog, mDtBias, a_log_dtype, dt_bias_dtype), mCuSeq, mCuChunk,
-                   (mQg, mKg, mKd, mGl, mAw, mMq), (num_seqs, seq_len), scale, lower_bound,
-                   gate_mode, qk_l2norm, beta_sigmoid, s_tile, mFlags)
+    def kernel(self, loads: Loads, raw: Raw, offsets: Offsets, outs: F32Outs, batch: Batch,
+               modes: Modes, s_tile: cute.Layout):
+        self._body(loads, raw, offsets, outs, batch, modes, s_tile)

@@ -43,6 +43,9 @@ stored as zeros, so the chunk loop is the dense forward's.
 Constraints: block_v == 64, threads == 128 (+ 32 producer), chunk == 16, head_dim_k % 64 == 0.
 """
 
+from dataclasses import dataclass
+from typing import NamedTuple
+
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
@@ -64,6 +67,7 @@ from kda_cute.specs.recur import (
 )
 from kernels.common import (
     E_NONFINITE,
+    Record,
     StateSlots,
     TileCopy,
     absmax_bf16x2,
@@ -113,6 +117,149 @@ def acc_as_operand_a(acc: cute.Tensor) -> cute.Tensor:
         stride=((dv.stride[0][0], dv.stride[0][1], dv.stride[0][2][0]), dv.stride[1],
                 (dv.stride[0][2][1], dv.stride[2])))
     return cute.make_tensor(acc.iterator, layout)
+
+
+@dataclass
+class Operands(Record):
+    """The TMA loads of a chunk: (atom, global view) of K1's workspace planes kg, qg, kd, Aw
+    and Mq (hi, lo), its gl row, and v."""
+    tma_kg: cute.CopyAtom
+    kg: cute.Tensor
+    tma_qg: cute.CopyAtom
+    qg: cute.Tensor
+    tma_kdh: cute.CopyAtom
+    kdh: cute.Tensor
+    tma_kdl: cute.CopyAtom
+    kdl: cute.Tensor
+    tma_awh: cute.CopyAtom
+    awh: cute.Tensor
+    tma_awl: cute.CopyAtom
+    awl: cute.Tensor
+    tma_mqh: cute.CopyAtom
+    mqh: cute.Tensor
+    tma_mql: cute.CopyAtom
+    mql: cute.Tensor
+    tma_gl: cute.CopyAtom
+    gl: cute.Tensor
+    tma_v: cute.CopyAtom
+    v: cute.Tensor
+
+
+@dataclass
+class Out(Record):
+    """The output: (T, H, V) for partial chunks, and the TMA store of whole chunks' slabs."""
+    out: cute.Tensor
+    tma_o: cute.CopyAtom
+    o: cute.Tensor
+
+
+@dataclass
+class States(Record):
+    """The initial state (fp32 and bf16 views) and the final state (likewise)."""
+    s0f: cute.Tensor
+    s0h: cute.Tensor
+    s1f: cute.Tensor
+    s1h: cute.Tensor
+
+
+@dataclass
+class Offsets(Record):
+    """The checked cu_seqlens, each row's first workspace chunk, and K1's (chunk, head) flags."""
+    cu_seqlens: cute.Tensor
+    cu_chunks: cute.Tensor
+    flags: cute.Tensor
+
+
+@dataclass
+class Tables(Record):
+    """The pool form (kernels.common.StateSlots): read and write index tables, has_init, and
+    the error words."""
+    read_index: cute.Tensor
+    write_index: cute.Tensor
+    has_init: cute.Tensor
+    errors: cute.Tensor
+
+
+@dataclass
+class StateModes(Record):
+    """How the states are held (STATE_*), and whether grid z takes the z-th longest sequence."""
+    state_in: cutlass.Int32
+    state_out: cutlass.Int32
+    ordered: cutlass.Int32
+
+
+@dataclass
+class Index(Record):
+    """The index tables' form (StateSlots._slots reads them in this order)."""
+    index_mode: cutlass.Int32
+    row_div: cutlass.Int32
+    slots: cutlass.Int32
+    r_sn: cutlass.Int32
+    r_wide: cutlass.Int32
+    w_on: cutlass.Int32
+    w_sn: cutlass.Int32
+    w_wide: cutlass.Int32
+    hi_on: cutlass.Int32
+    null_min: cutlass.Int32
+
+
+@dataclass
+class Checkpoints(Record):
+    """The checkpoint table (ck_rows words a sequence; 0: none) and destination: its fp32,
+    bf16 and scratch views (or, in the tensor-map builds, (atom, view) each) and its dtype."""
+    at: cute.Tensor
+    to: cute.Tensor
+    f: object
+    h: object
+    s: object
+    rows: cutlass.Int32
+    dtype: cutlass.Int32
+
+
+@dataclass
+class Runs(Record):
+    """Which run: side (1: the checkpoints' side run, 2: a main run with shifted grids) and
+    the rescale run's words (fix_on 1: an overflowed warp writes no state)."""
+    side: cutlass.Int32
+    fix: cute.Tensor
+    fix_on: cutlass.Int32
+
+
+@dataclass
+class Mmas(Record):
+    """The chunk products' (P, Pq, U, O), the state update's, and P / Pq's on fp16 operands."""
+    p: cute.TiledMma
+    s: cute.TiledMma
+    q: cute.TiledMma
+
+
+@dataclass
+class Layouts(Record):
+    """The smem layouts: kg / qg, Aw / Mq, kd, gl, v, out, and one warp's output slab."""
+    ck: cute.ComposedLayout
+    cc: cute.ComposedLayout
+    kc: cute.ComposedLayout
+    gl: cute.Layout
+    v: cute.Layout
+    o: cute.Layout
+    slab: cute.Layout
+
+
+class Tiles(NamedTuple):
+    """The smem tiles of the stages (kg, qg: (C, K, S); kd: (K, C, S); Aw, Mq: (C, C, S);
+    gl: (1, K, S); v: (C, BV, S)), the output's two buffers and the checkpoint rows' base."""
+    kg: cute.Tensor
+    qg: cute.Tensor
+    kdh: cute.Tensor
+    kdl: cute.Tensor
+    awh: cute.Tensor
+    awl: cute.Tensor
+    mqh: cute.Tensor
+    mql: cute.Tensor
+    gl: cute.Tensor
+    v: cute.Tensor
+    o: cute.Tensor
+    ck: cute.Tensor
 
 
 class KdaRecurTcSm90(TileCopy, StateSlots):
@@ -304,12 +451,12 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
         self.shared_storage = SharedStorage
         self.smem_bytes = SharedStorage.size_in_bytes()
         self.kernel(
-            *atoms, mOut, tma_o, tO, mS0f, mS0h, mS1f, mS1h, mCuSeq, mCuChunk, mFlags,
-            mRIdx, mWIdx, mHasInit, mErr, state_in, state_out, ordered, index_mode, row_div,
-            slots, r_sn, r_wide, w_on, w_sn, w_wide, hi_on, null_min,
-            (mCkAt, mCkTo, *ck_dest, ck_rows, ck_dtype), side, mFix, fix_on,
-            mma_p, mma_s, mma_q,
-            l_ck, l_cc, l_kc, l_gl, l_v, l_o, l_slab,
+            Operands(*atoms), Out(mOut, tma_o, tO), States(mS0f, mS0h, mS1f, mS1h),
+            Offsets(mCuSeq, mCuChunk, mFlags), Tables(mRIdx, mWIdx, mHasInit, mErr),
+            StateModes(state_in, state_out, ordered),
+            Index(index_mode, row_div, slots, r_sn, r_wide, w_on, w_sn, w_wide, hi_on, null_min),
+            Checkpoints(mCkAt, mCkTo, *ck_dest, ck_rows, ck_dtype), Runs(side, mFix, fix_on),
+            Mmas(mma_p, mma_s, mma_q), Layouts(l_ck, l_cc, l_kc, l_gl, l_v, l_o, l_slab),
         ).launch(
             grid=(self.V // BV, num_heads, num_seqs), block=(self.threads, 1, 1),
             smem=self.smem_bytes, stream=stream, min_blocks_per_mp=self.min_blocks,
@@ -322,32 +469,12 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
 
     # ---------------------------------------------------------------- device
     @cute.kernel
-    def kernel(
-        self,
-        tma_kg: cute.CopyAtom, tKg: cute.Tensor,
-        tma_qg: cute.CopyAtom, tQg: cute.Tensor,
-        tma_kdh: cute.CopyAtom, tKdh: cute.Tensor,
-        tma_kdl: cute.CopyAtom, tKdl: cute.Tensor,
-        tma_awh: cute.CopyAtom, tAwh: cute.Tensor,
-        tma_awl: cute.CopyAtom, tAwl: cute.Tensor,
-        tma_mqh: cute.CopyAtom, tMqh: cute.Tensor,
-        tma_mql: cute.CopyAtom, tMql: cute.Tensor,
-        tma_gl: cute.CopyAtom, tGl: cute.Tensor,
-        tma_v: cute.CopyAtom, tV: cute.Tensor,
-        mOut: cute.Tensor,
-        tma_o: cute.CopyAtom, tO: cute.Tensor,
-        mS0f: cute.Tensor, mS0h: cute.Tensor, mS1f: cute.Tensor, mS1h: cute.Tensor,
-        mCuSeq: cute.Tensor, mCuChunk: cute.Tensor, mFlags: cute.Tensor,
-        mRIdx: cute.Tensor, mWIdx: cute.Tensor, mHasInit: cute.Tensor, mErr: cute.Tensor,
-        state_in: cutlass.Int32, state_out: cutlass.Int32, ordered: cutlass.Int32,
-        index_mode: cutlass.Int32, row_div: cutlass.Int32, slots: cutlass.Int32,
-        r_sn: cutlass.Int32, r_wide: cutlass.Int32, w_on: cutlass.Int32, w_sn: cutlass.Int32,
-        w_wide: cutlass.Int32, hi_on: cutlass.Int32, null_min: cutlass.Int32,
-        ckpt, side: cutlass.Int32, mFix: cute.Tensor, fix_on: cutlass.Int32,
-        mma_p: cute.TiledMma, mma_s: cute.TiledMma, mma_q: cute.TiledMma,
-        l_ck: cute.ComposedLayout, l_cc: cute.ComposedLayout, l_kc: cute.ComposedLayout,
-        l_gl: cute.Layout, l_v: cute.Layout, l_o: cute.Layout, l_slab: cute.Layout,
-    ):
+    def kernel(self, ops: Operands, out: Out, states: States, offsets: Offsets, tables: Tables,
+               modes: StateModes, index: Index, ckpt: Checkpoints, runs: Runs, mmas: Mmas,
+               layouts: Layouts):
+        mCuSeq, mCuChunk, mFlags = offsets.cu_seqlens, offsets.cu_chunks, offsets.flags
+        side, mFix = runs.side, runs.fix
+        l_ck, l_cc, l_kc = layouts.ck, layouts.cc, layouts.kc
         C, K, BV, S = self.C, self.K, self.BV, self.stages
         tidx, _, _ = cute.arch.thread_idx()
         vb, h, z = cute.arch.block_idx()
@@ -387,7 +514,7 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
         # (the rescale builds never rank: their grid z is cut, and with nothing to redo
         # num_seqs is z, which no rank matches)
         if cutlass.const_expr(not self.rescale):
-            if ordered != 0:
+            if modes.ordered != 0:
                 z = self._longest_first(mCuSeq, st.sOrd.get_tensor(cute.make_layout(
                     self.threads + 1)), num_seqs, z, tidx)
         sKg = st.sKg.get_tensor(l_ck.outer, swizzle=l_ck.inner)  # (C, K, S)
@@ -399,9 +526,9 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
         sAwl = (st.sAwh if self.f16 else st.sAwl).get_tensor(l_cc.outer, swizzle=l_cc.inner)
         sMqh = st.sMqh.get_tensor(l_cc.outer, swizzle=l_cc.inner)
         sMql = (st.sMqh if self.f16 else st.sMql).get_tensor(l_cc.outer, swizzle=l_cc.inner)
-        sGl = st.sGl.get_tensor(l_gl)  # (1, K, S)
-        sV = st.sV.get_tensor(l_v)  # (C, BV, S)
-        sO = st.sO.get_tensor(l_o)  # (C, BV, 2)
+        sGl = st.sGl.get_tensor(layouts.gl)  # (1, K, S)
+        sV = st.sV.get_tensor(layouts.v)  # (C, BV, S)
+        sO = st.sO.get_tensor(layouts.o)  # (C, BV, 2)
         sCk = st.sCk.get_tensor(cute.make_layout(1))  # (its base: the slabs' views are made there)
 
         ready = st.ready.data_ptr()
@@ -416,16 +543,20 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
                                                      self.mma_threads // 32),
             tx_count=self.tx_bytes)
 
-        idx = (index_mode, row_div, slots, r_sn, r_wide, w_on, w_sn, w_wide, hi_on, null_min)
+        idx = index.values()
+        tab = tables.values()
         if cutlass.const_expr(not self.rescale):  # (the rescale run's K2 reported them)
             if tidx == 0 and vb == 0 and h == 0:  # one thread of a sequence reports its bad
-                self._report(mRIdx, mWIdx, mHasInit, mErr, (z, num_seqs, nz), idx)
+                self._report(*tab, (z, num_seqs, nz), idx)
         if warp == self.producer_warp:
             # ---- producer: one chunk's tiles per stage -----------------------------------
-            loads = ((tma_kg, tKg, sKg, (C, K), False), (tma_qg, tQg, sQg, (C, K), False),
-                     (tma_kdh, tKdh, sKdh, (K, C), True), (tma_kdl, tKdl, sKdl, (K, C), True),
-                     (tma_awh, tAwh, sAwh, (C, C), False), (tma_awl, tAwl, sAwl, (C, C), False),
-                     (tma_mqh, tMqh, sMqh, (C, C), False), (tma_mql, tMql, sMql, (C, C), False))
+            o = ops
+            loads = ((o.tma_kg, o.kg, sKg, (C, K), False), (o.tma_qg, o.qg, sQg, (C, K), False),
+                     (o.tma_kdh, o.kdh, sKdh, (K, C), True), (o.tma_kdl, o.kdl, sKdl, (K, C), True),
+                     (o.tma_awh, o.awh, sAwh, (C, C), False),
+                     (o.tma_awl, o.awl, sAwl, (C, C), False),
+                     (o.tma_mqh, o.mqh, sMqh, (C, C), False),
+                     (o.tma_mql, o.mql, sMql, (C, C), False))
             if cutlass.const_expr(self.f16):  # no lo planes
                 loads = loads[0:3] + loads[4:5] + loads[6:7]
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, S)
@@ -440,8 +571,7 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
                 if cutlass.const_expr(self.checkpoints):
                     chunk0, vs = self._grid(mCuChunk, seq, bos, side)
                 # a padding row runs no chunk (the consumers agree: _slots)
-                live, _, _, _ = self._slots(mRIdx, mWIdx, mHasInit, mErr, seq, idx,
-                                            cutlass.Int32(0))
+                live, _, _, _ = self._slots(*tab, seq, idx, cutlass.Int32(0))
                 if cutlass.const_expr(self.rescale):  # only the items a warp of overflowed
                     live = live * self._fixes(mFix, seq, nh, h, vb)[0]
                 nch = (mCuSeq[seq * step + 1] - vs + C - 1) // C * live
@@ -462,9 +592,9 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
                         col = h * tile[1] if not transposed else h * tile[0]
                         coord = (col, r0) if transposed else (r0, col)
                         self._tile_copy(tma, tX, sX[None, None, s], coord, tile, bar)
-                    self._tile_copy(tma_gl, tGl, sGl[None, None, s], (chunk0 + c, h * K),
+                    self._tile_copy(ops.tma_gl, ops.gl, sGl[None, None, s], (chunk0 + c, h * K),
                                     (1, K), bar)
-                    self._tile_copy(tma_v, tV, sV[None, None, s], (t0, h * self.V + v0),
+                    self._tile_copy(ops.tma_v, ops.v, sV[None, None, s], (t0, h * self.V + v0),
                                     (C, BV), bar)
                     pipe.producer_commit(state)
                     state.advance()
@@ -478,12 +608,10 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
                     self._wy_operand(pipe, wstate, sKg, sAwh, ready)
                     wstate.advance()
         else:
-            self._consume(pipe, sKg, sQg, sKdh, sKdl, sAwh, sAwl, sMqh, sMql, sGl, sV, sO,
-                          l_slab, mOut, (tma_o, tO), mS0f, mS0h, mS1f, mS1h, state_in,
-                          state_out, (mma_p, mma_q), mma_s, tidx, warp, h, vb, mCuSeq,
-                          (z, num_seqs, nz, step, mCuChunk), ready,
-                          (mRIdx, mWIdx, mHasInit, mErr), idx, ckpt, side, sCk,
-                          (mFix, fix_on, nh))
+            tiles = Tiles(sKg, sQg, sKdh, sKdl, sAwh, sAwl, sMqh, sMql, sGl, sV, sO, sCk)
+            self._consume(pipe, tiles, layouts.slab, out, states, modes, mmas,
+                          (tidx, warp, h, vb), offsets, (z, num_seqs, nz, step), ready, tab, idx,
+                          ckpt, runs, nh)
 
     @cute.jit
     def _grid(self, mCuChunk: cute.Tensor, seq, bos, side):
@@ -598,14 +726,24 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
         return last
 
     @cute.jit
-    def _consume(self, pipe, sKg, sQg, sKdh, sKdl, sAwh, sAwl, sMqh, sMql, sGl, sV, sO,
-                 l_slab, mOut, store_o, mS0f, mS0h, mS1f, mS1h, state_in, state_out,
-                 mmas, mma_s: cute.TiledMma, tidx, warp, h, vb,
-                 mCuSeq: cute.Tensor, seqs, ready, tables, idx, ckpt, side, sCk, fix):
+    def _consume(self, pipe, tiles: Tiles, l_slab, out: Out, states: States, modes: StateModes,
+                 mmas: Mmas, place, offsets: Offsets, seqs, ready, tables, idx,
+                 ckpt: Checkpoints, runs: Runs, nh):
+        """The math warpgroup: every chunk of this CTA's rows, state in registers. `place` is
+        (thread, warp, head, V-block); `seqs` (z, num_seqs, nz, step): the rows z, z + nz, ...
+        below num_seqs, a row's tokens at cu_seqlens[step * row]; `tables` and `idx` the pool
+        form's (StateSlots)."""
+        sKg, sQg, sKdh, sKdl, sAwh, sAwl, sMqh, sMql, sGl, sV, sO, sCk = tiles
+        mOut, store_o = out.out, (out.tma_o, out.o)
+        mS0f, mS0h, mS1f, mS1h = states.s0f, states.s0h, states.s1f, states.s1h
+        state_in, state_out = modes.state_in, modes.state_out
+        mma_p, mma_q, mma_s = mmas.p, mmas.q, mmas.s
+        tidx, warp, h, vb = place
+        mCuSeq = offsets.cu_seqlens
+        side = runs.side
         C, K, BV = self.C, self.K, self.BV
         v0 = vb * BV
         bf16, f32 = cutlass.BFloat16, cutlass.Float32
-        mma_p, mma_q = mmas
         thr_p = mma_p.get_slice(tidx)
         thr_q = mma_q.get_slice(tidx)
         thr_s = mma_s.get_slice(tidx)
@@ -635,10 +773,11 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
         aUl = cute.make_rmem_tensor_like(vU, bf16)
 
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-        z, num_seqs, nz, step, mCuChunk = seqs
+        z, num_seqs, nz, step = seqs
+        mCuChunk = offsets.cu_chunks
         mRIdx, mWIdx, mHasInit, mErr = tables
-        mCkAt, mCkTo, mCkF, mCkH, mCkS, ck_rows, ck_dtype = ckpt
-        mFix, fix_on, nh = fix
+        mCkAt, mCkTo, mCkF, mCkH, mCkS, ck_rows, ck_dtype = ckpt.values()
+        mFix, fix_on = runs.fix, runs.fix_on
         lane = cute.arch.lane_idx()
         # the rescale builds: the state scaled row by row (sig: the thread's two rows' powers
         # of two, then their inverses; _rescale)
@@ -930,7 +1069,7 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
         row's first entry); returns it moved on past the stores. The
         rescale builds store S with its row scales (sig) undone, and only the warps whose
         rows they redo (mine)."""
-        mCkAt, mCkTo, mCkF, mCkH, mCkS, ck_rows, ck_dtype = ckpt
+        mCkAt, mCkTo, mCkF, mCkH, mCkS, ck_rows, ck_dtype = ckpt.values()
         if cutlass.const_expr(self.ck_lanes):
             k, at, to, a0, t0, a1, t1, e0 = ck
         else:
@@ -974,7 +1113,7 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
         rows to its slab once the slab's last stores have read it (held: the newest bulk
         group is the previous chunk's whole output store, younger than them, and is not
         waited for), then one tensor store (ck_maps) or lane 16's row copies."""
-        mCkAt, mCkTo, mCkF, mCkH, mCkS, ck_rows, ck_dtype = ckpt
+        mCkAt, mCkTo, mCkF, mCkH, mCkS, ck_rows, ck_dtype = ckpt.values()
         K = self.K
         lane = cute.arch.lane_idx()
         lo = cutlass.Int32(16)  # the lane that stores (none: a warp the run does not redo)
@@ -1039,7 +1178,7 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
     @cute.jit
     def _ck_next(self, ckpt, ck):
         """The checkpoint table moved on past the due entry (not the ck_lanes builds)."""
-        mCkAt, mCkTo = ckpt[0], ckpt[1]
+        mCkAt, mCkTo = ckpt.at, ckpt.to
         e, at, to, nat, nto = ck
         return e + 1, nat, nto, mCkAt[e], mCkTo[e]
 
