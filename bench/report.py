@@ -47,7 +47,7 @@ CURRENT = {
 # files of a table beyond those sharing its JSON's stem, and results with no JSON
 EXTRA = {"host": ("host-stub-cpu-2026-12-05.md", "host-stub-cpu-2026-12-05-6a45ba3.json")}
 RECORDS = {"gate-params": ("gate-params-ab-h100-2026-12-06.md", "gate parameters as held, A/B"),
-           "gpu-suite": ("gpu-tests-h100-2026-12-06-0ae87c5.log", "the GPU suite's last run")}
+           "gpu-suite": ("gpu-tests-h100-2026-12-06-d5491ec.log", "the GPU suite's last run")}
 
 
 def table(head, rows, left=1):
