@@ -443,3 +443,34 @@ def test_peers_gates_and_tables(probes):
     assert s["random"]["kda_vs_flashkda_geomean"] is None
     md = peers.markdown([row], peers.summary([row]))
     assert "| 2048/12/1 | 10.0 | 50.0 | 20 / 30 | 20.0 | 40.0 | 0.80x | - | -x |" in md
+
+
+def test_checkpoints_args_and_table(probes, tmp_path):
+    """bench/checkpoints.py: a pool with a slot for each boundary at every, 2 every, ... of
+    each sequence, first = every, the bytes written counted; the table from merged processes
+    names the worst paired ratio where a bar is missed."""
+    ck = probes("checkpoints")
+    x = {"q": torch.zeros(2, 130, 3, 8), "v": torch.zeros(2, 130, 3, 8), "cu_seqlens": None}
+    kw, nbytes = ck.checkpoint_args(x, "every 64 bf16")
+    assert kw["checkpoint_state"].shape == (4, 3, 8, 8)
+    assert kw["checkpoint_state"].dtype == torch.bfloat16
+    assert kw["checkpoint_slots"].tolist() == [[0, 1], [2, 3]]
+    assert kw["checkpoint_first"].tolist() == [64, 64] and kw["checkpoint_every"] == 64
+    assert nbytes == 4 * 3 * 8 * 8 * 2
+    assert ck.checkpoint_args(x, "none") == ({}, 0)
+
+    def proc(ratio):
+        modes = {m: {"bytes": 1e6, "graph": 0.5, "eager": 0.5} for m in ck.MODES}
+        for m in ck.BARS:
+            modes[m].update(graph_paired=ratio, eager_paired=1.01)
+        return {"processes": [{"rows": [{"case": "B1 T8192 H64", "modes": modes}]}]}
+
+    doc = {"versions": {"device": "GPU", "commit": "abc"}, "method": "m", "bars": ck.BARS}
+    for i, r in enumerate((1.05, 1.08)):
+        (tmp_path / f"{i}.json").write_text(json.dumps({**doc, **proc(r)}))
+    ck.main(["--merge", str(tmp_path / "0.json"), str(tmp_path / "1.json"),
+             "--out", str(tmp_path / "t")])
+    md = (tmp_path / "t.md").read_text()
+    assert "| B1 T8192 H64 | every 64 bf16 | <= 10% | 0.5000 / 0.5000 | +5.0% / +8.0% |" in md
+    assert "| B1 T8192 H64 | every 1024 fp32 | <= 2% |" in md and "no (+8.0%)" in md
+    assert md.count("| yes |") == 2  # every 64 fp32 (<= 20%) and every 64 bf16 (<= 10%)
