@@ -33,7 +33,7 @@ CURRENT = {
     "pool-prefill": ("pool-prefill-h200-2026-12-02-e775ce0.json", "pool prefill, K 128"),
     "pool-prefill-k64-k256": ("pool-prefill-h200-2026-12-02-eb2c485-k64-k256.json",
                               "pool prefill, K 64 and 256"),
-    "checkpoints": ("checkpoints-bars-h200-2026-12-05-944edcf.json", "checkpoint costs"),
+    "checkpoints": ("checkpoints-h100-2026-12-06-034ba58.json", "checkpoint costs"),
     "fla-model": ("fla-model-h100-2026-12-06-56c1de7.json", "a bf16 fla model"),
     "fla-suite": ("fla-suite-h100-2026-12-06-85dbdc6.json", "fla's KDA op tests"),
     "library-overhead": ("ecosystem-h200-2026-12-03-bf82d78.json", "library overhead, wheel"),
