@@ -68,19 +68,15 @@ def combine(A: torch.Tensor, Bs: torch.Tensor, initial_state: torch.Tensor | Non
     return starts, final
 
 
-def choose(B: int, T: int, H: int, V: int, chunk: int, block_v: int, sms: int,
-           slots: int) -> int:
+def choose(B: int, T: int, H: int, V: int, chunk: int, block_v: int, sms: int) -> int:
     """How many segments per sequence: as many as keep one K2 run over the segments within one
-    wave of `slots` resident CTAs (SMs x K2 CTAs per SM), none shorter than 32 chunks, at most
-    8 (the combine's serial steps); 1 (the plain recurrence) unless that is
-    at least 3x the sequential grid (the work is 3x).
-
-    Only where the plain grid fills at most a quarter of the SMs, with V >= 128. Measured on the
-    H200 (B1 T8192, CUDA graphs, ms, plain / segmented): K = 128 H16 0.506 / 0.415 (32 CTAs),
-    H32 0.611 / 0.694 (64 CTAs); K = 64 (a shorter chain per chunk, four K2 CTAs per SM) H32
-    0.464 / 0.517, H64 0.609 / 0.813."""
+    CTA an SM (two CTAs an SM retire little more than one, so a second CTA an SM costs nearly
+    a wave: docs/notes/bytes.md), none shorter than 32 chunks, at most 8 (the combine's serial
+    steps); 1 (the plain recurrence) unless that is at least 3x the sequential grid (the work
+    is 3x). Only where the plain grid fills at most a quarter of the SMs, with V >= 128 (K = 64's
+    shorter chain a chunk measured faster plain)."""
     ctas = B * H * (V // block_v)
     if V < 128 or 4 * ctas > sms:
         return 1
-    p = min(slots // ctas, -(-T // chunk) // 32, 8)
+    p = min(sms // ctas, -(-T // chunk) // 32, 8)
     return p if p >= 3 else 1

@@ -63,9 +63,10 @@ def test_plan_covers_whole_chunks():
 
 
 @pytest.mark.parametrize("B, T, H, expected", [
-    (1, 8192, 16, 8),    # 32 CTAs of 64 state rows: 8 segments make each run 256, one wave
-    (1, 8192, 8, 8),     # 16 CTAs: 16 would fit the wave, the combine's launches cap it at 8
-    (2, 8192, 8, 8),
+    (1, 8192, 16, 4),    # 32 CTAs of 64 state rows: 4 segments keep a run at one CTA an SM
+    (1, 8192, 8, 8),     # 16 CTAs: 8 fit, the combine's launches cap it at 8
+    (2, 8192, 8, 4),
+    (1, 4096, 12, 5),    # 24 CTAs: 5 fit in 132 SMs
     (1, 32768, 32, 1),   # 64 CTAs: half the SMs busy already, three runs lose (measured)
     (1, 8192, 32, 1),
     (1, 8192, 64, 1),    # 128 CTAs: two segments would triple the work for 2x the CTAs
@@ -73,13 +74,13 @@ def test_plan_covers_whole_chunks():
     (1, 1024, 16, 1),    # 64 chunks: two segments at most, not worth three runs
 ])
 def test_choose(B, T, H, expected):
-    # an H200 with K2 at K = V = 128: 132 SMs, two 88 KB CTAs each
-    assert segments.choose(B, T, H, 128, 16, 64, sms=132, slots=264) == expected
+    # K2 at K = V = 128 (64-row CTAs) on 132 SMs
+    assert segments.choose(B, T, H, 128, 16, 64, sms=132) == expected
 
 
 def test_choose_not_below_v128():
     """K = V = 64: the plain recurrence measured faster at H16-H64 (a shorter chain per chunk)."""
-    assert segments.choose(1, 8192, 16, 64, 16, 64, sms=132, slots=528) == 1
+    assert segments.choose(1, 8192, 16, 64, 16, 64, sms=132) == 1
 
 
 @pytest.mark.parametrize("B, with_state", [(1, True), (3, True), (2, False)])

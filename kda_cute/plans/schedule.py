@@ -62,8 +62,7 @@ def segment_count(p: Problem, opts: Options, cfg: FwdConfig, dev: DeviceInfo) ->
         return 1
     if opts.segments is not None:
         return max(1, min(int(opts.segments), -(-p.T // cfg.chunk)))
-    return seg.choose(p.B, p.T, p.H, p.V, cfg.chunk, cfg.recur.block_v, dev.sms,
-                      resident(dev, resources(cfg.recur, dev.arch)))
+    return seg.choose(p.B, p.T, p.H, p.V, cfg.chunk, cfg.recur.block_v, dev.sms)
 
 
 @functools.lru_cache(maxsize=256)
