@@ -54,7 +54,6 @@ from kda_cute.specs.prep import (
     GATE_UNBOUNDED,
     K1_GRID_Y,
     PrepConfig,
-    column_passes,
 )
 from kernels.common import (
     FACTOR_LIMIT,
@@ -108,6 +107,7 @@ class Loads(Record):
     g: cute.Tensor
 
     def pairs(self):
+        """(atom, view) of q, k and g, in the order their smem tiles are given."""
         return (self.tma_q, self.q), (self.tma_k, self.k), (self.tma_g, self.g)
 
 
@@ -223,7 +223,6 @@ class KdaPrepSm90Split(TileCopy):
         self.looped = cfg.looped
         self.W = max(64, cfg.threads // 2)  # a column pass's width
         self.RPG = cfg.chunk * self.W // (2 * cfg.threads)  # a row group's rows in a pass
-        self.passes = column_passes(cfg)
         self.smem_bytes = 0
         self.tma_meta = []
 
