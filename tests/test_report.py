@@ -47,6 +47,13 @@ def _tree(tmp_path):
                      _row("B1 T8 H2", 64, 0.2, 0.8)]}
     (results / "bench-h200-2026-01-02-abc1234.json").write_text(json.dumps(data))
     (results / "bench-h200-2026-01-02-abc1234.md").write_text("table\n")
+    peers = {"versions": {"device": "NVIDIA H100", "commit": "def5678"},
+             "rows": [{"case": "B1 T8 H2", "gate": "random", "kda_ms": 0.5, "cudnn_ms": 0.25,
+                       "flashkda_ms": 1.0},
+                      {"case": "B1 T8 H2", "gate": "slow", "kda_ms": 0.5, "cudnn_ms": 5.0},
+                      {"case": "B1 T8 H1", "gate": "random", "kda_ms": 0.25, "cudnn_ms": 0.5,
+                       "flashkda_ms": 1.0}]}
+    (results / "peers-ten-h100-2026-01-03-def5678.json").write_text(json.dumps(peers))
     docs = tmp_path / "docs"
     docs.mkdir()
     (tmp_path / "README.md").write_text(
@@ -54,7 +61,8 @@ def _tree(tmp_path):
     (docs / "results.md").write_text("".join(
         f"## {m}\n\n<!-- results:{m}:begin -->\n<!-- results:{m}:end -->\n\n"
         for m in ("prefill-k128", "prefill-k256", "prefill-k64")))
-    current = {"prefill": ("bench-h200-2026-01-02-abc1234.json", "prefill")}
+    current = {"prefill": ("bench-h200-2026-01-02-abc1234.json", "prefill"),
+               "peers-ten": ("peers-ten-h100-2026-01-03-def5678.json", "peers")}
     return results, current
 
 
@@ -63,10 +71,12 @@ def test_generator_on_a_synthetic_result(tmp_path):
     out, stray = report.generate(tmp_path, current, {})
     assert stray == []
     readme = out[tmp_path / "README.md"]
-    assert "NVIDIA H200, commit abc1234, 2026-01-02." in " ".join(readme.split())
-    assert "| B1 T8 H2 | 0.500 | 1.500 | 3.00x | 1.000 | 2.00x |" in readme
-    assert "| B1 T8 H1 | 0.250 | 1.000 | 4.00x | 0.750 | 3.00x |" in readme
-    assert "Geometric mean: 3.46x fla, 2.45x FlashKDA est." in readme
+    assert "NVIDIA H100, commit def5678, 2026-01-03." in " ".join(readme.split())
+    # the random gates' rows only, the peers' time over kda_cute's
+    assert "| B1 T8 H2 | 500.0 | 250.0 | 0.50x | 1000.0 | 2.00x |" in readme
+    assert "| B1 T8 H1 | 250.0 | 500.0 | 2.00x | 1000.0 | 4.00x |" in readme
+    assert "5000.0" not in readme
+    assert "Geometric mean: 1.00x cuDNN fused, 2.83x FlashKDA" in readme
     assert readme.endswith("<!-- speed-table:end -->\n\nafter\n") and "\nold\n" not in readme
     page = out[tmp_path / "docs" / "results.md"]
     assert "| B1 T8 H1 (alongside) | 0.062 | 0.250 |" in page
@@ -87,7 +97,7 @@ def test_stale_and_stray_files_are_found(tmp_path):
     again, stray = report.generate(tmp_path, current, {})
     assert all(path.read_text() == text for path, text in again.items())
     readme = tmp_path / "README.md"
-    readme.write_text(readme.read_text().replace("3.00x", "3.10x"))
+    readme.write_text(readme.read_text().replace("2.00x", "2.10x"))
     (results / "old-run.txt").write_text("superseded\n")
     again, stray = report.generate(tmp_path, current, {})
     assert again[readme] != readme.read_text()
