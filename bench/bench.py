@@ -111,17 +111,18 @@ def compulsory_bytes(inp) -> int:
     return (3 * B * T * H * K + 2 * B * T * H * V + B * T * H) * 2 + 2 * inp["N"] * H * V * K * 4
 
 
-def problem_of(x, check_seqlens=True):
+def problem_of(x, check_seqlens=True, **kw):
     """kda_cute's validated problem for a dict of inputs (make_inputs' keys plus out and
-    final_state), the bounded gate. CPU inputs (the CPU tests) get every check but the CUDA
-    requirement; CUDA ones the checks as fwd makes them."""
+    final_state), the bounded gate, `kw` more of fwd's arguments (checkpoints). CPU inputs (the
+    CPU tests) get every check but the CUDA requirement; CUDA ones the checks as fwd makes
+    them."""
     from kda_cute import api
 
     cpu = {} if x["q"].is_cuda else {"cuda": False}
     return api.validate(x["q"], x["k"], x["v"], x["g"], x["beta"], x["scale"], x["out"],
                         x["A_log"], x["dt_bias"], x["lower_bound"], x["initial_state"],
                         x["final_state"], x["cu_seqlens"], "bounded",
-                        check_seqlens=check_seqlens, **cpu)
+                        check_seqlens=check_seqlens, **cpu, **kw)
 
 
 def call_of(x):
@@ -225,12 +226,13 @@ SEGMENTS = None  # --segments: K2's segments per sequence (None: the launcher's 
 PRECISION = "fast"  # --precision: the ladder's "fast" (fp16 products) or "precise" (bf16 hi/lo)
 
 
-def kda_runner(config=None):
+def kda_runner(config=None, **kw):
+    """fwd on a set of inputs (its workspace), `kw` more of fwd's arguments (checkpoints)."""
     def run(x):
         fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], x["scale"], x["out"], x["A_log"],
             x["dt_bias"], x["lower_bound"], x["initial_state"], x["final_state"],
             x["cu_seqlens"], x["workspace"], check_seqlens=False, config=config,
-            segments=SEGMENTS, precision=PRECISION)
+            segments=SEGMENTS, precision=PRECISION, **kw)
     return run
 
 

@@ -25,6 +25,8 @@ from bench import (  # noqa: E402
     compulsory_bytes,
     graph_runner,
     input_sets,
+    kda_runner,
+    problem_of,
     pyplot,
     time_fn,
     versions,
@@ -55,28 +57,16 @@ def checkpoint_args(x, mode: str) -> tuple[dict, int]:
     return kw, sum(per) * H * V * K * dtype.itemsize
 
 
-def runner(kw: dict):
-    from kda_cute import fwd
-
-    def run(x):
-        fwd(*(x[n] for n in ARGS), x["ck_workspace"], **kw)
-    return run
-
-
-ARGS = ("q", "k", "v", "g", "beta", "scale", "out", "A_log", "dt_bias", "lower_bound",
-        "initial_state", "final_state", "cu_seqlens")
-
-
 def give_workspace(sets: list, kws: list) -> None:
     """One workspace a set, as large as the largest any mode needs (so no call allocates)."""
     import torch
 
     from kda_cute import api
 
-    ps = [api.validate(*(sets[0][n] for n in ARGS), "bounded", **kw) for kw in kws]
+    ps = [problem_of(sets[0], check_seqlens=False, **kw) for kw in kws]
     need = max(api.workspace_bytes(p, api.config_for(p)) for p in ps)
     for x in sets:
-        x["ck_workspace"] = torch.empty(need, dtype=torch.uint8, device=x["q"].device)
+        x["workspace"] = torch.empty(need, dtype=torch.uint8, device=x["q"].device)
 
 
 def measure(case: str, rounds: int, iters: int, warm_s: float) -> dict:
@@ -88,7 +78,7 @@ def measure(case: str, rounds: int, iters: int, warm_s: float) -> dict:
     give_workspace(sets, [kw for kw, _ in args.values()])
     for m in MODES:
         kw, nbytes = args[m]
-        run = runner(kw)
+        run = kda_runner(**kw)
         runs[m] = (run, graph_runner(run, sets))
         row["modes"][m] = {"bytes": nbytes, "eager_rounds": [], "graph_rounds": []}
     end = time.monotonic() + warm_s

@@ -64,6 +64,11 @@ def ms(x):
     return "-" if x is None else f"{x:.3f}"
 
 
+def us(x):
+    """ms as us."""
+    return "-" if x is None else f"{x * 1e3:.1f}"
+
+
 def err(r, pre=""):
     out = r.get(f"{pre}out_err")
     return "-" if out is None else f"{out:.2e} / {r[f'{pre}state_err']:.2e}"
@@ -102,7 +107,6 @@ def speed(data, name, results):
                f"kernel and FlashKDA (built from source) timed in the same process "
                f"(`bench/peers.py`; fla's Triton kernels: docs/results.md). {device}, commit "
                f"{commit}, {date}.")
-    us = lambda x: "-" if x is None else f"{x * 1e3:.1f}"  # noqa: E731
     out += table(["case", "kda_cute us", "cuDNN fused us", "vs cuDNN", "FlashKDA us",
                   "vs FlashKDA"],
                  [[r["case"], us(r["kda_ms"]), us(r.get("cudnn_ms")),
