@@ -281,40 +281,11 @@ class KdaRecurTcSm90(TileCopy, StateSlots):
         self.checkpoints = cfg.checkpoints  # stores the checkpoints of its table
         # the rescale run: redoes what a forward's K2 flagged, its state scaled row by row
         self.rescale = cfg.rescale
-        # the fp16 builds a rescale run follows (not alongside: K1 follows those) release it
-        # at their start (griddepcontrol.launch_dependents)
-        self.releases = cfg.f16 and not cfg.alongside and not cfg.rescale
-        # the fp16 alongside checkpoints builds at K >= 128 hold their checkpoint table in
-        # lanes (_checkpoints): faster there, slower in the other builds (docs/notes/k2.md,
-        # "The checkpoint table in lanes")
-        self.ck_lanes = cfg.checkpoints and cfg.f16 and cfg.alongside and cfg.head_dim_k >= 128
-        # the consumers test the next stage's barriers while a chunk's update runs (and skip
-        # the blocking waits the test found complete): the alongside and WY builds at K <= 128,
-        # where it pays (the plain builds and K = 256 lose with it; docs/notes/k2.md)
-        self.early = (cfg.alongside or cfg.wy) and cfg.head_dim_k <= 128
-        # the fp16 alongside builds: ptxas told one CTA an SM (their grid is one wave, K1
-        # beside it), which gives the chunk loop the registers to load the decay factors early
-        # (the plain WY builds lose with it, so not there; docs/notes/k2.md)
-        # Also the WY checkpoints build at K = 128, which runs only where each K2 CTA has an SM
-        # to itself: fewer instructions a chunk, the decay factors loaded early as in the WY
-        # build, so a checkpointed forward costs less over the one without
-        wy_ck = cfg.wy and cfg.checkpoints and cfg.head_dim_k == 128
-        self.min_blocks = 1 if cfg.f16 and ((cfg.alongside and cfg.head_dim_k <= 128)
-                                            or wy_ck) else 0
-        # the chunk loop carries a chunk's first token, the tokens left and the output buffer's
-        # parity instead of working them out from c (fewer instructions a chunk); not K = 64's
-        # plain builds nor the alongside checkpoints builds, which are slower with it
-        # (docs/notes/k2.md, "The loop carry")
-        self.carry = (cfg.alongside or cfg.head_dim_k > 64) and not (cfg.alongside
-                                                                      and cfg.checkpoints)
+        # the tuning switches and their reasons: RecurConfig's properties
+        self.releases, self.ck_lanes, self.early = cfg.releases, cfg.ck_lanes, cfg.early
+        self.min_blocks, self.carry, self.defer = cfg.min_blocks, cfg.carry, cfg.defer
         # the checkpoints leave through tensor maps, one TMA store a warp (specs.recur)
         self.ck_maps = checkpoint_maps(cfg)
-        # K = 128's serial fp16 checkpoints builds store a bf16 checkpoint that more chunks
-        # follow from the next chunk, once its first products are issued (S is not written
-        # until its update): the slab's smem writes run beside those products instead of
-        # between two chunks (fp32 ones, twice the smem writes, lose with it and stay)
-        self.defer = (cfg.checkpoints and cfg.f16 and not cfg.alongside and not cfg.rescale
-                      and not self.ck_lanes and cfg.head_dim_k == 128)
         self.op = cutlass.Float16 if cfg.f16 else cutlass.BFloat16
         # the state's operand copy in `nsplit` slabs of K (two at K = 256, which keeps it inside
         # 255 registers)

@@ -89,6 +89,42 @@ class RecurConfig(abi.SpecConfig):
         """Threads per CTA: `threads` compute threads, plus one TMA producer warp for wgmma."""
         return self.threads + (32 if self.mma == "wgmma" else 0)
 
+    # The tensor-core K2's tuning switches, each kept where it measured faster (docs/notes/k2.md)
+    @property
+    def releases(self) -> bool:
+        """Releases its rescale run at its start: the serial fp16 builds, which one follows."""
+        return self.f16 and not self.alongside and not self.rescale
+
+    @property
+    def ck_lanes(self) -> bool:
+        """Its checkpoint table in lanes: faster only in the fp16 alongside builds at K >= 128."""
+        return self.checkpoints and self.f16 and self.alongside and self.head_dim_k >= 128
+
+    @property
+    def early(self) -> bool:
+        """Tests the next stage's barriers during an update: pays in alongside / WY at K <= 128."""
+        return (self.alongside or self.wy) and self.head_dim_k <= 128
+
+    @property
+    def min_blocks(self) -> int:
+        """1 CTA an SM for ptxas, its registers loading the decay factors early: the fp16 builds
+        with an SM to themselves (alongside at K <= 128, WY checkpoints at 128); 0: free."""
+        wy_ck = self.wy and self.checkpoints and self.head_dim_k == 128
+        return 1 if self.f16 and ((self.alongside and self.head_dim_k <= 128) or wy_ck) else 0
+
+    @property
+    def carry(self) -> bool:
+        """The chunk loop carries its token counters: fewer instructions, except at K = 64's
+        plain builds and the alongside checkpoints builds."""
+        return (self.alongside or self.head_dim_k > 64) and not (self.alongside
+                                                                  and self.checkpoints)
+
+    @property
+    def defer(self) -> bool:
+        """A checkpoint stored beside the next chunk's first products, not between chunks: K =
+        128's serial fp16 checkpoints builds."""
+        return (self.checkpoints and self.f16 and not self.alongside and not self.rescale
+                and not self.ck_lanes and self.head_dim_k == 128)
 
 def supports(cfg: RecurConfig) -> tuple[bool, str]:
     if cfg.head_dim_k % 8 or not 8 <= cfg.head_dim_k <= 256:
