@@ -31,8 +31,9 @@ SYM_WIDTH = {
     # the token step: pool slots and written rows, their strides, the index tables' lengths
     "P": 32, "PD": 32, "sP": 64, "sPD": 64,
     "NCU": 32, "NRI": 32, "NWI": 32, "NAC": 32, "NPA": 32, "NHI": 32,
-    # the offsets: the caller's cu_seqlens in int32 words; the shifted K1 tables (2N + 1)
-    "NCW": 32, "N2": 32,
+    # the offsets: the caller's cu_seqlens in int32 words; the shifted K1 tables (2N + 1); the
+    # segments' tables (N P + 1)
+    "NCW": 32, "N2": 32, "NSP1": 32,
     # checkpoints: K2's table, the destination's rows and row stride, the scratch rows; the
     # caller's entries and first offsets (int32 words), the side tables
     "NCT": 32, "NCK": 32, "sCK": 64, "NSK": 32, "NCE": 32, "NCF": 32, "NSC": 32,

@@ -54,7 +54,7 @@ def fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float, 
     fast anywhere, ~5e-6 state error, bf16's range; ~1.35x fast's time). A forward whose
     state becomes non-finite all the same (inf / NaN inputs) is reported: DeviceValueError
     naming `precision` by the next forward or serving call, or by `kda_cute.check_errors()`.
-    segments: K2's segments per sequence (kda_cute.segments; fixed-length batches, K == V);
+    segments: K2's segments per sequence (kda_cute.segments; K == V; varlen: dense states);
     None chooses from the grid's size, 1 turns them off. Where K2's grid is small and not
     split, K2 runs alongside K1 (`describe`; KDA_CUTE_ALONGSIDE=0 turns that off).
     has_initial_state: [N] bool, sequences marked False start from zeros whatever their

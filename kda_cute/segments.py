@@ -37,6 +37,24 @@ def plan(B: int, T: int, chunk: int, segments: int) -> tuple[list[int], list[int
     return cu, cc
 
 
+def varlen_tables(cu: list[int], chunk: int, segments: int) -> tuple[list[int], list[int]]:
+    """`plan` for a varlen batch from its cu_seqlens, as the offsets kernel builds it on the
+    device: each sequence's chunks in `segments` runs of ceil(chunks / segments), trailing ones
+    empty; (token offsets [N P + 1], each segment's first chunk slot [N P + 1], the last the
+    slots' end). Sequence n's first slot is cu[n] // chunk + n (workspace.chunk_slots)."""
+    seg_cu, seg_cc = [cu[0]], []
+    for n in range(len(cu) - 1):
+        length, c0 = cu[n + 1] - cu[n], cu[n] // chunk + n
+        nc = -(-length // chunk)
+        per = -(-nc // segments)
+        for j in range(segments):
+            a = min(j * per, nc)
+            seg_cc.append(c0 + a)
+            seg_cu.append(cu[n] + min(min(a + per, nc) * chunk, length))
+    seg_cc.append(cu[-1] // chunk + len(cu) - 1)
+    return seg_cu, seg_cc
+
+
 def combine(A: torch.Tensor, Bs: torch.Tensor, initial_state: torch.Tensor | None,
             final: torch.Tensor | None = None):
     """A: [B, P, H, K, K], Bs: [B, P, H, V, K] (fp32) -> (start states [B, P, H, V, K],

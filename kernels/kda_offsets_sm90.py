@@ -14,6 +14,10 @@ chunk): K1's table splits each row n in two, [bos, min(bos + f, eos)) (f = first
 partial first chunk, at slot bos // C + 2n) and the rest (from slot bos // C + 2n + 1), and
 K2's cu_chunks holds chunk0 * C + sigma, chunk0 the slot of the row's first chunk (an empty row
 and f = 0: no partial first chunk, sigma 0). The slots between rows hold no tokens.
+
+Segments (segments = P > 0, a varlen forward's K2 over P segments a sequence): each sequence's
+chunks in P runs of ceil(chunks / P), their cu_seqlens and first chunk slots, so that K2 runs
+them as N P sequences (kda_cute.segments).
 """
 
 import cutlass
@@ -48,6 +52,9 @@ class KdaOffsetsSm90:
         shifted: cutlass.Int32,
         f_sn: cutlass.Int32,  # mFirst's row stride (entries)
         f_wide: cutlass.Int32,  # 1: int64 entries
+        mSegCu: cute.Tensor,  # segments: the segments' cu_seqlens, (N P + 1,) int32
+        mSegCc: cute.Tensor,  # segments: each segment's first chunk slot, (N P + 1,) int32
+        segments: cutlass.Int32,  # P segments a sequence; 0: none
         stream,
     ):
         @cute.struct
@@ -57,7 +64,7 @@ class KdaOffsetsSm90:
         self.shared_storage = SharedStorage
         self.smem_bytes = SharedStorage.size_in_bytes()
         self.kernel(mCuIn, mCuSeq, mCuChunk, mErr, mFirst, mCu1, mCc1, wide, entries, tokens,
-                    chunk_shift, shifted, f_sn, f_wide).launch(
+                    chunk_shift, shifted, f_sn, f_wide, mSegCu, mSegCc, segments).launch(
             grid=(1, 1, 1), block=(self.threads, 1, 1), smem=self.smem_bytes, stream=stream)
 
     # ---------------------------------------------------------------- device
@@ -101,12 +108,39 @@ class KdaOffsetsSm90:
         else:
             mCuChunk[i] = base << chunk_shift
 
+    @cute.jit
+    def _segments(self, mCuIn: cute.Tensor, mSegCu: cute.Tensor, mSegCc: cute.Tensor, i, v,
+                  any_bad, wide, entries, chunk_shift, P):
+        """Entry i's share of the segments' tables (v: its checked offset): sequence i's chunks
+        in P runs of ceil(chunks / P) (trailing ones may be empty), each run's end token at
+        i P + j + 1 and its first chunk slot at i P + j; entry 0 and the last slot by the
+        first and last entries (kda_cute.segments.varlen_tables)."""
+        i32 = cutlass.Int32
+        c0 = (v >> chunk_shift) + i  # sequence i's first chunk slot (cu_chunks)
+        if i == 0:
+            mSegCu[0] = v
+        if i + 1 < entries:
+            e, _ = self._entry(mCuIn, i + 1, wide)
+            if any_bad != 0:
+                e = i32(0)
+            n = e - v
+            nc = (n + (i32(1) << chunk_shift) - 1) >> chunk_shift
+            per = (nc + P - 1) // P
+            for j in cutlass.range(P):
+                a = cutlass.min(j * per, nc)
+                b = cutlass.min(a + per, nc)
+                mSegCc[i * P + j] = c0 + a
+                mSegCu[i * P + j + 1] = v + cutlass.min(b << chunk_shift, n)
+        else:
+            mSegCc[i * P] = c0
+
     @cute.kernel
     def kernel(self, mCuIn: cute.Tensor, mCuSeq: cute.Tensor, mCuChunk: cute.Tensor,
                mErr: cute.Tensor, mFirst: cute.Tensor, mCu1: cute.Tensor, mCc1: cute.Tensor,
                wide: cutlass.Int32, entries: cutlass.Int32, tokens: cutlass.Int32,
                chunk_shift: cutlass.Int32, shifted: cutlass.Int32, f_sn: cutlass.Int32,
-               f_wide: cutlass.Int32):
+               f_wide: cutlass.Int32, mSegCu: cute.Tensor, mSegCc: cute.Tensor,
+               segments: cutlass.Int32):
         i32 = cutlass.Int32
         tid, _, _ = cute.arch.thread_idx()
         smem = utils.SmemAllocator()
@@ -141,6 +175,9 @@ class KdaOffsetsSm90:
                               entries, chunk_shift, f_sn, f_wide)
             else:
                 mCuChunk[i] = (v >> chunk_shift) + i
+            if segments > 0:
+                self._segments(mCuIn, mSegCu, mSegCc, i, v, any_bad, wide, entries,
+                               chunk_shift, segments)
         if any_bad != 0:
             if tid == 0:
                 mErr[E_PREFILL_CU] = i32(1)

@@ -180,6 +180,8 @@ PROBLEMS = {
     "k64-varlen-longest-first": dict(seqlens=[40, 7, 90, 33, 5, 120], H=64, K=64),
     "k64-varlen-one-wave": dict(seqlens=[40, 7, 90, 33, 5, 120], H=2, K=64, cu32=True),
     "k64-varlen-160-seqs": dict(seqlens=[3] * 160, H=2, K=64),
+    "k128-varlen-segments-auto": dict(seqlens=[8192], H=16, K=128),
+    "k128-varlen-segments-3": dict(seqlens=[300, 0, 777, 5], H=2, K=128, segments=3),
     "k128-varlen-empty-seqs": dict(seqlens=[300, 0, 1700, 0], H=4, K=128, cu32=True),
     "k128-varlen-mix-h64": dict(seqlens=[2048, 512, 3000, 100, 2532], H=64, K=128),
     "k128-gate-unbounded": dict(B=1, T=64, H=4, K=128, gate="unbounded"),

@@ -198,7 +198,7 @@ SYMS = {"T": 4099, "R": 4208, "H": 5, "HK": 5 * 128, "HV": 5 * 128, "HC": 5 * 16
         "P": 1031, "PD": 1033, "sP": 0x5_0000_0008, "sPD": 0x6_0000_0010, "NCU": 9, "NRI": 11,
         "NWI": 13, "NAC": 15, "NPA": 17, "NHI": 19, "NCW": 21, "NCT": 23, "NCK": 25,
         "sCK": 0x8_0000_0040, "NSK": 27, "NCE": 29, "NCF": 31, "NSC": 33, "N2": 37,
-        "NFX": 35}
+        "NFX": 35, "NSP1": 39}
 
 
 def arg_named(args: list, name: str) -> abi.Arg:

@@ -215,6 +215,23 @@ def test_segmented_recurrence(K, segments, precision):
     assert (s1 - s2).norm() / s1.norm() < (1e-4 if precision == "precise" else 1e-3)
 
 
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("seqlens, segments", [([1000], 4), ([300, 0, 777, 5, 64], 3)])
+def test_segmented_recurrence_varlen(seqlens, segments, precision):
+    """A varlen batch over segments built on the device from cu_seqlens (the offsets kernel):
+    one long sequence; uneven ones with an empty one and ones of fewer chunks than segments.
+    The accuracy bar, the outputs as good as the plain recurrence's and the final states its
+    to the operands' rounding."""
+    inp = make_inputs(seqlens=seqlens, H=2, K=128, seed=40 + segments)
+    res = errors(inp, segments=segments, precision=precision)
+    _assert(res)
+    seq = errors(inp, segments=1, precision=precision)
+    assert res["out_err"] < seq["out_err"] * 1.05, (res, seq)
+    _, s1 = run_kda(inp, segments=1, precision=precision)
+    _, s2 = run_kda(inp, segments=segments, precision=precision)
+    assert (s1 - s2).norm() / s1.norm() < (1e-4 if precision == "precise" else 1e-3)
+
+
 @pytest.mark.parametrize("K", [64, 128, 256])
 @pytest.mark.parametrize("init,final", [("f32", "f32"), (None, "bf16"), ("bf16", None),
                                         ("f32", "in-place")])

@@ -213,3 +213,33 @@ def test_graph_replays_new_lengths(dtype):
     g.replay()
     with pytest.raises(kda_cute.DeviceValueError, match="cu_seqlens"):
         kda_cute.check_errors(sync=True)
+
+
+@pytest.mark.parametrize("P", [3, 8])
+def test_offsets_kernel_writes_the_segments_tables(P):
+    """With segments, the offsets kernel also writes each sequence's segments' cu_seqlens and
+    first chunk slots, as segments.varlen_tables builds them (more entries than threads, empty
+    sequences, sequences of fewer chunks than segments)."""
+    from kda_cute import Options, checks, plans, segments
+    from kda_cute.launch import buffers
+
+    gen = torch.Generator().manual_seed(P)
+    lens = torch.randint(0, 200, (300,), generator=gen)
+    lens[::5] = 0
+    inp = make_inputs(seqlens=lens.tolist(), H=2, K=128, seed=4)
+    cu = inp["cu_seqlens"].to(torch.int32)
+    out = torch.empty_like(inp["v"])
+    call = kda_cute.Call(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], out,
+                         inp["A_log"], inp["dt_bias"], None, None, cu, inp["scale"],
+                         inp["lower_bound"])
+    opts = Options(segments=P)
+    pl = kda_cute.plan(checks.forward(call, opts), opts, plans.device_info(cu.device))
+    assert str(pl.schedule) == f"segments {P}"
+    offs = pl.step("offsets")
+    kda_cute.run(pl.only("offsets"), call)
+    torch.cuda.synchronize()
+    s = torch.cuda.current_stream().cuda_stream
+    got = [buffers.get(offs.source(n).buffer, cu.device, s) for n in ("seg_cu", "seg_cc")]
+    want = segments.varlen_tables(cu.tolist(), pl.config.chunk, P)
+    assert [g.tolist() for g in got] == [list(w) for w in want]
+    kda_cute.check_errors(sync=True)

@@ -154,3 +154,37 @@ def test_plans_read_the_device_offsets(B, T, P):
     for s in runs:
         cu, cc = _offsets_buffers(B, T, pl.config.chunk, 1 if s.name == "K1" else P)
         assert (s.source("cu_seqlens"), s.source("cu_chunks")) == (At(cu), At(cc)), s.name
+
+
+def test_varlen_tables():
+    """A varlen batch's segments as the offsets kernel builds them: equal lengths give plan()'s
+    token offsets (the chunk slots then skip one between sequences, as varlen slots do); an
+    empty sequence gives empty segments; fewer chunks than segments, empty trailing ones."""
+    cu, cc = segments.varlen_tables([0, 64, 128], 16, 3)
+    assert cu == segments.plan(2, 64, 16, 3)[0]
+    assert cc == [0, 2, 4, 5, 7, 9, 10]
+    cu, cc = segments.varlen_tables([0, 100, 100, 300], 16, 3)
+    assert cu == [0, 48, 96, 100, 100, 100, 100, 180, 260, 300]
+    assert cc == [0, 3, 6, 7, 7, 7, 8, 13, 18, 21]
+    assert segments.varlen_tables([0, 20], 16, 4) == ([0, 16, 20, 20, 20], [0, 1, 2, 2, 2])
+
+
+def test_varlen_plan_reads_the_device_segments():
+    """A varlen plan over segments: the offsets kernel builds the segments' tables, every K2
+    run over the segments reads them (not the sequences'), unranked; pools and checkpoints
+    keep the plain recurrence."""
+    from kda_cute import Options, Problem, plan
+
+    p = Problem(1, 3000, 2, 128, 128, 3, True)
+    pl = plan(p, Options(segments=4))
+    assert str(pl.schedule) == "segments 4"
+    offs = pl.step("offsets")
+    assert offs.source("segments").value == 4
+    for name in ("K2 identity", "K2 from zero", "K2 from starts"):
+        s = pl.step(name)
+        assert s.source("cu_seqlens") == offs.source("seg_cu"), name
+        assert s.source("cu_chunks") == offs.source("seg_cc"), name
+        assert s.source("ordered").value == 0
+    assert pl.step("K1").source("cu_seqlens") == offs.source("cu_seqlens")
+    # chosen for the mean length: one sequence of 8192 tokens, 16 heads
+    assert str(plan(Problem(1, 8192, 16, 128, 128, 1, True), Options()).schedule) == "segments 4"

@@ -55,14 +55,16 @@ from .steps import (
 )
 
 
-def _offsets(p: Problem, C: int, shift: bool, dev: DeviceInfo) -> tuple[Launch, tuple, tuple]:
+def _offsets(p: Problem, C: int, shift: bool, dev: DeviceInfo,
+             segments: int = 1) -> tuple[Launch, tuple, tuple, tuple]:
     """The offsets kernel's launch: cu_seqlens checked and copied on the device, and the chunk
     slots from it. The kernels read only the checked copy (a bad batch runs as empty sequences
     and sets the error word), so no value of the caller's is followed and nothing syncs.
     `shift` (grids shifted to first checkpoint boundaries): also K1's split table and K2's
     chunk slots with each row's shift, from checkpoint_first (a fixed-length batch's offsets
-    from the launcher's table). Returns (the launch, K2's (cu_seqlens, cu_chunks), K1's or
-    None where K1 reads K2's)."""
+    from the launcher's table). A varlen batch over `segments` > 1 a sequence: also the
+    segments' cu_seqlens and first chunk slots. Returns (the launch, K2's (cu_seqlens,
+    cu_chunks), K1's or None where K1 reads K2's, the segments' or None)."""
     cs = At(Buffer("scratch", (p.N + 1,), I32, ("cu_seqlens",)))
     cc = At(Buffer("scratch", (p.N + 1,), I32, ("cu_chunks",)))
     vals = {"cu_in": Role("cu_seqlens") if p.varlen else segment_offsets(p.B, p.T, C, 1)[0],
@@ -70,8 +72,17 @@ def _offsets(p: Problem, C: int, shift: bool, dev: DeviceInfo) -> tuple[Launch, 
             "first": Errors(), "k1_cu_seqlens": Errors(), "k1_cu_chunks": Errors(),
             "wide": Scalar(int(p.cu_int64)), "entries": Scalar(p.N + 1),
             "tokens": Scalar(p.B * p.T), "chunk_shift": Scalar(C.bit_length() - 1),
-            "shifted": Scalar(0), "f_sn": Scalar(0), "f_wide": Scalar(0)}
-    syms = {"NCW": (p.N + 1) * (2 if p.cu_int64 else 1), "N1": p.N + 1, "N2": 1, "NCF": 1}
+            "shifted": Scalar(0), "f_sn": Scalar(0), "f_wide": Scalar(0),
+            "seg_cu": Errors(), "seg_cc": Errors(), "segments": Scalar(0)}
+    syms = {"NCW": (p.N + 1) * (2 if p.cu_int64 else 1), "N1": p.N + 1, "N2": 1, "NCF": 1,
+            "NSP1": 1}
+    seg = None
+    if segments > 1:
+        n = p.N * segments + 1
+        seg = tuple(At(Buffer("scratch", (n,), I32, (name,)))
+                    for name in ("segments cu_seqlens", "segments cu_chunks"))
+        vals.update({"seg_cu": seg[0], "seg_cc": seg[1], "segments": Scalar(segments)})
+        syms["NSP1"] = n
     k1 = None
     if shift:
         n2, ck = 2 * p.N + 1, p.ckpt
@@ -81,7 +92,7 @@ def _offsets(p: Problem, C: int, shift: bool, dev: DeviceInfo) -> tuple[Launch, 
                      "k1_cu_chunks": k1[1], "shifted": Scalar(1), "f_sn": Scalar(ck.f_sn),
                      "f_wide": Scalar(ck.f_wide)})
         syms.update({"N2": n2, "NCF": max(1, ck.f_words)})
-    return kernel_launch("offsets", OFFSETS, (1, 1, 1), vals, syms, dev), (cs, cc), k1
+    return kernel_launch("offsets", OFFSETS, (1, 1, 1), vals, syms, dev), (cs, cc), k1, seg
 
 
 def forward_plan(p: Problem, opts: Options, cfg: FwdConfig, dev: DeviceInfo) -> Plan:
@@ -96,9 +107,10 @@ def forward_plan(p: Problem, opts: Options, cfg: FwdConfig, dev: DeviceInfo) -> 
     # boundary's phase, so that every boundary ends a chunk (the segments do not shift)
     shift = (p.ckpt is not None and p.ckpt.shifts and sched.kind != "segments"
              and sched.k2_grid is not None)
-    k1_tables = None
+    k1_tables = seg_tables = None
     if p.varlen or shift:
-        launch, offs, k1_tables = _offsets(p, C, shift, dev)
+        P = sched.segments if sched.kind == "segments" and p.varlen else 1
+        launch, offs, k1_tables, seg_tables = _offsets(p, C, shift, dev, P)
         steps.append(launch)
     else:
         offs = segment_offsets(p.B, p.T, C, 1)
@@ -181,7 +193,7 @@ def forward_plan(p: Problem, opts: Options, cfg: FwdConfig, dev: DeviceInfo) -> 
                                    sch.k1_alongside_smem(dev, ctas), programmatic=True))
         steps += rescale_run("K2", acfg.recur, grid, vals2, syms, dev)
     elif sched.kind == "segments":
-        steps += _segments(p, cfg, sched.segments, vals2, syms, dev)
+        steps += _segments(p, cfg, sched.segments, vals2, syms, dev, seg_tables)
     elif grid is not None:
         k2 = sch.k2_serial(opts, cfg, grid, dev)
         if k2.wy:
@@ -201,20 +213,21 @@ def forward_plan(p: Problem, opts: Options, cfg: FwdConfig, dev: DeviceInfo) -> 
 
 
 def _segments(p: Problem, cfg: FwdConfig, P: int, vals2: dict, syms: dict,
-              dev: DeviceInfo) -> list:
+              dev: DeviceInfo, tables: tuple | None = None) -> list:
     """K2 over B * P segments (kda_cute.segments): the value rows from zero (end states B_j),
     the identity rows with v = 0 (state maps A_j), the combine (start states and the final
     state), then the value rows again from each segment's start state, writing `out`. The
     first two runs' outputs are not needed: they run K2's output-free variant
-    (ladder.SEGMENT_RUNS) where one is built for this config."""
-    B, T, H, K, V = p.B, p.T, p.H, p.K, p.V
-    C, bv, N = cfg.chunk, cfg.recur.block_v, p.B * P
-    cu, cc = segment_offsets(B, T, C, P)
+    (ladder.SEGMENT_RUNS) where one is built for this config. A varlen batch's segments come
+    from the offsets kernel (`tables`); a fixed-length batch's from the launcher's table."""
+    B, T, H, K, V = p.N, p.T, p.H, p.K, p.V
+    C, bv, N = cfg.chunk, cfg.recur.block_v, p.N * P
+    cu, cc = tables if p.varlen else segment_offsets(B, T, C, P)
     # the end states, the state maps and the combine's start states: one buffer (V == K)
     states = Buffer("scratch", (3, N, H, K, K), F32, ("segment states",))
     one = N * H * K * K * 4
     ends, maps, starts = At(states), At(states, one), At(states, 2 * one)
-    zeros = At(Buffer("zeros", (B * T, H, K), BF16))
+    zeros = At(Buffer("zeros", (p.B * T, H, K), BF16))
     eye = At(Buffer("eye", (N, H, K, K), F32))
     # K2's output-free variant, and the identity run's (V = K) with and without outputs
     quiet = replace(cfg.recur, outputs=False)
@@ -223,8 +236,9 @@ def _segments(p: Problem, cfg: FwdConfig, P: int, vals2: dict, syms: dict,
     # without the output-free variant the value run writes `out` (overwritten by the third
     # run) and the identity run a scratch tensor; with it they write nothing
     scratch = (vals2["out"] if quiet_built
-               else At(Buffer("scratch", (B * T, H, K), BF16, ("identity out",))))
-    seg = {"cu_seqlens": cu, "cu_chunks": cc}
+               else At(Buffer("scratch", (p.B * T, H, K), BF16, ("identity out",))))
+    # (the segment rows in their order: a varlen batch's longest-first ranking is of sequences)
+    seg = {"cu_seqlens": cu, "cu_chunks": cc, "ordered": Scalar(0)}
     dense = index_values(p, N, INDEX_DENSE, has_init=False)
     syms_v = {**syms, "N1": N + 1, "NS": N, "sS": H * K * K}
     syms_i = {**syms_v, "HV": H * K, "sV": H * K, "sO": H * K}

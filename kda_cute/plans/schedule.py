@@ -54,15 +54,18 @@ def decide(p: Problem, opts: Options, cfg: FwdConfig, dev: DeviceInfo) -> Schedu
 
 
 def segment_count(p: Problem, opts: Options, cfg: FwdConfig, dev: DeviceInfo) -> int:
-    """Segments per sequence for K2 (1: the plain recurrence). Fixed-length batches with K == V
-    only (the identity run reuses K2's config), with a combine kernel for K; Options.segments
-    (an int) overrides the choice."""
-    if (p.varlen or p.K != p.V or cfg.recur.mma != "wgmma" or p.B * p.T == 0
-            or combine_config(p.K) is None):
+    """Segments per sequence for K2 (1: the plain recurrence). K == V only (the identity run
+    reuses K2's config), with a combine kernel for K; a varlen batch with dense states and no
+    checkpoints (its segments are built on the device from cu_seqlens, its lengths unknown to
+    the host: chosen for the mean length). Options.segments (an int) overrides the choice."""
+    if (p.K != p.V or cfg.recur.mma != "wgmma" or p.B * p.T == 0 or p.N == 0
+            or combine_config(p.K) is None
+            or (p.varlen and (p.pool is not None or p.ckpt is not None))):
         return 1
     if opts.segments is not None:
         return max(1, min(int(opts.segments), -(-p.T // cfg.chunk)))
-    return seg.choose(p.B, p.T, p.H, p.V, cfg.chunk, cfg.recur.block_v, dev.sms)
+    return seg.choose(p.N, -(-p.B * p.T // p.N), p.H, p.V, cfg.chunk, cfg.recur.block_v,
+                      dev.sms)
 
 
 @functools.lru_cache(maxsize=256)

@@ -23,7 +23,9 @@ class OffsetsConfig(SpecConfig):
     N empty sequences (every entry 0, the slots 0, 1, ..., N) and sets the error word.
     `shifted`: each row's chunk grid shifted by its first checkpoint boundary's phase (K1's
     split table and K2's cu_chunks as chunk0 * C + sigma: kda_cute.plans.workspace.
-    shifted_tables, the kernel's docstring)."""
+    shifted_tables, the kernel's docstring). `segments` P > 0: also each sequence's P segments of
+    whole chunks for K2 (kda_cute.segments.varlen_tables is its float model): the segments'
+    cu_seqlens (N P + 1 entries) and each segment's first chunk slot."""
 
     threads: int = 256
 
@@ -44,7 +46,7 @@ def args(cfg: OffsetsConfig) -> list[Arg]:
     N + 1 entries), the error words (kda_cute.errors); shifted only: the rows' first
     boundaries (int32 words, NCF; row stride f_sn entries, int64 for f_wide), K1's cu_seqlens
     and cu_chunks (N2 = 2N + 1 entries); the entries, the tokens T, log2 of the chunk and the
-    shifted switch."""
+    shifted switch; the segments' tables (NSP1 = N P + 1 entries each) and P (0: none)."""
     return [
         tensor("cu_in", "int32", ("NCW",), (1,), dsl="mCuIn"),
         tensor("cu_seqlens", "int32", ("N1",), (1,), dsl="mCuSeq"),
@@ -60,6 +62,9 @@ def args(cfg: OffsetsConfig) -> list[Arg]:
         scalar("shifted"),
         scalar("f_sn"),
         scalar("f_wide"),
+        tensor("seg_cu", "int32", ("NSP1",), (1,), dsl="mSegCu"),
+        tensor("seg_cc", "int32", ("NSP1",), (1,), dsl="mSegCc"),
+        scalar("segments"),
     ]
 
 
