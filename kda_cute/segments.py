@@ -86,15 +86,28 @@ def combine(A: torch.Tensor, Bs: torch.Tensor, initial_state: torch.Tensor | Non
     return starts, final
 
 
+# The segment count's cost model, in chain steps (one chunk of one K2 CTA): each of the three
+# K2 runs pays a CTA's fixed cost (the state in and out, the pipeline's fill) and the combine a
+# serial step per segment (docs/notes/bytes.md).
+_CTA_FIXED_STEPS = 8
+_COMBINE_STEPS = 5
+
+
 def choose(B: int, T: int, H: int, V: int, chunk: int, block_v: int, sms: int) -> int:
-    """How many segments per sequence: as many as keep one K2 run over the segments within one
-    CTA an SM (two CTAs an SM retire little more than one, so a second CTA an SM costs nearly
-    a wave: docs/notes/bytes.md), none shorter than 32 chunks, at most 8 (the combine's serial
-    steps); 1 (the plain recurrence) unless that is at least 3x the sequential grid (the work
-    is 3x). Only where the plain grid fills at most a quarter of the SMs, with V >= 128 (K = 64's
-    shorter chain a chunk measured faster plain)."""
+    """How many segments per sequence: at most as many as keep one K2 run over the segments
+    within one CTA an SM (two CTAs an SM retire little more than one, so a second CTA an SM
+    costs nearly a wave: docs/notes/bytes.md), none shorter than 32 chunks, at most 8 (the
+    combine's serial steps), and the count whose modelled chain (three runs of ceil(chunks / P)
+    steps plus their fixed costs, and the combine) is the shortest, if shorter than the plain
+    chain; else 1 (the plain recurrence). Only where the plain grid fills at most a quarter of
+    the SMs, with V >= 128 (K = 64's shorter chain a chunk measured faster plain)."""
     ctas = B * H * (V // block_v)
     if V < 128 or 4 * ctas > sms:
         return 1
-    p = min(sms // ctas, -(-T // chunk) // 32, 8)
-    return p if p >= 3 else 1
+    nc = -(-T // chunk)
+    best, best_steps = 1, nc
+    for p in range(3, min(sms // ctas, nc // 32, 8) + 1):
+        steps = 3 * (-(-nc // p) + _CTA_FIXED_STEPS) + _COMBINE_STEPS * p
+        if steps < best_steps:
+            best, best_steps = p, steps
+    return best

@@ -72,6 +72,9 @@ def test_plan_covers_whole_chunks():
     (1, 8192, 64, 1),    # 128 CTAs: two segments would triple the work for 2x the CTAs
     (1, 8192, 96, 1),    # 192 CTAs fill the 132 SMs already
     (1, 1024, 16, 1),    # 64 chunks: two segments at most, not worth three runs
+    (1, 2048, 12, 1),    # 128 chunks: four segments' runs and combine cost the chain they save
+    (1, 2048, 16, 1),
+    (1, 3072, 10, 6),    # 192 chunks: six segments of 32
 ])
 def test_choose(B, T, H, expected):
     # K2 at K = V = 128 (64-row CTAs) on 132 SMs
