@@ -40,11 +40,9 @@ LB = -5.0
 
 
 @triton.jit
-def _replay_step(q, k, v, g, beta, A_log, dt_bias, out, idx, cur_in, cur_out, pool,
-                 rk, rr_ptr, ru, rg, H, scale, lb,
-                 L: tl.constexpr, LP: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                 BV: tl.constexpr):
-    vb, h, n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+def _row(q, k, v, g, beta, A_log, dt_bias, out, idx, cur_in, cur_out, pool, rk, rr_ptr, ru, rg,
+         H, scale, lb, vb, h, n, L: tl.constexpr, LP: tl.constexpr, K: tl.constexpr,
+         V: tl.constexpr, BV: tl.constexpr, MATH: tl.constexpr):
     s = tl.load(idx + n).to(tl.int64)
     c = tl.load(cur_in + s)
     ck = tl.arange(0, K)
@@ -76,9 +74,13 @@ def _replay_step(q, k, v, g, beta, A_log, dt_bias, out, idx, cur_in, cur_out, po
     rr = tl.load(rr_ptr + ring + jj, mask=live, other=0.0)
     U = tl.load(ru + (ring + jj)[:, None] * V + cv[None, :], mask=live[:, None],
                 other=0.0).to(tl.float32)
-    W = Kr * rr[:, None] * tl.exp(gt[None, :] - Gr)
-    pred += tl.sum(U * tl.sum(W * kn[None, :], 1)[:, None], 0)
-    o += tl.sum(U * tl.sum(W * qn[None, :], 1)[:, None], 0)
+    if MATH:
+        W = Kr * rr[:, None] * tl.exp(gt[None, :] - Gr)
+        pred += tl.sum(U * tl.sum(W * kn[None, :], 1)[:, None], 0)
+        o += tl.sum(U * tl.sum(W * qn[None, :], 1)[:, None], 0)
+    else:  # the same loads and stores, a token of arithmetic on each
+        W = Kr * rr[:, None] + Gr
+        pred += tl.sum(U, 0) + tl.sum(tl.sum(W, 1), 0)
     u = bt * (vv - pred)
     o += u * tl.sum(kn * qn)
     tl.store(out + tok * V + cv, o.to(out.dtype.element_ty))
@@ -97,6 +99,30 @@ def _replay_step(q, k, v, g, beta, A_log, dt_bias, out, idx, cur_in, cur_out, po
             tl.store(rr_ptr + ring + c, rkt)
             if h == 0:
                 tl.store(cur_out + s, c + 1)
+
+
+@triton.jit
+def _replay_step(q, k, v, g, beta, A_log, dt_bias, out, idx, cur_in, cur_out, pool,
+                 rk, rr_ptr, ru, rg, H, scale, lb, L: tl.constexpr, LP: tl.constexpr,
+                 K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, MATH: tl.constexpr):
+    _row(q, k, v, g, beta, A_log, dt_bias, out, idx, cur_in, cur_out, pool, rk, rr_ptr, ru, rg,
+         H, scale, lb, tl.program_id(0), tl.program_id(1), tl.program_id(2), L, LP, K, V, BV,
+         MATH)
+
+
+@triton.jit
+def _replay_persistent(q, k, v, g, beta, A_log, dt_bias, out, idx, cur_in, cur_out, pool,
+                       rk, rr_ptr, ru, rg, H, N, scale, lb, L: tl.constexpr, LP: tl.constexpr,
+                       K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, MATH: tl.constexpr,
+                       STAGES: tl.constexpr):
+    nvb = V // BV
+    total = N * H * nvb
+    for it in tl.range(tl.program_id(0), total, tl.num_programs(0), num_stages=STAGES):
+        vb = it % nvb
+        h = (it // nvb) % H
+        n = it // (nvb * H)
+        _row(q, k, v, g, beta, A_log, dt_bias, out, idx, cur_in, cur_out, pool, rk, rr_ptr, ru,
+             rg, H, scale, lb, vb, h, n, L, LP, K, V, BV, MATH)
 
 
 class Ring:
@@ -124,12 +150,19 @@ class Ring:
         per = e + e / L + entry * (L - 2) / 2 + entry * (L - 1) / L
         return N * H * (per + 3 * K * 2 + 2 * V * 2 + 2)
 
-    def step(self, x, idx, out, flip, BV=32, warps=4):
+    def step(self, x, idx, out, flip, BV=32, warps=4, math=True, persistent=0, stages=2):
+        """persistent > 0: that many programs an SM, each looping over (row, head, V-block)
+        items with the next items' loads issued ahead (`stages`)."""
         N, H = idx.shape[0], self.H
-        _replay_step[(V // BV, H, N)](
-            x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"], out, idx,
-            self.cur[flip], self.cur[1 - flip], self.pool, self.k, self.r, self.u, self.g, H,
-            K ** -0.5, LB, L=self.L, LP=max(16, self.L), K=K, V=V, BV=BV, num_warps=warps)
+        a = (x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"], out, idx,
+             self.cur[flip], self.cur[1 - flip], self.pool, self.k, self.r, self.u, self.g, H)
+        kw = dict(L=self.L, LP=max(16, self.L), K=K, V=V, BV=BV, MATH=math, num_warps=warps)
+        if persistent:
+            sms = torch.cuda.get_device_properties(idx.device).multi_processor_count
+            grid = min(N * H * (V // BV), persistent * sms)
+            _replay_persistent[(grid,)](*a, N, K ** -0.5, LB, STAGES=stages, **kw)
+        else:
+            _replay_step[(V // BV, H, N)](*a, K ** -0.5, LB, **kw)
 
 
 def tokens(N, H, gen):
@@ -165,7 +198,7 @@ def check(N, H, L, dtype, steps, u_dtype=torch.float16):
             "steps": steps, "out_vs_decode": out_err, "state_vs_decode": state_err}
 
 
-def timed(N, H, L, dtype, bw, iters, flush, BV, warps, u_dtype=torch.float16):
+def timed(N, H, L, dtype, bw, iters, flush, BV, warps, u_dtype=torch.float16, **variant):
     """One step's time, replay (cursors spread over the window, a filled ring) against
     kda_cute.decode, both graphed with the L2 flushed before every launch."""
     gen = torch.Generator(device="cuda").manual_seed(7 * N + H)
@@ -187,11 +220,11 @@ def timed(N, H, L, dtype, bw, iters, flush, BV, warps, u_dtype=torch.float16):
                         lower_bound=LB, A_log=x["A_log"], dt_bias=x["dt_bias"])
 
     def rep():
-        ring.step(x, idx, out, 0, BV, warps)
+        ring.step(x, idx, out, 0, BV, warps, **variant)
 
     esz = pool.element_size()
     today = N * H * (2 * esz * V * K + 3 * K * 2 + 2 * V * 2 + 2)
-    row = {"N": N, "H": H, "L": L, "pool": str(dtype)[6:], "BV": BV, "warps": warps,
+    row = {"N": N, "H": H, "L": L, "pool": str(dtype)[6:], "BV": BV, "warps": warps, **variant,
            "decode_bytes": today, "replay_bytes": ring.bytes_per_step(N, H)}
     row["decode_ms"] = time_ms(graphed(kda), iters, flush)
     row["replay_ms"] = time_ms(graphed(rep), iters, flush)
@@ -219,20 +252,22 @@ def main(argv=None):
     bw = copy_bandwidth()
     res["copy_TBps"] = bw / 1e12
     flush = _flusher()
-    shapes = [(64, 32), (256, 32), (1024, 32), (256, 12), (256, 96), (8, 32)]
+    shapes = [(256, 32), (1024, 32), (64, 32), (256, 12), (8, 32)]
     if a.quick:
         shapes = [(256, 32)]
-    tiles = [(32, 4), (64, 4), (64, 8), (128, 8), (128, 16)]
+    variants = [dict(BV=64, warps=4), dict(BV=64, warps=4, math=False)]
+    variants += [dict(BV=bv, warps=w, persistent=p, stages=st, math=m)
+                 for m in (True, False) for bv, w in ((64, 4), (32, 4)) for p in (2, 4)
+                 for st in (2, 3)]
     for N, H in shapes:
         for dtype in (torch.float32, torch.bfloat16):
-            for L in (8, 16):
-                best = None
-                for BV, w in tiles:
-                    r = timed(N, H, L, dtype, bw, 50, flush, BV, w)
-                    if best is None or r["replay_ms"] < best["replay_ms"]:
-                        best = r
-                print(json.dumps(best), flush=True)
-                res["times"].append(best)
+            for v in variants:
+                try:
+                    r = timed(N, H, 16, dtype, bw, 30, flush, **v)
+                except Exception as e:  # a variant Triton cannot build is reported, not fatal
+                    r = {"N": N, "H": H, "pool": str(dtype)[6:], **v, "error": repr(e)[:200]}
+                print(json.dumps(r), flush=True)
+                res["times"].append(r)
     a.out.write_text(json.dumps(res, indent=1))
 
 
