@@ -23,6 +23,8 @@ ROOT = Path(__file__).resolve().parent.parent
 # each table -> (its current JSON in bench/results, what it holds)
 CURRENT = {
     "prefill": ("bench-h200-2026-11-30-all-1f76ec1.json", "prefill, K 64 / 128 / 256, vs fla"),
+    "prefill-h100": ("bench-h100-2026-12-06-3f0c91c.json",
+                     "prefill, K 64 / 128 / 256, H100 (issue 58's tables' call)"),
     "prefill-precise": ("bench-precise-h200-2026-12-02-new.json", "prefill, precise, K 128"),
     "accuracy": ("accuracy-h200-2026-12-02-precise.json", "accuracy vs float64"),
     "accuracy-fla": ("accuracy-fla-h200-2026-11-30-6aed182.json", "accuracy vs float64, fla"),
@@ -33,21 +35,21 @@ CURRENT = {
     "pool-prefill": ("pool-prefill-h200-2026-12-02-e775ce0.json", "pool prefill, K 128"),
     "pool-prefill-k64-k256": ("pool-prefill-h200-2026-12-02-eb2c485-k64-k256.json",
                               "pool prefill, K 64 and 256"),
-    "checkpoints": ("checkpoints-h100-2026-12-06-034ba58.json", "checkpoint costs"),
+    "checkpoints": ("checkpoints-h100-2026-12-06-3f0c91c.json", "checkpoint costs"),
     "fla-model": ("fla-model-h100-2026-12-06-56c1de7.json", "a bf16 fla model"),
     "fla-suite": ("fla-suite-h100-2026-12-06-85dbdc6.json", "fla's KDA op tests"),
     "library-overhead": ("ecosystem-h200-2026-12-03-bf82d78.json", "library overhead, wheel"),
     "host": ("host-stub-cpu-2026-12-05-2aad21c.json", "launcher host time, CPU"),
-    "peers-tp": ("peers-tp-h100-2026-12-06-fa640c8.json",
+    "peers-tp": ("peers-tp-h100-2026-12-06-3f0c91c.json",
                  "prefill vs cuDNN fused and FlashKDA, TP shapes"),
-    "peers-ten": ("peers-ten-h100-2026-12-06-fa640c8.json",
+    "peers-ten": ("peers-ten-h100-2026-12-06-3f0c91c.json",
                   "prefill vs cuDNN fused and FlashKDA, ten cases"),
     "refactor-ab": ("refactor-ab-h100-2026-12-06.json", "one shape for every call, old / new"),
 }
 # files of a table beyond those sharing its JSON's stem, and results with no JSON
 EXTRA = {"host": ("host-stub-cpu-2026-12-05.md", "host-stub-cpu-2026-12-05-6a45ba3.json")}
 RECORDS = {"gate-params": ("gate-params-ab-h100-2026-12-06.md", "gate parameters as held, A/B"),
-           "gpu-suite": ("gpu-tests-h100-2026-12-06-d5491ec.log", "the GPU suite's last run")}
+           "gpu-suite": ("gpu-tests-h100-2026-12-06-9f64898.log", "the GPU suite's last run")}
 
 
 def table(head, rows, left=1):
