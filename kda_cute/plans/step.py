@@ -1,4 +1,4 @@
-"""A serving step's launch list: one token-step kernel (kernels/kda_step_sm90.py) whose every
+"""A serving step's launch list: one token-step kernel (kernels/kda_step_*_sm90.py) whose every
 mode is a scalar of the plan, from the StepProblem alone (kda_cute.specs.step.args says what each
 argument means). The grid depends on shapes only: N rows x H heads x V / block_v blocks."""
 

@@ -1,6 +1,6 @@
-"""The token step (kernels/kda_step_sm90.py): decode and multi-token verify against a state pool,
-token by token with the state in registers. Its config, constraints and argument list; no DSL
-import here.
+"""The token step (kernels/kda_step_sm90.py, its persistent and chunked forms beside it, over
+kernels/step_rows.py): decode and multi-token verify against a state pool, token by token with
+the state in registers. Its config, constraints and argument list; no DSL import here.
 
 One kernel serves every serving form: which slot a row reads, where the state after a token goes
 and how a row's tokens are found are run-time arguments (index tables with strides, modes), so
@@ -244,4 +244,10 @@ def args(cfg: StepConfig) -> list[Arg]:
 
 
 def dsl_class(cfg: StepConfig) -> str:
+    """The chunked tile (one tile a CTA or persistent), the persistent single-token kernel, or
+    the one-tile token kernel."""
+    if cfg.chunk:
+        return "kernels.kda_step_chunk_sm90:KdaStepChunkSm90"
+    if cfg.persist:
+        return "kernels.kda_step_persist_sm90:KdaStepPersistSm90"
     return "kernels.kda_step_sm90:KdaStepSm90"
