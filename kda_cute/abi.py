@@ -39,10 +39,12 @@ SYM_WIDTH = {
     "NCT": 32, "NCK": 32, "sCK": 64, "NSK": 32, "NCE": 32, "NCF": 32, "NSC": 32,
     # the rescale words of K2 (kda_cute.specs.recur.rescale_args)
     "NFX": 32,
+    # the replay step's ring: its tensors' slot strides
+    "sRK": 64, "sRR": 64, "sRU": 64, "sRG": 64,
 }
 # divisibility promised to the compiler; the launcher validates it
 SYM_DIV = {"sQ": 8, "sK": 8, "sG": 8, "sV": 8, "sO": 8, "sW": 8, "sWc": 8, "sP": 8, "sPD": 8,
-           "sCK": 8, "sS": 8}
+           "sCK": 8, "sS": 8, "sRK": 8, "sRU": 8, "sRG": 4, "sRR": 4}
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "int32": 4, "int8": 1}
 

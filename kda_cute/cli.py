@@ -29,7 +29,8 @@ from .specs import args_for, spec_of
 
 SUPPORTED_ARCHS = ("sm_90a",)
 # which kernel families (manifest "kind") each --ops name exports
-OPS = {"prefill": ("offsets", "checkpoints", "prep", "recur", "combine"), "decode": ("step",)}
+OPS = {"prefill": ("offsets", "checkpoints", "prep", "recur", "combine"),
+       "decode": ("step", "replay")}
 HEADER = "kda_cute_kernels.h"
 # the launch grid of each family, in words (the plans compute it from the problem)
 GRID_RULES = {
@@ -40,6 +41,7 @@ GRID_RULES = {
     "step": "persistent or one CTA per (block of state rows, head, row); see kda_cute.plans.step",
     "offsets": "(1, 1, 1)",
     "checkpoints": "(N, 1, 1): one CTA per sequence",
+    "replay": "(V / block_v, H, rows): one CTA per (block of state rows, head, row)",
 }
 
 

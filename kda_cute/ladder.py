@@ -21,7 +21,7 @@ from .specs.prep import PrepConfig
 from .specs.recur import RecurConfig
 
 # the token step's tiles: config_for below chooses among them
-from .step_ladder import step_config, step_tiles
+from .step_ladder import REPLAY, step_config, step_tiles
 
 
 @dataclass(frozen=True)
@@ -245,8 +245,8 @@ def all_kernels() -> tuple:
     """Every kernel config that is built and shipped, once each: the forwards' K1 and K2
     (shipped, experimental and alongside builds), then K2's segment runs, WY and checkpoints
     builds, the looped K1s, the rescale runs, the combines, the token steps, the offsets and
-    the checkpoints kernel."""
+    the checkpoints kernel, the replay steps."""
     return tuple(dict.fromkeys(
         [c for f in SHIPPED + EXPERIMENTAL + ALONGSIDE for c in (f.prep, f.recur)]
         + [*SEGMENT_RUNS, *WY_RUNS, *CHECKPOINT_RUNS, *SIDE_PREPS, *RESCALE_RUNS, *COMBINE,
-           *step_tiles(), OFFSETS, CHECKPOINTS]))
+           *step_tiles(), OFFSETS, CHECKPOINTS, *REPLAY]))

@@ -5,6 +5,7 @@ ladder."""
 from __future__ import annotations
 
 from .specs import HEAD_DIMS
+from .specs.replay import ReplayConfig
 from .specs.step import WRITE_START, StepConfig
 from .specs.step import supports as step_supports
 
@@ -72,6 +73,14 @@ STEP_CHUNK: tuple[tuple[int, StepConfig], ...] = (
     # (docs/notes/step.md, "The chunked tile in the CuTe kernel")
     (8, StepConfig(128, 128, "bfloat16", 128, 16, 256, unroll=2, chunk=8)))
 _SHIPPED = STEP + tuple(c for _, c in STEP_SINGLE + STEP_MULTI + STEP_CHUNK)
+
+# The replay decode step (kda_cute.specs.replay), not yet called by the serving functions: the
+# decode's 64-row tiles (and 32-row fp32 ones) with rings of 4 to 16 entries.
+REPLAY: tuple[ReplayConfig, ...] = (
+    *(ReplayConfig(128, 128, "float32", 64, 32, 128, unroll=2, ring=n) for n in (16, 8, 4)),
+    ReplayConfig(128, 128, "float32", 32, 32, 128, unroll=2, ring=8),
+    *(ReplayConfig(128, 128, "bfloat16", 64, 16, 128, unroll=2, ring=n) for n in (16, 8)),
+)
 
 # other tiles, built for the tile sweep (bench/serving.py --sweep): fewer and more rows per CTA
 STEP_VARIANTS: tuple[StepConfig, ...] = tuple(c for c in dict.fromkeys(

@@ -36,7 +36,14 @@ from kda_cute.ladder import (
 from kda_cute.specs import PrepConfig, RecurConfig
 from kda_cute.specs.prep import supports as supports_prep
 from kda_cute.specs.recur import supports as supports_recur
-from kda_cute.step_ladder import STEP, STEP_CHUNK, STEP_MULTI, STEP_SINGLE, STEP_VARIANTS
+from kda_cute.step_ladder import (
+    REPLAY,
+    STEP,
+    STEP_CHUNK,
+    STEP_MULTI,
+    STEP_SINGLE,
+    STEP_VARIANTS,
+)
 from kernels.build import build_key, up_to_date
 
 ARCH = "sm_90a"
@@ -222,7 +229,7 @@ def test_all_kernels_once_each():
                             | set(SIDE_PREPS) | set(RESCALE_RUNS) | set(COMBINE) | set(STEP)
                             | {c for _, c in STEP_SINGLE + STEP_MULTI + STEP_CHUNK}
                             | set(STEP_VARIANTS)
-                            | {OFFSETS, CHECKPOINTS})
+                            | {OFFSETS, CHECKPOINTS} | set(REPLAY))
     assert set(kernels[:2 * len(SHIPPED)]) == ({f.prep for f in SHIPPED}
                                                 | {f.recur for f in SHIPPED})
 

@@ -1,4 +1,4 @@
-"""The kernels' shape (CPU, no DSL import): the prefill's K1 and K2 and the token step, one
+"""The kernels' shape (CPU, no DSL import): the prefill's K1 and K2 and the token steps, one
 kernel class a file over shared modules, take their run-time arguments as named records, so
 that no device function or helper takes more than ~20 parameters (the host entry, __call__,
 is the flat argument list the spec names: kda_cute.specs)."""
@@ -12,7 +12,7 @@ import pytest
 
 KERNELS = Path(__file__).resolve().parents[1] / "kernels"
 FILES = ("kda_prep_sm90.py", "kda_recur_tc_sm90.py", "step_rows.py", "kda_step_sm90.py",
-         "kda_step_persist_sm90.py", "kda_step_chunk_sm90.py")
+         "kda_step_persist_sm90.py", "kda_step_chunk_sm90.py", "kda_replay_sm90.py")
 MOST = 20
 
 

@@ -12,12 +12,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..abi import Arg
-from . import checkpoints, combine, offsets, prep, recur, step
+from . import checkpoints, combine, offsets, prep, recur, replay, step
 from .checkpoints import CheckpointsConfig
 from .combine import CombineConfig
 from .offsets import OffsetsConfig
 from .prep import PrepConfig
 from .recur import RecurConfig
+from .replay import ReplayConfig
 from .step import StepConfig
 
 HEAD_DIMS = (64, 128, 256)  # the head dims K == V every kernel family is built for
@@ -37,7 +38,8 @@ SPECS: tuple[KernelSpec, ...] = tuple(
     for name, m_cfg, m in (("prep", PrepConfig, prep), ("recur", RecurConfig, recur),
                            ("combine", CombineConfig, combine), ("step", StepConfig, step),
                            ("offsets", OffsetsConfig, offsets),
-                           ("checkpoints", CheckpointsConfig, checkpoints)))
+                           ("checkpoints", CheckpointsConfig, checkpoints),
+                           ("replay", ReplayConfig, replay)))
 _BY_TYPE = {s.config: s for s in SPECS}
 
 
@@ -55,4 +57,4 @@ def args_for(cfg) -> list[Arg]:
 
 
 __all__ = ["SPECS", "CheckpointsConfig", "CombineConfig", "KernelSpec", "OffsetsConfig",
-           "PrepConfig", "RecurConfig", "StepConfig", "args_for", "spec_of"]
+           "PrepConfig", "RecurConfig", "ReplayConfig", "StepConfig", "args_for", "spec_of"]

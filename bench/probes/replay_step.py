@@ -1,0 +1,249 @@
+"""Probe (issue 59): the replay decode step in the CuTe DSL (kernels/kda_replay_sm90.py, the
+tiles of kda_cute.step_ladder.REPLAY) against kda_cute.decode: right through folds, and its time
+beside decode's at the issue's shapes.
+
+    python3 bench/probes/replay_step.py [--quick] [--out P]
+
+The kernel is launched directly (kda_cute.launch.driver, the arguments of
+kda_cute.specs.replay.args); the serving functions do not call it yet. Checks: outputs every
+step and the checkpoint after every fold, against decode on the same tokens from one pool
+(both bf16 outputs; fp32 or bf16 states). Times: CUDA graphs, the L2 flushed before every
+launch, cursors spread over the window and a full ring, median of the launches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+import kda_cute  # noqa: E402
+from kda_cute.launch import driver  # noqa: E402
+from kda_cute.specs import args_for  # noqa: E402
+from kda_cute.step_ladder import REPLAY  # noqa: E402
+
+K = V = 128
+LB = -5.0
+
+
+class Ring:
+    """A checkpoint pool's ring: k [slots, H, L, K] bf16, r [slots, H, L] fp32, u [slots, H, L,
+    V] fp16, G [slots, H, L, K] fp32; two cursor tensors (read, written)."""
+
+    def __init__(self, pool, L):
+        slots, H = pool.shape[:2]
+        d = pool.device
+        self.pool, self.L = pool, L
+        self.k = torch.zeros(slots, H, L, K, dtype=torch.bfloat16, device=d)
+        self.r = torch.zeros(slots, H, L, dtype=torch.float32, device=d)
+        self.u = torch.zeros(slots, H, L, V, dtype=torch.float16, device=d)
+        self.g = torch.zeros(slots, H, L, K, dtype=torch.float32, device=d)
+        self.cur = [torch.zeros(slots, dtype=torch.int32, device=d) for _ in range(2)]
+
+
+def launcher(cfg, x, idx, ring: Ring, out, flip):
+    """The step's launch as a function of no arguments (its parameter block packed once)."""
+    N, H = idx.shape[0], ring.pool.shape[1]
+    T = N
+    q, k, g, v = (x[n].view(T, -1) for n in ("q", "k", "g", "v"))
+    beta, o = x["beta"].view(T, H), out.view(T, H * V)
+    dev = idx.device
+    dummy = torch.zeros(8, dtype=torch.int32, device=dev)
+    err = torch.zeros(8, dtype=torch.int32, device=dev)
+    pool = ring.pool
+    syms = {"T": T, "H": H, "HK": H * K, "HV": H * V, "sQ": q.stride(0), "sK": k.stride(0),
+            "sG": g.stride(0), "sV": v.stride(0), "sB": beta.stride(0), "sO": o.stride(0),
+            "P": pool.shape[0], "sP": pool.stride(0), "PD": pool.shape[0],
+            "sPD": pool.stride(0), "NCU": 8, "NRI": N, "NWI": 8, "NAC": 8, "NPA": 8, "NHI": 8,
+            "sRK": ring.k.stride(0), "sRR": ring.r.stride(0), "sRU": ring.u.stride(0),
+            "sRG": ring.g.stride(0)}
+    ptr = {"q": q, "k": k, "g": g, "v": v, "beta": beta, "out": o, "A_log": x["A_log"],
+           "dt_bias": x["dt_bias"], "pool": pool, "dst": pool, "cu_seqlens": dummy,
+           "read_index": idx, "write_index": dummy, "accepted": dummy, "parent": dummy,
+           "has_init": dummy, "errors": err, "ring_k": ring.k, "ring_r": ring.r,
+           "ring_u": ring.u, "ring_g": ring.g, "cursor": ring.cur[flip],
+           "cursor_out": ring.cur[1 - flip]}
+    scal = {"num_rows": N, "num_heads": H, "fixed_len": 1, "cu_wide": 0, "max_tokens": 1,
+            "read_mode": 1, "r_sn": 1, "r_st": 0, "r_wide": 0, "r_mul": 1, "r_add": 0,
+            "acc_on": 0, "acc_wide": 0, "acc_base": 0, "acc_skip": 0, "max_sel": 1, "hi_on": 0,
+            "r_null": 0, "w_null": 0, "write_mode": 0, "w_sn": 0, "w_st": 0, "w_wide": 0,
+            "w_mul": 1, "w_add": 0, "parent_on": 0, "p_sn": 0, "p_st": 0, "p_wide": 0,
+            "gate": 1, "a_log_dtype": 1, "dt_bias_dtype": 1, "qk_l2norm": 1,
+            "beta_sigmoid": 1, "scale": K ** -0.5, "lower_bound": LB}
+    names = tuple(a.name for a in args_for(cfg))
+    vals = tuple(ptr[n].data_ptr() if n in ptr else scal[n] for n in names)
+    kern = driver.get_kernel(cfg, "sm_90a")
+    smem = kern.manifest["dynamic_smem_bytes"]
+    f = kern.function(dev.index or 0, smem)
+    arr = kern.packed(names, vals, tuple(sorted(syms.items())))
+    grid = (V // cfg.block_v, H, N)
+    keep = (x, idx, ring, out, dummy, err, q, k, g, v, beta, o)
+
+    def run():
+        kern.launch(f, grid, arr, torch.cuda.current_stream().cuda_stream, smem)
+    run.keep, run.err = keep, err
+    return run
+
+
+def tokens(N, H, gen):
+    def rnd(*s):
+        return torch.randn(*s, generator=gen, device="cuda").to(torch.bfloat16)
+    return dict(q=rnd(N, 1, H, K), k=rnd(N, 1, H, K), g=rnd(N, 1, H, K), v=rnd(N, 1, H, V),
+                beta=rnd(N, 1, H))
+
+
+def check(cfg, N, H, steps):
+    """Replay against kda_cute.decode over `steps` tokens from one pool."""
+    dtype = torch.float32 if cfg.pool == "float32" else torch.bfloat16
+    L = cfg.ring
+    gen = torch.Generator(device="cuda").manual_seed(N + H + L)
+    pool = torch.empty(2 * N, H, V, K, dtype=dtype, device="cuda").normal_(0, 0.3, generator=gen)
+    idx = torch.randperm(2 * N, generator=gen, device="cuda")[:N].to(torch.int32)
+    gate = dict(A_log=torch.randn(H, generator=gen, device="cuda") * 0.5,
+                dt_bias=torch.randn(H * K, generator=gen, device="cuda") * 0.5)
+    ring = Ring(pool.clone(), L)
+    out_err, state_err, errs = 0.0, 0.0, 0
+    for t in range(steps):
+        x = dict(tokens(N, H, gen), **gate)
+        o_ref = kda_cute.decode(x["q"], x["k"], x["v"], x["g"], x["beta"], pool, idx,
+                                lower_bound=LB, **gate)
+        o = torch.full_like(o_ref, float("nan"))
+        run = launcher(cfg, x, idx, ring, o, t % 2)
+        run()
+        torch.cuda.synchronize()
+        errs += int(run.err.abs().sum())
+        e = ((o.float() - o_ref.float()).norm() / o_ref.float().norm()).item()
+        out_err = max(out_err, e if e == e else float("inf"))
+        if t % L == L - 1:
+            a, b = ring.pool[idx.long()].float(), pool[idx.long()].float()
+            e = ((a - b).norm() / b.norm()).item()
+            state_err = max(state_err, e if e == e else float("inf"))
+    cur = ring.cur[steps % 2][idx.long()]
+    return {"config": cfg.name, "N": N, "H": H, "steps": steps, "out_vs_decode": out_err,
+            "state_vs_decode": state_err, "error_words": errs,
+            "cursors_ok": bool((cur == steps % L).all())}
+
+
+def time_ms(fn, iters, flush, warmup=5):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(iters):
+        flush()
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        ts.append(s.elapsed_time(e))
+    return statistics.median(ts)
+
+
+def graphed(fn):
+    fn()
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(s):
+        fn()
+        torch.cuda.synchronize()
+        with torch.cuda.graph(g, stream=s):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    return g.replay
+
+
+def timed(cfg, N, H, iters, flush, bw):
+    dtype = torch.float32 if cfg.pool == "float32" else torch.bfloat16
+    L = cfg.ring
+    gen = torch.Generator(device="cuda").manual_seed(7 * N + H)
+    slots = 4 * N
+    pool = torch.empty(slots, H, V, K, dtype=dtype, device="cuda").normal_(0, 0.3, generator=gen)
+    idx = torch.randperm(slots, generator=gen, device="cuda")[:N].to(torch.int32)
+    x = dict(tokens(N, H, gen), A_log=torch.randn(H, generator=gen, device="cuda") * 0.5,
+             dt_bias=torch.randn(H * K, generator=gen, device="cuda") * 0.5)
+    out = torch.empty(N, 1, H, V, dtype=torch.bfloat16, device="cuda")
+    ring = Ring(pool.clone(), L)
+    ring.k.normal_(generator=gen)
+    ring.r.fill_(K ** -0.5)
+    ring.u.normal_(0, 0.1, generator=gen)
+    ring.g.copy_(torch.arange(1, L + 1, device="cuda").view(1, 1, L, 1) * -0.5)
+    ring.cur[0].copy_(torch.randint(0, L, (slots,), generator=gen, device="cuda"))
+
+    def kda():
+        kda_cute.decode(x["q"], x["k"], x["v"], x["g"], x["beta"], pool, idx, out=out,
+                        lower_bound=LB, A_log=x["A_log"], dt_bias=x["dt_bias"])
+
+    rep = launcher(cfg, x, idx, ring, out, 0)
+    es = pool.element_size()
+    tok = 3 * K * 2 + 2 * V * 2 + 2
+    entry = 2 * K + 4 + 2 * V + 4 * K
+    today = N * H * (2 * es * V * K + tok)
+    replay = N * H * (es * V * K * (1 + 1 / L) + entry * ((L - 2) / 2 + (L - 1) / L) + tok)
+    row = {"config": cfg.name, "N": N, "H": H, "pool": cfg.pool, "L": L,
+           "decode_bytes": today, "replay_bytes": replay}
+    row["decode_ms"] = time_ms(graphed(kda), iters, flush)
+    row["replay_ms"] = time_ms(graphed(rep), iters, flush)
+    row["bytes_ratio"] = replay / today
+    row["time_ratio"] = row["replay_ms"] / row["decode_ms"]
+    row["decode_pct"] = 100 * today / bw * 1e3 / row["decode_ms"]
+    row["replay_pct"] = 100 * replay / bw * 1e3 / row["replay_ms"]
+    return row
+
+
+def copy_bandwidth():
+    a = torch.empty(2 ** 30, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for _ in range(10):
+        b.copy_(a)
+    e.record()
+    e.synchronize()
+    return 2 * 10 * a.numel() / (s.elapsed_time(e) / 1e3)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", type=Path, default=Path("replay_step.json"))
+    a = ap.parse_args(argv)
+    res = {"device": torch.cuda.get_device_name(), "checks": [], "times": []}
+    for cfg in REPLAY:
+        try:
+            r = check(cfg, 64, 8, 3 * cfg.ring + 3)
+        except Exception as e:  # reported, not fatal: the next config still runs
+            r = {"config": cfg.name, "error": repr(e)[:300]}
+        print(json.dumps(r), flush=True)
+        res["checks"].append(r)
+    bw = copy_bandwidth()
+    res["copy_TBps"] = bw / 1e12
+    buf = torch.empty(256 * 2 ** 20, dtype=torch.uint8, device="cuda")
+    flush = lambda: buf.fill_(1)  # noqa: E731
+    shapes = [(64, 32), (256, 32), (1024, 32), (256, 12), (256, 96), (8, 32)]
+    if a.quick:
+        shapes = [(256, 32)]
+    for N, H in shapes:
+        for cfg in REPLAY:
+            try:
+                r = timed(cfg, N, H, 50, flush, bw)
+            except Exception as e:  # reported, not fatal
+                r = {"config": cfg.name, "N": N, "H": H, "error": repr(e)[:300]}
+            print(json.dumps(r), flush=True)
+            res["times"].append(r)
+    a.out.write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()

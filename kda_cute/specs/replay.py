@@ -1,0 +1,76 @@
+"""The replay decode step (kernels/kda_replay_sm90.py): decode against a checkpoint pool and a
+ring of the tokens since each slot's checkpoint, instead of reading and writing the whole state
+every token. Its config, constraints and argument list; no DSL import here.
+
+A slot's state after its checkpoint S_c and the c tokens of its ring is
+
+    S = S_c diag(e^G) + sum_j u_j (r_j k_j e^(G - G_j))^T
+
+(G the tokens' running log-decay since the checkpoint, a channel each; k_j the token's key as
+given, r_j its inverse norm; u_j its delta-rule correction). A step reads S_c and the ring, takes
+its output and correction from them, and appends (k, r, u, G) to the ring; the step that fills
+the ring (c = ring - 1) writes the state instead, as the new checkpoint, and empties the ring.
+The cursor is read from one tensor and written to another (the step reads no value it writes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..abi import Arg, tensor
+from . import step
+from .step import StepConfig
+
+U_DTYPES = ("float16", "float32")
+
+
+@dataclass(frozen=True)
+class ReplayConfig(StepConfig):
+    """A token-step tile (one tile a CTA, single-token rows) with a ring of `ring` entries a
+    (slot, head), its corrections u held as `u_dtype`."""
+
+    ring: int = 16
+    u_dtype: str = "float16"
+
+    @property
+    def name(self) -> str:
+        base = super().name.removeprefix("kda_step_")
+        return f"kda_replay_{base}_l{self.ring}_{'uh' if self.u_dtype == 'float16' else 'uf'}"
+
+
+def supports(cfg: ReplayConfig) -> tuple[bool, str]:
+    ok, why = step.supports(cfg)
+    if not ok:
+        return ok, why
+    if cfg.ring not in (4, 8, 16, 32):
+        return False, f"ring must be 4, 8, 16 or 32, got {cfg.ring}"
+    if cfg.u_dtype not in U_DTYPES:
+        return False, f"u_dtype must be one of {U_DTYPES}, got {cfg.u_dtype!r}"
+    if cfg.tpr < 2:
+        return False, f"tpr must be at least 2 (a row's two sums share its lanes), got {cfg.tpr}"
+    if cfg.persist or cfg.prep or cfg.chunk or cfg.ahead or cfg.access != 16:
+        return False, "the replay step is a one-tile tile of 16-byte accesses without options"
+    return True, ""
+
+
+def args(cfg: ReplayConfig) -> list[Arg]:
+    """The step's arguments (kda_cute.specs.step.args), with the ring after the error words:
+    keys [P, H, ring, K] bf16 as given, their inverse norms [P, H, ring] fp32, corrections
+    [P, H, ring, V] (u_dtype), running log-decays [P, H, ring, K] fp32, and the cursors (P,)
+    int32 read and written."""
+    K, V, L = cfg.head_dim_k, cfg.head_dim_v, cfg.ring
+    a = step.args(cfg)
+    ring = [
+        tensor("ring_k", "bfloat16", ("P", "H", L, K), ("sRK", L * K, K, 1), 16),
+        tensor("ring_r", "float32", ("P", "H", L), ("sRR", L, 1), 16),
+        tensor("ring_u", cfg.u_dtype, ("P", "H", L, V), ("sRU", L * V, V, 1), 16),
+        tensor("ring_g", "float32", ("P", "H", L, K), ("sRG", L * K, K, 1), 16),
+        tensor("cursor", "int32", ("P",), (1,)),
+        tensor("cursor_out", "int32", ("P",), (1,)),
+    ]
+    cut = [x.name for x in a].index("errors") + 1
+    return a[:cut] + ring + a[cut:]
+
+
+def dsl_class(cfg: ReplayConfig) -> str:
+    return "kernels.kda_replay_sm90:KdaReplaySm90"

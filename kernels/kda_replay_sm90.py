@@ -1,0 +1,375 @@
+"""Replay decode, one tile a CTA (sm_90a): a token per row against a checkpoint pool and a ring
+of the tokens since each slot's checkpoint (kda_cute.specs.replay), over the shared rows of
+kernels/step_rows.py.
+
+A CTA stages its BV rows of the checkpoint as the token kernel does (cp.async, each thread its
+own columns) and, beside them, the slot's live ring entries for its head (keys, inverse norms,
+running log-decays, and the corrections of its rows) into shared memory; one CTA barrier makes
+the ring visible to every row group. With the token's log-decay a and G = G_(c-1) + a:
+- each entry's key decayed to this token, w_j = r_j k_j e^(G - G_j), over its log-decay in
+  shared memory, and its products with the token's k and q (a_j, b_j): an entry a warp, the
+  token's G, k and q put in shared memory by the first row group (two more CTA barriers);
+- each row: Sd = S_c e^G, u = beta (v - Sd k - sum_j u_j a_j), o = Sd q + sum_j u_j b_j +
+  u (k . q) (the ring's sums for row sub taken on lane sub, as v is: step_rows._v_ahead);
+- not the last entry: u to the ring (every tile its rows), k, G and r (the head's first tile),
+  the cursor + 1; the last: the row's state Sd + sum_j u_j w_j^T + u k^T (the w_j from shared
+  memory) to the checkpoint slot and the cursor 0.
+"""
+
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils as utils
+from cutlass.cute.nvgpu import cpasync
+
+from kda_cute.specs.replay import ReplayConfig
+from kernels.common import Record
+from kernels.step_rows import (
+    E_READ,
+    GATE_BOUNDED,
+    GATE_UNBOUNDED,
+    SRC_STAGE,
+    SRC_ZERO,
+    Accepted,
+    Gate,
+    GateParams,
+    Parents,
+    Read,
+    Seqs,
+    Starts,
+    States,
+    StepRows,
+    Tables,
+    Tokens,
+    Write,
+)
+
+
+@dataclass
+class Ring(Record):
+    """The ring: keys [P, H, L, K] bf16 as given, inverse norms [P, H, L] fp32, corrections
+    [P, H, L, V], running log-decays [P, H, L, K] fp32; the cursors (P,) read and written."""
+    k: cute.Tensor
+    r: cute.Tensor
+    u: cute.Tensor
+    g: cute.Tensor
+    cursor: cute.Tensor
+    cursor_out: cute.Tensor
+
+
+class KdaReplaySm90(StepRows):
+    def __init__(self, cfg: ReplayConfig):
+        super().__init__(cfg)
+        self.L = cfg.ring
+        self.udt = cutlass.Float16 if cfg.u_dtype == "float16" else cutlass.Float32
+
+    # ------------------------------------------------------------------ host
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor, mK: cute.Tensor, mG: cute.Tensor, mV: cute.Tensor,
+        mBeta: cute.Tensor, mOut: cute.Tensor, mALog: cute.Tensor, mDtBias: cute.Tensor,
+        mPool: cute.Tensor, mDst: cute.Tensor,
+        mCu: cute.Tensor, mRIdx: cute.Tensor, mWIdx: cute.Tensor, mAcc: cute.Tensor,
+        mParent: cute.Tensor, mHasInit: cute.Tensor, mErr: cute.Tensor,
+        mRingK: cute.Tensor, mRingR: cute.Tensor, mRingU: cute.Tensor, mRingG: cute.Tensor,
+        mCursor: cute.Tensor, mCursorOut: cute.Tensor,
+        num_rows: cutlass.Int32, num_heads: cutlass.Int32,
+        fixed_len: cutlass.Int32, cu_wide: cutlass.Int32, max_tokens: cutlass.Int32,
+        read_mode: cutlass.Int32, r_sn: cutlass.Int32, r_st: cutlass.Int32,
+        r_wide: cutlass.Int32, r_mul: cutlass.Int32, r_add: cutlass.Int32,
+        acc_on: cutlass.Int32, acc_wide: cutlass.Int32, acc_base: cutlass.Int32,
+        acc_skip: cutlass.Int32, max_sel: cutlass.Int32,
+        hi_on: cutlass.Int32, r_null: cutlass.Int32, w_null: cutlass.Int32,
+        write_mode: cutlass.Int32, w_sn: cutlass.Int32, w_st: cutlass.Int32,
+        w_wide: cutlass.Int32, w_mul: cutlass.Int32, w_add: cutlass.Int32,
+        parent_on: cutlass.Int32, p_sn: cutlass.Int32, p_st: cutlass.Int32,
+        p_wide: cutlass.Int32,
+        gate: cutlass.Int32, a_log_dtype: cutlass.Int32, dt_bias_dtype: cutlass.Int32,
+        qk_l2norm: cutlass.Int32, beta_sigmoid: cutlass.Int32,
+        scale: cutlass.Float32, lower_bound: cutlass.Float32,
+        stream,
+    ):
+        self.shared_storage = self._shared_storage()
+        self.smem_bytes = self.shared_storage.size_in_bytes()
+        self.kernel(
+            Tokens(mQ, mK, mG, mV, mBeta, mOut), GateParams(mALog, mDtBias),
+            States(mPool, mDst), Tables(mCu, mRIdx, mWIdx, mAcc, mParent, mHasInit, mErr),
+            Ring(mRingK, mRingR, mRingU, mRingG, mCursor, mCursorOut),
+            Seqs(fixed_len, cu_wide, max_tokens),
+            Read(read_mode, r_sn, r_st, r_wide, r_mul, r_add),
+            Accepted(acc_on, acc_wide, acc_base, acc_skip, max_sel),
+            Starts(hi_on, r_null, w_null),
+            Write(write_mode, w_sn, w_st, w_wide, w_mul, w_add),
+            Parents(parent_on, p_sn, p_st, p_wide),
+            Gate(gate, a_log_dtype, dt_bias_dtype, qk_l2norm, beta_sigmoid, scale, lower_bound),
+        ).launch(grid=(self.V // self.BV, num_heads, num_rows), block=(self.threads, 1, 1),
+                 smem=self.smem_bytes, stream=stream)
+
+    def _shared_storage(self):
+        """The staged checkpoint rows, then the ring's live entries of the slot's head: keys,
+        log-decays, inverse norms and the tile's rows of the corrections."""
+        A, MR, f32 = cute.struct.Align, cute.struct.MemRange, cutlass.Float32
+        L, K, BV = self.L, self.K, self.BV
+        fields = {"stage": A[MR[self.pdt, BV * K], 128],
+                  "rk": A[MR[cutlass.BFloat16, L * K], 128], "rg": A[MR[f32, L * K], 128],
+                  "rr": A[MR[f32, L], 128], "ru": A[MR[self.udt, L * BV], 128],
+                  "vs": A[MR[f32, 3 * K], 128], "ab": A[MR[f32, 2 * L], 128]}
+        return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
+
+    # ---------------------------------------------------------------- device
+    @cute.jit
+    def _stage_ring(self, ring: Ring, areas, slot, h, vb, c, tidx):
+        """cp.async the slot's c live entries of head h into the ring's areas (every thread a
+        share of the 16-byte pieces; the caller commits and waits, then a CTA barrier)."""
+        rk_s, rg_s, rr_s, ru_s = areas
+        L, K, BV, NT = self.L, self.K, self.BV, self.threads
+        mode = cpasync.LoadCacheMode.GLOBAL
+        atom16 = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=mode), cutlass.BFloat16,
+                                     num_bits_per_copy=128)
+        atom32 = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=mode), cutlass.Float32,
+                                     num_bits_per_copy=128)
+        atomu = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=mode), self.udt,
+                                    num_bits_per_copy=128)
+        ku = K // 8
+        for i in cutlass.range(tidx, c * ku, NT):
+            j = i // ku
+            b = i - j * ku
+            src = cute.logical_divide(ring.k[slot, h, j, None], cute.make_layout(8))
+            dst = cute.logical_divide(rk_s[j, None], cute.make_layout(8))
+            cute.copy(atom16, src[None, b], dst[None, b])
+        gu = K // 4
+        for i in cutlass.range(tidx, c * gu, NT):
+            j = i // gu
+            b = i - j * gu
+            src = cute.logical_divide(ring.g[slot, h, j, None], cute.make_layout(4))
+            dst = cute.logical_divide(rg_s[j, None], cute.make_layout(4))
+            cute.copy(atom32, src[None, b], dst[None, b])
+        ue = 16 // (2 if self.udt is cutlass.Float16 else 4)  # elements a piece
+        uu = BV // ue
+        for i in cutlass.range(tidx, c * uu, NT):
+            j = i // uu
+            b = i - j * uu
+            src = cute.logical_divide(ring.u[slot, h, j, None], cute.make_layout(ue))
+            dst = cute.logical_divide(ru_s[j, None], cute.make_layout(ue))
+            cute.copy(atomu, src[None, vb * uu + b], dst[None, b])
+        if tidx < L // 4:
+            src = cute.logical_divide(ring.r[slot, h, None], cute.make_layout(4))
+            dst = cute.logical_divide(rr_s, cute.make_layout(4))
+            cute.copy(atom32, src[None, tidx], dst[None, tidx])
+
+    @cute.jit
+    def _log_decay(self, dv, bias, a_exp, gate: Gate):
+        """The token's log-decay a per column into dv (which holds g), as step_rows._token_math
+        takes its exponential."""
+        NC = self.NC
+        if gate.form == GATE_BOUNDED:
+            for c in cutlass.range_constexpr(NC):
+                y = a_exp * (dv[c] + bias[c])
+                dv[c] = gate.lower_bound * cute.arch.rcp_approx(
+                    1.0 + cute.math.exp(-y, fastmath=True))
+        elif gate.form == GATE_UNBOUNDED:
+            for c in cutlass.range_constexpr(NC):
+                y = dv[c] + bias[c]
+                dv[c] = -a_exp * (cute.arch.fmax(y, 0.0) + cute.math.log1p(
+                    cute.math.exp(-cute.arch.fmax(y, -y))))
+
+    @cute.jit
+    def _norms(self, qv, kv, gate: Gate):
+        """q (L2-normed, times the scale) and k (L2-normed) in place; returns (k's inverse
+        norm, k . q)."""
+        f32, NC = cutlass.Float32, self.NC
+        sq = f32(0.0)
+        sk = f32(0.0)
+        for c in cutlass.range_constexpr(NC):
+            sq = sq + qv[c] * qv[c]
+            sk = sk + kv[c] * kv[c]
+        rq = gate.scale
+        rk = f32(1.0)
+        if gate.qk_l2norm != 0:
+            sq = self._lanes_sum(sq)
+            sk = self._lanes_sum(sk)
+            rq = gate.scale * cute.math.rsqrt(sq + 1e-6)
+            rk = cute.math.rsqrt(sk + 1e-6)
+        kq = f32(0.0)
+        for c in cutlass.range_constexpr(NC):
+            qv[c] = qv[c] * rq
+            kv[c] = kv[c] * rk
+            kq = kq + kv[c] * qv[c]
+        return rk, self._lanes_sum(kq)
+
+    def _col(self, c, sub):
+        """The head column of this thread's register column c."""
+        return (sub + self.TPR * (c // self.VEC)) * self.VEC + c % self.VEC
+
+    @cute.kernel
+    def kernel(self, tk: Tokens, gp: GateParams, st: States, tab: Tables, ring: Ring,
+               seqs: Seqs, rd: Read, acc: Accepted, starts: Starts, wr: Write, par: Parents,
+               gate: Gate):
+        f32, i32 = cutlass.Float32, cutlass.Int32
+        K, NC, L, BV = self.K, self.NC, self.L, self.BV
+        tidx, _, _ = cute.arch.thread_idx()
+        vb, h, n = cute.arch.block_idx()
+        grp = tidx // self.TPR
+        sub = tidx - grp * self.TPR
+        lead = self._lead(tidx, vb, h)
+        bos, length = self._row_tokens(tab, seqs, n, lead, tk.q.shape[0])
+        pad, _, slot, start = self._row_slot(tab, rd, acc, starts, n, lead, st.pool.shape[0])
+        if length == 0:
+            pad = i32(1)
+        c = i32(0)
+        if pad == 0 and start != 0:
+            c = ring.cursor[slot]
+            if c < 0 or c >= L:
+                self._flag(tab.errors, E_READ, lead)
+                pad = i32(1)
+                c = i32(0)
+
+        smem = utils.SmemAllocator()
+        shared = smem.allocate(self.shared_storage)
+        stage = self._mine(shared.stage.get_tensor(cute.make_layout(BV * K)), tidx)
+        rk_s = shared.rk.get_tensor(cute.make_layout((L, K), stride=(K, 1)))
+        rg_s = shared.rg.get_tensor(cute.make_layout((L, K), stride=(K, 1)))
+        rr_s = shared.rr.get_tensor(cute.make_layout(L))
+        ru_s = shared.ru.get_tensor(cute.make_layout((L, BV), stride=(BV, 1)))
+        vs = shared.vs.get_tensor(cute.make_layout((3, K), stride=(K, 1)))
+        ab_s = shared.ab.get_tensor(cute.make_layout((2, L), stride=(L, 1)))
+        src = i32(SRC_ZERO)
+        if pad == 0 and start != 0:
+            self._stage_rows(stage, st.pool, slot, h, vb, grp, sub)
+            self._stage_ring(ring, (rk_s, rg_s, rr_s, ru_s), slot, h, vb, c, tidx)
+            src = i32(SRC_STAGE)
+        cute.arch.cp_async_commit_group()
+
+        # the token's loads and the gate's constants, in flight with the staging
+        rq, rk, rg = self._raw_tensor(), self._raw_tensor(), self._raw_tensor()
+        b_raw, vals, _, _ = self._token_loads((rq, rk, rg), tk, tab.write_index, bos, i32(0), n,
+                                              h, vb, grp, sub, False, wr)
+        bias = cute.make_rmem_tensor((NC,), f32)
+        a_log = self._gate_consts(bias, gp, h, sub, gate)
+        qv = cute.make_rmem_tensor((NC,), f32)
+        kv = cute.make_rmem_tensor((NC,), f32)
+        dv = cute.make_rmem_tensor((NC,), f32)
+        x = cute.make_rmem_tensor((NC,), f32)
+        self._raw_cols(qv, rq)
+        self._raw_cols(kv, rk)
+        self._raw_cols(dv, rg)
+        rkn, kq = self._norms(qv, kv, gate)
+        self._log_decay(dv, bias, cute.math.exp(a_log), gate)
+        beta = b_raw.to(f32)
+        if gate.beta_sigmoid != 0:
+            beta = cute.arch.rcp_approx(1.0 + cute.math.exp(-beta, fastmath=True))
+        v_me = vals.to(f32)
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.sync_threads()  # the ring's entries, staged by every thread, visible to all
+
+        # G and e^G of this thread's columns
+        gt = cute.make_rmem_tensor((NC,), f32)
+        eg = cute.make_rmem_tensor((NC,), f32)
+        for q in cutlass.range_constexpr(NC):
+            g0 = f32(0.0)
+            if c > 0:
+                g0 = rg_s[c - 1, self._col(q, sub)]
+            gt[q] = g0 + dv[q]
+            eg[q] = cute.math.exp(gt[q], fastmath=True)
+        # the token's G, k and q of every column, for the entries' keys (group 0's lanes hold
+        # every column between them)
+        if grp == 0:
+            for q in cutlass.range_constexpr(NC):
+                d = self._col(q, sub)
+                vs[0, d] = gt[q]
+                vs[1, d] = kv[q]
+                vs[2, d] = qv[q]
+        cute.arch.sync_threads()
+        # each entry's key decayed to this token, w_j = r_j k_j e^(G - G_j) (over its log-decay
+        # in the ring's area), and its products with k and q: entry j by warp j mod warps,
+        # K / 32 columns a lane
+        NW = self.threads // 32
+        warp = tidx // 32
+        lane = tidx - 32 * warp
+        CPL = K // 32
+        for jw in cutlass.range_constexpr(-(-(L - 1) // NW)):
+            j = warp + NW * jw
+            pa = f32(0.0)
+            pb = f32(0.0)
+            if j < c:
+                rj = rr_s[j]
+                for e in cutlass.range_constexpr(CPL):
+                    d = lane * CPL + e
+                    w = rk_s[j, d].to(f32) * rj * cute.math.exp(vs[0, d] - rg_s[j, d],
+                                                                 fastmath=True)
+                    rg_s[j, d] = w
+                    pa = pa + w * vs[1, d]
+                    pb = pb + w * vs[2, d]
+            for k in cutlass.range_constexpr(5):
+                pa = pa + cute.arch.shuffle_sync_bfly(pa, offset=1 << k)
+                pb = pb + cute.arch.shuffle_sync_bfly(pb, offset=1 << k)
+            if lane == 0 and j < c:
+                ab_s[0, j] = pa
+                ab_s[1, j] = pb
+        cute.arch.sync_threads()
+        # the ring's sums for this lane's row sub (as its v)
+        ca = f32(0.0)
+        cb = f32(0.0)
+        if sub < self.R:
+            rho = grp + self.G * sub
+            for j in cutlass.range_constexpr(L - 1):
+                if j < c:
+                    uj = ru_s[j, rho].to(f32)
+                    ca = ca + uj * ab_s[0, j]
+                    cb = cb + uj * ab_s[1, j]
+        flush = c == L - 1
+
+        if pad != 0:
+            if length > 0:
+                self._zero_outputs(tk.out, bos, h, vb, grp, sub)
+        else:
+            for r in cutlass.range(self.R, unroll=self.U, unroll_full=self.U == 0):
+                v_idx = vb * BV + grp + self.G * r
+                for jj in cutlass.range_constexpr(self.NJ):  # the checkpoint row, or zeros
+                    y = stage[None, jj, r].load().to(f32)
+                    for e in cutlass.range_constexpr(self.VEC):
+                        x[jj * self.VEC + e] = f32(cutlass.select_(src == SRC_STAGE, y[e],
+                                                                   f32(0.0)))
+                mine = sub == r
+                a = f32(cutlass.select_(mine, v_me - ca, f32(0.0)))
+                b = f32(cutlass.select_(mine, cb, f32(0.0)))
+                for q in cutlass.range_constexpr(NC):
+                    s = x[q] * eg[q]
+                    x[q] = s
+                    a = a - s * kv[q]
+                    b = b + s * qv[q]
+                odd = (sub & 1) != 0
+                m = f32(cutlass.select_(odd, b, a)) + cute.arch.shuffle_sync_bfly(
+                    f32(cutlass.select_(odd, a, b)), offset=1)
+                for k in cutlass.range_constexpr(1, self.TPR.bit_length() - 1):
+                    m = m + cute.arch.shuffle_sync_bfly(m, offset=1 << k)
+                a = f32(cutlass.select_(odd, cute.arch.shuffle_sync_bfly(m, offset=1), m))
+                u = beta * a
+                if sub == self.OUT_LANE:
+                    tk.out[bos, h * self.V + v_idx] = (m + u * kq).to(cutlass.BFloat16)
+                if flush:  # the state after this token is the new checkpoint
+                    for q in cutlass.range_constexpr(NC):
+                        x[q] = x[q] + u * kv[q]
+                    for j in cutlass.range_constexpr(L - 1):  # every entry is live here
+                        uj = ru_s[j, grp + self.G * r].to(f32)
+                        for q in cutlass.range_constexpr(NC):
+                            x[q] = x[q] + uj * rg_s[j, self._col(q, sub)]
+                    self._put(x, self._row_vecs(st.dst, slot, h, v_idx), sub, self.pdt)
+                else:
+                    if sub == self.OUT_LANE:
+                        ring.u[slot, h, c, v_idx] = u.to(self.udt)
+            if c != L - 1:
+                if vb == 0 and grp == 0:  # the head's key, as given, and G
+                    for q in cutlass.range_constexpr(NC):
+                        d = self._col(q, sub)
+                        ring.k[slot, h, c, d] = rk[q % self.VEC, q // self.VEC]
+                        ring.g[slot, h, c, d] = gt[q]
+                    if sub == 0:
+                        ring.r[slot, h, c] = rkn
+            if vb == 0 and h == 0 and tidx == 0:
+                nxt = c + 1
+                if flush:
+                    nxt = i32(0)
+                ring.cursor_out[slot] = nxt
