@@ -69,6 +69,46 @@ def copy_bandwidth() -> float:
     return 2 * n / statistics.median(ts[5:])
 
 
+def flusher(nbytes: int = 256 * 2**20):
+    """A function that evicts the L2 (a write of `nbytes`), for timings of a cold cache."""
+    buf = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    return lambda: buf.fill_(1)
+
+
+def time_flushed(fn, iters, flush, warmup=5) -> float:
+    """Median ms of `fn` by CUDA events, the L2 flushed (`flush`) before every launch."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(iters):
+        flush()
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        ts.append(s.elapsed_time(e))
+    return statistics.median(ts)
+
+
+def graphed(fn):
+    """`fn` captured in a CUDA graph (after a warm run on a side stream): its replay."""
+    fn()
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(s):
+        fn()
+        torch.cuda.synchronize()
+        with torch.cuda.graph(g, stream=s):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    return g.replay
+
+
 def head_slice(inp, nh):
     """The same problem restricted to the first `nh` heads."""
     d = dict(inp)

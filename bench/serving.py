@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -29,53 +28,13 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import kda_cute  # noqa: E402
-from bench import copy_bandwidth, pyplot, versions  # noqa: E402
+from bench import copy_bandwidth, flusher, graphed, pyplot, time_flushed, versions  # noqa: E402
 from kda_cute.reference import rel_err  # noqa: E402
 
 K = V = 128
 DECODE_N = (1, 8, 64, 256, 1024)
 DECODE_H = (12, 32, 96)
 VERIFY = [(N, T) for N in (64, 256) for T in (2, 4, 8)]
-FLUSH = 256 * 2**20
-
-
-def _flusher():
-    buf = torch.empty(FLUSH, dtype=torch.uint8, device="cuda")
-    return lambda: buf.fill_(1)
-
-
-def time_ms(fn, iters, flush, warmup=5) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(iters):
-        flush()
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        ts.append(s.elapsed_time(e))
-    return statistics.median(ts)
-
-
-def graphed(fn):
-    fn()
-    torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(s):
-        fn()
-        torch.cuda.synchronize()
-        with torch.cuda.graph(g, stream=s):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    return g.replay
-
-
 def inputs(N, T, H, dtype, seed):
     """Tokens [N, T, H, *], a pool of 4 N T slots (random values), random distinct slots."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
@@ -136,8 +95,8 @@ def decode_case(N, H, dtype, fla, bw, iters, flush):
     esz = x["pool"].element_size()
     row["bytes"] = step_bytes(N, 1, H, esz)
     row["ceiling_ms"] = row["bytes"] / bw * 1e3
-    row["kda_ms"] = time_ms(kda, iters, flush)
-    row["kda_graph_ms"] = time_ms(graphed(kda), iters, flush)
+    row["kda_ms"] = time_flushed(kda, iters, flush)
+    row["kda_graph_ms"] = time_flushed(graphed(kda), iters, flush)
     row["kda_pct"] = 100 * row["ceiling_ms"] / row["kda_graph_ms"]
     if fla is not None:
         tok = (x["q"], x["k"], x["v"], x["g"], x["beta"])
@@ -154,8 +113,8 @@ def decode_case(N, H, dtype, fla, bw, iters, flush):
             o2, _ = fla(*tok, initial_state=p2, **fkw)
             row["out_vs_fla"] = rel_err(o1, o2)
             row["state_vs_fla"] = rel_err(p[idx.long()], p2[idx.long()])
-        row["fla_ms"] = time_ms(fl, iters, flush)
-        row["fla_graph_ms"] = time_ms(graphed(fl), iters, flush)
+        row["fla_ms"] = time_flushed(fl, iters, flush)
+        row["fla_graph_ms"] = time_flushed(graphed(fl), iters, flush)
         row["fla_pct"] = 100 * row["ceiling_ms"] / row["fla_graph_ms"]
         row["speedup_vs_fla"] = row["fla_graph_ms"] / row["kda_graph_ms"]
         row["speedup_vs_fla_eager"] = row["fla_ms"] / row["kda_ms"]
@@ -184,10 +143,10 @@ def verify_case(N, T, H, dtype, fla, bw, iters, flush):
     row["tile"] = _plan_tile(kda_a(bind=True))
     row["bytes"] = step_bytes(N, T, H, esz)
     row["ceiling_ms"] = row["bytes"] / bw * 1e3
-    row["kda_ms"] = time_ms(kda_a, iters, flush)
-    row["kda_graph_ms"] = time_ms(graphed(kda_a), iters, flush)
+    row["kda_ms"] = time_flushed(kda_a, iters, flush)
+    row["kda_graph_ms"] = time_flushed(graphed(kda_a), iters, flush)
     row["kda_pct"] = 100 * row["ceiling_ms"] / row["kda_graph_ms"]
-    row["kda_scratch_graph_ms"] = time_ms(graphed(kda_b), iters, flush)
+    row["kda_scratch_graph_ms"] = time_flushed(graphed(kda_b), iters, flush)
     row["scratch_vs_slots"] = row["kda_scratch_graph_ms"] / row["kda_graph_ms"]
     if fla is not None:
         def fl():
@@ -195,8 +154,8 @@ def verify_case(N, T, H, dtype, fla, bw, iters, flush):
                 inplace_final_state=True, state_v_first=True, ssm_state_indices=x["idx"],
                 num_accepted_tokens=acc, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
                 use_beta_sigmoid_in_kernel=True, lower_bound=-5.0, out=x["out"])
-        row["fla_ms"] = time_ms(fl, iters, flush)
-        row["fla_graph_ms"] = time_ms(graphed(fl), iters, flush)
+        row["fla_ms"] = time_flushed(fl, iters, flush)
+        row["fla_graph_ms"] = time_flushed(graphed(fl), iters, flush)
         row["fla_pct"] = 100 * row["ceiling_ms"] / row["fla_graph_ms"]
         row["speedup_vs_fla"] = row["fla_graph_ms"] / row["kda_graph_ms"]
     return row
@@ -240,7 +199,7 @@ def sweep(bw, iters, flush, verify=False, match=(), pools=("float32", "bfloat16"
                     else:
                         kda_cute.decode(*args, idx, **kw)
                 try:
-                    by[c.name] = time_ms(graphed(fn), iters, flush)
+                    by[c.name] = time_flushed(graphed(fn), iters, flush)
                 except kda_cute.cubin.CubinsMissing:  # a tile not built in this cubin set
                     continue
             ceiling = step_bytes(N, T, H, x["pool"].element_size()) / bw * 1e3
@@ -397,7 +356,7 @@ def main(argv=None):
     K = V = a.head_dim
     fla = None if a.no_fla else fla_fn()
     bw = copy_bandwidth()
-    flush = _flusher()
+    flush = flusher()
     if a.sweep:
         shapes = [tuple(map(int, x.split(":"))) for x in a.shapes.split(",") if x]
         res = {"versions": versions(), "copy_bandwidth": bw, "head_dim": K, "sweep": sweep(

@@ -124,7 +124,7 @@ class KdaReplaySm90(StepRows):
         """cp.async the slot's c live entries of head h into the ring's areas (every thread a
         share of the 16-byte pieces; the caller commits and waits, then a CTA barrier)."""
         rk_s, rg_s, rr_s, ru_s = areas
-        L, K, BV, NT = self.L, self.K, self.BV, self.threads
+        L, K, BV = self.L, self.K, self.BV
         mode = cpasync.LoadCacheMode.GLOBAL
         atom16 = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=mode), cutlass.BFloat16,
                                      num_bits_per_copy=128)
@@ -132,32 +132,25 @@ class KdaReplaySm90(StepRows):
                                      num_bits_per_copy=128)
         atomu = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=mode), self.udt,
                                     num_bits_per_copy=128)
-        ku = K // 8
-        for i in cutlass.range(tidx, c * ku, NT):
-            j = i // ku
-            b = i - j * ku
-            src = cute.logical_divide(ring.k[slot, h, j, None], cute.make_layout(8))
-            dst = cute.logical_divide(rk_s[j, None], cute.make_layout(8))
-            cute.copy(atom16, src[None, b], dst[None, b])
-        gu = K // 4
-        for i in cutlass.range(tidx, c * gu, NT):
-            j = i // gu
-            b = i - j * gu
-            src = cute.logical_divide(ring.g[slot, h, j, None], cute.make_layout(4))
-            dst = cute.logical_divide(rg_s[j, None], cute.make_layout(4))
-            cute.copy(atom32, src[None, b], dst[None, b])
+        self._copy_entries(atom16, ring.k, rk_s, slot, h, c, 8, K // 8, 0, tidx)
+        self._copy_entries(atom32, ring.g, rg_s, slot, h, c, 4, K // 4, 0, tidx)
         ue = 16 // (2 if self.udt is cutlass.Float16 else 4)  # elements a piece
-        uu = BV // ue
-        for i in cutlass.range(tidx, c * uu, NT):
-            j = i // uu
-            b = i - j * uu
-            src = cute.logical_divide(ring.u[slot, h, j, None], cute.make_layout(ue))
-            dst = cute.logical_divide(ru_s[j, None], cute.make_layout(ue))
-            cute.copy(atomu, src[None, vb * uu + b], dst[None, b])
+        self._copy_entries(atomu, ring.u, ru_s, slot, h, c, ue, BV // ue, vb * (BV // ue), tidx)
         if tidx < L // 4:
             src = cute.logical_divide(ring.r[slot, h, None], cute.make_layout(4))
             dst = cute.logical_divide(rr_s, cute.make_layout(4))
             cute.copy(atom32, src[None, tidx], dst[None, tidx])
+
+    @cute.jit
+    def _copy_entries(self, atom, src: cute.Tensor, dst, slot, h, c, elems, per, first, tidx):
+        """cp.async entries j < c of src[slot, h] (pieces first .. first + per of `elems`
+        elements each) into rows j of dst, the pieces shared out over the CTA's threads."""
+        for i in cutlass.range(tidx, c * per, self.threads):
+            j = i // per
+            b = i - j * per
+            s = cute.logical_divide(src[slot, h, j, None], cute.make_layout(elems))
+            d = cute.logical_divide(dst[j, None], cute.make_layout(elems))
+            cute.copy(atom, s[None, first + b], d[None, b])
 
     @cute.jit
     def _log_decay(self, dv, bias, a_exp, gate: Gate):

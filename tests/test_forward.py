@@ -202,12 +202,17 @@ def test_segmented_recurrence(K, segments, precision):
     """K2 over segments of each sequence (value rows from zero, identity rows, combined on the
     GPU, value rows again from the segments' starts): the accuracy bar, with an initial state,
     a final state, T not a multiple of the chunk and a last segment shorter than the others."""
-    inp = make_inputs(B=2, T=1000, H=2, K=K, seed=16 + segments)
+    _check_segmented(make_inputs(B=2, T=1000, H=2, K=K, seed=16 + segments), segments,
+                     precision)
+
+
+def _check_segmented(inp, segments, precision):
+    """The accuracy bar over `segments`; the third run computes the outputs as the sequential
+    recurrence does, from start states that differ from its own by the operands' rounding
+    (bf16 hi/lo: ~fp32's; fp16: 2^-11): the same error, to a small fraction of it; and the final
+    states the plain recurrence's to that rounding."""
     res = errors(inp, segments=segments, precision=precision)
     _assert(res)
-    # the third run computes the outputs as the sequential recurrence does, from start states
-    # that differ from its own by the operands' rounding (bf16 hi/lo: ~fp32's; fp16: 2^-11):
-    # the same error, to a small fraction of it
     seq = errors(inp, segments=1, precision=precision)
     assert res["out_err"] < seq["out_err"] * 1.05, (res, seq)
     _, s1 = run_kda(inp, segments=1, precision=precision)
@@ -222,14 +227,8 @@ def test_segmented_recurrence_varlen(seqlens, segments, precision):
     one long sequence; uneven ones with an empty one and ones of fewer chunks than segments.
     The accuracy bar, the outputs as good as the plain recurrence's and the final states its
     to the operands' rounding."""
-    inp = make_inputs(seqlens=seqlens, H=2, K=128, seed=40 + segments)
-    res = errors(inp, segments=segments, precision=precision)
-    _assert(res)
-    seq = errors(inp, segments=1, precision=precision)
-    assert res["out_err"] < seq["out_err"] * 1.05, (res, seq)
-    _, s1 = run_kda(inp, segments=1, precision=precision)
-    _, s2 = run_kda(inp, segments=segments, precision=precision)
-    assert (s1 - s2).norm() / s1.norm() < (1e-4 if precision == "precise" else 1e-3)
+    _check_segmented(make_inputs(seqlens=seqlens, H=2, K=128, seed=40 + segments), segments,
+                     precision)
 
 
 @pytest.mark.parametrize("K", [64, 128, 256])

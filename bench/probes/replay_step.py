@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench.py (see bench/README.md)
+import bench  # noqa: E402
 import kda_cute  # noqa: E402
 from kda_cute.launch import driver  # noqa: E402
 from kda_cute.specs import args_for  # noqa: E402
@@ -129,38 +129,6 @@ def check(cfg, N, H, steps):
             "cursors_ok": bool((cur == steps % L).all())}
 
 
-def time_ms(fn, iters, flush, warmup=5):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(iters):
-        flush()
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        ts.append(s.elapsed_time(e))
-    return statistics.median(ts)
-
-
-def graphed(fn):
-    fn()
-    torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(s):
-        fn()
-        torch.cuda.synchronize()
-        with torch.cuda.graph(g, stream=s):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    return g.replay
-
-
 def timed(cfg, N, H, iters, flush, bw):
     dtype = torch.float32 if cfg.pool == "float32" else torch.bfloat16
     L = cfg.ring
@@ -190,28 +158,13 @@ def timed(cfg, N, H, iters, flush, bw):
     replay = N * H * (es * V * K * (1 + 1 / L) + entry * ((L - 2) / 2 + (L - 1) / L) + tok)
     row = {"config": cfg.name, "N": N, "H": H, "pool": cfg.pool, "L": L,
            "decode_bytes": today, "replay_bytes": replay}
-    row["decode_ms"] = time_ms(graphed(kda), iters, flush)
-    row["replay_ms"] = time_ms(graphed(rep), iters, flush)
+    row["decode_ms"] = bench.time_flushed(bench.graphed(kda), iters, flush)
+    row["replay_ms"] = bench.time_flushed(bench.graphed(rep), iters, flush)
     row["bytes_ratio"] = replay / today
     row["time_ratio"] = row["replay_ms"] / row["decode_ms"]
     row["decode_pct"] = 100 * today / bw * 1e3 / row["decode_ms"]
     row["replay_pct"] = 100 * replay / bw * 1e3 / row["replay_ms"]
     return row
-
-
-def copy_bandwidth():
-    a = torch.empty(2 ** 30, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    for _ in range(10):
-        b.copy_(a)
-    e.record()
-    e.synchronize()
-    return 2 * 10 * a.numel() / (s.elapsed_time(e) / 1e3)
 
 
 def main(argv=None):
@@ -227,10 +180,9 @@ def main(argv=None):
             r = {"config": cfg.name, "error": repr(e)[:300]}
         print(json.dumps(r), flush=True)
         res["checks"].append(r)
-    bw = copy_bandwidth()
+    bw = bench.copy_bandwidth()
     res["copy_TBps"] = bw / 1e12
-    buf = torch.empty(256 * 2 ** 20, dtype=torch.uint8, device="cuda")
-    flush = lambda: buf.fill_(1)  # noqa: E731
+    flush = bench.flusher()
     shapes = [(64, 32), (256, 32), (1024, 32), (256, 12), (256, 96), (8, 32)]
     if a.quick:
         shapes = [(256, 32)]
