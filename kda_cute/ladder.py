@@ -21,7 +21,7 @@ from .specs.prep import PrepConfig
 from .specs.recur import RecurConfig
 
 # the token step's tiles: config_for below chooses among them
-from .step_ladder import REPLAY, step_config, step_tiles
+from .step_ladder import REPLAY, REPLAY_VARIANTS, step_config, step_tiles
 
 
 @dataclass(frozen=True)
@@ -249,4 +249,4 @@ def all_kernels() -> tuple:
     return tuple(dict.fromkeys(
         [c for f in SHIPPED + EXPERIMENTAL + ALONGSIDE for c in (f.prep, f.recur)]
         + [*SEGMENT_RUNS, *WY_RUNS, *CHECKPOINT_RUNS, *SIDE_PREPS, *RESCALE_RUNS, *COMBINE,
-           *step_tiles(), OFFSETS, CHECKPOINTS, *REPLAY]))
+           *step_tiles(), OFFSETS, CHECKPOINTS, *REPLAY, *REPLAY_VARIANTS]))

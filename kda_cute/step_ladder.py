@@ -81,6 +81,15 @@ REPLAY: tuple[ReplayConfig, ...] = (
     ReplayConfig(128, 128, "float32", 32, 32, 128, unroll=2, ring=8),
     *(ReplayConfig(128, 128, "bfloat16", 64, 16, 128, unroll=2, ring=n) for n in (16, 8)),
 )
+# other replay tiles, for the next sweep: a whole head a CTA (256 threads), and bf16 tiles of
+# fewer registers (8-byte accesses with 32 lanes a row, no unroll, 32 rows)
+REPLAY_VARIANTS: tuple[ReplayConfig, ...] = (
+    *(ReplayConfig(128, 128, "float32", 128, 32, 256, unroll=2, ring=n) for n in (8, 4)),
+    ReplayConfig(128, 128, "bfloat16", 64, 32, 128, access=8, unroll=2, ring=8),
+    ReplayConfig(128, 128, "bfloat16", 64, 16, 128, unroll=1, ring=8),
+    ReplayConfig(128, 128, "bfloat16", 32, 16, 128, unroll=2, ring=8),
+    ReplayConfig(128, 128, "bfloat16", 128, 16, 256, unroll=2, ring=8),
+)
 
 # other tiles, built for the tile sweep (bench/serving.py --sweep): fewer and more rows per CTA
 STEP_VARIANTS: tuple[StepConfig, ...] = tuple(c for c in dict.fromkeys(

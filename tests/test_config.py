@@ -38,6 +38,7 @@ from kda_cute.specs.prep import supports as supports_prep
 from kda_cute.specs.recur import supports as supports_recur
 from kda_cute.step_ladder import (
     REPLAY,
+    REPLAY_VARIANTS,
     STEP,
     STEP_CHUNK,
     STEP_MULTI,
@@ -229,7 +230,7 @@ def test_all_kernels_once_each():
                             | set(SIDE_PREPS) | set(RESCALE_RUNS) | set(COMBINE) | set(STEP)
                             | {c for _, c in STEP_SINGLE + STEP_MULTI + STEP_CHUNK}
                             | set(STEP_VARIANTS)
-                            | {OFFSETS, CHECKPOINTS} | set(REPLAY))
+                            | {OFFSETS, CHECKPOINTS} | set(REPLAY) | set(REPLAY_VARIANTS))
     assert set(kernels[:2 * len(SHIPPED)]) == ({f.prep for f in SHIPPED}
                                                 | {f.recur for f in SHIPPED})
 

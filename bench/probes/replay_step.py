@@ -25,7 +25,7 @@ import bench  # noqa: E402
 import kda_cute  # noqa: E402
 from kda_cute.launch import driver  # noqa: E402
 from kda_cute.specs import args_for  # noqa: E402
-from kda_cute.step_ladder import REPLAY  # noqa: E402
+from kda_cute.step_ladder import REPLAY, REPLAY_VARIANTS  # noqa: E402
 
 K = V = 128
 LB = -5.0
@@ -173,7 +173,7 @@ def main(argv=None):
     ap.add_argument("--out", type=Path, default=Path("replay_step.json"))
     a = ap.parse_args(argv)
     res = {"device": torch.cuda.get_device_name(), "checks": [], "times": []}
-    for cfg in REPLAY:
+    for cfg in REPLAY + REPLAY_VARIANTS:
         try:
             r = check(cfg, 64, 8, 3 * cfg.ring + 3)
         except Exception as e:  # reported, not fatal: the next config still runs
@@ -187,7 +187,7 @@ def main(argv=None):
     if a.quick:
         shapes = [(256, 32)]
     for N, H in shapes:
-        for cfg in REPLAY:
+        for cfg in REPLAY + REPLAY_VARIANTS:
             try:
                 r = timed(cfg, N, H, 50, flush, bw)
             except Exception as e:  # reported, not fatal

@@ -48,8 +48,8 @@ def supports(cfg: ReplayConfig) -> tuple[bool, str]:
         return False, f"u_dtype must be one of {U_DTYPES}, got {cfg.u_dtype!r}"
     if cfg.tpr < 2:
         return False, f"tpr must be at least 2 (a row's two sums share its lanes), got {cfg.tpr}"
-    if cfg.persist or cfg.prep or cfg.chunk or cfg.ahead or cfg.access != 16:
-        return False, "the replay step is a one-tile tile of 16-byte accesses without options"
+    if cfg.persist or cfg.prep or cfg.chunk or cfg.ahead:
+        return False, "the replay step is a one-tile tile without persist, prep, chunk or ahead"
     return True, ""
 
 
