@@ -11,9 +11,9 @@ the ring visible to every row group. With the token's log-decay a and G = G_(c-1
   token's G, k and q put in shared memory by the first row group (two more CTA barriers);
 - each row: Sd = S_c e^G, u = beta (v - Sd k - sum_j u_j a_j), o = Sd q + sum_j u_j b_j +
   u (k . q) (the ring's sums for row sub taken on lane sub, as v is: step_rows._v_ahead);
-- not the last entry: u to the ring (every tile its rows), k, G and r (the head's first tile),
-  the cursor + 1; the last: the row's state Sd + sum_j u_j w_j^T + u k^T (the w_j from shared
-  memory) to the checkpoint slot and the cursor 0.
+- below the window's last token (c < window - 1): u to the ring (every tile its rows), k, G
+  and r (the head's first tile), the cursor + 1; from it: the row's state Sd + sum_j u_j w_j^T
+  + u k^T (the w_j from shared memory) to the checkpoint slot and the cursor 0.
 """
 
 from dataclasses import dataclass
@@ -89,6 +89,7 @@ class KdaReplaySm90(StepRows):
         gate: cutlass.Int32, a_log_dtype: cutlass.Int32, dt_bias_dtype: cutlass.Int32,
         qk_l2norm: cutlass.Int32, beta_sigmoid: cutlass.Int32,
         scale: cutlass.Float32, lower_bound: cutlass.Float32,
+        window: cutlass.Int32,
         stream,
     ):
         self.shared_storage = self._shared_storage()
@@ -104,6 +105,7 @@ class KdaReplaySm90(StepRows):
             Write(write_mode, w_sn, w_st, w_wide, w_mul, w_add),
             Parents(parent_on, p_sn, p_st, p_wide),
             Gate(gate, a_log_dtype, dt_bias_dtype, qk_l2norm, beta_sigmoid, scale, lower_bound),
+            window,
         ).launch(grid=(self.V // self.BV, num_heads, num_rows), block=(self.threads, 1, 1),
                  smem=self.smem_bytes, stream=stream)
 
@@ -199,7 +201,7 @@ class KdaReplaySm90(StepRows):
     @cute.kernel
     def kernel(self, tk: Tokens, gp: GateParams, st: States, tab: Tables, ring: Ring,
                seqs: Seqs, rd: Read, acc: Accepted, starts: Starts, wr: Write, par: Parents,
-               gate: Gate):
+               gate: Gate, window: cutlass.Int32):
         f32, i32 = cutlass.Float32, cutlass.Int32
         K, NC, L, BV = self.K, self.NC, self.L, self.BV
         tidx, _, _ = cute.arch.thread_idx()
@@ -312,7 +314,7 @@ class KdaReplaySm90(StepRows):
                     uj = ru_s[j, rho].to(f32)
                     ca = ca + uj * ab_s[0, j]
                     cb = cb + uj * ab_s[1, j]
-        flush = c == L - 1
+        flush = c >= window - 1  # the window is full with this token: fold
 
         if pad != 0:
             if length > 0:
@@ -345,15 +347,16 @@ class KdaReplaySm90(StepRows):
                 if flush:  # the state after this token is the new checkpoint
                     for q in cutlass.range_constexpr(NC):
                         x[q] = x[q] + u * kv[q]
-                    for j in cutlass.range_constexpr(L - 1):  # every entry is live here
-                        uj = ru_s[j, grp + self.G * r].to(f32)
-                        for q in cutlass.range_constexpr(NC):
-                            x[q] = x[q] + uj * rg_s[j, self._col(q, sub)]
+                    for j in cutlass.range_constexpr(L - 1):
+                        if j < c:
+                            uj = ru_s[j, grp + self.G * r].to(f32)
+                            for q in cutlass.range_constexpr(NC):
+                                x[q] = x[q] + uj * rg_s[j, self._col(q, sub)]
                     self._put(x, self._row_vecs(st.dst, slot, h, v_idx), sub, self.pdt)
                 else:
                     if sub == self.OUT_LANE:
                         ring.u[slot, h, c, v_idx] = u.to(self.udt)
-            if c != L - 1:
+            if c < window - 1:
                 if vb == 0 and grp == 0:  # the head's key, as given, and G
                     for q in cutlass.range_constexpr(NC):
                         d = self._col(q, sub)

@@ -37,7 +37,7 @@ def test_arguments_are_the_steps_with_the_ring_after_the_errors():
     steps = [a.name for a in step.args(BASE)]
     cut = steps.index("errors") + 1
     ring = ["ring_k", "ring_r", "ring_u", "ring_g", "cursor", "cursor_out"]
-    assert names == steps[:cut] + ring + steps[cut:]
+    assert names == steps[:cut] + ring + steps[cut:] + ["window"]
     by = {a.name: a for a in args_for(dataclasses.replace(BASE, u_dtype="float32"))}
     assert by["ring_u"].dtype == "float32" and by["ring_k"].dtype == "bfloat16"
     assert by["ring_g"].shape == ("P", "H", 8, 128) and by["cursor"].dtype == "int32"

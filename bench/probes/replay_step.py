@@ -46,7 +46,7 @@ class Ring:
         self.cur = [torch.zeros(slots, dtype=torch.int32, device=d) for _ in range(2)]
 
 
-def launcher(cfg, x, idx, ring: Ring, out, flip):
+def launcher(cfg, x, idx, ring: Ring, out, flip, window=None):
     """The step's launch as a function of no arguments (its parameter block packed once)."""
     N, H = idx.shape[0], ring.pool.shape[1]
     T = N
@@ -74,7 +74,8 @@ def launcher(cfg, x, idx, ring: Ring, out, flip):
             "r_null": 0, "w_null": 0, "write_mode": 0, "w_sn": 0, "w_st": 0, "w_wide": 0,
             "w_mul": 1, "w_add": 0, "parent_on": 0, "p_sn": 0, "p_st": 0, "p_wide": 0,
             "gate": 1, "a_log_dtype": 1, "dt_bias_dtype": 1, "qk_l2norm": 1,
-            "beta_sigmoid": 1, "scale": K ** -0.5, "lower_bound": LB}
+            "beta_sigmoid": 1, "scale": K ** -0.5, "lower_bound": LB,
+            "window": window or cfg.ring}
     names = tuple(a.name for a in args_for(cfg))
     vals = tuple(ptr[n].data_ptr() if n in ptr else scal[n] for n in names)
     kern = driver.get_kernel(cfg, "sm_90a")
@@ -97,13 +98,18 @@ def tokens(N, H, gen):
                 beta=rnd(N, 1, H))
 
 
-def check(cfg, N, H, steps):
-    """Replay against kda_cute.decode over `steps` tokens from one pool."""
+def check(cfg, N, H, steps, window=None):
+    """Replay against kda_cute.decode over `steps` tokens from one pool (every eighth row
+    padding), folding every `window` tokens; then a bad cursor is reported and its row is
+    padding."""
     dtype = torch.float32 if cfg.pool == "float32" else torch.bfloat16
     L = cfg.ring
     gen = torch.Generator(device="cuda").manual_seed(N + H + L)
     pool = torch.empty(2 * N, H, V, K, dtype=dtype, device="cuda").normal_(0, 0.3, generator=gen)
     idx = torch.randperm(2 * N, generator=gen, device="cuda")[:N].to(torch.int32)
+    idx[::8] = -1
+    live = idx >= 0
+    W = window or L
     gate = dict(A_log=torch.randn(H, generator=gen, device="cuda") * 0.5,
                 dt_bias=torch.randn(H * K, generator=gen, device="cuda") * 0.5)
     ring = Ring(pool.clone(), L)
@@ -113,20 +119,28 @@ def check(cfg, N, H, steps):
         o_ref = kda_cute.decode(x["q"], x["k"], x["v"], x["g"], x["beta"], pool, idx,
                                 lower_bound=LB, **gate)
         o = torch.full_like(o_ref, float("nan"))
-        run = launcher(cfg, x, idx, ring, o, t % 2)
+        run = launcher(cfg, x, idx, ring, o, t % 2, W)
         run()
         torch.cuda.synchronize()
         errs += int(run.err.abs().sum())
         e = ((o.float() - o_ref.float()).norm() / o_ref.float().norm()).item()
         out_err = max(out_err, e if e == e else float("inf"))
-        if t % L == L - 1:
-            a, b = ring.pool[idx.long()].float(), pool[idx.long()].float()
+        if t % W == W - 1:
+            a, b = ring.pool[idx[live].long()].float(), pool[idx[live].long()].float()
             e = ((a - b).norm() / b.norm()).item()
             state_err = max(state_err, e if e == e else float("inf"))
-    cur = ring.cur[steps % 2][idx.long()]
-    return {"config": cfg.name, "N": N, "H": H, "steps": steps, "out_vs_decode": out_err,
-            "state_vs_decode": state_err, "error_words": errs,
-            "cursors_ok": bool((cur == steps % L).all())}
+    cur = ring.cur[steps % 2][idx[live].long()]
+    res = {"config": cfg.name, "N": N, "H": H, "window": W, "steps": steps,
+           "out_vs_decode": out_err, "state_vs_decode": state_err, "error_words": errs,
+           "cursors_ok": bool((cur == steps % W).all())}
+    # a cursor past the ring: the read slot's error word, the row's outputs zeros
+    ring.cur[steps % 2][idx[1].long()] = L
+    o = torch.full_like(o_ref, float("nan"))
+    run = launcher(cfg, dict(tokens(N, H, gen), **gate), idx, ring, o, steps % 2, W)
+    run()
+    torch.cuda.synchronize()
+    res["bad_cursor_reported"] = bool(run.err[3] != 0) and bool((o[1] == 0).all())
+    return res
 
 
 def timed(cfg, N, H, iters, flush, bw):
@@ -174,12 +188,13 @@ def main(argv=None):
     a = ap.parse_args(argv)
     res = {"device": torch.cuda.get_device_name(), "checks": [], "times": []}
     for cfg in REPLAY + REPLAY_VARIANTS:
-        try:
-            r = check(cfg, 64, 8, 3 * cfg.ring + 3)
-        except Exception as e:  # reported, not fatal: the next config still runs
-            r = {"config": cfg.name, "error": repr(e)[:300]}
-        print(json.dumps(r), flush=True)
-        res["checks"].append(r)
+        for window in dict.fromkeys((cfg.ring, max(2, cfg.ring // 2))):
+            try:
+                r = check(cfg, 64, 8, 3 * window + 3, window)
+            except Exception as e:  # reported, not fatal: the next config still runs
+                r = {"config": cfg.name, "error": repr(e)[:300]}
+            print(json.dumps(r), flush=True)
+            res["checks"].append(r)
     bw = bench.copy_bandwidth()
     res["copy_TBps"] = bw / 1e12
     flush = bench.flusher()

@@ -8,16 +8,18 @@ A slot's state after its checkpoint S_c and the c tokens of its ring is
 
 (G the tokens' running log-decay since the checkpoint, a channel each; k_j the token's key as
 given, r_j its inverse norm; u_j its delta-rule correction). A step reads S_c and the ring, takes
-its output and correction from them, and appends (k, r, u, G) to the ring; the step that fills
-the ring (c = ring - 1) writes the state instead, as the new checkpoint, and empties the ring.
-The cursor is read from one tensor and written to another (the step reads no value it writes).
+its output and correction from them, and appends (k, r, u, G) to the ring; a step at cursor
+c >= window - 1 (the run-time window, at most the ring's entries) writes the state instead, as
+the new checkpoint, and empties the ring. The cursor is read from one tensor and written to
+another (the step reads no value it writes); one outside [0, ring) is reported as a bad read
+slot and its row is padding.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..abi import Arg, tensor
+from ..abi import Arg, scalar, tensor
 from . import step
 from .step import StepConfig
 
@@ -69,7 +71,9 @@ def args(cfg: ReplayConfig) -> list[Arg]:
         tensor("cursor_out", "int32", ("P",), (1,)),
     ]
     cut = [x.name for x in a].index("errors") + 1
-    return a[:cut] + ring + a[cut:]
+    # the window: a token at cursor c >= window - 1 folds (1 <= window <= ring); the entries
+    # past it hold a verify's drafts
+    return a[:cut] + ring + a[cut:] + [scalar("window")]
 
 
 def dsl_class(cfg: ReplayConfig) -> str:
