@@ -89,6 +89,9 @@ REPLAY_VARIANTS: tuple[ReplayConfig, ...] = (
     ReplayConfig(128, 128, "bfloat16", 64, 16, 128, unroll=1, ring=8),
     ReplayConfig(128, 128, "bfloat16", 32, 16, 128, unroll=2, ring=8),
     ReplayConfig(128, 128, "bfloat16", 128, 16, 256, unroll=2, ring=8),
+    # output-only verify: rings of 16 (a window of 8 and room for 8 drafts)
+    ReplayConfig(128, 128, "float32", 64, 32, 128, unroll=2, ring=16, verify=True),
+    ReplayConfig(128, 128, "bfloat16", 64, 32, 128, access=8, unroll=2, ring=16, verify=True),
 )
 
 # other tiles, built for the tile sweep (bench/serving.py --sweep): fewer and more rows per CTA

@@ -39,6 +39,7 @@ SOURCES = ("kernels/kda_prep_sm90.py", "kernels/kda_recur_sm90.py", "kernels/bui
            "kda_cute/specs/recur.py", "kda_cute/specs/combine.py", "kernels/kda_step_sm90.py",
            "kernels/step_rows.py", "kernels/kda_step_persist_sm90.py",
            "kernels/kda_step_chunk_sm90.py", "kernels/kda_replay_sm90.py",
+           "kernels/kda_replay_verify_sm90.py",
            "kda_cute/specs/replay.py",
            "kda_cute/specs/step.py", "kernels/kda_offsets_sm90.py", "kda_cute/specs/offsets.py")
 

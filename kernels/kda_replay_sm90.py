@@ -198,6 +198,100 @@ class KdaReplaySm90(StepRows):
         """The head column of this thread's register column c."""
         return (sub + self.TPR * (c // self.VEC)) * self.VEC + c % self.VEC
 
+    @cute.jit
+    def _put_token(self, vs, gt, kv, qv, grp, sub):
+        """The token's G, k and q of every column into vs, for the entries' keys (group 0's
+        lanes hold every column between them); a CTA barrier after."""
+        if grp == 0:
+            for q in cutlass.range_constexpr(self.NC):
+                d = self._col(q, sub)
+                vs[0, d] = gt[q]
+                vs[1, d] = kv[q]
+                vs[2, d] = qv[q]
+        cute.arch.sync_threads()
+
+    @cute.jit
+    def _entries(self, areas, w_dst, live, tidx):
+        """Each of the `live` entries' key decayed to this token, w_j = r_j k_j e^(G - G_j)
+        (into w_dst: the log-decays' own area where they are not needed again), and its
+        products with k and q into ab: entry j by warp j mod warps, K / 32 columns a lane; a
+        CTA barrier after."""
+        f32, K, L = cutlass.Float32, self.K, self.L
+        rk_s, rg_s, rr_s, ru_s, vs, ab_s = areas
+        NW = self.threads // 32
+        warp = tidx // 32
+        lane = tidx - 32 * warp
+        CPL = K // 32
+        for jw in cutlass.range_constexpr(-(-(L - 1) // NW)):
+            j = warp + NW * jw
+            pa = f32(0.0)
+            pb = f32(0.0)
+            if j < live:
+                rj = rr_s[j]
+                for e in cutlass.range_constexpr(CPL):
+                    d = lane * CPL + e
+                    w = rk_s[j, d].to(f32) * rj * cute.math.exp(vs[0, d] - rg_s[j, d],
+                                                                 fastmath=True)
+                    w_dst[j, d] = w
+                    pa = pa + w * vs[1, d]
+                    pb = pb + w * vs[2, d]
+            for k in cutlass.range_constexpr(5):
+                pa = pa + cute.arch.shuffle_sync_bfly(pa, offset=1 << k)
+                pb = pb + cute.arch.shuffle_sync_bfly(pb, offset=1 << k)
+            if lane == 0 and j < live:
+                ab_s[0, j] = pa
+                ab_s[1, j] = pb
+        cute.arch.sync_threads()
+
+    @cute.jit
+    def _row_sums(self, ru_s, ab_s, live, grp, sub):
+        """The ring's sums for this lane's row sub (as its v): (sum_j u_j a_j, sum_j u_j b_j)
+        over the `live` entries."""
+        f32 = cutlass.Float32
+        ca = f32(0.0)
+        cb = f32(0.0)
+        if sub < self.R:
+            rho = grp + self.G * sub
+            for j in cutlass.range_constexpr(self.L - 1):
+                if j < live:
+                    uj = ru_s[j, rho].to(f32)
+                    ca = ca + uj * ab_s[0, j]
+                    cb = cb + uj * ab_s[1, j]
+        return ca, cb
+
+    @cute.jit
+    def _checkpoint_row(self, x, stage, src, r):
+        """Row r of the staged checkpoint into registers x (zeros where src is SRC_ZERO)."""
+        f32 = cutlass.Float32
+        for jj in cutlass.range_constexpr(self.NJ):
+            y = stage[None, jj, r].load().to(f32)
+            for e in cutlass.range_constexpr(self.VEC):
+                x[jj * self.VEC + e] = f32(cutlass.select_(src == SRC_STAGE, y[e], f32(0.0)))
+
+    @cute.jit
+    def _row_step(self, x, eg, keys, sums, beta, sub, r):
+        """Row r (in x: the checkpoint row, decayed here by e^G) through the token: keys the
+        token's (k, q) columns, sums this lane's (v, the ring's two sums) for its row sub.
+        Returns (the output less u (k . q), valid on the row's odd lanes; u, on every lane)."""
+        f32, NC = cutlass.Float32, self.NC
+        kv, qv = keys
+        v_me, ca, cb = sums
+        mine = sub == r
+        a = f32(cutlass.select_(mine, v_me - ca, f32(0.0)))
+        b = f32(cutlass.select_(mine, cb, f32(0.0)))
+        for q in cutlass.range_constexpr(NC):
+            s = x[q] * eg[q]
+            x[q] = s
+            a = a - s * kv[q]
+            b = b + s * qv[q]
+        odd = (sub & 1) != 0
+        m = f32(cutlass.select_(odd, b, a)) + cute.arch.shuffle_sync_bfly(
+            f32(cutlass.select_(odd, a, b)), offset=1)
+        for k in cutlass.range_constexpr(1, self.TPR.bit_length() - 1):
+            m = m + cute.arch.shuffle_sync_bfly(m, offset=1 << k)
+        a = f32(cutlass.select_(odd, cute.arch.shuffle_sync_bfly(m, offset=1), m))
+        return m, beta * a
+
     @cute.kernel
     def kernel(self, tk: Tokens, gp: GateParams, st: States, tab: Tables, ring: Ring,
                seqs: Seqs, rd: Read, acc: Accepted, starts: Starts, wr: Write, par: Parents,
@@ -268,52 +362,10 @@ class KdaReplaySm90(StepRows):
                 g0 = rg_s[c - 1, self._col(q, sub)]
             gt[q] = g0 + dv[q]
             eg[q] = cute.math.exp(gt[q], fastmath=True)
-        # the token's G, k and q of every column, for the entries' keys (group 0's lanes hold
-        # every column between them)
-        if grp == 0:
-            for q in cutlass.range_constexpr(NC):
-                d = self._col(q, sub)
-                vs[0, d] = gt[q]
-                vs[1, d] = kv[q]
-                vs[2, d] = qv[q]
-        cute.arch.sync_threads()
-        # each entry's key decayed to this token, w_j = r_j k_j e^(G - G_j) (over its log-decay
-        # in the ring's area), and its products with k and q: entry j by warp j mod warps,
-        # K / 32 columns a lane
-        NW = self.threads // 32
-        warp = tidx // 32
-        lane = tidx - 32 * warp
-        CPL = K // 32
-        for jw in cutlass.range_constexpr(-(-(L - 1) // NW)):
-            j = warp + NW * jw
-            pa = f32(0.0)
-            pb = f32(0.0)
-            if j < c:
-                rj = rr_s[j]
-                for e in cutlass.range_constexpr(CPL):
-                    d = lane * CPL + e
-                    w = rk_s[j, d].to(f32) * rj * cute.math.exp(vs[0, d] - rg_s[j, d],
-                                                                 fastmath=True)
-                    rg_s[j, d] = w
-                    pa = pa + w * vs[1, d]
-                    pb = pb + w * vs[2, d]
-            for k in cutlass.range_constexpr(5):
-                pa = pa + cute.arch.shuffle_sync_bfly(pa, offset=1 << k)
-                pb = pb + cute.arch.shuffle_sync_bfly(pb, offset=1 << k)
-            if lane == 0 and j < c:
-                ab_s[0, j] = pa
-                ab_s[1, j] = pb
-        cute.arch.sync_threads()
-        # the ring's sums for this lane's row sub (as its v)
-        ca = f32(0.0)
-        cb = f32(0.0)
-        if sub < self.R:
-            rho = grp + self.G * sub
-            for j in cutlass.range_constexpr(L - 1):
-                if j < c:
-                    uj = ru_s[j, rho].to(f32)
-                    ca = ca + uj * ab_s[0, j]
-                    cb = cb + uj * ab_s[1, j]
+        areas = (rk_s, rg_s, rr_s, ru_s, vs, ab_s)
+        self._put_token(vs, gt, kv, qv, grp, sub)
+        self._entries(areas, rg_s, c, tidx)
+        ca, cb = self._row_sums(ru_s, ab_s, c, grp, sub)
         flush = c >= window - 1  # the window is full with this token: fold
 
         if pad != 0:
@@ -322,26 +374,8 @@ class KdaReplaySm90(StepRows):
         else:
             for r in cutlass.range(self.R, unroll=self.U, unroll_full=self.U == 0):
                 v_idx = vb * BV + grp + self.G * r
-                for jj in cutlass.range_constexpr(self.NJ):  # the checkpoint row, or zeros
-                    y = stage[None, jj, r].load().to(f32)
-                    for e in cutlass.range_constexpr(self.VEC):
-                        x[jj * self.VEC + e] = f32(cutlass.select_(src == SRC_STAGE, y[e],
-                                                                   f32(0.0)))
-                mine = sub == r
-                a = f32(cutlass.select_(mine, v_me - ca, f32(0.0)))
-                b = f32(cutlass.select_(mine, cb, f32(0.0)))
-                for q in cutlass.range_constexpr(NC):
-                    s = x[q] * eg[q]
-                    x[q] = s
-                    a = a - s * kv[q]
-                    b = b + s * qv[q]
-                odd = (sub & 1) != 0
-                m = f32(cutlass.select_(odd, b, a)) + cute.arch.shuffle_sync_bfly(
-                    f32(cutlass.select_(odd, a, b)), offset=1)
-                for k in cutlass.range_constexpr(1, self.TPR.bit_length() - 1):
-                    m = m + cute.arch.shuffle_sync_bfly(m, offset=1 << k)
-                a = f32(cutlass.select_(odd, cute.arch.shuffle_sync_bfly(m, offset=1), m))
-                u = beta * a
+                self._checkpoint_row(x, stage, src, r)
+                m, u = self._row_step(x, eg, (kv, qv), (v_me, ca, cb), beta, sub, r)
                 if sub == self.OUT_LANE:
                     tk.out[bos, h * self.V + v_idx] = (m + u * kq).to(cutlass.BFloat16)
                 if flush:  # the state after this token is the new checkpoint

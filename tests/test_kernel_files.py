@@ -12,7 +12,8 @@ import pytest
 
 KERNELS = Path(__file__).resolve().parents[1] / "kernels"
 FILES = ("kda_prep_sm90.py", "kda_recur_tc_sm90.py", "step_rows.py", "kda_step_sm90.py",
-         "kda_step_persist_sm90.py", "kda_step_chunk_sm90.py", "kda_replay_sm90.py")
+         "kda_step_persist_sm90.py", "kda_step_chunk_sm90.py", "kda_replay_sm90.py",
+         "kda_replay_verify_sm90.py")
 MOST = 20
 
 

@@ -43,6 +43,14 @@ def test_arguments_are_the_steps_with_the_ring_after_the_errors():
     assert by["ring_g"].shape == ("P", "H", 8, 128) and by["cursor"].dtype == "int32"
 
 
+def test_verify_tiles_are_their_own_kernel():
+    verify = [c for c in REPLAY_VARIANTS if c.verify]
+    assert verify and all(c.name.endswith("_verify") for c in verify)
+    assert {spec_of(c).dsl_class(c) for c in verify} == {
+        "kernels.kda_replay_verify_sm90:KdaReplayVerifySm90"}
+    assert spec_of(BASE).dsl_class(BASE) == "kernels.kda_replay_sm90:KdaReplaySm90"
+
+
 def test_name_encodes_the_ring_and_u_dtype():
     assert BASE.name == "kda_replay_k128_v128_f32_bv64_r32_t128_u2_l8_uh"
     assert dataclasses.replace(BASE, ring=16).name != BASE.name

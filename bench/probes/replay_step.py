@@ -49,7 +49,8 @@ class Ring:
 def launcher(cfg, x, idx, ring: Ring, out, flip, window=None):
     """The step's launch as a function of no arguments (its parameter block packed once)."""
     N, H = idx.shape[0], ring.pool.shape[1]
-    T = N
+    Tk = x["q"].shape[1]  # tokens a row
+    T = N * Tk
     q, k, g, v = (x[n].view(T, -1) for n in ("q", "k", "g", "v"))
     beta, o = x["beta"].view(T, H), out.view(T, H * V)
     dev = idx.device
@@ -68,7 +69,7 @@ def launcher(cfg, x, idx, ring: Ring, out, flip, window=None):
            "has_init": dummy, "errors": err, "ring_k": ring.k, "ring_r": ring.r,
            "ring_u": ring.u, "ring_g": ring.g, "cursor": ring.cur[flip],
            "cursor_out": ring.cur[1 - flip]}
-    scal = {"num_rows": N, "num_heads": H, "fixed_len": 1, "cu_wide": 0, "max_tokens": 1,
+    scal = {"num_rows": N, "num_heads": H, "fixed_len": Tk, "cu_wide": 0, "max_tokens": Tk,
             "read_mode": 1, "r_sn": 1, "r_st": 0, "r_wide": 0, "r_mul": 1, "r_add": 0,
             "acc_on": 0, "acc_wide": 0, "acc_base": 0, "acc_skip": 0, "max_sel": 1, "hi_on": 0,
             "r_null": 0, "w_null": 0, "write_mode": 0, "w_sn": 0, "w_st": 0, "w_wide": 0,
@@ -91,11 +92,85 @@ def launcher(cfg, x, idx, ring: Ring, out, flip, window=None):
     return run
 
 
-def tokens(N, H, gen):
+def tokens(N, H, gen, T=1):
     def rnd(*s):
         return torch.randn(*s, generator=gen, device="cuda").to(torch.bfloat16)
-    return dict(q=rnd(N, 1, H, K), k=rnd(N, 1, H, K), g=rnd(N, 1, H, K), v=rnd(N, 1, H, V),
-                beta=rnd(N, 1, H))
+    return dict(q=rnd(N, T, H, K), k=rnd(N, T, H, K), g=rnd(N, T, H, K), v=rnd(N, T, H, V),
+                beta=rnd(N, T, H))
+
+
+def check_verify(cfg, N, H, first, then):
+    """Output-only verify against decode token by token: `first` drafts from an empty ring,
+    the cursor moved over them (a commit), `then` drafts more; the checkpoint untouched; then
+    drafts past the ring's end reported (tokens per row) with zero outputs."""
+    dtype = torch.float32 if cfg.pool == "float32" else torch.bfloat16
+    gen = torch.Generator(device="cuda").manual_seed(N + H + first)
+    pool = torch.empty(2 * N, H, V, K, dtype=dtype, device="cuda").normal_(0, 0.3, generator=gen)
+    idx = torch.randperm(2 * N, generator=gen, device="cuda")[:N].to(torch.int32)
+    idx[::8] = -1
+    gate = dict(A_log=torch.randn(H, generator=gen, device="cuda") * 0.5,
+                dt_bias=torch.randn(H * K, generator=gen, device="cuda") * 0.5)
+    ring = Ring(pool.clone(), cfg.ring)
+    before = ring.pool.clone()
+    res = {"config": cfg.name, "N": N, "H": H, "drafts": [first, then], "out_vs_decode": 0.0}
+    errs = 0
+    for T, at in ((first, 0), (then, first)):
+        ring.cur[0][idx[idx >= 0].long()] = at
+        x = dict(tokens(N, H, gen, T), **gate)
+        o = torch.full((N, T, H, V), float("nan"), dtype=torch.bfloat16, device="cuda")
+        run = launcher(cfg, x, idx, ring, o, 0)
+        run()
+        torch.cuda.synchronize()
+        errs += int(run.err.abs().sum())
+        for t in range(T):
+            o_ref = kda_cute.decode(x["q"][:, t], x["k"][:, t], x["v"][:, t], x["g"][:, t],
+                                    x["beta"][:, t], pool, idx, lower_bound=LB, **gate)
+            e = ((o[:, t].float() - o_ref.float()).norm() / o_ref.float().norm()).item()
+            res["out_vs_decode"] = max(res["out_vs_decode"], e if e == e else float("inf"))
+    res["error_words"] = errs
+    res["checkpoint_untouched"] = bool(torch.equal(ring.pool, before))
+    ring.cur[0][idx[idx >= 0].long()] = cfg.ring - 2
+    x = dict(tokens(N, H, gen, 3), **gate)
+    o = torch.full((N, 3, H, V), float("nan"), dtype=torch.bfloat16, device="cuda")
+    run = launcher(cfg, x, idx, ring, o, 0)
+    run()
+    torch.cuda.synchronize()
+    res["past_the_end_reported"] = bool(run.err[1] != 0) and bool((o == 0).all())
+    return res
+
+
+def timed_verify(cfg, N, H, T, iters, flush):
+    """Output-only verify of T drafts a row (cursor 4 of a full ring) against kda_cute.verify
+    writing a state a token into a slot a token (its style (a)), both graphed."""
+    dtype = torch.float32 if cfg.pool == "float32" else torch.bfloat16
+    gen = torch.Generator(device="cuda").manual_seed(5 * N + T)
+    slots = 4 * N * T
+    pool = torch.empty(slots, H, V, K, dtype=dtype, device="cuda").normal_(0, 0.3, generator=gen)
+    sidx = torch.randperm(slots, generator=gen, device="cuda")[:N * T].view(N, T).to(
+        torch.int32).contiguous()
+    idx = sidx[:, 0].contiguous()
+    acc = torch.randint(1, T + 1, (N,), device="cuda", dtype=torch.int32)
+    x = dict(tokens(N, H, gen, T), A_log=torch.randn(H, generator=gen, device="cuda") * 0.5,
+             dt_bias=torch.randn(H * K, generator=gen, device="cuda") * 0.5)
+    out = torch.empty(N, T, H, V, dtype=torch.bfloat16, device="cuda")
+    ring = Ring(pool.clone(), cfg.ring)
+    ring.k.normal_(generator=gen)
+    ring.r.fill_(K ** -0.5)
+    ring.u.normal_(0, 0.1, generator=gen)
+    ring.g.copy_(torch.arange(1, cfg.ring + 1, device="cuda").view(1, 1, -1, 1) * -0.5)
+    ring.cur[0].fill_(4)
+
+    def kda():
+        kda_cute.verify(x["q"], x["k"], x["v"], x["g"], x["beta"], pool, ssm_state_indices=sidx,
+                        num_accepted_tokens=acc, out=out, lower_bound=LB, A_log=x["A_log"],
+                        dt_bias=x["dt_bias"])
+
+    rep = launcher(cfg, x, idx, ring, out, 0)
+    row = {"config": cfg.name, "N": N, "H": H, "T": T}
+    row["verify_ms"] = bench.time_flushed(bench.graphed(kda), iters, flush)
+    row["replay_ms"] = bench.time_flushed(bench.graphed(rep), iters, flush)
+    row["speedup"] = row["verify_ms"] / row["replay_ms"]
+    return row
 
 
 def check(cfg, N, H, steps, window=None):
@@ -187,7 +262,16 @@ def main(argv=None):
     ap.add_argument("--out", type=Path, default=Path("replay_step.json"))
     a = ap.parse_args(argv)
     res = {"device": torch.cuda.get_device_name(), "checks": [], "times": []}
-    for cfg in REPLAY + REPLAY_VARIANTS:
+    steps = [c for c in REPLAY + REPLAY_VARIANTS if not c.verify]
+    verifies = [c for c in REPLAY_VARIANTS if c.verify]
+    for cfg in verifies:
+        try:
+            r = check_verify(cfg, 64, 8, 5, 8)
+        except Exception as e:  # reported, not fatal
+            r = {"config": cfg.name, "error": repr(e)[:300]}
+        print(json.dumps(r), flush=True)
+        res["checks"].append(r)
+    for cfg in steps:
         for window in dict.fromkeys((cfg.ring, max(2, cfg.ring // 2))):
             try:
                 r = check(cfg, 64, 8, 3 * window + 3, window)
@@ -201,8 +285,16 @@ def main(argv=None):
     shapes = [(64, 32), (256, 32), (1024, 32), (256, 12), (256, 96), (8, 32)]
     if a.quick:
         shapes = [(256, 32)]
+    for N, T in [(64, 2), (64, 4), (64, 8), (256, 2), (256, 4), (256, 8)]:
+        for cfg in verifies:
+            try:
+                r = timed_verify(cfg, N, 32, T, 30, flush)
+            except Exception as e:  # reported, not fatal
+                r = {"config": cfg.name, "N": N, "T": T, "error": repr(e)[:300]}
+            print(json.dumps(r), flush=True)
+            res["times"].append(r)
     for N, H in shapes:
-        for cfg in REPLAY + REPLAY_VARIANTS:
+        for cfg in steps:
             try:
                 r = timed(cfg, N, H, 50, flush, bw)
             except Exception as e:  # reported, not fatal

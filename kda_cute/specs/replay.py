@@ -1,6 +1,7 @@
-"""The replay decode step (kernels/kda_replay_sm90.py): decode against a checkpoint pool and a
-ring of the tokens since each slot's checkpoint, instead of reading and writing the whole state
-every token. Its config, constraints and argument list; no DSL import here.
+"""The replay step (kernels/kda_replay_sm90.py; output-only verify: kda_replay_verify_sm90.py):
+decode against a checkpoint pool and a ring of the tokens since each slot's checkpoint, instead
+of reading and writing the whole state every token. Its config, constraints and argument list;
+no DSL import here.
 
 A slot's state after its checkpoint S_c and the c tokens of its ring is
 
@@ -33,11 +34,14 @@ class ReplayConfig(StepConfig):
 
     ring: int = 16
     u_dtype: str = "float16"
+    # output-only verify: a row's drafts appended past its cursor, no fold, no cursor moved
+    verify: bool = False
 
     @property
     def name(self) -> str:
         base = super().name.removeprefix("kda_step_")
-        return f"kda_replay_{base}_l{self.ring}_{'uh' if self.u_dtype == 'float16' else 'uf'}"
+        u = "uh" if self.u_dtype == "float16" else "uf"
+        return f"kda_replay_{base}_l{self.ring}_{u}" + ("_verify" if self.verify else "")
 
 
 def supports(cfg: ReplayConfig) -> tuple[bool, str]:
@@ -77,4 +81,6 @@ def args(cfg: ReplayConfig) -> list[Arg]:
 
 
 def dsl_class(cfg: ReplayConfig) -> str:
+    if cfg.verify:
+        return "kernels.kda_replay_verify_sm90:KdaReplayVerifySm90"
     return "kernels.kda_replay_sm90:KdaReplaySm90"
