@@ -199,6 +199,40 @@ class KdaReplaySm90(StepRows):
         return (sub + self.TPR * (c // self.VEC)) * self.VEC + c % self.VEC
 
     @cute.jit
+    def _ring_row(self, ins, modes, n, lead):
+        """Batch row n's tokens, read slot and cursor, bad values flagged (by `lead`) and turned
+        into padding (a row of no tokens is padding too): (bos, length, pad, slot, start, c).
+        ins: (tk, st, tab, ring); modes: (seqs, rd, acc, starts)."""
+        i32 = cutlass.Int32
+        tk, st, tab, ring = ins
+        seqs, rd, acc, starts = modes
+        bos, length = self._row_tokens(tab, seqs, n, lead, tk.q.shape[0])
+        pad, _, slot, start = self._row_slot(tab, rd, acc, starts, n, lead, st.pool.shape[0])
+        if length == 0:
+            pad = i32(1)
+        c = i32(0)
+        if pad == 0 and start != 0:
+            c = ring.cursor[slot]
+            if c < 0 or c >= self.L:
+                self._flag(tab.errors, E_READ, lead)
+                pad = i32(1)
+                c = i32(0)
+        return bos, length, pad, slot, start, c
+
+    def _areas(self, shared, tidx):
+        """The CTA's shared areas: this thread's staged checkpoint rows, the ring's keys,
+        log-decays, inverse norms and rows of u, the token's (G, k, q) and the entries'
+        products."""
+        L, K, BV = self.L, self.K, self.BV
+        return (self._mine(shared.stage.get_tensor(cute.make_layout(BV * K)), tidx),
+                shared.rk.get_tensor(cute.make_layout((L, K), stride=(K, 1))),
+                shared.rg.get_tensor(cute.make_layout((L, K), stride=(K, 1))),
+                shared.rr.get_tensor(cute.make_layout(L)),
+                shared.ru.get_tensor(cute.make_layout((L, BV), stride=(BV, 1))),
+                shared.vs.get_tensor(cute.make_layout((3, K), stride=(K, 1))),
+                shared.ab.get_tensor(cute.make_layout((2, L), stride=(L, 1))))
+
+    @cute.jit
     def _put_token(self, vs, gt, kv, qv, grp, sub):
         """The token's G, k and q of every column into vs, for the entries' keys (group 0's
         lanes hold every column between them); a CTA barrier after."""
@@ -297,33 +331,16 @@ class KdaReplaySm90(StepRows):
                seqs: Seqs, rd: Read, acc: Accepted, starts: Starts, wr: Write, par: Parents,
                gate: Gate, window: cutlass.Int32):
         f32, i32 = cutlass.Float32, cutlass.Int32
-        K, NC, L, BV = self.K, self.NC, self.L, self.BV
+        NC, L, BV = self.NC, self.L, self.BV
         tidx, _, _ = cute.arch.thread_idx()
         vb, h, n = cute.arch.block_idx()
         grp = tidx // self.TPR
         sub = tidx - grp * self.TPR
         lead = self._lead(tidx, vb, h)
-        bos, length = self._row_tokens(tab, seqs, n, lead, tk.q.shape[0])
-        pad, _, slot, start = self._row_slot(tab, rd, acc, starts, n, lead, st.pool.shape[0])
-        if length == 0:
-            pad = i32(1)
-        c = i32(0)
-        if pad == 0 and start != 0:
-            c = ring.cursor[slot]
-            if c < 0 or c >= L:
-                self._flag(tab.errors, E_READ, lead)
-                pad = i32(1)
-                c = i32(0)
-
-        smem = utils.SmemAllocator()
-        shared = smem.allocate(self.shared_storage)
-        stage = self._mine(shared.stage.get_tensor(cute.make_layout(BV * K)), tidx)
-        rk_s = shared.rk.get_tensor(cute.make_layout((L, K), stride=(K, 1)))
-        rg_s = shared.rg.get_tensor(cute.make_layout((L, K), stride=(K, 1)))
-        rr_s = shared.rr.get_tensor(cute.make_layout(L))
-        ru_s = shared.ru.get_tensor(cute.make_layout((L, BV), stride=(BV, 1)))
-        vs = shared.vs.get_tensor(cute.make_layout((3, K), stride=(K, 1)))
-        ab_s = shared.ab.get_tensor(cute.make_layout((2, L), stride=(L, 1)))
+        bos, length, pad, slot, start, c = self._ring_row(
+            (tk, st, tab, ring), (seqs, rd, acc, starts), n, lead)
+        shared = utils.SmemAllocator().allocate(self.shared_storage)
+        stage, rk_s, rg_s, rr_s, ru_s, vs, ab_s = self._areas(shared, tidx)
         src = i32(SRC_ZERO)
         if pad == 0 and start != 0:
             self._stage_rows(stage, st.pool, slot, h, vb, grp, sub)

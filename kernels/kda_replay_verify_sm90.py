@@ -19,7 +19,6 @@ import cutlass.utils as utils
 from kernels.kda_replay_sm90 import KdaReplaySm90, Ring
 from kernels.step_rows import (
     E_LEN,
-    E_READ,
     SRC_STAGE,
     SRC_ZERO,
     Accepted,
@@ -80,28 +79,13 @@ class KdaReplayVerifySm90(KdaReplaySm90):
         grp = tidx // self.TPR
         sub = tidx - grp * self.TPR
         lead = self._lead(tidx, vb, h)
-        bos, length = self._row_tokens(tab, seqs, n, lead, tk.q.shape[0])
-        pad, _, slot, start = self._row_slot(tab, rd, acc, starts, n, lead, st.pool.shape[0])
-        c = i32(0)
-        if pad == 0 and start != 0:
-            c = ring.cursor[slot]
-            if c < 0 or c >= L:
-                self._flag(tab.errors, E_READ, lead)
-                pad = i32(1)
-                c = i32(0)
+        bos, length, pad, slot, start, c = self._ring_row(
+            (tk, st, tab, ring), (seqs, rd, acc, starts), n, lead)
         if pad == 0 and c + length > L:  # the drafts would pass the ring's end
             self._flag(tab.errors, E_LEN, lead)
             pad = i32(1)
-
-        smem = utils.SmemAllocator()
-        shared = smem.allocate(self.shared_storage)
-        stage = self._mine(shared.stage.get_tensor(cute.make_layout(BV * K)), tidx)
-        rk_s = shared.rk.get_tensor(cute.make_layout((L, K), stride=(K, 1)))
-        rg_s = shared.rg.get_tensor(cute.make_layout((L, K), stride=(K, 1)))
-        rr_s = shared.rr.get_tensor(cute.make_layout(L))
-        ru_s = shared.ru.get_tensor(cute.make_layout((L, BV), stride=(BV, 1)))
-        vs = shared.vs.get_tensor(cute.make_layout((3, K), stride=(K, 1)))
-        ab_s = shared.ab.get_tensor(cute.make_layout((2, L), stride=(L, 1)))
+        shared = utils.SmemAllocator().allocate(self.shared_storage)
+        stage, rk_s, rg_s, rr_s, ru_s, vs, ab_s = self._areas(shared, tidx)
         ws = shared.ws.get_tensor(cute.make_layout((L, K), stride=(K, 1)))
         src = i32(SRC_ZERO)
         if pad == 0 and start != 0:
