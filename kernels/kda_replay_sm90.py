@@ -13,7 +13,10 @@ the ring visible to every row group. With the token's log-decay a and G = G_(c-1
   u (k . q) (the ring's sums for row sub taken on lane sub, as v is: step_rows._v_ahead);
 - below the window's last token (c < window - 1): u to the ring (every tile its rows), k, G
   and r (the head's first tile), the cursor + 1; from it: the row's state Sd + sum_j u_j w_j^T
-  + u k^T (the w_j from shared memory) to the checkpoint slot and the cursor 0.
+  + u k^T (the w_j from shared memory) to the checkpoint slot and the cursor 0;
+- the cursor moves in place, by the row's last tile: every tile takes a ticket (an atomic add
+  on the slot's word) after it has read the cursor, and the one that takes the last writes the
+  cursor and puts the ticket word back to zero, so one launch moves it and a graph replays.
 """
 
 from dataclasses import dataclass
@@ -49,13 +52,15 @@ from kernels.step_rows import (
 @dataclass
 class Ring(Record):
     """The ring: keys [P, H, L, K] bf16 as given, inverse norms [P, H, L] fp32, corrections
-    [P, H, L, V], running log-decays [P, H, L, K] fp32; the cursors (P,) read and written."""
+    [P, H, L, V], running log-decays [P, H, L, K] fp32; the cursors (P,), and the tickets
+    (P,) by which a row's last tile knows every tile has read its cursor (zero between
+    launches)."""
     k: cute.Tensor
     r: cute.Tensor
     u: cute.Tensor
     g: cute.Tensor
     cursor: cute.Tensor
-    cursor_out: cute.Tensor
+    tickets: cute.Tensor
 
 
 class KdaReplaySm90(StepRows):
@@ -74,7 +79,7 @@ class KdaReplaySm90(StepRows):
         mCu: cute.Tensor, mRIdx: cute.Tensor, mWIdx: cute.Tensor, mAcc: cute.Tensor,
         mParent: cute.Tensor, mHasInit: cute.Tensor, mErr: cute.Tensor,
         mRingK: cute.Tensor, mRingR: cute.Tensor, mRingU: cute.Tensor, mRingG: cute.Tensor,
-        mCursor: cute.Tensor, mCursorOut: cute.Tensor,
+        mCursor: cute.Tensor, mTickets: cute.Tensor,
         num_rows: cutlass.Int32, num_heads: cutlass.Int32,
         fixed_len: cutlass.Int32, cu_wide: cutlass.Int32, max_tokens: cutlass.Int32,
         read_mode: cutlass.Int32, r_sn: cutlass.Int32, r_st: cutlass.Int32,
@@ -97,7 +102,7 @@ class KdaReplaySm90(StepRows):
         self.kernel(
             Tokens(mQ, mK, mG, mV, mBeta, mOut), GateParams(mALog, mDtBias),
             States(mPool, mDst), Tables(mCu, mRIdx, mWIdx, mAcc, mParent, mHasInit, mErr),
-            Ring(mRingK, mRingR, mRingU, mRingG, mCursor, mCursorOut),
+            Ring(mRingK, mRingR, mRingU, mRingG, mCursor, mTickets),
             Seqs(fixed_len, cu_wide, max_tokens),
             Read(read_mode, r_sn, r_st, r_wide, r_mul, r_add),
             Accepted(acc_on, acc_wide, acc_base, acc_skip, max_sel),
@@ -415,8 +420,13 @@ class KdaReplaySm90(StepRows):
                         ring.g[slot, h, c, d] = gt[q]
                     if sub == 0:
                         ring.r[slot, h, c] = rkn
-            if vb == 0 and h == 0 and tidx == 0:
-                nxt = c + 1
-                if flush:
-                    nxt = i32(0)
-                ring.cursor_out[slot] = nxt
+            if tidx == 0:  # the row's last tile to take its ticket moves the cursor
+                gx, gy, _ = cute.arch.grid_dim()
+                taken = cute.arch.atomic_add(ring.tickets.iterator + slot, i32(1),
+                                             sem="acq_rel", scope="gpu")
+                if taken == gx * gy - 1:
+                    nxt = c + 1
+                    if flush:
+                        nxt = i32(0)
+                    ring.cursor[slot] = nxt
+                    ring.tickets[slot] = i32(0)

@@ -36,7 +36,7 @@ def test_arguments_are_the_steps_with_the_ring_after_the_errors():
     names = [a.name for a in args_for(BASE)]
     steps = [a.name for a in step.args(BASE)]
     cut = steps.index("errors") + 1
-    ring = ["ring_k", "ring_r", "ring_u", "ring_g", "cursor", "cursor_out"]
+    ring = ["ring_k", "ring_r", "ring_u", "ring_g", "cursor", "tickets"]
     assert names == steps[:cut] + ring + steps[cut:] + ["window"]
     by = {a.name: a for a in args_for(dataclasses.replace(BASE, u_dtype="float32"))}
     assert by["ring_u"].dtype == "float32" and by["ring_k"].dtype == "bfloat16"

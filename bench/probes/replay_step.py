@@ -8,7 +8,8 @@ The kernel is launched directly (kda_cute.launch.driver, the arguments of
 kda_cute.specs.replay.args); the serving functions do not call it yet. Checks: outputs every
 step and the checkpoint after every fold, against decode on the same tokens from one pool
 (both bf16 outputs; fp32 or bf16 states). Times: CUDA graphs, the L2 flushed before every
-launch, cursors spread over the window and a full ring, median of the launches.
+launch, cursors spread over the window (each replay moves them) and a full ring, median of
+the launches.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ LB = -5.0
 
 class Ring:
     """A checkpoint pool's ring: k [slots, H, L, K] bf16, r [slots, H, L] fp32, u [slots, H, L,
-    V] fp16, G [slots, H, L, K] fp32; two cursor tensors (read, written)."""
+    V] fp16, G [slots, H, L, K] fp32; the cursors and the tickets [slots] int32."""
 
     def __init__(self, pool, L):
         slots, H = pool.shape[:2]
@@ -43,10 +44,11 @@ class Ring:
         self.r = torch.zeros(slots, H, L, dtype=torch.float32, device=d)
         self.u = torch.zeros(slots, H, L, V, dtype=torch.float16, device=d)
         self.g = torch.zeros(slots, H, L, K, dtype=torch.float32, device=d)
-        self.cur = [torch.zeros(slots, dtype=torch.int32, device=d) for _ in range(2)]
+        self.cursor = torch.zeros(slots, dtype=torch.int32, device=d)
+        self.tickets = torch.zeros(slots, dtype=torch.int32, device=d)
 
 
-def launcher(cfg, x, idx, ring: Ring, out, flip, window=None):
+def launcher(cfg, x, idx, ring: Ring, out, window=None):
     """The step's launch as a function of no arguments (its parameter block packed once)."""
     N, H = idx.shape[0], ring.pool.shape[1]
     Tk = x["q"].shape[1]  # tokens a row
@@ -67,8 +69,8 @@ def launcher(cfg, x, idx, ring: Ring, out, flip, window=None):
            "dt_bias": x["dt_bias"], "pool": pool, "dst": pool, "cu_seqlens": dummy,
            "read_index": idx, "write_index": dummy, "accepted": dummy, "parent": dummy,
            "has_init": dummy, "errors": err, "ring_k": ring.k, "ring_r": ring.r,
-           "ring_u": ring.u, "ring_g": ring.g, "cursor": ring.cur[flip],
-           "cursor_out": ring.cur[1 - flip]}
+           "ring_u": ring.u, "ring_g": ring.g, "cursor": ring.cursor,
+           "tickets": ring.tickets}
     scal = {"num_rows": N, "num_heads": H, "fixed_len": Tk, "cu_wide": 0, "max_tokens": Tk,
             "read_mode": 1, "r_sn": 1, "r_st": 0, "r_wide": 0, "r_mul": 1, "r_add": 0,
             "acc_on": 0, "acc_wide": 0, "acc_base": 0, "acc_skip": 0, "max_sel": 1, "hi_on": 0,
@@ -115,10 +117,10 @@ def check_verify(cfg, N, H, first, then):
     res = {"config": cfg.name, "N": N, "H": H, "drafts": [first, then], "out_vs_decode": 0.0}
     errs = 0
     for T, at in ((first, 0), (then, first)):
-        ring.cur[0][idx[idx >= 0].long()] = at
+        ring.cursor[idx[idx >= 0].long()] = at
         x = dict(tokens(N, H, gen, T), **gate)
         o = torch.full((N, T, H, V), float("nan"), dtype=torch.bfloat16, device="cuda")
-        run = launcher(cfg, x, idx, ring, o, 0)
+        run = launcher(cfg, x, idx, ring, o)
         run()
         torch.cuda.synchronize()
         errs += int(run.err.abs().sum())
@@ -129,10 +131,10 @@ def check_verify(cfg, N, H, first, then):
             res["out_vs_decode"] = max(res["out_vs_decode"], e if e == e else float("inf"))
     res["error_words"] = errs
     res["checkpoint_untouched"] = bool(torch.equal(ring.pool, before))
-    ring.cur[0][idx[idx >= 0].long()] = cfg.ring - 2
+    ring.cursor[idx[idx >= 0].long()] = cfg.ring - 2
     x = dict(tokens(N, H, gen, 3), **gate)
     o = torch.full((N, 3, H, V), float("nan"), dtype=torch.bfloat16, device="cuda")
-    run = launcher(cfg, x, idx, ring, o, 0)
+    run = launcher(cfg, x, idx, ring, o)
     run()
     torch.cuda.synchronize()
     res["past_the_end_reported"] = bool(run.err[1] != 0) and bool((o == 0).all())
@@ -158,14 +160,14 @@ def timed_verify(cfg, N, H, T, iters, flush):
     ring.r.fill_(K ** -0.5)
     ring.u.normal_(0, 0.1, generator=gen)
     ring.g.copy_(torch.arange(1, cfg.ring + 1, device="cuda").view(1, 1, -1, 1) * -0.5)
-    ring.cur[0].fill_(4)
+    ring.cursor.fill_(4)
 
     def kda():
         kda_cute.verify(x["q"], x["k"], x["v"], x["g"], x["beta"], pool, ssm_state_indices=sidx,
                         num_accepted_tokens=acc, out=out, lower_bound=LB, A_log=x["A_log"],
                         dt_bias=x["dt_bias"])
 
-    rep = launcher(cfg, x, idx, ring, out, 0)
+    rep = launcher(cfg, x, idx, ring, out)
     row = {"config": cfg.name, "N": N, "H": H, "T": T}
     row["verify_ms"] = bench.time_flushed(bench.graphed(kda), iters, flush)
     row["replay_ms"] = bench.time_flushed(bench.graphed(rep), iters, flush)
@@ -194,7 +196,7 @@ def check(cfg, N, H, steps, window=None):
         o_ref = kda_cute.decode(x["q"], x["k"], x["v"], x["g"], x["beta"], pool, idx,
                                 lower_bound=LB, **gate)
         o = torch.full_like(o_ref, float("nan"))
-        run = launcher(cfg, x, idx, ring, o, t % 2, W)
+        run = launcher(cfg, x, idx, ring, o, W)
         run()
         torch.cuda.synchronize()
         errs += int(run.err.abs().sum())
@@ -204,14 +206,15 @@ def check(cfg, N, H, steps, window=None):
             a, b = ring.pool[idx[live].long()].float(), pool[idx[live].long()].float()
             e = ((a - b).norm() / b.norm()).item()
             state_err = max(state_err, e if e == e else float("inf"))
-    cur = ring.cur[steps % 2][idx[live].long()]
+    cur = ring.cursor[idx[live].long()]
     res = {"config": cfg.name, "N": N, "H": H, "window": W, "steps": steps,
            "out_vs_decode": out_err, "state_vs_decode": state_err, "error_words": errs,
-           "cursors_ok": bool((cur == steps % W).all())}
+           "cursors_ok": bool((cur == steps % W).all()),
+           "tickets_zero": bool((ring.tickets == 0).all())}
     # a cursor past the ring: the read slot's error word, the row's outputs zeros
-    ring.cur[steps % 2][idx[1].long()] = L
+    ring.cursor[idx[1].long()] = L
     o = torch.full_like(o_ref, float("nan"))
-    run = launcher(cfg, dict(tokens(N, H, gen), **gate), idx, ring, o, steps % 2, W)
+    run = launcher(cfg, dict(tokens(N, H, gen), **gate), idx, ring, o, W)
     run()
     torch.cuda.synchronize()
     res["bad_cursor_reported"] = bool(run.err[3] != 0) and bool((o[1] == 0).all())
@@ -233,13 +236,13 @@ def timed(cfg, N, H, iters, flush, bw):
     ring.r.fill_(K ** -0.5)
     ring.u.normal_(0, 0.1, generator=gen)
     ring.g.copy_(torch.arange(1, L + 1, device="cuda").view(1, 1, L, 1) * -0.5)
-    ring.cur[0].copy_(torch.randint(0, L, (slots,), generator=gen, device="cuda"))
+    ring.cursor.copy_(torch.randint(0, L, (slots,), generator=gen, device="cuda"))
 
     def kda():
         kda_cute.decode(x["q"], x["k"], x["v"], x["g"], x["beta"], pool, idx, out=out,
                         lower_bound=LB, A_log=x["A_log"], dt_bias=x["dt_bias"])
 
-    rep = launcher(cfg, x, idx, ring, out, 0)
+    rep = launcher(cfg, x, idx, ring, out)
     es = pool.element_size()
     tok = 3 * K * 2 + 2 * V * 2 + 2
     entry = 2 * K + 4 + 2 * V + 4 * K

@@ -11,9 +11,9 @@ A slot's state after its checkpoint S_c and the c tokens of its ring is
 given, r_j its inverse norm; u_j its delta-rule correction). A step reads S_c and the ring, takes
 its output and correction from them, and appends (k, r, u, G) to the ring; a step at cursor
 c >= window - 1 (the run-time window, at most the ring's entries) writes the state instead, as
-the new checkpoint, and empties the ring. The cursor is read from one tensor and written to
-another (the step reads no value it writes); one outside [0, ring) is reported as a bad read
-slot and its row is padding.
+the new checkpoint, and empties the ring. The cursor moves in place: the row's last tile to
+finish (a ticket word a slot, zero between launches) writes it. A cursor outside [0, ring) is
+reported as a bad read slot and its row is padding.
 """
 
 from __future__ import annotations
@@ -62,8 +62,8 @@ def supports(cfg: ReplayConfig) -> tuple[bool, str]:
 def args(cfg: ReplayConfig) -> list[Arg]:
     """The step's arguments (kda_cute.specs.step.args), with the ring after the error words:
     keys [P, H, ring, K] bf16 as given, their inverse norms [P, H, ring] fp32, corrections
-    [P, H, ring, V] (u_dtype), running log-decays [P, H, ring, K] fp32, and the cursors (P,)
-    int32 read and written."""
+    [P, H, ring, V] (u_dtype), running log-decays [P, H, ring, K] fp32, the cursors (P,) int32
+    moved in place, and the tickets (P,) int32 (zeros, put back to zero by each step)."""
     K, V, L = cfg.head_dim_k, cfg.head_dim_v, cfg.ring
     a = step.args(cfg)
     ring = [
@@ -72,7 +72,7 @@ def args(cfg: ReplayConfig) -> list[Arg]:
         tensor("ring_u", cfg.u_dtype, ("P", "H", L, V), ("sRU", L * V, V, 1), 16),
         tensor("ring_g", "float32", ("P", "H", L, K), ("sRG", L * K, K, 1), 16),
         tensor("cursor", "int32", ("P",), (1,)),
-        tensor("cursor_out", "int32", ("P",), (1,)),
+        tensor("tickets", "int32", ("P",), (1,)),
     ]
     cut = [x.name for x in a].index("errors") + 1
     # the window: a token at cursor c >= window - 1 folds (1 <= window <= ring); the entries
