@@ -101,6 +101,42 @@ def tokens(N, H, gen, T=1):
                 beta=rnd(N, T, H))
 
 
+def long_run(cfg, N, H, steps, marks=(64, 512, 4096)):
+    """The replay step over `steps` tokens against the float64 token loop (the state kept in
+    float64 beside it): the largest output error up to each mark, and the fp32 checkpoint's
+    after each fold."""
+    from kda_cute.reference import preprocess
+
+    gen = torch.Generator(device="cuda").manual_seed(N + steps)
+    pool = torch.empty(N, H, V, K, dtype=torch.float32, device="cuda").normal_(0, 0.3,
+                                                                               generator=gen)
+    idx = torch.arange(N, dtype=torch.int32, device="cuda")
+    gate = dict(A_log=torch.randn(H, generator=gen, device="cuda") * 0.5,
+                dt_bias=torch.randn(H * K, generator=gen, device="cuda") * 0.5)
+    ring = Ring(pool.clone(), cfg.ring)
+    S = pool.double()
+    out_err, state_err, by_mark = 0.0, 0.0, {}
+    for t in range(steps):
+        x = dict(tokens(N, H, gen), **gate)
+        o = torch.empty(N, 1, H, V, dtype=torch.bfloat16, device="cuda")
+        launcher(cfg, x, idx, ring, o)()
+        qn, kn, a, b = preprocess(x["q"], x["k"], x["g"], x["beta"], A_log=gate["A_log"],
+                                  dt_bias=gate["dt_bias"], lower_bound=LB)
+        S = S * torch.exp(a[:, 0])[:, :, None, :]
+        kt = kn[:, 0, :, :, None]
+        err = x["v"][:, 0].double() - (S @ kt).squeeze(-1)
+        S = S + b[:, 0, :, None, None] * err[..., None] * kt.transpose(-1, -2)
+        ref = K ** -0.5 * (S @ qn[:, 0, :, :, None]).squeeze(-1)
+        e = ((o[:, 0].double() - ref).norm() / ref.norm()).item()
+        out_err = max(out_err, e if e == e else float("inf"))
+        if t % cfg.ring == cfg.ring - 1:
+            e = ((ring.pool.double() - S).norm() / S.norm()).item()
+            state_err = max(state_err, e if e == e else float("inf"))
+        if t + 1 in marks:
+            by_mark[t + 1] = {"out": out_err, "state": state_err}
+    return {"config": cfg.name, "N": N, "H": H, "steps": steps, "long_run": by_mark}
+
+
 def check_verify(cfg, N, H, first, then):
     """Output-only verify against decode token by token: `first` drafts from an empty ring,
     the cursor moved over them (a commit), `then` drafts more; the checkpoint untouched; then
@@ -267,6 +303,13 @@ def main(argv=None):
     res = {"device": torch.cuda.get_device_name(), "checks": [], "times": []}
     steps = [c for c in REPLAY + REPLAY_VARIANTS if not c.verify]
     verifies = [c for c in REPLAY_VARIANTS if c.verify]
+    for cfg in [c for c in REPLAY if c.pool == "float32"]:
+        try:
+            r = long_run(cfg, 8, 4, 512 if a.quick else 4096)
+        except Exception as e:  # reported, not fatal
+            r = {"config": cfg.name, "error": repr(e)[:300]}
+        print(json.dumps(r), flush=True)
+        res["checks"].append(r)
     for cfg in verifies:
         try:
             r = check_verify(cfg, 64, 8, 5, 8)
