@@ -84,6 +84,7 @@ class KdaReplayVerifySm90(KdaReplaySm90):
         if pad == 0 and c + length > L:  # the drafts would pass the ring's end
             self._flag(tab.errors, E_LEN, lead)
             pad = i32(1)
+            c = i32(0)  # nothing staged: a padding row reads no entry
         shared = utils.SmemAllocator().allocate(self.shared_storage)
         stage, rk_s, rg_s, rr_s, ru_s, vs, ab_s = self._areas(shared, tidx)
         ws = shared.ws.get_tensor(cute.make_layout((L, K), stride=(K, 1)))
