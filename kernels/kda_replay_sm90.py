@@ -252,9 +252,9 @@ class KdaReplaySm90(StepRows):
     @cute.jit
     def _entries(self, areas, w_dst, live, tidx):
         """Each of the `live` entries' key decayed to this token, w_j = r_j k_j e^(G - G_j)
-        (into w_dst: the log-decays' own area where they are not needed again), and its
-        products with k and q into ab: entry j by warp j mod warps, K / 32 columns a lane; a
-        CTA barrier after."""
+        (into w_dst, the log-decays' own area where they are not needed again; None: kept
+        nowhere), and its products with k and q into ab: entry j by warp j mod warps, K / 32
+        columns a lane; a CTA barrier after."""
         f32, K, L = cutlass.Float32, self.K, self.L
         rk_s, rg_s, rr_s, ru_s, vs, ab_s = areas
         NW = self.threads // 32
@@ -271,7 +271,8 @@ class KdaReplaySm90(StepRows):
                     d = lane * CPL + e
                     w = rk_s[j, d].to(f32) * rj * cute.math.exp(vs[0, d] - rg_s[j, d],
                                                                  fastmath=True)
-                    w_dst[j, d] = w
+                    if cutlass.const_expr(w_dst is not None):
+                        w_dst[j, d] = w
                     pa = pa + w * vs[1, d]
                     pb = pb + w * vs[2, d]
             for k in cutlass.range_constexpr(5):

@@ -3,13 +3,14 @@ and its ring (kda_cute.specs.replay), over the replay step's shared pieces
 (kernels/kda_replay_sm90.py) and the rows of kernels/step_rows.py.
 
 A CTA stages its rows of the checkpoint and the slot's c live ring entries once, as the replay
-step does. Token t of the row (at cursor c + t) is the replay step's token with c + t live
-entries: the earlier drafts are entries too, each appended by this CTA to its shared ring (its
-key, G and r by the first row group, its rows' u by their lanes) and to the ring in memory (the
-head's first tile its key, G and r; every tile its rows' u). The checkpoint, the cursors and the
-entries below c are not written: a commit moves the cursor over the accepted drafts. A row whose
-drafts would pass the ring's end (c + tokens > ring) is reported (tokens per row) and is
-padding.
+step does, in the same shared memory (the entries' decayed keys are not kept: the log-decays
+stay for the next drafts). Token t of the row (at cursor c + t) is the replay step's token with
+c + t live entries: the earlier drafts are entries too, each appended by this CTA to its shared
+ring (its key, G and r by the first row group, its rows' u by their lanes) and to the ring in
+memory (the head's first tile its key, G and r; every tile its rows' u). The checkpoint, the
+cursors and the entries below c are not written: a commit moves the cursor over the accepted
+drafts. A row whose drafts would pass the ring's end (c + tokens > ring) is reported (tokens per
+row) and is padding.
 """
 
 import cutlass
@@ -36,18 +37,6 @@ from kernels.step_rows import (
 
 
 class KdaReplayVerifySm90(KdaReplaySm90):
-    def _shared_storage(self):
-        """The replay step's storage, and the entries' decayed keys (kept apart from their
-        log-decays, which the next token needs again)."""
-        A, MR, f32 = cute.struct.Align, cute.struct.MemRange, cutlass.Float32
-        L, K, BV = self.L, self.K, self.BV
-        fields = {"stage": A[MR[self.pdt, BV * K], 128],
-                  "rk": A[MR[cutlass.BFloat16, L * K], 128], "rg": A[MR[f32, L * K], 128],
-                  "rr": A[MR[f32, L], 128], "ru": A[MR[self.udt, L * BV], 128],
-                  "vs": A[MR[f32, 3 * K], 128], "ab": A[MR[f32, 2 * L], 128],
-                  "ws": A[MR[f32, L * K], 128]}
-        return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
-
     @cute.jit
     def _append(self, areas, ring: Ring, raw_k, gt, rkn, slot, h, vb, e, grp, sub):
         """Draft entry e's key (as given), G and inverse norm: into the shared ring (the first
@@ -73,7 +62,7 @@ class KdaReplayVerifySm90(KdaReplaySm90):
                gate: Gate, window: cutlass.Int32):
         """Every draft of the row (window: unused, no fold here)."""
         f32, i32 = cutlass.Float32, cutlass.Int32
-        K, NC, L, BV = self.K, self.NC, self.L, self.BV
+        NC, L, BV = self.NC, self.L, self.BV
         tidx, _, _ = cute.arch.thread_idx()
         vb, h, n = cute.arch.block_idx()
         grp = tidx // self.TPR
@@ -87,7 +76,6 @@ class KdaReplayVerifySm90(KdaReplaySm90):
             c = i32(0)  # nothing staged: a padding row reads no entry
         shared = utils.SmemAllocator().allocate(self.shared_storage)
         stage, rk_s, rg_s, rr_s, ru_s, vs, ab_s = self._areas(shared, tidx)
-        ws = shared.ws.get_tensor(cute.make_layout((L, K), stride=(K, 1)))
         src = i32(SRC_ZERO)
         if pad == 0 and start != 0:
             self._stage_rows(stage, st.pool, slot, h, vb, grp, sub)
@@ -130,7 +118,7 @@ class KdaReplayVerifySm90(KdaReplaySm90):
                 eg[q] = cute.math.exp(gt[q], fastmath=True)
             live = c + t
             self._put_token(vs, gt, kv, qv, grp, sub)
-            self._entries(areas, ws, live, tidx)
+            self._entries(areas, None, live, tidx)  # the log-decays serve the next drafts
             ca, cb = self._row_sums(ru_s, ab_s, live, grp, sub)
             if pad != 0:
                 self._zero_outputs(tk.out, tok, h, vb, grp, sub)
