@@ -101,6 +101,38 @@ def tokens(N, H, gen, T=1):
                 beta=rnd(N, T, H))
 
 
+def _pool(cfg, slots, H, gen):
+    """A pool of `slots` random states in the tile's dtype."""
+    dtype = torch.float32 if cfg.pool == "float32" else torch.bfloat16
+    return torch.empty(slots, H, V, K, dtype=dtype, device="cuda").normal_(0, 0.3, generator=gen)
+
+
+def _gate(H, gen):
+    return dict(A_log=torch.randn(H, generator=gen, device="cuda") * 0.5,
+                dt_bias=torch.randn(H * K, generator=gen, device="cuda") * 0.5)
+
+
+def _fill(ring: Ring, gen):
+    """Every entry of the ring random (its log-decays falling by 0.5 an entry)."""
+    ring.k.normal_(generator=gen)
+    ring.r.fill_(K ** -0.5)
+    ring.u.normal_(0, 0.1, generator=gen)
+    ring.g.copy_(torch.arange(1, ring.L + 1, device="cuda").view(1, 1, -1, 1) * -0.5)
+
+
+def _rel(a, b) -> float:
+    """|a - b| / |b| in float64, infinite where not a number."""
+    e = ((a.double() - b.double()).norm() / b.double().norm()).item()
+    return e if e == e else float("inf")
+
+
+def _run(run) -> int:
+    """Launch, wait, and the sum of the error words it set."""
+    run()
+    torch.cuda.synchronize()
+    return int(run.err.abs().sum())
+
+
 def long_run(cfg, N, H, steps, marks=(64, 512, 4096)):
     """The replay step over `steps` tokens against the float64 token loop (the state kept in
     float64 beside it): the largest output error up to each mark, and the fp32 checkpoint's
@@ -108,11 +140,9 @@ def long_run(cfg, N, H, steps, marks=(64, 512, 4096)):
     from kda_cute.reference import preprocess
 
     gen = torch.Generator(device="cuda").manual_seed(N + steps)
-    pool = torch.empty(N, H, V, K, dtype=torch.float32, device="cuda").normal_(0, 0.3,
-                                                                               generator=gen)
+    pool = _pool(cfg, N, H, gen)
     idx = torch.arange(N, dtype=torch.int32, device="cuda")
-    gate = dict(A_log=torch.randn(H, generator=gen, device="cuda") * 0.5,
-                dt_bias=torch.randn(H * K, generator=gen, device="cuda") * 0.5)
+    gate = _gate(H, gen)
     ring = Ring(pool.clone(), cfg.ring)
     S = pool.double()
     out_err, state_err, by_mark = 0.0, 0.0, {}
@@ -127,11 +157,9 @@ def long_run(cfg, N, H, steps, marks=(64, 512, 4096)):
         err = x["v"][:, 0].double() - (S @ kt).squeeze(-1)
         S = S + b[:, 0, :, None, None] * err[..., None] * kt.transpose(-1, -2)
         ref = K ** -0.5 * (S @ qn[:, 0, :, :, None]).squeeze(-1)
-        e = ((o[:, 0].double() - ref).norm() / ref.norm()).item()
-        out_err = max(out_err, e if e == e else float("inf"))
+        out_err = max(out_err, _rel(o[:, 0], ref))
         if t % cfg.ring == cfg.ring - 1:
-            e = ((ring.pool.double() - S).norm() / S.norm()).item()
-            state_err = max(state_err, e if e == e else float("inf"))
+            state_err = max(state_err, _rel(ring.pool, S))
         if t + 1 in marks:
             by_mark[t + 1] = {"out": out_err, "state": state_err}
     return {"config": cfg.name, "N": N, "H": H, "steps": steps, "long_run": by_mark}
@@ -141,13 +169,11 @@ def check_verify(cfg, N, H, first, then):
     """Output-only verify against decode token by token: `first` drafts from an empty ring,
     the cursor moved over them (a commit), `then` drafts more; the checkpoint untouched; then
     drafts past the ring's end reported (tokens per row) with zero outputs."""
-    dtype = torch.float32 if cfg.pool == "float32" else torch.bfloat16
     gen = torch.Generator(device="cuda").manual_seed(N + H + first)
-    pool = torch.empty(2 * N, H, V, K, dtype=dtype, device="cuda").normal_(0, 0.3, generator=gen)
+    pool = _pool(cfg, 2 * N, H, gen)
     idx = torch.randperm(2 * N, generator=gen, device="cuda")[:N].to(torch.int32)
     idx[::8] = -1
-    gate = dict(A_log=torch.randn(H, generator=gen, device="cuda") * 0.5,
-                dt_bias=torch.randn(H * K, generator=gen, device="cuda") * 0.5)
+    gate = _gate(H, gen)
     ring = Ring(pool.clone(), cfg.ring)
     before = ring.pool.clone()
     res = {"config": cfg.name, "N": N, "H": H, "drafts": [first, then], "out_vs_decode": 0.0}
@@ -156,23 +182,18 @@ def check_verify(cfg, N, H, first, then):
         ring.cursor[idx[idx >= 0].long()] = at
         x = dict(tokens(N, H, gen, T), **gate)
         o = torch.full((N, T, H, V), float("nan"), dtype=torch.bfloat16, device="cuda")
-        run = launcher(cfg, x, idx, ring, o)
-        run()
-        torch.cuda.synchronize()
-        errs += int(run.err.abs().sum())
+        errs += _run(launcher(cfg, x, idx, ring, o))
         for t in range(T):
             o_ref = kda_cute.decode(x["q"][:, t], x["k"][:, t], x["v"][:, t], x["g"][:, t],
                                     x["beta"][:, t], pool, idx, lower_bound=LB, **gate)
-            e = ((o[:, t].float() - o_ref.float()).norm() / o_ref.float().norm()).item()
-            res["out_vs_decode"] = max(res["out_vs_decode"], e if e == e else float("inf"))
+            res["out_vs_decode"] = max(res["out_vs_decode"], _rel(o[:, t], o_ref))
     res["error_words"] = errs
     res["checkpoint_untouched"] = bool(torch.equal(ring.pool, before))
     ring.cursor[idx[idx >= 0].long()] = cfg.ring - 2
     x = dict(tokens(N, H, gen, 3), **gate)
     o = torch.full((N, 3, H, V), float("nan"), dtype=torch.bfloat16, device="cuda")
     run = launcher(cfg, x, idx, ring, o)
-    run()
-    torch.cuda.synchronize()
+    _run(run)
     res["past_the_end_reported"] = bool(run.err[1] != 0) and bool((o == 0).all())
     return res
 
@@ -180,22 +201,17 @@ def check_verify(cfg, N, H, first, then):
 def timed_verify(cfg, N, H, T, iters, flush):
     """Output-only verify of T drafts a row (cursor 4 of a full ring) against kda_cute.verify
     writing a state a token into a slot a token (its style (a)), both graphed."""
-    dtype = torch.float32 if cfg.pool == "float32" else torch.bfloat16
     gen = torch.Generator(device="cuda").manual_seed(5 * N + T)
     slots = 4 * N * T
-    pool = torch.empty(slots, H, V, K, dtype=dtype, device="cuda").normal_(0, 0.3, generator=gen)
+    pool = _pool(cfg, slots, H, gen)
     sidx = torch.randperm(slots, generator=gen, device="cuda")[:N * T].view(N, T).to(
         torch.int32).contiguous()
     idx = sidx[:, 0].contiguous()
     acc = torch.randint(1, T + 1, (N,), device="cuda", dtype=torch.int32)
-    x = dict(tokens(N, H, gen, T), A_log=torch.randn(H, generator=gen, device="cuda") * 0.5,
-             dt_bias=torch.randn(H * K, generator=gen, device="cuda") * 0.5)
+    x = dict(tokens(N, H, gen, T), **_gate(H, gen))
     out = torch.empty(N, T, H, V, dtype=torch.bfloat16, device="cuda")
     ring = Ring(pool.clone(), cfg.ring)
-    ring.k.normal_(generator=gen)
-    ring.r.fill_(K ** -0.5)
-    ring.u.normal_(0, 0.1, generator=gen)
-    ring.g.copy_(torch.arange(1, cfg.ring + 1, device="cuda").view(1, 1, -1, 1) * -0.5)
+    _fill(ring, gen)
     ring.cursor.fill_(4)
 
     def kda():
@@ -215,16 +231,14 @@ def check(cfg, N, H, steps, window=None):
     """Replay against kda_cute.decode over `steps` tokens from one pool (every eighth row
     padding), folding every `window` tokens; then a bad cursor is reported and its row is
     padding."""
-    dtype = torch.float32 if cfg.pool == "float32" else torch.bfloat16
     L = cfg.ring
     gen = torch.Generator(device="cuda").manual_seed(N + H + L)
-    pool = torch.empty(2 * N, H, V, K, dtype=dtype, device="cuda").normal_(0, 0.3, generator=gen)
+    pool = _pool(cfg, 2 * N, H, gen)
     idx = torch.randperm(2 * N, generator=gen, device="cuda")[:N].to(torch.int32)
     idx[::8] = -1
     live = idx >= 0
     W = window or L
-    gate = dict(A_log=torch.randn(H, generator=gen, device="cuda") * 0.5,
-                dt_bias=torch.randn(H * K, generator=gen, device="cuda") * 0.5)
+    gate = _gate(H, gen)
     ring = Ring(pool.clone(), L)
     out_err, state_err, errs = 0.0, 0.0, 0
     for t in range(steps):
@@ -232,16 +246,11 @@ def check(cfg, N, H, steps, window=None):
         o_ref = kda_cute.decode(x["q"], x["k"], x["v"], x["g"], x["beta"], pool, idx,
                                 lower_bound=LB, **gate)
         o = torch.full_like(o_ref, float("nan"))
-        run = launcher(cfg, x, idx, ring, o, W)
-        run()
-        torch.cuda.synchronize()
-        errs += int(run.err.abs().sum())
-        e = ((o.float() - o_ref.float()).norm() / o_ref.float().norm()).item()
-        out_err = max(out_err, e if e == e else float("inf"))
+        errs += _run(launcher(cfg, x, idx, ring, o, W))
+        out_err = max(out_err, _rel(o, o_ref))
         if t % W == W - 1:
-            a, b = ring.pool[idx[live].long()].float(), pool[idx[live].long()].float()
-            e = ((a - b).norm() / b.norm()).item()
-            state_err = max(state_err, e if e == e else float("inf"))
+            state_err = max(state_err, _rel(ring.pool[idx[live].long()],
+                                            pool[idx[live].long()]))
     cur = ring.cursor[idx[live].long()]
     res = {"config": cfg.name, "N": N, "H": H, "window": W, "steps": steps,
            "out_vs_decode": out_err, "state_vs_decode": state_err, "error_words": errs,
@@ -251,27 +260,21 @@ def check(cfg, N, H, steps, window=None):
     ring.cursor[idx[1].long()] = L
     o = torch.full_like(o_ref, float("nan"))
     run = launcher(cfg, dict(tokens(N, H, gen), **gate), idx, ring, o, W)
-    run()
-    torch.cuda.synchronize()
+    _run(run)
     res["bad_cursor_reported"] = bool(run.err[3] != 0) and bool((o[1] == 0).all())
     return res
 
 
 def timed(cfg, N, H, iters, flush, bw):
-    dtype = torch.float32 if cfg.pool == "float32" else torch.bfloat16
     L = cfg.ring
     gen = torch.Generator(device="cuda").manual_seed(7 * N + H)
     slots = 4 * N
-    pool = torch.empty(slots, H, V, K, dtype=dtype, device="cuda").normal_(0, 0.3, generator=gen)
+    pool = _pool(cfg, slots, H, gen)
     idx = torch.randperm(slots, generator=gen, device="cuda")[:N].to(torch.int32)
-    x = dict(tokens(N, H, gen), A_log=torch.randn(H, generator=gen, device="cuda") * 0.5,
-             dt_bias=torch.randn(H * K, generator=gen, device="cuda") * 0.5)
+    x = dict(tokens(N, H, gen), **_gate(H, gen))
     out = torch.empty(N, 1, H, V, dtype=torch.bfloat16, device="cuda")
     ring = Ring(pool.clone(), L)
-    ring.k.normal_(generator=gen)
-    ring.r.fill_(K ** -0.5)
-    ring.u.normal_(0, 0.1, generator=gen)
-    ring.g.copy_(torch.arange(1, L + 1, device="cuda").view(1, 1, L, 1) * -0.5)
+    _fill(ring, gen)
     ring.cursor.copy_(torch.randint(0, L, (slots,), generator=gen, device="cuda"))
 
     def kda():
