@@ -52,6 +52,11 @@ def _keys(ring: Ring, s: int, c: int, G: torch.Tensor) -> torch.Tensor:
     return ring.k[s, :, :c] * ring.r[s, :, :c, None] * torch.exp(G[:, None] - ring.g[s, :, :c])
 
 
+def _last_g(ring: Ring, s: int, c: int) -> torch.Tensor:
+    """The running log-decay [H, K] of slot s after its c entries (zeros: none)."""
+    return ring.g[s, :, c - 1].clone() if c > 0 else torch.zeros_like(ring.g[s, :, 0])
+
+
 def _state(state, ring: Ring, s: int, c: int, G: torch.Tensor) -> torch.Tensor:
     """The state [H, V, K] of slot s after its c entries, at running log-decay G [H, K]."""
     S = state[s].to(torch.float64) * torch.exp(G)[:, None, :]
@@ -96,7 +101,7 @@ def _run(state, ring: Ring, idx, q, k, v, g, beta, gate, fold_window=None):
         c = int(ring.cursor[s])
         if c < 0 or c >= L or (fold_window is None and c + T > L):
             raise ValueError(f"slot {s}: cursor {c} and {T} tokens do not fit a ring of {L}")
-        G = ring.g[s, :, c - 1].clone() if c > 0 else torch.zeros_like(a[n, 0])
+        G = _last_g(ring, s, c)
         for t in range(T):
             G = G + a[n, t]
             o, u, S = _step(state, ring, s, c + t, G, qn[n, t], kn[n, t],
@@ -137,6 +142,5 @@ def flush(state, ring: Ring, idx) -> None:
         if s < 0:
             continue
         c = int(ring.cursor[s])
-        G = ring.g[s, :, c - 1] if c > 0 else torch.zeros_like(ring.g[s, :, 0])
-        state[s] = _state(state, ring, s, c, G).to(state.dtype)
+        state[s] = _state(state, ring, s, c, _last_g(ring, s, c)).to(state.dtype)
         ring.cursor[s] = 0
