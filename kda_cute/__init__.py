@@ -15,15 +15,17 @@ from .ladder import SHIPPED, FwdConfig, select_config
 from .launch import Bound, bind, run
 from .plans import Plan, plan
 from .problem import Call, Options, Problem, StepCall, StepOptions, StepProblem
+from .replay import Ring, new_ring, replay_commit, replay_decode, replay_flush, replay_verify
 from .serving import check_errors, commit, decode, recurrent, verify
 from .specs import PrepConfig, RecurConfig, StepConfig
 
 __all__ = [
     "SHIPPED", "Bound", "Call", "DeviceValueError", "FwdConfig", "Options", "Plan", "PrepConfig",
-    "Problem", "RecurConfig", "StepCall", "StepConfig", "StepOptions", "StepProblem", "bind",
-    "check_chunk_kda", "check_errors", "check_fused_recurrent_kda_fwd", "chunk_kda",
-    "clear_caches", "commit", "decode", "describe", "fused_recurrent_kda_fwd", "fwd", "plan",
-    "recurrent", "run", "select_config", "validate", "verify", "workspace_bytes",
+    "Problem", "RecurConfig", "Ring", "StepCall", "StepConfig", "StepOptions", "StepProblem",
+    "bind", "check_chunk_kda", "check_errors", "check_fused_recurrent_kda_fwd", "chunk_kda",
+    "clear_caches", "commit", "decode", "describe", "fused_recurrent_kda_fwd", "fwd", "new_ring",
+    "plan", "recurrent", "replay_commit", "replay_decode", "replay_flush", "replay_verify", "run",
+    "select_config", "validate", "verify", "workspace_bytes"
 ]
 __version__ = "0.1.0"
 

@@ -319,3 +319,62 @@ class StepCall(NamedTuple):
     has_init: torch.Tensor | None
     scale: float
     lower_bound: float | None
+
+
+class ReplayForm(NamedTuple):
+    """A replay call's ring (kda_cute.specs.replay): mode ("decode", "verify", "flush",
+    "commit"), its entries a (slot, head) and u's dtype name, the window (a decode at cursor
+    c >= window - 1 folds), and the ring tensors' slot strides in elements."""
+
+    mode: str
+    ring: int
+    u_dtype: str
+    window: int
+    sRK: int
+    sRR: int
+    sRU: int
+    sRG: int
+
+
+class ReplayProblem(NamedTuple):
+    """A replay call's metadata: the token step's (its tokens, pool, tables) and its ring's.
+    The plan's form and the error words' names are the step's."""
+
+    step: StepProblem
+    ring: ReplayForm
+
+    @property
+    def form(self) -> str:
+        return f"replay {self.ring.mode}"
+
+    def __getattr__(self, name):  # the step's fields (N, T, H, pool, ...)
+        return getattr(self.step, name)
+
+
+class ReplayCall(NamedTuple):
+    """A replay call's tensors: the step's roles (kda_cute.problem.StepCall) and the ring's."""
+
+    q: torch.Tensor | None
+    k: torch.Tensor | None
+    v: torch.Tensor | None
+    g: torch.Tensor | None
+    beta: torch.Tensor | None
+    out: torch.Tensor | None
+    A_log: torch.Tensor | None
+    dt_bias: torch.Tensor | None
+    pool: torch.Tensor | None
+    dst: torch.Tensor | None
+    cu_seqlens: torch.Tensor | None
+    read_index: torch.Tensor | None
+    write_index: torch.Tensor | None
+    accepted: torch.Tensor | None
+    parent: torch.Tensor | None
+    has_init: torch.Tensor | None
+    scale: float
+    lower_bound: float | None
+    ring_k: torch.Tensor
+    ring_r: torch.Tensor
+    ring_u: torch.Tensor
+    ring_g: torch.Tensor
+    cursor: torch.Tensor
+    tickets: torch.Tensor

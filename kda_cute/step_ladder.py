@@ -74,25 +74,45 @@ STEP_CHUNK: tuple[tuple[int, StepConfig], ...] = (
     (8, StepConfig(128, 128, "bfloat16", 128, 16, 256, unroll=2, chunk=8)))
 _SHIPPED = STEP + tuple(c for _, c in STEP_SINGLE + STEP_MULTI + STEP_CHUNK)
 
-# The replay decode step (kda_cute.specs.replay), not yet called by the serving functions: the
-# decode's 64-row tiles (and 32-row fp32 ones) with rings of 4 to 16 entries.
-REPLAY: tuple[ReplayConfig, ...] = (
+# The replay calls (kda_cute.replay, kda_cute.specs.replay), head dims 128: per ring of 8, 16 or
+# 32 entries a (slot, head), decode on fp32 checkpoints a whole head a CTA (the fewer CTAs read
+# the ring once a head), on bf16 ones 64 rows a CTA with 8-byte accesses (fewer registers);
+# verify (output-only) and flush 64 rows a CTA; commit a CTA a row.
+REPLAY_RINGS = (8, 16, 32)
+REPLAY: tuple[ReplayConfig, ...] = tuple(
+    c for n in REPLAY_RINGS for c in (
+        ReplayConfig(128, 128, "float32", 128, 32, 256, unroll=2, ring=n),
+        ReplayConfig(128, 128, "bfloat16", 64, 32, 128, access=8, unroll=2, ring=n),
+        ReplayConfig(128, 128, "float32", 64, 32, 128, unroll=2, ring=n, mode="verify"),
+        ReplayConfig(128, 128, "bfloat16", 64, 32, 128, access=8, unroll=2, ring=n,
+                     mode="verify"),
+        ReplayConfig(128, 128, "float32", 64, 32, 128, unroll=2, ring=n, mode="flush"),
+        ReplayConfig(128, 128, "bfloat16", 64, 32, 128, access=8, unroll=2, ring=n,
+                     mode="flush"),
+        ReplayConfig(128, 128, "float32", 64, 32, 128, unroll=2, ring=n, mode="commit")))
+# other replay decode tiles, for the sweep (bench/probes/replay_step.py): 64 and 32 rows a CTA,
+# rings of 4 to 16; bf16 tiles of 16 lanes a row, fewer rows or a whole head
+REPLAY_VARIANTS: tuple[ReplayConfig, ...] = (
     *(ReplayConfig(128, 128, "float32", 64, 32, 128, unroll=2, ring=n) for n in (16, 8, 4)),
     ReplayConfig(128, 128, "float32", 32, 32, 128, unroll=2, ring=8),
+    ReplayConfig(128, 128, "float32", 128, 32, 256, unroll=2, ring=4),
     *(ReplayConfig(128, 128, "bfloat16", 64, 16, 128, unroll=2, ring=n) for n in (16, 8)),
-)
-# other replay tiles, for the next sweep: a whole head a CTA (256 threads), and bf16 tiles of
-# fewer registers (8-byte accesses with 32 lanes a row, no unroll, 32 rows)
-REPLAY_VARIANTS: tuple[ReplayConfig, ...] = (
-    *(ReplayConfig(128, 128, "float32", 128, 32, 256, unroll=2, ring=n) for n in (8, 4)),
-    ReplayConfig(128, 128, "bfloat16", 64, 32, 128, access=8, unroll=2, ring=8),
     ReplayConfig(128, 128, "bfloat16", 64, 16, 128, unroll=1, ring=8),
     ReplayConfig(128, 128, "bfloat16", 32, 16, 128, unroll=2, ring=8),
     ReplayConfig(128, 128, "bfloat16", 128, 16, 256, unroll=2, ring=8),
-    # output-only verify: rings of 16 (a window of 8 and room for 8 drafts)
-    ReplayConfig(128, 128, "float32", 64, 32, 128, unroll=2, ring=16, verify=True),
-    ReplayConfig(128, 128, "bfloat16", 64, 32, 128, access=8, unroll=2, ring=16, verify=True),
 )
+
+
+def select_replay(head_dim_k: int, head_dim_v: int, pool: str, mode: str,
+                  ring: int) -> ReplayConfig | None:
+    """REPLAY's tile for (K, V), the checkpoints' dtype name, the call's mode and the ring's
+    entries, or None. A commit touches no state: its tile is the ring's alone."""
+    for c in REPLAY:
+        if c.mode == mode and c.ring == ring and (mode == "commit" or _dims(c) == (
+                head_dim_k, head_dim_v, pool)):
+            return c
+    return None
+
 
 # other tiles, built for the tile sweep (bench/serving.py --sweep): fewer and more rows per CTA
 STEP_VARIANTS: tuple[StepConfig, ...] = tuple(c for c in dict.fromkeys(

@@ -111,8 +111,12 @@ class KdaReplaySm90(StepRows):
             Parents(parent_on, p_sn, p_st, p_wide),
             Gate(gate, a_log_dtype, dt_bias_dtype, qk_l2norm, beta_sigmoid, scale, lower_bound),
             window,
-        ).launch(grid=(self.V // self.BV, num_heads, num_rows), block=(self.threads, 1, 1),
+        ).launch(grid=self._grid(num_heads, num_rows), block=(self.threads, 1, 1),
                  smem=self.smem_bytes, stream=stream)
+
+    def _grid(self, num_heads, num_rows):
+        """A tile a CTA: (V / BV, heads, rows)."""
+        return (self.V // self.BV, num_heads, num_rows)
 
     def _shared_storage(self):
         """The staged checkpoint rows, then the ring's live entries of the slot's head: keys,

@@ -70,6 +70,11 @@ def test_schemas_name_what_each_op_writes():
         "commit": ["state"],
         "recurrent": ["final_state", "out"],
         "recurrent_inplace": ["out", "state"],
+        "replay_decode": ["cursor", "out", "ring_g", "ring_k", "ring_r", "ring_u", "state",
+                          "tickets"],
+        "replay_verify": ["out", "ring_g", "ring_k", "ring_r", "ring_u"],
+        "replay_commit": ["cursor"],
+        "replay_flush": ["cursor", "state", "tickets"],
     }
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from kda_cute.specs import args_for, spec_of, step
 from kda_cute.specs.replay import ReplayConfig, supports
-from kda_cute.step_ladder import REPLAY, REPLAY_VARIANTS
+from kda_cute.step_ladder import REPLAY, REPLAY_VARIANTS, select_replay
 
 BASE = ReplayConfig(128, 128, "float32", 64, 32, 128, unroll=2, ring=8)
 
@@ -43,12 +43,34 @@ def test_arguments_are_the_steps_with_the_ring_after_the_errors():
     assert by["ring_g"].shape == ("P", "H", 8, 128) and by["cursor"].dtype == "int32"
 
 
-def test_verify_tiles_are_their_own_kernel():
-    verify = [c for c in REPLAY_VARIANTS if c.verify]
-    assert verify and all(c.name.endswith("_verify") for c in verify)
-    assert {spec_of(c).dsl_class(c) for c in verify} == {
-        "kernels.kda_replay_verify_sm90:KdaReplayVerifySm90"}
-    assert spec_of(BASE).dsl_class(BASE) == "kernels.kda_replay_sm90:KdaReplaySm90"
+@pytest.mark.parametrize("mode, cls", [
+    ("decode", "kda_replay_sm90:KdaReplaySm90"),
+    ("verify", "kda_replay_verify_sm90:KdaReplayVerifySm90"),
+    ("flush", "kda_replay_flush_sm90:KdaReplayFlushSm90"),
+    ("commit", "kda_replay_commit_sm90:KdaReplayCommitSm90")])
+def test_each_mode_is_its_own_kernel_named_apart(mode, cls):
+    tiles = [c for c in REPLAY if c.mode == mode]
+    assert len(tiles) >= 3
+    assert {spec_of(c).dsl_class(c) for c in tiles} == {"kernels." + cls}
+    assert all(c.name.startswith("kda_replay_commit_") if mode == "commit" else
+               c.name.endswith("" if mode == "decode" else "_" + mode) for c in tiles)
+
+
+def test_select_replay_picks_a_tile_of_the_mode_ring_and_pool():
+    for c in REPLAY:
+        assert select_replay(128, 128, c.pool, c.mode, c.ring) == c or c.mode == "commit"
+    assert select_replay(128, 128, "bfloat16", "commit", 16).mode == "commit"
+    assert select_replay(64, 64, "float32", "decode", 16) is None
+    assert select_replay(128, 128, "float32", "decode", 4) is None
+
+
+def test_verify_tiles_are_two_threads_a_row():
+    tile = dataclasses.replace(BASE, mode="verify")  # 64 rows of 32 lanes at 128 threads
+    assert supports(tile) == (True, "")
+    ok, why = supports(dataclasses.replace(BASE, mode="verify", block_v=32))
+    assert not ok and "verify" in why
+    ok, why = supports(dataclasses.replace(BASE, mode="replay"))
+    assert not ok and "mode" in why
 
 
 def test_name_encodes_the_ring_and_u_dtype():

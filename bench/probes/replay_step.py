@@ -48,8 +48,9 @@ class Ring:
         self.tickets = torch.zeros(slots, dtype=torch.int32, device=d)
 
 
-def launcher(cfg, x, idx, ring: Ring, out, window=None):
-    """The step's launch as a function of no arguments (its parameter block packed once)."""
+def launcher(cfg, x, idx, ring: Ring, out, window=None, accepted=None):
+    """The step's launch as a function of no arguments (its parameter block packed once);
+    accepted: a commit's counts."""
     N, H = idx.shape[0], ring.pool.shape[1]
     Tk = x["q"].shape[1]  # tokens a row
     T = N * Tk
@@ -67,7 +68,8 @@ def launcher(cfg, x, idx, ring: Ring, out, window=None):
             "sRG": ring.g.stride(0)}
     ptr = {"q": q, "k": k, "g": g, "v": v, "beta": beta, "out": o, "A_log": x["A_log"],
            "dt_bias": x["dt_bias"], "pool": pool, "dst": pool, "cu_seqlens": dummy,
-           "read_index": idx, "write_index": dummy, "accepted": dummy, "parent": dummy,
+           "read_index": idx, "write_index": dummy,
+           "accepted": dummy if accepted is None else accepted, "parent": dummy,
            "has_init": dummy, "errors": err, "ring_k": ring.k, "ring_r": ring.r,
            "ring_u": ring.u, "ring_g": ring.g, "cursor": ring.cursor,
            "tickets": ring.tickets}
@@ -85,8 +87,8 @@ def launcher(cfg, x, idx, ring: Ring, out, window=None):
     smem = kern.manifest["dynamic_smem_bytes"]
     f = kern.function(dev.index or 0, smem)
     arr = kern.packed(names, vals, tuple(sorted(syms.items())))
-    grid = (V // cfg.block_v, H, N)
-    keep = (x, idx, ring, out, dummy, err, q, k, g, v, beta, o)
+    grid = (1, 1, N) if cfg.mode == "commit" else (V // cfg.block_v, H, N)
+    keep = (x, idx, ring, out, dummy, err, q, k, g, v, beta, o, accepted)
 
     def run():
         kern.launch(f, grid, arr, torch.cuda.current_stream().cuda_stream, smem)
@@ -202,7 +204,7 @@ def timed_verify(cfg, N, H, T, iters, flush):
     """Output-only verify of T drafts a row (cursor 4 of a full ring) against kda_cute.verify
     writing a state a token into a slot a token (its style (a)), both graphed."""
     gen = torch.Generator(device="cuda").manual_seed(5 * N + T)
-    slots = 4 * N * T
+    slots = N * T + N
     pool = _pool(cfg, slots, H, gen)
     sidx = torch.randperm(slots, generator=gen, device="cuda")[:N * T].view(N, T).to(
         torch.int32).contiguous()
@@ -265,6 +267,53 @@ def check(cfg, N, H, steps, window=None):
     return res
 
 
+def check_flush_commit(step_cfg, flush_cfg, commit_cfg, N, H, steps):
+    """Decode steps with no fold (the window the ring), then a flush: the checkpoint against
+    kda_cute.decode's state, the cursors and tickets zero; then a commit of random counts (one
+    past the ring reported, its cursor kept; padding rows untouched)."""
+    L = step_cfg.ring
+    gen = torch.Generator(device="cuda").manual_seed(3 * N + H)
+    pool = _pool(step_cfg, 2 * N, H, gen)
+    idx = torch.randperm(2 * N, generator=gen, device="cuda")[:N].to(torch.int32)
+    idx[::8] = -1
+    live = idx[idx >= 0].long()
+    gate = _gate(H, gen)
+    ring = Ring(pool.clone(), L)
+    errs = 0
+    for _ in range(steps):
+        x = dict(tokens(N, H, gen), **gate)
+        o = kda_cute.decode(x["q"], x["k"], x["v"], x["g"], x["beta"], pool, idx,
+                            lower_bound=LB, **gate)
+        errs += _run(launcher(step_cfg, x, idx, ring, torch.empty_like(o), L))
+    before = ring.pool.clone()
+    errs += _run(launcher(flush_cfg, x, idx, ring, torch.empty_like(o), L))
+    res = {"config": flush_cfg.name, "N": N, "H": H, "steps": steps,
+           "flushed_vs_decode": _rel(ring.pool[live], pool[live]),
+           "flushed_cursors_zero": bool((ring.cursor == 0).all()),
+           "tickets_zero": bool((ring.tickets == 0).all())}
+    pad = torch.ones(2 * N, dtype=torch.bool, device="cuda")
+    pad[live] = False
+    res["padding_slots_untouched"] = bool(torch.equal(ring.pool[pad], before[pad]))
+    # an empty ring: a second flush changes nothing
+    again = ring.pool.clone()
+    errs += _run(launcher(flush_cfg, x, idx, ring, torch.empty_like(o), L))
+    res["empty_flush_untouched"] = bool(torch.equal(ring.pool, again))
+    c0 = torch.randint(0, L // 2, (2 * N,), generator=gen, device="cuda").to(torch.int32)
+    acc = torch.randint(0, L // 2, (N,), generator=gen, device="cuda").to(torch.int32)
+    acc[1] = L  # past the ring: reported, its cursor kept
+    ring.cursor.copy_(c0)
+    run = launcher(commit_cfg, x, idx, ring, torch.empty_like(o), L, accepted=acc)
+    errs += _run(run) - int(run.err[2])
+    want = c0.clone()
+    ok = torch.arange(N, device="cuda") != 1
+    rows = (idx >= 0) & ok
+    want[idx[rows].long()] += acc[rows]
+    res["commit_cursors"] = bool(torch.equal(ring.cursor, want))
+    res["commit_past_ring_reported"] = bool(run.err[2] != 0)
+    res["error_words"] = errs
+    return res
+
+
 def timed(cfg, N, H, iters, flush, bw):
     L = cfg.ring
     gen = torch.Generator(device="cuda").manual_seed(7 * N + H)
@@ -302,25 +351,36 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", type=Path, default=Path("replay_step.json"))
+    ap.add_argument("--parts", default="long,verify,check,times",
+                    help="comma-separated: long, verify (checks and times), check, times")
     a = ap.parse_args(argv)
     res = {"device": torch.cuda.get_device_name(), "checks": [], "times": []}
-    steps = [c for c in REPLAY + REPLAY_VARIANTS if not c.verify]
-    verifies = [c for c in REPLAY_VARIANTS if c.verify]
-    for cfg in [c for c in REPLAY if c.pool == "float32"]:
+    steps = [c for c in REPLAY + REPLAY_VARIANTS if c.mode == "decode"]
+    verifies = [c for c in REPLAY if c.mode == "verify" and c.ring >= 16]
+    parts = set(a.parts.split(","))
+    for cfg in [c for c in steps if c.pool == "float32" and c.block_v == 64 and "long" in parts]:
         try:
             r = long_run(cfg, 8, 4, 512 if a.quick else 4096)
         except Exception as e:  # reported, not fatal
             r = {"config": cfg.name, "error": repr(e)[:300]}
         print(json.dumps(r), flush=True)
         res["checks"].append(r)
-    for cfg in verifies:
+    for cfg in [c for c in verifies if "verify" in parts]:
         try:
-            r = check_verify(cfg, 64, 8, 5, 8)
+            r = check_verify(cfg, 64, 8, *((5, 8) if cfg.ring < 32 else (16, 16)))
         except Exception as e:  # reported, not fatal
             r = {"config": cfg.name, "error": repr(e)[:300]}
         print(json.dumps(r), flush=True)
         res["checks"].append(r)
-    for cfg in steps:
+    if "verify" in parts or "check" in parts:
+        by = {c.mode: c for c in REPLAY if c.pool == "float32" and c.ring == 16}
+        try:
+            r = check_flush_commit(by["decode"], by["flush"], by["commit"], 64, 8, 11)
+        except Exception as e:  # reported, not fatal
+            r = {"config": by["flush"].name, "error": repr(e)[:300]}
+        print(json.dumps(r), flush=True)
+        res["checks"].append(r)
+    for cfg in [c for c in steps if "check" in parts]:
         for window in dict.fromkeys((cfg.ring, max(2, cfg.ring // 2))):
             try:
                 r = check(cfg, 64, 8, 3 * window + 3, window)
@@ -334,8 +394,8 @@ def main(argv=None):
     shapes = [(64, 32), (256, 32), (1024, 32), (256, 12), (256, 96), (8, 32)]
     if a.quick:
         shapes = [(256, 32)]
-    for N, T in [(64, 2), (64, 4), (64, 8), (256, 2), (256, 4), (256, 8)]:
-        for cfg in verifies:
+    for N, T in [(N, T) for N in (64, 256) for T in (2, 4, 8, 16)]:
+        for cfg in [c for c in verifies if 4 + T <= c.ring and "verify" in parts]:
             try:
                 r = timed_verify(cfg, N, 32, T, 30, flush)
             except Exception as e:  # reported, not fatal
@@ -343,7 +403,7 @@ def main(argv=None):
             print(json.dumps(r), flush=True)
             res["times"].append(r)
     for N, H in shapes:
-        for cfg in steps:
+        for cfg in [c for c in steps if "times" in parts]:
             try:
                 r = timed(cfg, N, H, 50, flush, bw)
             except Exception as e:  # reported, not fatal

@@ -16,9 +16,9 @@ from .launches import BF16, F32, I32, kernel_launch
 from .steps import At, Buffer, CallScalar, Errors, Plan, Role, Scalar
 
 
-@functools.lru_cache(maxsize=256)
-def _step_plan(p: StepProblem, opts: StepOptions, dev: DeviceInfo) -> Plan:
-    cfg = config_for(p, opts)
+def step_values(p: StepProblem, opts: StepOptions) -> tuple[dict, dict]:
+    """The token-step kernel's argument sources by name, and its dynamic dimensions, for
+    problem `p` (the replay kernels take the same, and their ring)."""
     H, K, V = p.H, p.K, p.V
     syms = {"T": p.T, "H": H, "HK": H * K, "HV": H * V, **p.strides._asdict(),
             "P": max(1, p.slots), "sP": p.slot_stride, "PD": max(1, p.dst_rows),
@@ -59,6 +59,14 @@ def _step_plan(p: StepProblem, opts: StepOptions, dev: DeviceInfo) -> Plan:
         # kernel parameters of a persistent tile only (grid sizes otherwise)
         "num_rows": Scalar(p.N), "num_heads": Scalar(H),
     }
+    return values, syms
+
+
+@functools.lru_cache(maxsize=256)
+def _step_plan(p: StepProblem, opts: StepOptions, dev: DeviceInfo) -> Plan:
+    cfg = config_for(p, opts)
+    H, V = p.H, p.V
+    values, syms = step_values(p, opts)
     grid = (V // cfg.block_v, H, p.N)
     if cfg.persist:  # as many CTAs as fit at once (cfg.persist an SM), at most one a tile
         grid = (max(1, min(V // cfg.block_v * H * p.N, dev.sms * cfg.persist)), 1, 1)

@@ -25,6 +25,11 @@ from . import step
 from .step import StepConfig
 
 U_DTYPES = ("float16", "float32")
+# decode (a token a row, folding at the window), verify (output-only drafts past the cursor),
+# flush (the ring folded into the checkpoint, no token), commit (cursors moved by the accepted
+# counts)
+MODES = ("decode", "verify", "flush", "commit")
+MAX_DRAFTS = 16  # a verify's drafts a row
 
 
 @dataclass(frozen=True)
@@ -34,14 +39,16 @@ class ReplayConfig(StepConfig):
 
     ring: int = 16
     u_dtype: str = "float16"
-    # output-only verify: a row's drafts appended past its cursor, no fold, no cursor moved
-    verify: bool = False
+    mode: str = "decode"  # one of MODES
 
     @property
     def name(self) -> str:
         base = super().name.removeprefix("kda_step_")
         u = "uh" if self.u_dtype == "float16" else "uf"
-        return f"kda_replay_{base}_l{self.ring}_{u}" + ("_verify" if self.verify else "")
+        if self.mode == "commit":  # no state or token touched: the ring's length only
+            return f"kda_replay_commit_l{self.ring}"
+        return f"kda_replay_{base}_l{self.ring}_{u}" + (
+            "" if self.mode == "decode" else f"_{self.mode}")
 
 
 def supports(cfg: ReplayConfig) -> tuple[bool, str]:
@@ -54,6 +61,12 @@ def supports(cfg: ReplayConfig) -> tuple[bool, str]:
         return False, f"u_dtype must be one of {U_DTYPES}, got {cfg.u_dtype!r}"
     if cfg.tpr < 2:
         return False, f"tpr must be at least 2 (a row's two sums share its lanes), got {cfg.tpr}"
+    if cfg.mode not in MODES:
+        return False, f"mode must be one of {MODES}, got {cfg.mode!r}"
+    if cfg.mode == "verify" and (cfg.tpr != 32 or 2 * cfg.block_v != cfg.threads):
+        return False, (f"verify tiles are 32 lanes a row and two threads a row "
+                       f"(threads = 2 block_v), got tpr={cfg.tpr}, block_v={cfg.block_v}, "
+                       f"threads={cfg.threads}")
     if cfg.persist or cfg.prep or cfg.chunk or cfg.ahead:
         return False, "the replay step is a one-tile tile without persist, prep, chunk or ahead"
     return True, ""
@@ -81,6 +94,10 @@ def args(cfg: ReplayConfig) -> list[Arg]:
 
 
 def dsl_class(cfg: ReplayConfig) -> str:
-    if cfg.verify:
+    if cfg.mode == "verify":
         return "kernels.kda_replay_verify_sm90:KdaReplayVerifySm90"
+    if cfg.mode == "flush":
+        return "kernels.kda_replay_flush_sm90:KdaReplayFlushSm90"
+    if cfg.mode == "commit":
+        return "kernels.kda_replay_commit_sm90:KdaReplayCommitSm90"
     return "kernels.kda_replay_sm90:KdaReplaySm90"
