@@ -100,6 +100,11 @@ REPLAY_VARIANTS: tuple[ReplayConfig, ...] = (
     ReplayConfig(128, 128, "bfloat16", 64, 16, 128, unroll=1, ring=8),
     ReplayConfig(128, 128, "bfloat16", 32, 16, 128, unroll=2, ring=8),
     ReplayConfig(128, 128, "bfloat16", 128, 16, 256, unroll=2, ring=8),
+    # verify: fewer drafts' areas (more CTAs an SM), registers capped to four CTAs
+    *(ReplayConfig(128, 128, "float32", 64, 32, 128, unroll=2, ring=16, mode="verify",
+                   drafts=d, min_blocks=m) for d, m in ((4, 0), (4, 4), (0, 4), (8, 4))),
+    *(ReplayConfig(128, 128, "bfloat16", 64, 32, 128, access=8, unroll=2, ring=16,
+                   mode="verify", drafts=d) for d in (4, 8)),
 )
 
 

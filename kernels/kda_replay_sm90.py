@@ -112,7 +112,7 @@ class KdaReplaySm90(StepRows):
             Gate(gate, a_log_dtype, dt_bias_dtype, qk_l2norm, beta_sigmoid, scale, lower_bound),
             window,
         ).launch(grid=self._grid(num_heads, num_rows), block=(self.threads, 1, 1),
-                 smem=self.smem_bytes, stream=stream)
+                 smem=self.smem_bytes, stream=stream, **self._occupancy())
 
     def _grid(self, num_heads, num_rows):
         """A tile a CTA: (V / BV, heads, rows)."""

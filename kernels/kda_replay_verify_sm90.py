@@ -54,7 +54,7 @@ class KdaReplayVerifySm90(KdaReplaySm90):
         super().__init__(cfg)
         # a warp a row group, and its 32 lanes end with one of the group's 2R sums each
         assert self.TPR == 32 and 2 * self.R == 32 and self.BV <= self.threads, cfg
-        self.D = min(self.L, MAX_DRAFTS)  # the drafts' areas
+        self.D = cfg.drafts or min(self.L, MAX_DRAFTS)  # the drafts' areas
 
     def _shared_storage(self):
         """The ring's entries (keys, log-decays then rescaled keys, inverse norms, the tile's
@@ -284,7 +284,7 @@ class KdaReplayVerifySm90(KdaReplaySm90):
         lead = self._lead(tidx, vb, h)
         bos, length, pad, slot, start, c = self._ring_row(
             (tk, st, tab, ring), (seqs, rd, acc, starts), n, lead)
-        if pad == 0 and (c + length > L or length > self.D):  # past the ring's end
+        if pad == 0 and (c + length > L or length > self.D):  # past the ring's end or tile
             self._flag(tab.errors, E_LEN, lead)
             pad = i32(1)
         if pad != 0:

@@ -23,7 +23,7 @@ from kda_cute import replay_reference as ref
 from kda_cute.checks import replay as replay_checks
 from kda_cute.checks import step as step_checks
 from kda_cute.plans.replay import replay_plan
-from kda_cute.plans.steps import Role, Scalar
+from kda_cute.plans.steps import At, Role, Scalar
 from kda_cute.reference import rel_err
 from kda_cute.specs.replay import ReplayConfig
 from kda_cute.step_ladder import REPLAY
@@ -154,6 +154,8 @@ def test_commit_and_flush_plans(planned):
     src = dict(zip(s.args, s.sources, strict=True))
     assert src["accepted"] == Role("accepted") and src["r_wide"] == Scalar(1)
     assert src["acc_wide"] == Scalar(0)
+    # the cursors' length is the ring's slots (the kernel's bound on a slot); no state read
+    assert dict(s.syms)["P"] == 32 and isinstance(src["pool"], At) and isinstance(src["dst"], At)
     kda_cute.replay_flush(state, **ring, state_indices=idx)
     (s,) = planned["plan"].launches()
     assert s.kernel.mode == "flush" and s.grid == (K // s.kernel.block_v, H, 3)

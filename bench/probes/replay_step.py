@@ -314,7 +314,8 @@ def check_flush_commit(step_cfg, flush_cfg, commit_cfg, N, H, steps):
     return res
 
 
-def timed(cfg, N, H, iters, flush, bw):
+def timed(cfg, N, H, iters, flush, bw, window=None):
+    """Replay decode beside kda_cute.decode (window: the fold's, None the ring's)."""
     L = cfg.ring
     gen = torch.Generator(device="cuda").manual_seed(7 * N + H)
     slots = 4 * N
@@ -330,13 +331,13 @@ def timed(cfg, N, H, iters, flush, bw):
         kda_cute.decode(x["q"], x["k"], x["v"], x["g"], x["beta"], pool, idx, out=out,
                         lower_bound=LB, A_log=x["A_log"], dt_bias=x["dt_bias"])
 
-    rep = launcher(cfg, x, idx, ring, out)
+    rep = launcher(cfg, x, idx, ring, out, window)
     es = pool.element_size()
     tok = 3 * K * 2 + 2 * V * 2 + 2
     entry = 2 * K + 4 + 2 * V + 4 * K
     today = N * H * (2 * es * V * K + tok)
     replay = N * H * (es * V * K * (1 + 1 / L) + entry * ((L - 2) / 2 + (L - 1) / L) + tok)
-    row = {"config": cfg.name, "N": N, "H": H, "pool": cfg.pool, "L": L,
+    row = {"config": cfg.name, "N": N, "H": H, "pool": cfg.pool, "L": L, "window": window or L,
            "decode_bytes": today, "replay_bytes": replay}
     row["decode_ms"] = bench.time_flushed(bench.graphed(kda), iters, flush)
     row["replay_ms"] = bench.time_flushed(bench.graphed(rep), iters, flush)
@@ -356,7 +357,7 @@ def main(argv=None):
     a = ap.parse_args(argv)
     res = {"device": torch.cuda.get_device_name(), "checks": [], "times": []}
     steps = [c for c in REPLAY + REPLAY_VARIANTS if c.mode == "decode"]
-    verifies = [c for c in REPLAY if c.mode == "verify" and c.ring >= 16]
+    verifies = [c for c in REPLAY + REPLAY_VARIANTS if c.mode == "verify" and c.ring >= 16]
     parts = set(a.parts.split(","))
     for cfg in [c for c in steps if c.pool == "float32" and c.block_v == 64 and "long" in parts]:
         try:
@@ -367,7 +368,8 @@ def main(argv=None):
         res["checks"].append(r)
     for cfg in [c for c in verifies if "verify" in parts]:
         try:
-            r = check_verify(cfg, 64, 8, *((5, 8) if cfg.ring < 32 else (16, 16)))
+            r = check_verify(cfg, 64, 8, *((5, 8) if cfg.ring < 32 else (16, 16))
+                             if not cfg.drafts else (cfg.drafts // 2, cfg.drafts))
         except Exception as e:  # reported, not fatal
             r = {"config": cfg.name, "error": repr(e)[:300]}
         print(json.dumps(r), flush=True)
@@ -395,21 +397,33 @@ def main(argv=None):
     if a.quick:
         shapes = [(256, 32)]
     for N, T in [(N, T) for N in (64, 256) for T in (2, 4, 8, 16)]:
-        for cfg in [c for c in verifies if 4 + T <= c.ring and "verify" in parts]:
+        for cfg in [c for c in verifies if 4 + T <= c.ring and T <= (c.drafts or 16)
+                    and ("verify" in parts or "vtimes" in parts)]:
             try:
                 r = timed_verify(cfg, N, 32, T, 30, flush)
             except Exception as e:  # reported, not fatal
                 r = {"config": cfg.name, "N": N, "T": T, "error": repr(e)[:300]}
             print(json.dumps(r), flush=True)
             res["times"].append(r)
+    shipped = [c for c in REPLAY if c.mode == "decode" and c.ring in (8, 16)]
     for N, H in shapes:
-        for cfg in [c for c in steps if "times" in parts]:
+        for cfg in [c for c in steps if "times" in parts] + [
+                c for c in shipped if "shipped" in parts]:
             try:
-                r = timed(cfg, N, H, 50, flush, bw)
+                r = timed(cfg, N, H, 50, flush, bw, 8 if "shipped" in parts else None)
             except Exception as e:  # reported, not fatal
                 r = {"config": cfg.name, "N": N, "H": H, "error": repr(e)[:300]}
             print(json.dumps(r), flush=True)
             res["times"].append(r)
+    for N, H in [(8, 32), (16, 32), (32, 32)] if "small" in parts else []:
+        for cfg in [c for c in REPLAY if c.mode == "decode" and c.ring == 8]:
+            for window in (1, 4):
+                try:
+                    r = timed(cfg, N, H, 50, flush, bw, window)
+                except Exception as e:  # reported, not fatal
+                    r = {"config": cfg.name, "N": N, "H": H, "error": repr(e)[:300]}
+                print(json.dumps(r), flush=True)
+                res["times"].append(r)
     a.out.write_text(json.dumps(res, indent=1))
 
 

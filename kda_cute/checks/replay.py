@@ -194,9 +194,8 @@ def _ring_only(mode, state, ring_k, ring_r, ring_u, ring_g, cursor, tickets, sta
         _index("num_accepted_tokens", num_accepted_tokens, (N,), dev)
         acc = acc._replace(acc_wide=_wide(num_accepted_tokens))
         nac = _words(num_accepted_tokens)
-    rows = slots if mode == "flush" else 0  # a commit reads and writes no state
     p = StepProblem(
-        mode, N, 0, H, K, V, pdt, rows, ss, rows, ss,
+        mode, N, 0, H, K, V, pdt, slots, ss, slots, ss,
         TokenStrides(H * K, H * K, H * K, H * V, H * V, H), 1, False, 1,
         Read(1, r_sn=r[0], r_st=0, r_wide=_wide(state_indices), r_mul=1, r_add=0), acc, False,
         Write(WRITE_NONE, w_sn=0, w_st=0, w_wide=0, w_mul=1, w_add=0), step_checks._NO_PARENT,

@@ -9,9 +9,9 @@ import functools
 
 from ..problem import ReplayProblem, StepOptions
 from .device import H200, DeviceInfo
-from .launches import kernel_launch
+from .launches import F32, kernel_launch
 from .step import step_values
-from .steps import Plan, Role, Scalar
+from .steps import At, Buffer, Plan, Role, Scalar
 
 RING_ROLES = ("ring_k", "ring_r", "ring_u", "ring_g", "cursor", "tickets")
 
@@ -22,8 +22,9 @@ def _replay_plan(rp: ReplayProblem, opts: StepOptions, dev: DeviceInfo) -> Plan:
     values, syms = step_values(p, opts)
     values.update({n: Role(n) for n in RING_ROLES})
     values["window"] = Scalar(form.window)
-    if form.mode == "commit":  # the counts are read as a table of their own
+    if form.mode == "commit":  # the counts are read as a table of their own; no state
         values["accepted"] = Role("accepted")
+        values["pool"] = values["dst"] = At(Buffer("zeros", (1, p.H, p.V, p.K), F32))
     syms.update(sRK=form.sRK, sRR=form.sRR, sRU=form.sRU, sRG=form.sRG)
     grid = (1, 1, p.N) if form.mode == "commit" else (p.V // cfg.block_v, p.H, p.N)
     steps = ()

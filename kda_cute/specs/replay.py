@@ -40,6 +40,7 @@ class ReplayConfig(StepConfig):
     ring: int = 16
     u_dtype: str = "float16"
     mode: str = "decode"  # one of MODES
+    drafts: int = 0  # verify: the most drafts a row (its shared areas); 0: min(ring, 16)
 
     @property
     def name(self) -> str:
@@ -48,7 +49,8 @@ class ReplayConfig(StepConfig):
         if self.mode == "commit":  # no state or token touched: the ring's length only
             return f"kda_replay_commit_l{self.ring}"
         return f"kda_replay_{base}_l{self.ring}_{u}" + (
-            "" if self.mode == "decode" else f"_{self.mode}")
+            "" if self.mode == "decode" else f"_{self.mode}") + (
+            f"_d{self.drafts}" if self.drafts else "")
 
 
 def supports(cfg: ReplayConfig) -> tuple[bool, str]:
@@ -63,6 +65,10 @@ def supports(cfg: ReplayConfig) -> tuple[bool, str]:
         return False, f"tpr must be at least 2 (a row's two sums share its lanes), got {cfg.tpr}"
     if cfg.mode not in MODES:
         return False, f"mode must be one of {MODES}, got {cfg.mode!r}"
+    if cfg.drafts and (cfg.mode != "verify" or cfg.drafts not in (2, 4, 8, 16)
+                       or cfg.drafts > cfg.ring):
+        return False, (f"drafts must be 0, or for verify 2, 4, 8 or 16 and at most the ring, "
+                       f"got {cfg.drafts} ({cfg.mode}, ring {cfg.ring})")
     if cfg.mode == "verify" and (cfg.tpr != 32 or 2 * cfg.block_v != cfg.threads):
         return False, (f"verify tiles are 32 lanes a row and two threads a row "
                        f"(threads = 2 block_v), got tpr={cfg.tpr}, block_v={cfg.block_v}, "
