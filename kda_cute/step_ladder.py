@@ -100,23 +100,31 @@ REPLAY_VARIANTS: tuple[ReplayConfig, ...] = (
     ReplayConfig(128, 128, "bfloat16", 64, 16, 128, unroll=1, ring=8),
     ReplayConfig(128, 128, "bfloat16", 32, 16, 128, unroll=2, ring=8),
     ReplayConfig(128, 128, "bfloat16", 128, 16, 256, unroll=2, ring=8),
+    # verify of at most 8 drafts a row: the drafts' areas of 8 (more CTAs an SM; fp32 with its
+    # registers capped to four CTAs), to ship once checked on the GPU (select_replay takes
+    # the fewest drafts' areas that hold a call's drafts)
+    *(c for n in REPLAY_RINGS[1:] for c in (
+        ReplayConfig(128, 128, "float32", 64, 32, 128, unroll=2, min_blocks=4, ring=n,
+                     mode="verify", drafts=8),
+        ReplayConfig(128, 128, "bfloat16", 64, 32, 128, access=8, unroll=2, ring=n,
+                     mode="verify", drafts=8))),
     # verify: fewer drafts' areas (more CTAs an SM), registers capped to four CTAs
     *(ReplayConfig(128, 128, "float32", 64, 32, 128, unroll=2, ring=16, mode="verify",
-                   drafts=d, min_blocks=m) for d, m in ((4, 0), (4, 4), (0, 4), (8, 4))),
-    *(ReplayConfig(128, 128, "bfloat16", 64, 32, 128, access=8, unroll=2, ring=16,
-                   mode="verify", drafts=d) for d in (4, 8)),
+                   drafts=d, min_blocks=m) for d, m in ((4, 0), (4, 4), (0, 4))),
+    ReplayConfig(128, 128, "bfloat16", 64, 32, 128, access=8, unroll=2, ring=16,
+                 mode="verify", drafts=4),
 )
 
 
-def select_replay(head_dim_k: int, head_dim_v: int, pool: str, mode: str,
-                  ring: int) -> ReplayConfig | None:
+def select_replay(head_dim_k: int, head_dim_v: int, pool: str, mode: str, ring: int,
+                  tokens: int = 16) -> ReplayConfig | None:
     """REPLAY's tile for (K, V), the checkpoints' dtype name, the call's mode and the ring's
-    entries, or None. A commit touches no state: its tile is the ring's alone."""
-    for c in REPLAY:
-        if c.mode == mode and c.ring == ring and (mode == "commit" or _dims(c) == (
-                head_dim_k, head_dim_v, pool)):
-            return c
-    return None
+    entries, or None: for a verify of at most `tokens` drafts a row, the tile of the fewest
+    drafts' areas that holds them. A commit touches no state: its tile is the ring's alone."""
+    fits = [c for c in REPLAY if c.mode == mode and c.ring == ring and (
+        mode == "commit" or _dims(c) == (head_dim_k, head_dim_v, pool))
+        and (mode != "verify" or tokens <= (c.drafts or min(ring, 16)))]
+    return min(fits, key=lambda c: c.drafts or min(ring, 16)) if fits else None
 
 
 # other tiles, built for the tile sweep (bench/serving.py --sweep): fewer and more rows per CTA

@@ -126,11 +126,12 @@ def test_decode_window_defaults_to_the_ring(planned):
     assert src["window"] == Scalar(8)
 
 
-@pytest.mark.parametrize("T", [1, 4, 16])
+@pytest.mark.parametrize("T", [1, 4, 8, 9, 16])
 def test_verify_plan(planned, T):
     _verify(T=T, N=6, entries=32)
     (s,) = planned["plan"].launches()
     assert s.kernel.mode == "verify" and s.grid == (K // s.kernel.block_v, H, 6)
+    assert s.kernel.drafts == 0 and s.kernel in REPLAY
     src = dict(zip(s.args, s.sources, strict=True))
     assert src["fixed_len"] == Scalar(T) and src["max_tokens"] == Scalar(T)
     assert src["write_mode"] == Scalar(0)
@@ -229,6 +230,8 @@ def test_decode_bad_metadata_named(planned, case, word, exc):
 def test_verify_bad_metadata_named(planned):
     with pytest.raises(ValueError, match="q: expected at most 16 drafts"):
         _verify(T=17, entries=32)
+    with pytest.raises(ValueError, match="q: expected at most 8 drafts a row for a ring of 8"):
+        _verify(T=9, entries=8)
     with pytest.raises(TypeError, match="state_indices"):
         state, ring = pool_and_ring()
         kda_cute.replay_verify(tok(2, 2), tok(2, 2), tok(2, 2), tok(2, 2),
@@ -543,3 +546,57 @@ def test_prefill_takes_a_flushed_slot(dtype):
         m = ref.decode(m_state, m_ring, idx.cpu(), *_cpu(q, k, v, g, beta), window=L,
                        **_ref_gate(gate))
         assert rel_err(o, m.cuda()) < OUT_TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("T", [5, 11])
+def test_verify_drafts_against_float64(dtype, T):
+    """A verify of T drafts a row ([N, T]) from cursors spread over a ring of 16 holding
+    earlier entries: outputs against the float64 model, the drafts' entries written at
+    c .. c + T - 1 (keys as given, G, u), every other entry, the checkpoints and the cursors
+    bit-identical."""
+    N, slots, L = 6, 16, 16
+    gen = _gen(T)
+    state = (torch.randn(slots, H, K, K, generator=gen, device="cuda") * 0.3).to(dtype)
+    ring = rp.new_ring(state, L)
+    idx = torch.randperm(slots, generator=gen, device="cuda")[:N].int()
+    idx[4] = -1
+    gate = _gate(gen)
+    for _ in range(5):  # earlier entries: five decode steps, no fold
+        kda_cute.replay_decode(*_toks(N, 1, gen), state, **ring, state_indices=idx, window=L,
+                               **gate)
+    ring.cursor[idx[idx >= 0].long()] = torch.tensor([0, 1, 3, 5, 2], dtype=torch.int32,
+                                                     device="cuda")[:N - 1] % (L - T + 1)
+    m_state, m_ring = _model(state, ring)
+    before = {n: _bits(getattr(ring, n)).clone() for n in ("ring_k", "ring_r", "ring_u",
+                                                          "ring_g", "cursor")}
+    state_before = _bits(state).clone()
+    q, k, v, g, beta = _toks(N, T, gen)
+    out = torch.full((N, T, H, K), float("nan"), dtype=BF, device="cuda")
+    kda_cute.replay_verify(q, k, v, g, beta, state, **ring, state_indices=idx, out=out, **gate)
+    o = ref.verify(m_state, m_ring, idx.cpu(), *_cpu(q, k, v, g, beta), **_ref_gate(gate))
+    kda_cute.check_errors(sync=True)
+    live = (idx >= 0)
+    assert rel_err(out[live], o[live.cpu()].cuda()) < OUT_TOL
+    assert (out[~live] == 0).all()
+    assert torch.equal(_bits(state), state_before)
+    assert torch.equal(_bits(ring.cursor), before["cursor"])
+    written = torch.zeros(slots, L, dtype=torch.bool)
+    for n in range(N):
+        s = int(idx[n])
+        if s >= 0:
+            c = int(ring.cursor[s])
+            written[s, c:c + T] = True
+    w = written.cuda()
+    for name in ("ring_k", "ring_r", "ring_u", "ring_g"):
+        now = _bits(getattr(ring, name))
+        keep = ~w.view(slots, 1, L).expand(slots, H, L)
+        assert torch.equal(now[keep], before[name][keep]), name
+    for name, tol in (("ring_g", 1e-4), ("ring_u", 2e-3)):
+        got = getattr(ring, name).double().cpu()
+        want = getattr(m_ring, name)
+        sel = written.view(slots, 1, L).expand(slots, H, L)
+        assert rel_err(got[sel], want[sel]) < tol, name
+    assert torch.equal(ring.ring_k.double().cpu()[written.view(slots, 1, L).expand(slots, H, L)],
+                       m_ring.k[written.view(slots, 1, L).expand(slots, H, L)])

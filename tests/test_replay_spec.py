@@ -53,12 +53,18 @@ def test_each_mode_is_its_own_kernel_named_apart(mode, cls):
     assert len(tiles) >= 3
     assert {spec_of(c).dsl_class(c) for c in tiles} == {"kernels." + cls}
     assert all(c.name.startswith("kda_replay_commit_") if mode == "commit" else
-               c.name.endswith("" if mode == "decode" else "_" + mode) for c in tiles)
+               c.name.removesuffix(f"_d{c.drafts}").endswith(
+                   "" if mode == "decode" else "_" + mode) for c in tiles)
 
 
 def test_select_replay_picks_a_tile_of_the_mode_ring_and_pool():
     for c in REPLAY:
-        assert select_replay(128, 128, c.pool, c.mode, c.ring) == c or c.mode == "commit"
+        assert select_replay(128, 128, c.pool, c.mode, c.ring, c.drafts or min(c.ring, 16)) \
+            == c or \
+            c.mode == "commit"
+    assert select_replay(128, 128, "float32", "verify", 16, 16).drafts == 0
+    assert select_replay(128, 128, "float32", "verify", 8, 8).drafts == 0  # a ring of 8: 8
+    assert select_replay(128, 128, "float32", "verify", 8, 9) is None
     assert select_replay(128, 128, "bfloat16", "commit", 16).mode == "commit"
     assert select_replay(64, 64, "float32", "decode", 16) is None
     assert select_replay(128, 128, "float32", "decode", 4) is None

@@ -88,7 +88,8 @@ def window_of(window, L: int) -> int:
 def _config(p: StepProblem, form: ReplayForm, config) -> ReplayConfig:
     """The call's tile: a given ReplayConfig of the call's mode, ring and pool, or REPLAY's."""
     if config is None:
-        cfg = select_replay(p.K, p.V, p.pool, form.mode, form.ring)
+        cfg = select_replay(p.K, p.V, p.pool, form.mode, form.ring,
+                            p.max_tokens if form.mode == "verify" else 1)
         if cfg is None:
             raise err("q", "head dims K = V = 128 for the replay calls", f"K={p.K}, V={p.V}")
         return cfg
@@ -96,6 +97,9 @@ def _config(p: StepProblem, form: ReplayForm, config) -> ReplayConfig:
         raise TypeError(f"config: expected a ReplayConfig or None, got {type(config).__name__}")
     want = (form.mode, form.ring, form.u_dtype)
     got = (config.mode, config.ring, config.u_dtype)
+    if form.mode == "verify" and p.max_tokens > (config.drafts or min(config.ring, 16)):
+        raise err("config", f"a verify tile of at least {p.max_tokens} drafts a row",
+                  config.name)
     if got != want or (form.mode != "commit" and (
             config.head_dim_k, config.head_dim_v, config.pool) != (p.K, p.V, p.pool)):
         raise err("config", f"a {form.mode} tile of ring {form.ring}, u {form.u_dtype}, "
@@ -154,10 +158,13 @@ def verify(q, k, v, g, beta, state, ring_k, ring_r, ring_u, ring_g, cursor, tick
     a, b = gate_params(A_log, dt_bias, opts.gate, H, K, dev)
     scale, lb = scalars(scale, lower_bound, opts.gate, K)
     rt = ring(ring_k, ring_r, ring_u, ring_g, cursor, tickets, state.shape[0], H, K, V, dev)
+    most = min(MAX_DRAFTS, rt[0])  # a row's drafts fit the ring past its cursor
+    if fixed > most:
+        raise err("q", f"at most {most} drafts a row for a ring of {rt[0]} entries", fixed)
     p = StepProblem(
         "verify", N, tk.rows, H, K, V, _dtype_name(state.dtype), state.shape[0], ss,
         state.shape[0], ss, tk.strides, fixed, _wide(cu_seqlens) == 1,
-        MAX_DRAFTS if fixed < 0 else fixed,
+        most if fixed < 0 else fixed,
         Read(1, r_sn=r[0], r_st=0, r_wide=_wide(state_indices), r_mul=1, r_add=0),
         step_checks._NO_ACCEPTED, False,
         Write(WRITE_NONE, w_sn=0, w_st=0, w_wide=0, w_mul=1, w_add=0), step_checks._NO_PARENT,
