@@ -474,3 +474,36 @@ def test_checkpoints_args_and_table(probes, tmp_path):
     assert "| B1 T8192 H64 | every 64 bf16 | <= 10% | 0.5000 / 0.5000 | +5.0% / +8.0% |" in md
     assert "| B1 T8192 H64 | every 1024 fp32 | <= 2% |" in md and "no (+8.0%)" in md
     assert md.count("| yes |") == 2  # every 64 fp32 (<= 20%) and every 64 bf16 (<= 10%)
+
+
+def test_replay_bytes_model_and_tables(probes, tmp_path):
+    """bench/replay.py's bytes model (a decode's state read and written against the replay's
+    checkpoint read, a fold a window and its live entries), its ncu CSV reading and its table."""
+    rp = probes("replay")
+    K = rp.K
+    tok = rp.tokens_bytes(1, 1)
+    assert rp.decode_bytes(1, 1, 4) == 2 * 4 * K * K + tok
+    e = rp.entry_bytes(2)
+    assert e == 2 * K + 4 * K + 4 + 2 * K
+    want = 4 * K * K * (1 + 1 / 8) + e * (3.5 + 7 / 8) + tok
+    assert rp.replay_bytes(1, 1, 4, 8, 2) == pytest.approx(want)
+    # the fp32 replay's bytes at a window of 8: 0.60-0.65 of decode's at every shape
+    for N, H in rp.DECODE:
+        r = rp.replay_bytes(N, H, 4) / rp.decode_bytes(N, H, 4)
+        assert 0.55 < r < 0.65, (N, H, r)
+    assert rp.verify_bytes(2, 4, 3, 4) == 2 * 3 * 5 * 4 * K * K + rp.tokens_bytes(8, 3)
+    assert rp.replay_verify_bytes(2, 4, 3, 4, 4) == 2 * 3 * (4 * K * K + 8 * e) + \
+        rp.tokens_bytes(8, 3)
+    csv_text = ('"ID","Kernel Name","dram__bytes_read.sum","dram__bytes_write.sum"\n'
+                '"","","byte","byte"\n'
+                '"0","kda_step_a","1,000","500"\n"1","kda_step_a","1,200","500"\n'
+                '"2","kda_replay_b","700","10"\n"3","kda_step_a","1,100","500"\n')
+    p = tmp_path / "ncu.csv"
+    p.write_text(csv_text)
+    assert rp.ncu_bytes(p) == {"kda_step_a": 1600.0, "kda_replay_b": 710.0}
+    row = {"form": "decode", "pool": "float32", "N": 8, "H": 32, "T": 1, "entries": 8,
+           "decode_ms": 0.02, "replay_ms": 0.015, "decode_bytes": 100, "replay_bytes": 62,
+           "decode_pct": 90.0, "replay_pct": 80.0, "decode_tile": "a", "replay_tile": "b"}
+    md = rp.markdown([row], 3e12)
+    assert "| decode | float32 | 8 | 32 | 1 | 8 | 0.0200 | 0.0150 | 0.75 | 0.62 | 90 | 80 | - |" \
+        in md
