@@ -30,8 +30,6 @@ from kda_cute.specs.replay import ReplayConfig
 from kernels.common import Record
 from kernels.step_rows import (
     E_READ,
-    GATE_BOUNDED,
-    GATE_UNBOUNDED,
     SRC_STAGE,
     SRC_ZERO,
     Accepted,
@@ -164,42 +162,13 @@ class KdaReplaySm90(StepRows):
             cute.copy(atom, s[None, first + b], d[None, b])
 
     @cute.jit
-    def _log_decay(self, dv, bias, a_exp, gate: Gate):
-        """The token's log-decay a per column into dv (which holds g), as step_rows._token_math
-        takes its exponential."""
-        NC = self.NC
-        if gate.form == GATE_BOUNDED:
-            for c in cutlass.range_constexpr(NC):
-                y = a_exp * (dv[c] + bias[c])
-                dv[c] = gate.lower_bound * cute.arch.rcp_approx(
-                    1.0 + cute.math.exp(-y, fastmath=True))
-        elif gate.form == GATE_UNBOUNDED:
-            for c in cutlass.range_constexpr(NC):
-                y = dv[c] + bias[c]
-                dv[c] = -a_exp * (cute.arch.fmax(y, 0.0) + cute.math.log1p(
-                    cute.math.exp(-cute.arch.fmax(y, -y))))
-
-    @cute.jit
     def _norms(self, qv, kv, gate: Gate):
         """q (L2-normed, times the scale) and k (L2-normed) in place; returns (k's inverse
         norm, k . q)."""
-        f32, NC = cutlass.Float32, self.NC
-        sq = f32(0.0)
-        sk = f32(0.0)
-        for c in cutlass.range_constexpr(NC):
-            sq = sq + qv[c] * qv[c]
-            sk = sk + kv[c] * kv[c]
-        rq = gate.scale
-        rk = f32(1.0)
-        if gate.qk_l2norm != 0:
-            sq = self._lanes_sum(sq)
-            sk = self._lanes_sum(sk)
-            rq = gate.scale * cute.math.rsqrt(sq + 1e-6)
-            rk = cute.math.rsqrt(sk + 1e-6)
+        f32 = cutlass.Float32
+        rk = self._qk_norms(qv, kv, gate)
         kq = f32(0.0)
-        for c in cutlass.range_constexpr(NC):
-            qv[c] = qv[c] * rq
-            kv[c] = kv[c] * rk
+        for c in cutlass.range_constexpr(self.NC):
             kq = kq + kv[c] * qv[c]
         return rk, self._lanes_sum(kq)
 
@@ -372,7 +341,7 @@ class KdaReplaySm90(StepRows):
         self._raw_cols(kv, rk)
         self._raw_cols(dv, rg)
         rkn, kq = self._norms(qv, kv, gate)
-        self._log_decay(dv, bias, cute.math.exp(a_log), gate)
+        self._log_decays(dv, bias, cute.math.exp(a_log), gate, False)
         beta = b_raw.to(f32)
         if gate.beta_sigmoid != 0:
             beta = cute.arch.rcp_approx(1.0 + cute.math.exp(-beta, fastmath=True))

@@ -117,7 +117,7 @@ class KdaReplayVerifySm90(KdaReplaySm90):
             self._raw_cols(kv, rk)
             self._raw_cols(dv, rg)
             rkn, kq = self._norms(qv, kv, gate)
-            self._log_decay(dv, bias, a_exp, gate)
+            self._log_decays(dv, bias, a_exp, gate, False)
             beta = b_raw.to(f32)
             if gate.beta_sigmoid != 0:
                 beta = cute.arch.rcp_approx(1.0 + cute.math.exp(-beta, fastmath=True))

@@ -568,43 +568,62 @@ class StepRows(StateSlots):
         return a_log
 
     @cute.jit
-    def _token_math(self, qv, kv, dv, b_raw, bias, a_exp, gate: Gate):
-        """A token's columns of head h past their loads (_token_loads): q (L2-normed, times
-        the scale) and k (L2-normed) in place in qv and kv, the decay exp(a) per column into
-        dv (which holds g); b_raw is its beta as loaded. Returns (beta, k . q)."""
+    def _qk_norms(self, qv, kv, gate: Gate):
+        """q (L2-normed over the row's lanes, times the scale) and k (L2-normed) in place;
+        returns k's inverse norm."""
         f32, NC = cutlass.Float32, self.NC
-        scale, lower_bound = gate.scale, gate.lower_bound
-        # q and k norms over the row's lanes; q carries the scale
         sq = f32(0.0)
         sk = f32(0.0)
         for c in cutlass.range_constexpr(NC):
             sq = sq + qv[c] * qv[c]
             sk = sk + kv[c] * kv[c]
-        rq = scale
+        rq = gate.scale
         rk = f32(1.0)
         if gate.qk_l2norm != 0:
             sq = self._lanes_sum(sq)
             sk = self._lanes_sum(sk)
-            rq = scale * cute.math.rsqrt(sq + 1e-6)
+            rq = gate.scale * cute.math.rsqrt(sq + 1e-6)
             rk = cute.math.rsqrt(sk + 1e-6)
         for c in cutlass.range_constexpr(NC):
             qv[c] = qv[c] * rq
             kv[c] = kv[c] * rk
-        # the decay exp(a) per column
+        return rk
+
+    @cute.jit
+    def _log_decays(self, dv, bias, a_exp, gate: Gate, exp: cutlass.Constexpr):
+        """The token's log-decay a per column into dv (which holds g; the gate "none": g as
+        given), or with `exp` its decay e^a."""
+        NC = self.NC
         if gate.form == GATE_BOUNDED:
             for c in cutlass.range_constexpr(NC):
                 y = a_exp * (dv[c] + bias[c])
                 sg = cute.arch.rcp_approx(1.0 + cute.math.exp(-y, fastmath=True))
-                dv[c] = cute.math.exp(lower_bound * sg, fastmath=True)
+                if cutlass.const_expr(exp):
+                    dv[c] = cute.math.exp(gate.lower_bound * sg, fastmath=True)
+                else:
+                    dv[c] = gate.lower_bound * sg
         elif gate.form == GATE_UNBOUNDED:
             for c in cutlass.range_constexpr(NC):
                 y = dv[c] + bias[c]
                 sp = cute.arch.fmax(y, 0.0) + cute.math.log1p(
                     cute.math.exp(-cute.arch.fmax(y, -y)))
-                dv[c] = cute.math.exp(-a_exp * sp, fastmath=True)
+                if cutlass.const_expr(exp):
+                    dv[c] = cute.math.exp(-a_exp * sp, fastmath=True)
+                else:
+                    dv[c] = -a_exp * sp
         else:
-            for c in cutlass.range_constexpr(NC):
-                dv[c] = cute.math.exp(dv[c], fastmath=True)
+            if cutlass.const_expr(exp):
+                for c in cutlass.range_constexpr(NC):
+                    dv[c] = cute.math.exp(dv[c], fastmath=True)
+
+    @cute.jit
+    def _token_math(self, qv, kv, dv, b_raw, bias, a_exp, gate: Gate):
+        """A token's columns of head h past their loads (_token_loads): q (L2-normed, times
+        the scale) and k (L2-normed) in place in qv and kv, the decay exp(a) per column into
+        dv (which holds g); b_raw is its beta as loaded. Returns (beta, k . q)."""
+        f32, NC = cutlass.Float32, self.NC
+        self._qk_norms(qv, kv, gate)
+        self._log_decays(dv, bias, a_exp, gate, True)
         beta = b_raw.to(f32)
         if gate.beta_sigmoid != 0:
             beta = cute.arch.rcp_approx(1.0 + cute.math.exp(-beta, fastmath=True))
