@@ -351,30 +351,6 @@ class ReplayProblem(NamedTuple):
         return getattr(self.step, name)
 
 
-class ReplayCall(NamedTuple):
-    """A replay call's tensors: the step's roles (kda_cute.problem.StepCall) and the ring's."""
-
-    q: torch.Tensor | None
-    k: torch.Tensor | None
-    v: torch.Tensor | None
-    g: torch.Tensor | None
-    beta: torch.Tensor | None
-    out: torch.Tensor | None
-    A_log: torch.Tensor | None
-    dt_bias: torch.Tensor | None
-    pool: torch.Tensor | None
-    dst: torch.Tensor | None
-    cu_seqlens: torch.Tensor | None
-    read_index: torch.Tensor | None
-    write_index: torch.Tensor | None
-    accepted: torch.Tensor | None
-    parent: torch.Tensor | None
-    has_init: torch.Tensor | None
-    scale: float
-    lower_bound: float | None
-    ring_k: torch.Tensor
-    ring_r: torch.Tensor
-    ring_u: torch.Tensor
-    ring_g: torch.Tensor
-    cursor: torch.Tensor
-    tickets: torch.Tensor
+# A replay call's tensors: the step's roles (StepCall) and the ring's
+ReplayCall = NamedTuple("ReplayCall", [*StepCall.__annotations__.items(), *(
+    (n, "torch.Tensor") for n in ("ring_k", "ring_r", "ring_u", "ring_g", "cursor", "tickets"))])

@@ -30,7 +30,7 @@ from dataclasses import dataclass, fields
 import torch
 from torch import Tensor
 
-from . import declare, errors, memo
+from . import declare, errors, serving
 from .checks import flag
 from .checks import replay as replay_checks
 from .plans import device_info
@@ -92,20 +92,9 @@ def new_ring(state: Tensor, entries: int = 16, u_dtype: torch.dtype = torch.floa
 
 
 def _entry(kind: str, check, tensors: tuple, scalars: tuple, out=None, like=None):
-    """serving._entry for a replay call: its plan (memo by the arguments' metadata), scale,
-    lower bound, the again cache and the out."""
-    if declare.dry():
-        return None, None, None, None, check(*tensors, *scalars).out
-    key = memo.key(kind, tensors, scalars)
-    hit = memo.recall(key)
-    if hit is None:
-        c = check(*tensors, *scalars)
-        hit = memo.remember(key, (_plan(kind, c, tensors[0].device), c.scale, c.lower_bound,
-                                  {}))
-        out = c.out
-    if out is None and like is not None:
-        out = torch.empty(like.shape, dtype=torch.bfloat16, device=like.device)
-    return (*hit, out)
+    """serving._entry with the replay plan."""
+    return serving._entry(kind, check, tensors, scalars, out, like,
+                          lambda c, dev: _plan(kind, c, dev))
 
 
 def _plan(kind: str, c, dev):

@@ -40,19 +40,21 @@ def _plan(c: Checked, dev):
     return plan
 
 
-def _entry(kind: str, check, tensors: tuple, scalars: tuple, out=None, like=None):
+def _entry(kind: str, check, tensors: tuple, scalars: tuple, out=None, like=None, plan=None):
     """A call of `kind`: its plan, scale, lower bound and a dict for launch.again (the resolved
     steps of this metadata's calls, by their tensors' addresses), kept in the memo by the
     arguments' metadata and made on a miss by `check(*tensors, *scalars)` and a plan for the
-    first tensor's device; then `out`: where None, the one the checks allocated (a miss) or a
-    new bf16 one like `like`. A dry run only checks: no plan."""
+    first tensor's device (`plan(checked, device)`, None: the step's); then `out`: where None,
+    the one the checks allocated (a miss) or a new bf16 one like `like`. A dry run only checks:
+    no plan."""
     if declare.dry():
         return None, None, None, None, check(*tensors, *scalars).out
     key = memo.key(kind, tensors, scalars)
     hit = memo.recall(key)
     if hit is None:
         c = check(*tensors, *scalars)
-        hit = memo.remember(key, (_plan(c, tensors[0].device), c.scale, c.lower_bound, {}))
+        made = (plan or _plan)(c, tensors[0].device)
+        hit = memo.remember(key, (made, c.scale, c.lower_bound, {}))
         out = c.out
     if out is None and like is not None:
         out = torch.empty(like.shape, dtype=BF16, device=like.device)
