@@ -26,7 +26,7 @@ from kda_cute.plans.replay import replay_plan
 from kda_cute.plans.steps import At, Role, Scalar
 from kda_cute.reference import rel_err
 from kda_cute.specs.replay import ReplayConfig
-from kda_cute.step_ladder import REPLAY
+from kda_cute.step_ladder import REPLAY, REPLAY_VARIANTS
 from tests.mutations import must_refuse, odd_swaps, outcome, tensor_swaps
 
 BF = torch.bfloat16
@@ -600,3 +600,47 @@ def test_verify_drafts_against_float64(dtype, T):
         assert rel_err(got[sel], want[sel]) < tol, name
     assert torch.equal(ring.ring_k.double().cpu()[written.view(slots, 1, L).expand(slots, H, L)],
                        m_ring.k[written.view(slots, 1, L).expand(slots, H, L)])
+
+
+_TILES = [c for c in REPLAY + REPLAY_VARIANTS if c.mode in ("decode", "verify")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", _TILES, ids=lambda c: c.name.removeprefix("kda_replay_"))
+def test_every_tile(cfg):
+    """Each built decode and verify tile, shipped or for the sweep, through config=: two
+    decode steps (the second at the window's end: a fold), or a verify of as many drafts as
+    the tile holds (at most 6) past cursor 2, against the float64 model."""
+    N, slots = 5, 12
+    dtype = torch.float32 if cfg.pool == "float32" else torch.bfloat16
+    gen = _gen(cfg.ring + cfg.block_v)
+    state = (torch.randn(slots, H, K, K, generator=gen, device="cuda") * 0.3).to(dtype)
+    ring = rp.new_ring(state, cfg.ring, torch.float16 if cfg.u_dtype == "float16" else
+                       torch.float32)
+    idx = torch.randperm(slots, generator=gen, device="cuda")[:N].int()
+    idx[3] = -1
+    gate = _gate(gen)
+    m_state, m_ring = _model(state, ring)
+    live = idx >= 0
+    if cfg.mode == "decode":
+        for _ in range(2):
+            q, k, v, g, beta = _toks(N, 1, gen)
+            out = kda_cute.replay_decode(q, k, v, g, beta, state, **ring, state_indices=idx,
+                                         window=2, config=cfg, **gate)
+            o = ref.decode(m_state, m_ring, idx.cpu(), *_cpu(q, k, v, g, beta), window=2,
+                           **_ref_gate(gate))
+            kda_cute.check_errors(sync=True)
+            assert rel_err(out[live], o[live.cpu()].cuda()) < OUT_TOL
+        assert rel_err(state[idx[live].long()], m_state[idx[live].long().cpu()].cuda()) < \
+            STATE_TOL[dtype]
+        return
+    T = min(6, cfg.drafts or min(cfg.ring, 16), cfg.ring - 2)
+    ring.cursor.fill_(2)
+    m_ring.cursor.fill_(2)
+    q, k, v, g, beta = _toks(N, T, gen)
+    out = kda_cute.replay_verify(q, k, v, g, beta, state, **ring, state_indices=idx,
+                                 config=cfg, **gate)
+    o = ref.verify(m_state, m_ring, idx.cpu(), *_cpu(q, k, v, g, beta), **_ref_gate(gate))
+    kda_cute.check_errors(sync=True)
+    assert rel_err(out[live], o[live.cpu()].cuda()) < OUT_TOL
+    assert (out[~live] == 0).all()
