@@ -166,6 +166,40 @@ def test_serving_calls_trace(fake, dynamic):
            backend="aot_eager", dynamic=dynamic)
 
 
+@pytest.mark.parametrize("dynamic", [None, True])
+def test_replay_calls_trace(fake, dynamic):
+    N, T, slots, L = 3, 4, 10, 16
+    q1, beta1 = cuda(N, 1, H, K), cuda(N, 1, H)
+    qv, bv = cuda(N, T, H, K), cuda(N, T, H)
+    A, dt = cuda(H, dtype=F32), cuda(H, K, dtype=F32)
+    pool = cuda(slots, H, K, K, dtype=F32)
+    ring = dict(ring_k=cuda(slots, H, L, K), ring_r=cuda(slots, H, L, dtype=F32),
+                ring_u=cuda(slots, H, L, K, dtype=torch.float16),
+                ring_g=cuda(slots, H, L, K, dtype=F32), cursor=cuda(slots, dtype=I32),
+                tickets=cuda(slots, dtype=I32))
+    idx = torch.arange(N, dtype=I32, device="cuda")
+    acc = torch.ones(N, dtype=I32, device="cuda")
+
+    def serve(q1, beta1, qv, bv, A, dt, pool, idx, acc, ring_k, ring_r, ring_u, ring_g, cursor,
+              tickets):
+        r = dict(ring_k=ring_k, ring_r=ring_r, ring_u=ring_u, ring_g=ring_g, cursor=cursor,
+                 tickets=tickets)
+        o1 = kda_cute.replay_decode(q1, q1, q1, q1, beta1, pool, **r, state_indices=idx,
+                                    window=8, A_log=A, dt_bias=dt, lower_bound=-5.0)
+        ov = kda_cute.replay_verify(qv, qv, qv, qv, bv, pool, **r, state_indices=idx,
+                                    A_log=A, dt_bias=dt, lower_bound=-5.0)
+        kda_cute.replay_commit(**r, state_indices=idx, num_accepted_tokens=acc)
+        kda_cute.replay_flush(pool, **r, state_indices=idx)
+        return o1, ov
+
+    args = (q1, beta1, qv, bv, A, dt, pool, idx, acc, *ring.values())
+    (o1, ov), ops = traced(serve, *args, dynamic=dynamic)
+    assert ops == ["kda_cute.replay_decode.default", "kda_cute.replay_verify.default",
+                   "kda_cute.replay_commit.default", "kda_cute.replay_flush.default"]
+    assert o1.shape == q1.shape and ov.shape == qv.shape
+    traced(serve, *args, backend="aot_eager", dynamic=dynamic)
+
+
 def test_bad_metadata_raises_while_tracing_naming_the_argument(fake):
     q, k, v, g, beta, A, dt = prefill_inputs()
 

@@ -469,6 +469,46 @@ def test_graph_replays_with_new_indices_and_cursors():
 
 
 @pytest.mark.gpu
+def test_graph_of_verify_and_commit_replays_with_new_cursors_and_counts():
+    """replay_verify then replay_commit captured once, replayed with new slots, cursors and
+    counts in the same buffers: outputs and cursors as the float64 model's each time."""
+    N, slots, L, T = 6, 20, 16, 4
+    gen = _gen(13)
+    state = torch.randn(slots, H, K, K, generator=gen, device="cuda") * 0.3
+    ring = rp.new_ring(state, L)
+    for _ in range(3):  # live entries to verify past
+        kda_cute.replay_decode(*_toks(slots, 1, gen), state, **ring, window=L, **_gate(gen))
+    gate = _gate(gen)
+    q, k, v, g, beta = _toks(N, T, gen)
+    idx = torch.arange(N, dtype=torch.int32, device="cuda")
+    acc = torch.ones(N, dtype=torch.int32, device="cuda")
+    out = torch.empty(N, T, H, K, dtype=BF, device="cuda")
+
+    def step():
+        kda_cute.replay_verify(q, k, v, g, beta, state, **ring, state_indices=idx, out=out,
+                               **gate)
+        kda_cute.replay_commit(**ring, state_indices=idx, num_accepted_tokens=acc)
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for rnd in range(3):
+        idx.copy_(torch.randperm(slots, generator=gen, device="cuda")[:N].int())
+        ring.cursor.copy_(torch.randint(0, 8, (slots,), generator=gen, device="cuda").int())
+        acc.copy_(torch.randint(0, T + 1, (N,), generator=gen, device="cuda").int())
+        for x, y in zip((q, k, v, g, beta), _toks(N, T, gen), strict=True):
+            x.copy_(y)
+        m_state, m_ring = _model(state, ring)
+        graph.replay()
+        o = ref.verify(m_state, m_ring, idx.cpu(), *_cpu(q, k, v, g, beta), **_ref_gate(gate))
+        ref.commit(m_ring, idx.cpu(), acc.cpu())
+        kda_cute.check_errors(sync=True)
+        assert rel_err(out, o.cuda()) < OUT_TOL, rnd
+        assert torch.equal(ring.cursor.cpu(), m_ring.cursor.int()), rnd
+
+
+@pytest.mark.gpu
 def test_bad_values_reported_and_contained():
     N, slots, L = 4, 8, 8
     gen = _gen(5)
