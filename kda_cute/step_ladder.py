@@ -108,6 +108,11 @@ REPLAY_VARIANTS: tuple[ReplayConfig, ...] = (
                      mode="verify", drafts=8),
         ReplayConfig(128, 128, "bfloat16", 64, 32, 128, access=8, unroll=2, ring=n,
                      mode="verify", drafts=8))),
+    # decode with the ring's keys and u read from memory (rings of 16 and 32 at three CTAs an SM)
+    *(ReplayConfig(128, 128, "float32", 128, 32, 256, unroll=2, ring=n, lean=True)
+      for n in (16, 32)),
+    ReplayConfig(128, 128, "float32", 128, 32, 256, unroll=2, min_blocks=3, ring=16, lean=True),
+    ReplayConfig(128, 128, "bfloat16", 64, 32, 128, access=8, unroll=2, ring=16, lean=True),
     # verify: fewer drafts' areas (more CTAs an SM), registers capped to four CTAs
     *(ReplayConfig(128, 128, "float32", 64, 32, 128, unroll=2, ring=16, mode="verify",
                    drafts=d, min_blocks=m) for d, m in ((4, 0), (4, 4), (0, 4))),
