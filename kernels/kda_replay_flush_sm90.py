@@ -40,7 +40,7 @@ class KdaReplayFlushSm90(KdaReplaySm90):
         """A row's fold (the tokens, gate and window: unused; a row is one token long so that
         it is not padding)."""
         f32, i32 = cutlass.Float32, cutlass.Int32
-        NC, L, BV = self.NC, self.L, self.BV
+        NC, BV = self.NC, self.BV
         tidx, _, _ = cute.arch.thread_idx()
         vb, h, n = cute.arch.block_idx()
         grp = tidx // self.TPR
@@ -72,16 +72,6 @@ class KdaReplayFlushSm90(KdaReplaySm90):
                 self._checkpoint_row(x, stage, i32(SRC_STAGE), r)
                 for q in cutlass.range_constexpr(NC):
                     x[q] = x[q] * eg[q]
-                for j in cutlass.range_constexpr(L - 1):
-                    if j < c:
-                        uj = ru_s[j, rho].to(f32)
-                        for q in cutlass.range_constexpr(NC):
-                            x[q] = x[q] + uj * rg_s[j, self._col(q, sub)]
+                self._fold_entries(x, ru_s, rg_s, c, rho, sub)
                 self._put(x, self._row_vecs(st.dst, slot, h, vb * BV + rho), sub, self.pdt)
-            if tidx == 0:  # the row's last tile to take its ticket empties the ring
-                gx, gy, _ = cute.arch.grid_dim()
-                taken = cute.arch.atomic_add(ring.tickets.iterator + slot, i32(1),
-                                             sem="acq_rel", scope="gpu")
-                if taken == gx * gy - 1:
-                    ring.cursor[slot] = i32(0)
-                    ring.tickets[slot] = i32(0)
+            self._move_cursor(ring, slot, tidx, c, True)  # the ring emptied

@@ -283,6 +283,33 @@ class KdaReplaySm90(StepRows):
         return ca, cb
 
     @cute.jit
+    def _fold_entries(self, x, ru_s, rg_s, c, rho, sub):
+        """Row rho's sum of the c entries' u_j w_j (the decayed keys in rg_s) added to x."""
+        f32 = cutlass.Float32
+        for j in cutlass.range_constexpr(self.L - 1):
+            if j < c:
+                uj = ru_s[j, rho].to(f32)
+                for q in cutlass.range_constexpr(self.NC):
+                    x[q] = x[q] + uj * rg_s[j, self._col(q, sub)]
+
+    @cute.jit
+    def _move_cursor(self, ring: Ring, slot, tidx, c, folded):
+        """The row's last tile to take its ticket (an atomic on the slot's word, taken by every
+        tile after its cursor read) writes the cursor, c + 1 or 0 where the row folded, and
+        puts the word back to zero."""
+        i32 = cutlass.Int32
+        if tidx == 0:
+            gx, gy, _ = cute.arch.grid_dim()
+            taken = cute.arch.atomic_add(ring.tickets.iterator + slot, i32(1),
+                                         sem="acq_rel", scope="gpu")
+            if taken == gx * gy - 1:
+                nxt = c + 1
+                if folded:
+                    nxt = i32(0)
+                ring.cursor[slot] = nxt
+                ring.tickets[slot] = i32(0)
+
+    @cute.jit
     def _checkpoint_row(self, x, stage, src, r):
         """Row r of the staged checkpoint into registers x (zeros where src is SRC_ZERO)."""
         f32 = cutlass.Float32
@@ -320,7 +347,7 @@ class KdaReplaySm90(StepRows):
                seqs: Seqs, rd: Read, acc: Accepted, starts: Starts, wr: Write, par: Parents,
                gate: Gate, window: cutlass.Int32):
         f32, i32 = cutlass.Float32, cutlass.Int32
-        NC, L, BV = self.NC, self.L, self.BV
+        NC, BV = self.NC, self.BV
         tidx, _, _ = cute.arch.thread_idx()
         vb, h, n = cute.arch.block_idx()
         grp = tidx // self.TPR
@@ -387,11 +414,7 @@ class KdaReplaySm90(StepRows):
                 if flush:  # the state after this token is the new checkpoint
                     for q in cutlass.range_constexpr(NC):
                         x[q] = x[q] + u * kv[q]
-                    for j in cutlass.range_constexpr(L - 1):
-                        if j < c:
-                            uj = ru_s[j, grp + self.G * r].to(f32)
-                            for q in cutlass.range_constexpr(NC):
-                                x[q] = x[q] + uj * rg_s[j, self._col(q, sub)]
+                    self._fold_entries(x, ru_s, rg_s, c, grp + self.G * r, sub)
                     self._put(x, self._row_vecs(st.dst, slot, h, v_idx), sub, self.pdt)
                 else:
                     if sub == self.OUT_LANE:
@@ -404,13 +427,4 @@ class KdaReplaySm90(StepRows):
                         ring.g[slot, h, c, d] = gt[q]
                     if sub == 0:
                         ring.r[slot, h, c] = rkn
-            if tidx == 0:  # the row's last tile to take its ticket moves the cursor
-                gx, gy, _ = cute.arch.grid_dim()
-                taken = cute.arch.atomic_add(ring.tickets.iterator + slot, i32(1),
-                                             sem="acq_rel", scope="gpu")
-                if taken == gx * gy - 1:
-                    nxt = c + 1
-                    if flush:
-                        nxt = i32(0)
-                    ring.cursor[slot] = nxt
-                    ring.tickets[slot] = i32(0)
+            self._move_cursor(ring, slot, tidx, c, flush)
