@@ -165,6 +165,9 @@ def test_commit_and_flush_plans(planned):
 def test_error_words_are_named_for_the_replay_calls(planned):
     _decode(decode_args())
     assert dict(planned["names"])[3].startswith("state_indices")
+    q, k, v, g, beta, state, ring, _ = decode_args()
+    kda_cute.replay_decode(q, k, v, g, beta, state, **ring, lower_bound=-5.0)
+    assert dict(planned["names"])[3] == "cursor"  # slot n for row n: only a cursor can be bad
     state, ring = pool_and_ring()
     kda_cute.replay_commit(**ring, state_indices=torch.arange(2),
                            num_accepted_tokens=torch.ones(2).int())

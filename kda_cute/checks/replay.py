@@ -137,9 +137,9 @@ def decode(q, k, v, g, beta, state, ring_k, ring_r, ring_u, ring_g, cursor, tick
     p = c.problem
     rt = ring(ring_k, ring_r, ring_u, ring_g, cursor, tickets, state.shape[0], p.H, p.K, p.V,
               q.device)
-    slot = "state_indices" if state_indices is not None else "cursor"
+    read = "state_indices (or its cursor)" if state_indices is not None else "cursor"
     return _done(p, "decode", rt, window, c.options, config, q.device, c.scale,
-                 c.lower_bound, c.out, read=f"{slot} (or its cursor)")
+                 c.lower_bound, c.out, read=read)
 
 
 def verify(q, k, v, g, beta, state, ring_k, ring_r, ring_u, ring_g, cursor, tickets,
