@@ -90,7 +90,7 @@ REPLAY: tuple[ReplayConfig, ...] = tuple(
         ReplayConfig(128, 128, "bfloat16", 64, 32, 128, access=8, unroll=2, ring=n,
                      mode="flush"),
         ReplayConfig(128, 128, "float32", 64, 32, 128, unroll=2, ring=n, mode="commit")))
-# other replay decode tiles, for the sweep (bench/probes/replay_step.py): 64 and 32 rows a CTA,
+# other replay decode tiles, for the sweep (bench/replay.py --sweep): 64 and 32 rows a CTA,
 # rings of 4 to 16; bf16 tiles of 16 lanes a row, fewer rows or a whole head
 REPLAY_VARIANTS: tuple[ReplayConfig, ...] = (
     *(ReplayConfig(128, 128, "float32", 64, 32, 128, unroll=2, ring=n) for n in (16, 8, 4)),
