@@ -321,6 +321,17 @@ def fla_chunk_kda(x):
                      **gate)
 
 
+def fla_recurrent():
+    """fla's Triton `fused_recurrent_kda_fwd` (the serving tables' peer), or None without fla
+    (the tables say so)."""
+    try:
+        from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+    except Exception as e:  # fla is optional
+        print(f"fla unavailable: {e!r}", file=sys.stderr)
+        return None
+    return fused_recurrent_kda_fwd
+
+
 def fla_runner():
     os.environ.setdefault("FLA_DISABLE_BACKEND_DISPATCH", "1")
     try:

@@ -39,7 +39,15 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import kda_cute  # noqa: E402
-from bench import copy_bandwidth, flusher, graphed, pyplot, time_flushed, versions  # noqa: E402
+from bench import (  # noqa: E402
+    copy_bandwidth,
+    fla_recurrent,
+    flusher,
+    graphed,
+    pyplot,
+    time_flushed,
+    versions,
+)
 from kda_cute.reference import rel_err  # noqa: E402
 
 K = V = 128
@@ -352,15 +360,6 @@ def plot(rows, path):
     fig.savefig(path, dpi=110)
 
 
-def _fla():
-    try:
-        from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
-    except Exception as e:  # fla is optional: the table says so
-        print(f"fla unavailable: {e!r}", file=sys.stderr)
-        return None
-    return fused_recurrent_kda_fwd
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer shapes")
@@ -385,7 +384,7 @@ def main(argv=None):
         Path(a.out).write_text(json.dumps(res, indent=1) + "\n")
         print(json.dumps(res["long"], indent=1))
         return
-    fla = None if a.no_fla else _fla()
+    fla = None if a.no_fla else fla_recurrent()
     bw = copy_bandwidth()
     flush = flusher()
     if a.sweep:

@@ -28,7 +28,15 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import kda_cute  # noqa: E402
-from bench import copy_bandwidth, flusher, graphed, pyplot, time_flushed, versions  # noqa: E402
+from bench import (  # noqa: E402
+    copy_bandwidth,
+    fla_recurrent,
+    flusher,
+    graphed,
+    pyplot,
+    time_flushed,
+    versions,
+)
 from kda_cute.reference import rel_err  # noqa: E402
 
 K = V = 128
@@ -63,15 +71,6 @@ def step_bytes(N, T, H, state_bytes) -> int:
     """A step's compulsory bytes, N rows of T tokens: each row's start state read and its state
     after every token written (elements of `state_bytes`), and the tokens' (decode: T = 1)."""
     return (1 + T) * N * H * V * K * state_bytes + tokens_bytes(N, T, H)
-
-
-def fla_fn():
-    try:
-        from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
-    except Exception as e:  # fla is optional: the table says so
-        print(f"fla unavailable: {e!r}", file=sys.stderr)
-        return None
-    return fused_recurrent_kda_fwd
 
 
 def _plan_tile(bound) -> str:
@@ -354,7 +353,7 @@ def main(argv=None):
         raise SystemExit("--head-dim: the tile sweep's (--sweep); the table is at K = V = 128")
     global K, V
     K = V = a.head_dim
-    fla = None if a.no_fla else fla_fn()
+    fla = None if a.no_fla else fla_recurrent()
     bw = copy_bandwidth()
     flush = flusher()
     if a.sweep:
