@@ -25,7 +25,7 @@ Bound. Head dims K = V = 128.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -63,7 +63,7 @@ class Ring(Mapping):
         return getattr(self, name)
 
     def __iter__(self):
-        return iter(f.name for f in fields(self))
+        return iter(_RING_WRITES)
 
     def __len__(self) -> int:
         return len(_RING_WRITES)

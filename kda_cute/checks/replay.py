@@ -15,7 +15,7 @@ from ..problem import StepWords as Words
 from ..problem import StepWrite as Write
 from ..specs.replay import MAX_DRAFTS, ReplayConfig
 from ..specs.replay import supports as replay_supports
-from ..specs.step import E_ACCEPTED, E_CU, E_CU_ROWS, E_READ, E_WRITE, WRITE_NONE
+from ..specs.step import E_ACCEPTED, E_CU, E_CU_ROWS, E_READ, WRITE_NONE
 from ..step_ladder import REPLAY_RINGS, select_replay
 from . import step as step_checks
 from .base import (
@@ -119,7 +119,7 @@ def _done(p: StepProblem, mode: str, ring_t: tuple, window, opts, config, dev, s
     cfg = _config(p, form, config)
     on_cuda(dev, "ring_k")
     words = {"cu": (E_CU,), "rows": (E_CU_ROWS,), "accepted": (E_ACCEPTED,),
-             "read": (E_READ,), "write": (E_WRITE,)}
+             "read": (E_READ,)}
     named = tuple((i, arg) for role, arg in names.items() if arg is not None
                   for i in words[role])
     return step_checks.Checked(ReplayProblem(p, form), StepOptions(
@@ -152,8 +152,6 @@ def verify(q, k, v, g, beta, state, ring_k, ring_r, ring_u, ring_g, cursor, tick
     dev, H, K, V = tk.dev, tk.H, tk.K, tk.V
     ss = pool("state", state, H, V, K, dev)
     N, fixed = step_checks._seqs(q, cu_seqlens, dev, "N")
-    if fixed > MAX_DRAFTS:
-        raise err("q", f"at most {MAX_DRAFTS} drafts a row", fixed)
     r = _index("state_indices", state_indices, (N,), dev)
     a, b = gate_params(A_log, dt_bias, opts.gate, H, K, dev)
     scale, lb = scalars(scale, lower_bound, opts.gate, K)
