@@ -91,11 +91,10 @@ REPLAY: tuple[ReplayConfig, ...] = tuple(
                      mode="flush"),
         ReplayConfig(128, 128, "float32", 64, 32, 128, unroll=2, ring=n, mode="commit")))
 # other replay decode tiles, for the sweep (bench/replay.py --sweep): 64 and 32 rows a CTA,
-# rings of 4 to 16; bf16 tiles of 16 lanes a row, fewer rows or a whole head
+# rings of 8 and 16; bf16 tiles of 16 lanes a row, fewer rows or a whole head
 REPLAY_VARIANTS: tuple[ReplayConfig, ...] = (
-    *(ReplayConfig(128, 128, "float32", 64, 32, 128, unroll=2, ring=n) for n in (16, 8, 4)),
+    *(ReplayConfig(128, 128, "float32", 64, 32, 128, unroll=2, ring=n) for n in (16, 8)),
     ReplayConfig(128, 128, "float32", 32, 32, 128, unroll=2, ring=8),
-    ReplayConfig(128, 128, "float32", 128, 32, 256, unroll=2, ring=4),
     *(ReplayConfig(128, 128, "bfloat16", 64, 16, 128, unroll=2, ring=n) for n in (16, 8)),
     ReplayConfig(128, 128, "bfloat16", 64, 16, 128, unroll=1, ring=8),
     ReplayConfig(128, 128, "bfloat16", 32, 16, 128, unroll=2, ring=8),
