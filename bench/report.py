@@ -200,6 +200,24 @@ def fla_model(data, name, results):
          "KDA calls in kda-cute"], body, left=2)
 
 
+def replay(data, name, results):
+    """The replay calls against today's decode / verify (style a) and fla (bench/replay.py)."""
+    body = []
+    for r in data["rows"]:
+        form = r["form"]
+        today = r[f"{form}_ms"]
+        body.append([form, r["pool"], str(r["N"]), str(r["H"]), str(r["T"]), str(r["entries"]),
+                     ms(today), ms(r["replay_ms"]), f"{r['replay_ms'] / today:.2f}",
+                     f"{r['replay_bytes'] / r[f'{form}_bytes']:.2f}", f"{r['replay_pct']:.0f}",
+                     ratio(r.get("fla_ms"), r["replay_ms"])])
+    note = wrap(f"CUDA graphs, cold L2, median; decode at a window of 8; copy ceiling "
+                f"{data['copy_bandwidth'] / 1e9:.0f} GB/s. Replay / today below 1: the replay "
+                f"call faster.")
+    head = ["form", "pool", "N", "H", "T", "ring", "today ms", "replay ms", "replay / today",
+            "bytes ratio", "replay % ceiling", "replay vs fla"]
+    return caption(data, name, results) + note + table(head, body, 2)
+
+
 # (file, marker, table, generator): the text between <!-- marker:begin --> and its end
 SECTIONS = [("README.md", "speed-table", "peers-ten", speed)] + [
     ("docs/results.md", f"results:{m}", key, gen) for m, key, gen in [
@@ -208,7 +226,8 @@ SECTIONS = [("README.md", "speed-table", "peers-ten", speed)] + [
         ("accuracy", "accuracy", accuracy), ("accuracy-fla", "accuracy-fla", accuracy),
         ("decode", "serving", serving("decode")), ("verify", "serving", serving("verify")),
         ("pool-prefill", "pool-prefill", pool), ("pool-k64-k256", "pool-prefill-k64-k256", pool),
-        ("checkpoints", "checkpoints", checkpoints), ("fla-model", "fla-model", fla_model)]]
+        ("checkpoints", "checkpoints", checkpoints), ("fla-model", "fla-model", fla_model),
+        ("replay", "replay", replay)]]
 
 
 def index(results, current, records):

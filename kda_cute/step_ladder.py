@@ -89,7 +89,13 @@ REPLAY: tuple[ReplayConfig, ...] = tuple(
         ReplayConfig(128, 128, "float32", 64, 32, 128, unroll=2, ring=n, mode="flush"),
         ReplayConfig(128, 128, "bfloat16", 64, 32, 128, access=8, unroll=2, ring=n,
                      mode="flush"),
-        ReplayConfig(128, 128, "float32", 64, 32, 128, unroll=2, ring=n, mode="commit")))
+        ReplayConfig(128, 128, "float32", 64, 32, 128, unroll=2, ring=n, mode="commit"),
+        # verify of at most 8 drafts on the longer rings: areas of 8 drafts (more CTAs an SM;
+        # fp32 with its registers capped to four CTAs)
+        *((ReplayConfig(128, 128, "float32", 64, 32, 128, unroll=2, min_blocks=4, ring=n,
+                        mode="verify", drafts=8),
+           ReplayConfig(128, 128, "bfloat16", 64, 32, 128, access=8, unroll=2, ring=n,
+                        mode="verify", drafts=8)) if n > 8 else ())))
 # other replay decode tiles, for the sweep (bench/replay.py --sweep): 64 and 32 rows a CTA,
 # rings of 8 and 16; bf16 tiles of 16 lanes a row, fewer rows or a whole head
 REPLAY_VARIANTS: tuple[ReplayConfig, ...] = (
@@ -99,24 +105,6 @@ REPLAY_VARIANTS: tuple[ReplayConfig, ...] = (
     ReplayConfig(128, 128, "bfloat16", 64, 16, 128, unroll=1, ring=8),
     ReplayConfig(128, 128, "bfloat16", 32, 16, 128, unroll=2, ring=8),
     ReplayConfig(128, 128, "bfloat16", 128, 16, 256, unroll=2, ring=8),
-    # verify of at most 8 drafts a row: the drafts' areas of 8 (more CTAs an SM; fp32 with its
-    # registers capped to four CTAs), to ship once checked on the GPU (select_replay takes
-    # the fewest drafts' areas that hold a call's drafts)
-    *(c for n in REPLAY_RINGS[1:] for c in (
-        ReplayConfig(128, 128, "float32", 64, 32, 128, unroll=2, min_blocks=4, ring=n,
-                     mode="verify", drafts=8),
-        ReplayConfig(128, 128, "bfloat16", 64, 32, 128, access=8, unroll=2, ring=n,
-                     mode="verify", drafts=8))),
-    # decode with the ring's keys and u read from memory (rings of 16 and 32 at three CTAs an SM)
-    *(ReplayConfig(128, 128, "float32", 128, 32, 256, unroll=2, ring=n, lean=True)
-      for n in (16, 32)),
-    ReplayConfig(128, 128, "float32", 128, 32, 256, unroll=2, min_blocks=3, ring=16, lean=True),
-    ReplayConfig(128, 128, "bfloat16", 64, 32, 128, access=8, unroll=2, ring=16, lean=True),
-    # verify: fewer drafts' areas (more CTAs an SM), registers capped to four CTAs
-    *(ReplayConfig(128, 128, "float32", 64, 32, 128, unroll=2, ring=16, mode="verify",
-                   drafts=d, min_blocks=m) for d, m in ((4, 0), (4, 4), (0, 4))),
-    ReplayConfig(128, 128, "bfloat16", 64, 32, 128, access=8, unroll=2, ring=16,
-                 mode="verify", drafts=4),
 )
 
 

@@ -50,8 +50,7 @@ class KdaReplayFlushSm90(KdaReplaySm90):
             (tk, st, tab, ring), (seqs, rd, acc, starts), n, lead)
         if pad == 0 and start != 0 and c > 0:
             shared = utils.SmemAllocator().allocate(self.shared_storage)
-            stage, rk_s, rg_s, rr_s, ru_s, vs, ab_s = self._areas(shared, tidx, ring, slot, h,
-                                                                  vb)
+            stage, rk_s, rg_s, rr_s, ru_s, vs, ab_s = self._areas(shared, tidx)
             self._stage_rows(stage, st.pool, slot, h, vb, grp, sub)
             self._stage_ring(ring, (rk_s, rg_s, rr_s, ru_s), slot, h, vb, c, tidx)
             cute.arch.cp_async_commit_group()

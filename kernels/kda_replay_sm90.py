@@ -125,8 +125,6 @@ class KdaReplaySm90(StepRows):
                   "rk": A[MR[cutlass.BFloat16, L * K], 128], "rg": A[MR[f32, L * K], 128],
                   "rr": A[MR[f32, L], 128], "ru": A[MR[self.udt, L * BV], 128],
                   "vs": A[MR[f32, 3 * K], 128], "ab": A[MR[f32, 2 * L], 128]}
-        if self.cfg.lean:  # keys and corrections read from memory
-            del fields["rk"], fields["ru"]
         return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
     # ---------------------------------------------------------------- device
@@ -143,13 +141,10 @@ class KdaReplaySm90(StepRows):
                                      num_bits_per_copy=128)
         atomu = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=mode), self.udt,
                                     num_bits_per_copy=128)
-        if cutlass.const_expr(not self.cfg.lean):
-            self._copy_entries(atom16, ring.k, rk_s, slot, h, c, 8, K // 8, 0, tidx)
+        self._copy_entries(atom16, ring.k, rk_s, slot, h, c, 8, K // 8, 0, tidx)
         self._copy_entries(atom32, ring.g, rg_s, slot, h, c, 4, K // 4, 0, tidx)
-        if cutlass.const_expr(not self.cfg.lean):
-            ue = 16 // (2 if self.udt is cutlass.Float16 else 4)  # elements a piece
-            self._copy_entries(atomu, ring.u, ru_s, slot, h, c, ue, BV // ue,
-                               vb * (BV // ue), tidx)
+        ue = 16 // (2 if self.udt is cutlass.Float16 else 4)  # elements a piece
+        self._copy_entries(atomu, ring.u, ru_s, slot, h, c, ue, BV // ue, vb * (BV // ue), tidx)
         if tidx < L // 4:
             src = cute.logical_divide(ring.r[slot, h, None], cute.make_layout(4))
             dst = cute.logical_divide(rr_s, cute.make_layout(4))
@@ -202,21 +197,16 @@ class KdaReplaySm90(StepRows):
                 c = i32(0)
         return bos, length, pad, slot, start, c
 
-    def _areas(self, shared, tidx, ring: Ring, slot, h, vb):
+    def _areas(self, shared, tidx):
         """The CTA's shared areas: this thread's staged checkpoint rows, the ring's keys,
         log-decays, inverse norms and rows of u, the token's (G, k, q) and the entries'
-        products (a lean tile's keys and rows of u: the slot's in memory)."""
-        L, K, BV, V = self.L, self.K, self.BV, self.V
-        if cutlass.const_expr(self.cfg.lean):
-            keys = ring.k[slot, h, None, None]
-            rows_u = cute.make_tensor(ring.u[slot, h, None, None].iterator + vb * BV,
-                                      cute.make_layout((L, BV), stride=(V, 1)))
-        else:
-            keys = shared.rk.get_tensor(cute.make_layout((L, K), stride=(K, 1)))
-            rows_u = shared.ru.get_tensor(cute.make_layout((L, BV), stride=(BV, 1)))
-        return (self._mine(shared.stage.get_tensor(cute.make_layout(BV * K)), tidx), keys,
+        products."""
+        L, K, BV = self.L, self.K, self.BV
+        return (self._mine(shared.stage.get_tensor(cute.make_layout(BV * K)), tidx),
+                shared.rk.get_tensor(cute.make_layout((L, K), stride=(K, 1))),
                 shared.rg.get_tensor(cute.make_layout((L, K), stride=(K, 1))),
-                shared.rr.get_tensor(cute.make_layout(L)), rows_u,
+                shared.rr.get_tensor(cute.make_layout(L)),
+                shared.ru.get_tensor(cute.make_layout((L, BV), stride=(BV, 1))),
                 shared.vs.get_tensor(cute.make_layout((3, K), stride=(K, 1))),
                 shared.ab.get_tensor(cute.make_layout((2, L), stride=(L, 1))))
 
@@ -356,7 +346,7 @@ class KdaReplaySm90(StepRows):
         bos, length, pad, slot, start, c = self._ring_row(
             (tk, st, tab, ring), (seqs, rd, acc, starts), n, lead)
         shared = utils.SmemAllocator().allocate(self.shared_storage)
-        stage, rk_s, rg_s, rr_s, ru_s, vs, ab_s = self._areas(shared, tidx, ring, slot, h, vb)
+        stage, rk_s, rg_s, rr_s, ru_s, vs, ab_s = self._areas(shared, tidx)
         src = i32(SRC_ZERO)
         if pad == 0 and start != 0:
             self._stage_rows(stage, st.pool, slot, h, vb, grp, sub)

@@ -131,7 +131,7 @@ def test_verify_plan(planned, T):
     _verify(T=T, N=6, entries=32)
     (s,) = planned["plan"].launches()
     assert s.kernel.mode == "verify" and s.grid == (K // s.kernel.block_v, H, 6)
-    assert s.kernel.drafts == 0 and s.kernel in REPLAY
+    assert s.kernel.drafts == (8 if T <= 8 else 0) and s.kernel in REPLAY  # the fewest areas
     src = dict(zip(s.args, s.sources, strict=True))
     assert src["fixed_len"] == Scalar(T) and src["max_tokens"] == Scalar(T)
     assert src["write_mode"] == Scalar(0)

@@ -41,9 +41,6 @@ class ReplayConfig(StepConfig):
     u_dtype: str = "float16"
     mode: str = "decode"  # one of MODES
     drafts: int = 0  # verify: the most drafts a row (its shared areas); 0: min(ring, 16)
-    # decode: the ring's keys and corrections read from memory where used instead of staged in
-    # shared memory (less of it a CTA, more CTAs an SM)
-    lean: bool = False
 
     @property
     def name(self) -> str:
@@ -53,15 +50,15 @@ class ReplayConfig(StepConfig):
             return f"kda_replay_commit_l{self.ring}"
         return f"kda_replay_{base}_l{self.ring}_{u}" + (
             "" if self.mode == "decode" else f"_{self.mode}") + (
-            f"_d{self.drafts}" if self.drafts else "") + ("_g" if self.lean else "")
+            f"_d{self.drafts}" if self.drafts else "")
 
 
 def supports(cfg: ReplayConfig) -> tuple[bool, str]:
     ok, why = step.supports(cfg)
     if not ok:
         return ok, why
-    if cfg.ring not in (4, 8, 16, 32):
-        return False, f"ring must be 4, 8, 16 or 32, got {cfg.ring}"
+    if cfg.ring not in (8, 16, 32):
+        return False, f"ring must be 8, 16 or 32, got {cfg.ring}"
     if cfg.u_dtype not in U_DTYPES:
         return False, f"u_dtype must be one of {U_DTYPES}, got {cfg.u_dtype!r}"
     if cfg.tpr < 2:
@@ -72,8 +69,6 @@ def supports(cfg: ReplayConfig) -> tuple[bool, str]:
                        or cfg.drafts > cfg.ring):
         return False, (f"drafts must be 0, or for verify 2, 4, 8 or 16 and at most the ring, "
                        f"got {cfg.drafts} ({cfg.mode}, ring {cfg.ring})")
-    if cfg.lean and cfg.mode != "decode":
-        return False, f"lean is for decode tiles, got {cfg.mode}"
     if cfg.mode == "verify" and (cfg.tpr != 32 or 2 * cfg.block_v != cfg.threads):
         return False, (f"verify tiles are 32 lanes a row and two threads a row "
                        f"(threads = 2 block_v), got tpr={cfg.tpr}, block_v={cfg.block_v}, "
