@@ -77,8 +77,8 @@ _SHIPPED = STEP + tuple(c for _, c in STEP_SINGLE + STEP_MULTI + STEP_CHUNK)
 # The replay calls (kda_cute.replay, kda_cute.specs.replay), head dims 128: per ring of 8, 16 or
 # 32 entries a (slot, head), decode on fp32 checkpoints a whole head a CTA (the fewer CTAs read
 # the ring once a head) but for 64 rows with a ring of 16 (the sweep's faster tile there, where
-# a whole head's staged ring leaves two CTAs an SM), on bf16 ones 64 rows a CTA with 8-byte accesses (fewer registers);
-# verify (output-only) and flush 64 rows a CTA; commit a CTA a row.
+# a whole head's staged ring leaves two CTAs an SM), on bf16 ones 64 rows a CTA with 8-byte
+# accesses (fewer registers); verify (output-only) and flush 64 rows a CTA; commit a CTA a row.
 REPLAY_RINGS = (8, 16, 32)
 REPLAY: tuple[ReplayConfig, ...] = tuple(
     c for n in REPLAY_RINGS for c in (
