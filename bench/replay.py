@@ -238,13 +238,13 @@ def long_run(entries: int, window: int, N: int = 8, H: int = 4, steps: int = 409
             "marks": marks_at}
 
 
-def sweep(bw, iters, flush) -> list[dict]:
+def sweep(bw, iters, flush, forms=("decode", "verify")) -> list[dict]:
     """Every built replay decode and verify tile (step_ladder.REPLAY and REPLAY_VARIANTS)
     through the calls' config=, a CUDA graph each: decode at four N:H shapes (window 8, or the
     ring's where smaller), verify at VERIFY's N:T (H 32) where the tile holds T drafts past
     cursor 4."""
     from kda_cute.step_ladder import REPLAY, REPLAY_VARIANTS
-    tiles = [c for c in REPLAY + REPLAY_VARIANTS if c.mode in ("decode", "verify")]
+    tiles = [c for c in REPLAY + REPLAY_VARIANTS if c.mode in forms]
     rows = []
     for dtype in (torch.float32, torch.bfloat16):
         pool_name = str(dtype)[6:]
@@ -265,7 +265,7 @@ def sweep(bw, iters, flush) -> list[dict]:
             rows.append({"form": "decode", "pool": pool_name, "N": N, "H": H, "T": 1,
                          "ms": ms})
             print(json.dumps(rows[-1]), flush=True)
-        for N, T in VERIFY:
+        for N, T in VERIFY if "verify" in forms else ():
             gen, x, gate, pool = _inputs(N, T, 32, dtype, seed=N * 5 + T)
             idx = torch.randperm(pool.shape[0], generator=gen, device="cuda")[:N].to(
                 torch.int32)
@@ -370,6 +370,7 @@ def main(argv=None):
     ap.add_argument("--bytes", default="", help="an ncu CSV: DRAM bytes a launch by kernel")
     ap.add_argument("--sweep", action="store_true", help="every built replay tile through "
                     "config= instead of the table")
+    ap.add_argument("--forms", default="decode,verify", help="the sweep's forms")
     ap.add_argument("--long", action="store_true", help="the long runs (4,096 steps against "
                     "float64) at rings of 8 and 16 entries, window 8, instead of the table")
     a = ap.parse_args(argv)
@@ -388,7 +389,8 @@ def main(argv=None):
     bw = copy_bandwidth()
     flush = flusher()
     if a.sweep:
-        res = {"versions": versions(), "copy_bandwidth": bw, "sweep": sweep(bw, a.iters, flush)}
+        res = {"versions": versions(), "copy_bandwidth": bw, "sweep": sweep(bw, a.iters, flush,
+                                                                    a.forms.split(","))}
         Path(a.out).write_text(json.dumps(res, indent=1) + "\n")
         return
     rows = []

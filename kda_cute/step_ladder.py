@@ -76,13 +76,11 @@ _SHIPPED = STEP + tuple(c for _, c in STEP_SINGLE + STEP_MULTI + STEP_CHUNK)
 
 # The replay calls (kda_cute.replay, kda_cute.specs.replay), head dims 128: per ring of 8, 16 or
 # 32 entries a (slot, head), decode on fp32 checkpoints a whole head a CTA (the fewer CTAs read
-# the ring once a head) but for 64 rows with a ring of 16 (the sweep's faster tile there, where
-# a whole head's staged ring leaves two CTAs an SM), on bf16 ones 64 rows a CTA with 8-byte
-# accesses (fewer registers); verify (output-only) and flush 64 rows a CTA; commit a CTA a row.
+# the ring once a head), on bf16 ones 64 rows a CTA with 8-byte accesses (fewer registers);
+# verify (output-only) and flush 64 rows a CTA; commit a CTA a row.
 REPLAY_RINGS = (8, 16, 32)
 REPLAY: tuple[ReplayConfig, ...] = tuple(
     c for n in REPLAY_RINGS for c in (
-        ReplayConfig(128, 128, "float32", 64, 32, 128, unroll=2, ring=n) if n == 16 else
         ReplayConfig(128, 128, "float32", 128, 32, 256, unroll=2, ring=n),
         ReplayConfig(128, 128, "bfloat16", 64, 32, 128, access=8, unroll=2, ring=n),
         ReplayConfig(128, 128, "float32", 64, 32, 128, unroll=2, ring=n, mode="verify"),
@@ -98,12 +96,10 @@ REPLAY: tuple[ReplayConfig, ...] = tuple(
                         mode="verify", drafts=8),
            ReplayConfig(128, 128, "bfloat16", 64, 32, 128, access=8, unroll=2, ring=n,
                         mode="verify", drafts=8)) if n > 8 else ())))
-# other replay decode tiles, for the sweep (bench/replay.py --sweep): fp32 a whole head on a
-# ring of 16, 64 and 32 rows a CTA on a ring of 8; bf16 tiles of 16 lanes a row, fewer rows or
-# a whole head
+# other replay decode tiles, for the sweep (bench/replay.py --sweep): fp32 64 rows a CTA on rings
+# of 16 and 8, 32 rows on a ring of 8; bf16 tiles of 16 lanes a row, fewer rows or a whole head
 REPLAY_VARIANTS: tuple[ReplayConfig, ...] = (
-    ReplayConfig(128, 128, "float32", 128, 32, 256, unroll=2, ring=16),
-    ReplayConfig(128, 128, "float32", 64, 32, 128, unroll=2, ring=8),
+    *(ReplayConfig(128, 128, "float32", 64, 32, 128, unroll=2, ring=n) for n in (16, 8)),
     ReplayConfig(128, 128, "float32", 32, 32, 128, unroll=2, ring=8),
     *(ReplayConfig(128, 128, "bfloat16", 64, 16, 128, unroll=2, ring=n) for n in (16, 8)),
     ReplayConfig(128, 128, "bfloat16", 64, 16, 128, unroll=1, ring=8),

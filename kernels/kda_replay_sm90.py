@@ -301,18 +301,22 @@ class KdaReplaySm90(StepRows):
 
     @cute.jit
     def _checkpoint_row(self, x, stage, src, r):
-        """Row r of the staged checkpoint into registers x (zeros where src is SRC_ZERO)."""
+        """Row r of the staged checkpoint into registers x (zeros where src is SRC_ZERO: one
+        branch, the same for the whole CTA)."""
         f32 = cutlass.Float32
-        for jj in cutlass.range_constexpr(self.NJ):
-            y = stage[None, jj, r].load().to(f32)
-            for e in cutlass.range_constexpr(self.VEC):
-                x[jj * self.VEC + e] = f32(cutlass.select_(src == SRC_STAGE, y[e], f32(0.0)))
+        if src == SRC_STAGE:
+            for jj in cutlass.range_constexpr(self.NJ):
+                y = stage[None, jj, r].load().to(f32)
+                for e in cutlass.range_constexpr(self.VEC):
+                    x[jj * self.VEC + e] = y[e]
+        else:
+            x.fill(0.0)
 
     @cute.jit
     def _row_step(self, x, eg, keys, sums, beta, sub, r):
         """Row r (in x: the checkpoint row, decayed here by e^G) through the token: keys the
         token's (k, q) columns, sums this lane's (v, the ring's two sums) for its row sub.
-        Returns (the output less u (k . q), valid on the row's odd lanes; u, on every lane)."""
+        Returns (the output less u (k . q); u), both on every lane."""
         f32, NC = cutlass.Float32, self.NC
         kv, qv = keys
         v_me, ca, cb = sums
@@ -329,8 +333,10 @@ class KdaReplaySm90(StepRows):
             f32(cutlass.select_(odd, a, b)), offset=1)
         for k in cutlass.range_constexpr(1, self.TPR.bit_length() - 1):
             m = m + cute.arch.shuffle_sync_bfly(m, offset=1 << k)
-        a = f32(cutlass.select_(odd, cute.arch.shuffle_sync_bfly(m, offset=1), m))
-        return m, beta * a
+        other = cute.arch.shuffle_sync_bfly(m, offset=1)
+        a = f32(cutlass.select_(odd, other, m))
+        b = f32(cutlass.select_(odd, m, other))
+        return b, beta * a
 
     @cute.kernel
     def kernel(self, tk: Tokens, gp: GateParams, st: States, tab: Tables, ring: Ring,
@@ -395,20 +401,27 @@ class KdaReplaySm90(StepRows):
             if length > 0:
                 self._zero_outputs(tk.out, bos, h, vb, grp, sub)
         else:
+            # row r's output and u kept by lane r, stored once after the rows (a row's own
+            # stores would cost every lane their address arithmetic)
+            o_mine = f32(0.0)
+            u_mine = f32(0.0)
             for r in cutlass.range(self.R, unroll=self.U, unroll_full=self.U == 0):
-                v_idx = vb * BV + grp + self.G * r
                 self._checkpoint_row(x, stage, src, r)
                 m, u = self._row_step(x, eg, (kv, qv), (v_me, ca, cb), beta, sub, r)
-                if sub == self.OUT_LANE:
-                    tk.out[bos, h * self.V + v_idx] = (m + u * kq).to(cutlass.BFloat16)
+                mine = sub == r
+                o_mine = f32(cutlass.select_(mine, m + u * kq, o_mine))
+                u_mine = f32(cutlass.select_(mine, u, u_mine))
                 if flush:  # the state after this token is the new checkpoint
                     for q in cutlass.range_constexpr(NC):
                         x[q] = x[q] + u * kv[q]
                     self._fold_entries(x, ru_s, rg_s, c, grp + self.G * r, sub)
-                    self._put(x, self._row_vecs(st.dst, slot, h, v_idx), sub, self.pdt)
-                else:
-                    if sub == self.OUT_LANE:
-                        ring.u[slot, h, c, v_idx] = u.to(self.udt)
+                    self._put(x, self._row_vecs(st.dst, slot, h, vb * BV + grp + self.G * r),
+                              sub, self.pdt)
+            if sub < self.R:
+                v_idx = vb * BV + grp + self.G * sub
+                tk.out[bos, h * self.V + v_idx] = o_mine.to(cutlass.BFloat16)
+                if not flush:
+                    ring.u[slot, h, c, v_idx] = u_mine.to(self.udt)
             if c < window - 1:
                 if vb == 0 and grp == 0:  # the head's key, as given, and G
                     for q in cutlass.range_constexpr(NC):

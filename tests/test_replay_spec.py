@@ -25,7 +25,7 @@ def test_tiles_are_supported_and_named_apart():
     (dict(ring=12), "ring"), (dict(ring=64), "ring"), (dict(u_dtype="bfloat16"), "u_dtype"),
     (dict(persist=2), "persist"), (dict(prep=4), "prep"), (dict(chunk=2), "chunk"),
     (dict(ahead=True), "ahead"), (dict(tpr=1, block_v=4, threads=32), "tpr"),
-    (dict(block_v=48), "block_v"),
+    (dict(block_v=48), "block_v"), (dict(ring=4), "ring"),
 ])
 def test_unsupported_tiles_say_why(change, word):
     ok, why = supports(dataclasses.replace(BASE, **change))
