@@ -124,7 +124,8 @@ class Options:
     normalises q and k and takes beta's sigmoid. segments: K2's segments per sequence (None:
     chosen from the grid, 1: never). config: a FwdConfig instead of the ladder's pick.
     alongside: K2 may run alongside K1 (default: KDA_CUTE_ALONGSIDE). wy: K2's WY form "auto"
-    (where each CTA has an SM to itself), "off" or "force" (default: KDA_CUTE_WY)."""
+    (where each CTA has an SM to itself), "off" or "force" (default: KDA_CUTE_WY). context:
+    the segments schedule wherever the problem allows it (kda_cute.plans.context)."""
 
     precision: str = "fast"
     gate: str = "bounded"
@@ -134,6 +135,9 @@ class Options:
     config: object = None  # a ladder.FwdConfig (the ladder reads these records)
     alongside: bool = field(default_factory=lambda: ENV_ALONGSIDE)
     wy: str = field(default_factory=lambda: ENV_WY)
+    # the segments schedule wherever a problem allows it, one segment a sequence included
+    # (context parallelism's summary and finish: kda_cute.plans.context)
+    context: bool = False
 
 
 class Call(NamedTuple):

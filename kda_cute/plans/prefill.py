@@ -222,7 +222,9 @@ def _segments(p: Problem, cfg: FwdConfig, P: int, vals2: dict, syms: dict,
     from the offsets kernel (`tables`); a fixed-length batch's from the launcher's table."""
     B, T, H, K, V = p.N, p.T, p.H, p.K, p.V
     C, bv, N = cfg.chunk, cfg.recur.block_v, p.N * P
-    cu, cc = tables if p.varlen else segment_offsets(B, T, C, P)
+    # (a varlen batch's segments: the offsets kernel's; one a sequence: the sequences')
+    cu, cc = ((tables or (vals2["cu_seqlens"], vals2["cu_chunks"])) if p.varlen
+              else segment_offsets(B, T, C, P))
     # the end states, the state maps and the combine's start states: one buffer (V == K)
     states = Buffer("scratch", (3, N, H, K, K), F32, ("segment states",))
     one = N * H * K * K * 4

@@ -45,7 +45,7 @@ def decide(p: Problem, opts: Options, cfg: FwdConfig, dev: DeviceInfo) -> Schedu
         nz = -(-p.N // k2_seqs_per_cta(p.N, p.V // cfg.recur.block_v * p.H,
                                        resident(dev, resources(cfg.recur, dev.arch))))
     grid = (p.V // cfg.recur.block_v, p.H, nz)
-    if P > 1:
+    if P > 1 or (opts.context and segmentable(p, cfg)):
         return Schedule("segments", P, grid)
     if (p.B * p.T >= ALONGSIDE_MIN_CHUNKS * cfg.chunk * p.N
             and alongside(opts, cfg, grid, dev)):
@@ -53,14 +53,20 @@ def decide(p: Problem, opts: Options, cfg: FwdConfig, dev: DeviceInfo) -> Schedu
     return Schedule("serial", 1, grid)
 
 
+def segmentable(p: Problem, cfg: FwdConfig) -> bool:
+    """Whether K2 can run over segments: K == V (the identity run reuses K2's config), a
+    combine kernel for K, tokens, and for a varlen batch dense states without checkpoints (its
+    segments are built on the device from cu_seqlens)."""
+    return not (p.K != p.V or cfg.recur.mma != "wgmma" or p.B * p.T == 0 or p.N == 0
+                or combine_config(p.K) is None
+                or (p.varlen and (p.pool is not None or p.ckpt is not None)))
+
+
 def segment_count(p: Problem, opts: Options, cfg: FwdConfig, dev: DeviceInfo) -> int:
-    """Segments per sequence for K2 (1: the plain recurrence). K == V only (the identity run
-    reuses K2's config), with a combine kernel for K; a varlen batch with dense states and no
-    checkpoints (its segments are built on the device from cu_seqlens, its lengths unknown to
-    the host: chosen for the mean length). Options.segments (an int) overrides the choice."""
-    if (p.K != p.V or cfg.recur.mma != "wgmma" or p.B * p.T == 0 or p.N == 0
-            or combine_config(p.K) is None
-            or (p.varlen and (p.pool is not None or p.ckpt is not None))):
+    """Segments per sequence for K2 (1: the plain recurrence) where `segmentable` (a varlen
+    batch's chosen for the mean length: its lengths are unknown to the host).
+    Options.segments (an int) overrides the choice."""
+    if not segmentable(p, cfg):
         return 1
     if opts.segments is not None:
         return max(1, min(int(opts.segments), -(-p.T // cfg.chunk)))

@@ -1,0 +1,119 @@
+"""Context parallelism's calls on one shard of a prefill (docs/notes/context.md): its summary,
+and its finish from the entry state the ranks' summaries compose.
+
+    ws = context_summary(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound,
+                         transition, bias, cu_seqlens=cu)       # K1 and the segments' runs
+    # ... the ranks' (transition, bias) exchanged; the entry states composed (combine) ...
+    context_finish(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound,
+                   initial_state, final_state, ws, cu_seqlens=cu)  # outputs, final states
+
+Each sequence n of the shard maps a state S entering it to S transition[n] + bias[n]
+(transition [N, H, K, K], bias [N, H, V, K], fp32: the state from zero, and the product of its
+tokens' maps); `combine` chains them. The finish runs the same forward's remaining launches
+from `initial_state` (fp32 [N, H, V, K], row n sequence n's entry state), so it takes the
+summary's workspace and the same inputs. K == V (the identity rows reuse K2's config); dense
+fp32 states; no checkpoints yet.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from . import checks, errors, launch, plans
+from .checks import err
+from .plans import device_info
+from .plans.context import context_plans
+from .problem import Call
+
+F32 = torch.float32
+
+# a forward's call with the summary's outputs beside it, by their roles in the plans
+ContextCall = NamedTuple("ContextCall", [*Call.__annotations__.items(),
+                                         ("transition", Tensor), ("bias", Tensor)])
+
+
+def _plans(call: Call, gate, qk_l2norm, beta_sigmoid, segments, precision):
+    opts = replace(checks.options(gate, qk_l2norm, beta_sigmoid, segments, None, precision),
+                   context=True)
+    p = checks.forward(call, opts)
+    pl = plans.plan(p, opts, device_info(call.q.device))
+    if pl.schedule.kind != "segments":
+        raise err("q", "K == V and tokens (the summary's identity rows reuse K2's config)",
+                  f"K={p.K}, V={p.V}, {p.B * p.T} tokens")
+    return p, context_plans(pl)
+
+
+def _state(name: str, t, like: Tensor, rows: int, K: int) -> None:
+    H, V = like.shape[2], like.shape[3]
+    want = (rows, H, V if name != "transition" else K, K)
+    if not isinstance(t, Tensor) or t.dtype != F32 or tuple(t.shape) != want \
+            or t.device != like.device or not t.is_contiguous():
+        got = (f"{t.dtype} {list(t.shape)} on {t.device}" if isinstance(t, Tensor)
+               else type(t).__name__)
+        raise err(name, f"a contiguous fp32 tensor {list(want)} on {like.device}", got)
+
+
+def context_summary(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
+                    A_log: Tensor | None, dt_bias: Tensor | None, lower_bound: float | None,
+                    transition: Tensor, bias: Tensor, cu_seqlens: Tensor | None = None,
+                    workspace: Tensor | None = None, *, gate: str = "bounded",
+                    qk_l2norm: bool = True, beta_sigmoid: bool = True,
+                    segments: int | None = None, precision: str = "fast") -> Tensor:
+    """Each sequence's summary of a shard: writes transition [N, H, K, K] and bias
+    [N, H, V, K] (fp32) and returns the workspace (K1's outputs and the segments' states) that
+    `context_finish` takes: the given one (uint8, at least the plan's bytes) or a new one.
+    Inputs as `kda_cute.fwd`'s."""
+    N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    _state("bias", bias, v, N, k.shape[-1])
+    _state("transition", transition, v, N, k.shape[-1])
+    # (the summary's problem is the finish's: dense fp32 states in and out, `bias` standing
+    # in for them; its plan reads neither)
+    out = torch.empty_like(v) if isinstance(v, Tensor) else v
+    call = Call(q, k, v, g, beta, out, A_log, dt_bias, bias, bias, cu_seqlens, scale,
+                lower_bound, None, None, None, None, None, None, None, None, None)
+    p, (summary, _) = _plans(call, gate, qk_l2norm, beta_sigmoid, segments, precision)
+    if workspace is None:
+        workspace = torch.empty(summary.workspace_bytes, dtype=torch.uint8, device=q.device)
+    errors.raise_pending(q.device)
+    launch.run(summary, ContextCall(*call, transition, bias), workspace)
+    return workspace
+
+
+def context_finish(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
+                   out: Tensor, A_log: Tensor | None, dt_bias: Tensor | None,
+                   lower_bound: float | None, initial_state: Tensor, final_state: Tensor,
+                   workspace: Tensor, cu_seqlens: Tensor | None = None, *,
+                   gate: str = "bounded", qk_l2norm: bool = True, beta_sigmoid: bool = True,
+                   segments: int | None = None, precision: str = "fast") -> None:
+    """The shard's forward from `initial_state` (fp32 [N, H, V, K]: row n sequence n's entry
+    state) after `context_summary` with the same inputs and options: writes `out` and
+    `final_state` (fp32 [N, H, V, K], may be initial_state)."""
+    N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    _state("initial_state", initial_state, v, N, k.shape[-1])
+    _state("final_state", final_state, v, N, k.shape[-1])
+    call = Call(q, k, v, g, beta, out, A_log, dt_bias, initial_state, final_state, cu_seqlens,
+                scale, lower_bound, None, None, None, None, None, None, None, None, None)
+    p, (_, finish) = _plans(call, gate, qk_l2norm, beta_sigmoid, segments, precision)
+    checks.workspace(workspace, finish.workspace_bytes, q.device)
+    errors.raise_pending(q.device)
+    launch.run(finish, ContextCall(*call, None, None), workspace)
+
+
+def combine(transition: Tensor, bias: Tensor, entry: Tensor | None = None) -> Tensor:
+    """The state after a chain of pieces, each mapping S to S transition[i] + bias[i]
+    (transition [R, H, K, K], bias [R, H, V, K], in order): from `entry` [H, V, K] (None:
+    zeros), in fp32 whatever torch's TF32 setting."""
+    R, H, V, K = bias.shape
+    s = torch.zeros(H, V, K, dtype=F32, device=bias.device) if entry is None else entry.float()
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        for i in range(R):
+            s = torch.baddbmm(bias[i].float(), s, transition[i].float())
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+    return s

@@ -1,0 +1,100 @@
+"""Context parallelism's two plans (kda_cute.plans.context), on the CPU: the segments schedule
+split at its combine, the segments' states moved into the caller's workspace, the summary's two
+combines."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kda_cute import Options, Problem, plan
+from kda_cute.plans.context import context_plans
+from kda_cute.plans.steps import At, Errors, Plane, Role, Scalar
+from kda_cute.specs.recur import STATE_F32, STATE_NONE
+
+F32 = torch.float32
+
+
+def _split(p, **opts):
+    pl = plan(p, Options(context=True, **opts))
+    return pl, *context_plans(pl)
+
+
+def _launches(pl):
+    return [s.name for s in pl.launches()]
+
+
+@pytest.mark.parametrize("B, T, P", [(1, 4096, 4), (2, 1000, 1), (1, 64, None)])
+def test_split_at_the_combine(B, T, P):
+    """The summary runs everything before the combine and its two combines; the finish the
+    combine and K2 from the starts: between them every launch of the forward, once."""
+    full, summary, finish = _split(Problem(B, T, 2, 128, 128, B, False, state_in=F32,
+                                           state_out=F32), segments=P)
+    assert full.schedule.kind == "segments"
+    names = _launches(full)
+    at = names.index("combine")
+    assert _launches(summary) == names[:at] + ["combine: bias", "combine: transition"]
+    assert _launches(finish) == names[at:]
+    assert "K2 identity" in names[:at] and "K2 from zero" in names[:at]
+    assert names[at + 1] == "K2 from starts"
+
+
+def test_varlen_one_segment_a_sequence():
+    """Varlen with one segment a sequence: the sequences are the segments (K2's own offsets),
+    and the finish builds them again (the offsets kernel) before its combine."""
+    full, summary, finish = _split(Problem(1, 3000, 2, 128, 128, 3, True, state_in=F32,
+                                           state_out=F32), segments=1)
+    assert str(full.schedule) == "segments 1"
+    assert _launches(finish)[:2] == ["offsets", "combine"]
+    k2 = full.step("K2 from starts")
+    assert k2.source("cu_seqlens") == full.step("K2 from zero").source("cu_seqlens")
+    assert k2.grid[2] == 3
+
+
+def test_states_live_in_the_workspace():
+    """No launch of either plan reads the launcher's segment states: the ends, maps and starts
+    are planes after K1's, the same addresses in both plans, and the workspace grows by them."""
+    p = Problem(1, 4096, 4, 128, 128, 1, False, state_in=F32, state_out=F32)
+    full, summary, finish = _split(p, segments=4)
+    for pl in (summary, finish):
+        for s in pl.launches():
+            for x in s.sources:
+                assert not (isinstance(x, At) and x.buffer.params == ("segment states",)), s.name
+    N, H, K = 4, 4, 128  # four segments of one sequence
+    assert summary.workspace_bytes == finish.workspace_bytes
+    assert summary.workspace_bytes - full.workspace_bytes >= 3 * N * H * K * K * 4
+    wrote = {summary.step("K2 from zero").source(a) for a in ("s1f", "s1h")}
+    wrote |= {summary.step("K2 identity").source(a) for a in ("s1f", "s1h")}
+    read = {finish.step("combine").source(a) for a in ("ends", "maps")}
+    assert read == wrote and all(isinstance(x, Plane) for x in read)
+    assert finish.step("K2 from starts").source("s0f") == finish.step("combine").source("starts")
+
+
+def test_summary_combines():
+    """B: the ends from a zero start into `bias`; A: zero ends from the identity into
+    `transition`; both fp32, dense, every sequence's."""
+    p = Problem(2, 2048, 2, 128, 128, 2, False, state_in=F32, state_out=F32)
+    full, summary, _ = _split(p, segments=2)
+    b, a = summary.step("combine: bias"), summary.step("combine: transition")
+    combine = full.step("combine")
+    assert b.grid == a.grid == combine.grid
+    assert b.source("final") == b.source("final_h") == Role("bias")
+    assert a.source("final") == a.source("final_h") == Role("transition")
+    assert b.source("state_in") == Scalar(STATE_NONE) and b.source("s0f") == Errors()
+    assert a.source("state_in") == Scalar(STATE_F32)
+    assert a.source("s0f").buffer.kind == "eye" and a.source("ends").buffer.kind == "zeros"
+    assert b.source("ends") == summary.step("K2 from zero").source("s1f")
+    assert a.source("maps") == b.source("maps") == summary.step("K2 identity").source("s1f")
+    for s in (a, b):
+        assert s.source("state_out") == Scalar(STATE_F32)
+        assert s.source("state_index") == Errors()
+
+
+def test_only_segment_plans_split():
+    """A plan off the segments schedule is refused, naming it; `context` plans the segments
+    wherever they are possible, and not for a batch of no tokens."""
+    serial = plan(Problem(1, 4096, 2, 128, 128, 1, False), Options(segments=1))
+    with pytest.raises(ValueError, match="segments schedule"):
+        context_plans(serial)
+    assert plan(Problem(1, 0, 2, 128, 128, 1, False),
+                Options(context=True)).schedule.kind != "segments"
