@@ -1,0 +1,183 @@
+"""Benchmark: context parallelism's scaling (kda_cute.context, kda_cute.distributed) against the
+one-GPU forward, one long sequence, K = V = 128, fp32 states, bounded gate.
+
+    python bench/context.py --simulate [--tokens 131072,...] [--heads 12,32] [--out P]
+    torchrun --nproc-per-node R bench/context.py --ranks [--out P]
+
+--simulate (one GPU): the one-GPU forward of T tokens, and for R = 2, 4, 8 each rank's work
+timed alone (its shard's summary, the entry's fold, its finish): a rank count's time is its
+slowest rank's, the exchange left out (measured by --ranks); the crossover is the shortest T
+where 2 ranks beat 1. --ranks (R processes, one GPU each, NCCL): the one-GPU forward on rank 0,
+then `kda_cute.distributed.fwd` on every rank, each iteration after a barrier, a rank count's
+time its slowest rank's. Each figure is the median of CUDA-event timings after warm-up (a
+prefill of this size far exceeds the L2: no flush).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import kda_cute  # noqa: E402
+from bench import versions  # noqa: E402
+from kda_cute.context import combine, context_finish, context_summary  # noqa: E402
+
+K = 128
+SCALE = K ** -0.5
+LB = -5.0
+TOKENS = (131072, 262144, 524288, 1048576)
+CROSSOVER = (8192, 16384, 32768, 65536, 131072)
+
+
+def _inputs(T, H, dev, seed=0):
+    gen = torch.Generator(device=dev).manual_seed(seed)
+
+    def rnd(*s):
+        return torch.randn(*s, generator=gen, device=dev).to(torch.bfloat16)
+    x = (rnd(1, T, H, K), rnd(1, T, H, K), rnd(1, T, H, K), rnd(1, T, H, K), rnd(1, T, H))
+    gate = (torch.randn(H, generator=gen, device=dev) * 0.5,
+            torch.randn(H * K, generator=gen, device=dev) * 0.5, LB)
+    return x, gate
+
+
+def _ms(fn, iters=5, warmup=2) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(iters):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        ts.append(s.elapsed_time(e))
+    return statistics.median(ts)
+
+
+def _bounds(T, R):
+    return [T * r // R // 64 * 64 for r in range(R)] + [T]
+
+
+def one_gpu(x, gate, H) -> float:
+    out = torch.empty_like(x[2])
+    s0 = torch.zeros(1, H, K, K, device=x[0].device)
+    s1 = torch.empty_like(s0)
+    return _ms(lambda: kda_cute.fwd(*x, SCALE, out, *gate, s0, s1))
+
+
+def rank_work(x, gate, H, a, b, first: bool) -> float:
+    """Rank work on tokens a..b: its summary, the fold of one earlier message, its finish."""
+    dev = x[0].device
+    sh = tuple(t[:, a:b] for t in x)
+    A, B = torch.empty(1, H, K, K, device=dev), torch.empty(1, H, K, K, device=dev)
+    out = torch.empty_like(sh[2])
+    init, final = torch.zeros(1, H, K, K, device=dev), torch.empty(1, H, K, K, device=dev)
+    ws = context_summary(*sh, SCALE, *gate, A, B)
+
+    def run():
+        context_summary(*sh, SCALE, *gate, A, B, workspace=ws)
+        entry = init if first else combine(A, B, init[0])[None]
+        context_finish(*sh, SCALE, out, *gate, entry, final, ws)
+    return _ms(run)
+
+
+def simulate(tokens, heads) -> list[dict]:
+    rows = []
+    for H in heads:
+        for T in sorted(set(tokens) | set(CROSSOVER)):
+            x, gate = _inputs(T, H, "cuda", seed=T + H)
+            base = one_gpu(x, gate, H)
+            row = {"H": H, "T": T, "one_gpu_ms": base, "ranks": {}}
+            for R in (2, 4, 8):
+                bd = _bounds(T, R)
+                per = [rank_work(x, gate, H, bd[r], bd[r + 1], r == 0) for r in range(R)]
+                row["ranks"][R] = {"rank_ms": per, "ms": max(per), "speedup": base / max(per)}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            del x
+            torch.cuda.empty_cache()
+    return rows
+
+
+def distributed(tokens, heads) -> list[dict]:
+    import torch.distributed as dist
+
+    from kda_cute import distributed as kd
+    rank, R = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    dev = torch.device("cuda", torch.cuda.current_device())
+    dist.init_process_group("nccl", device_id=dev)
+    rows = []
+    try:
+        for H in heads:
+            for T in tokens:
+                x, gate = _inputs(T, H, dev, seed=T + H)
+                base = one_gpu(x, gate, H) if rank == 0 else 0.0
+                bd = _bounds(T, R)
+                sh = tuple(t[:, bd[rank]:bd[rank + 1]].contiguous() for t in x)
+                del x
+                out = torch.empty_like(sh[2])
+                init = torch.zeros(1, H, K, K, device=dev)
+                final = torch.empty_like(init)
+                times = []
+                for i in range(7):
+                    dist.barrier()
+                    torch.cuda.synchronize()
+                    s = torch.cuda.Event(enable_timing=True)
+                    e = torch.cuda.Event(enable_timing=True)
+                    s.record()
+                    kd.fwd(*sh, SCALE, out, *gate, init, final, carry_in=rank > 0)
+                    e.record()
+                    e.synchronize()
+                    if i >= 2:
+                        times.append(s.elapsed_time(e))
+                mine = torch.tensor([statistics.median(times)], device=dev)
+                every = [torch.empty_like(mine) for _ in range(R)]
+                dist.all_gather(every, mine)
+                if rank == 0:
+                    slowest = max(float(t) for t in every)
+                    rows.append({"H": H, "T": T, "ranks": R, "one_gpu_ms": base,
+                                 "ms": slowest, "speedup": base / slowest,
+                                 "rank_ms": [float(t) for t in every]})
+                    print(json.dumps(rows[-1]), flush=True)
+                del sh
+                torch.cuda.empty_cache()
+    finally:
+        dist.destroy_process_group()
+    return rows if rank == 0 else []
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--simulate", action="store_true", help="R ranks' work in turn on one GPU")
+    ap.add_argument("--ranks", action="store_true", help="under torchrun: one rank a GPU")
+    ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
+    ap.add_argument("--heads", default="12,32")
+    ap.add_argument("--out", default="bench/results/context.json")
+    a = ap.parse_args(argv)
+    tokens = [int(t) for t in a.tokens.split(",")]
+    heads = [int(h) for h in a.heads.split(",")]
+    if a.simulate == a.ranks:
+        ap.error("one of --simulate or --ranks")
+    rows = simulate(tokens, heads) if a.simulate else distributed(tokens, heads)
+    if rows:
+        out = Path(a.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        mode = "simulate" if a.simulate else "ranks"
+        out.write_text(json.dumps({"versions": versions(), "mode": mode, "rows": rows,
+                                   "method": __doc__}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
