@@ -60,19 +60,22 @@ def _state(name: str, t, like: Tensor, rows: int, K: int) -> None:
 def context_summary(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
                     A_log: Tensor | None, dt_bias: Tensor | None, lower_bound: float | None,
                     transition: Tensor, bias: Tensor, cu_seqlens: Tensor | None = None,
-                    workspace: Tensor | None = None, *, gate: str = "bounded",
+                    workspace: Tensor | None = None, out: Tensor | None = None, *,
+                    gate: str = "bounded",
                     qk_l2norm: bool = True, beta_sigmoid: bool = True,
                     segments: int | None = None, precision: str = "fast") -> Tensor:
     """Each sequence's summary of a shard: writes transition [N, H, K, K] and bias
     [N, H, V, K] (fp32) and returns the workspace (K1's outputs and the segments' states) that
     `context_finish` takes: the given one (uint8, at least the plan's bytes) or a new one.
-    Inputs as `kda_cute.fwd`'s."""
+    Inputs as `kda_cute.fwd`'s; `out`, where given, may be written with values the finish
+    overwrites (a build without K2's output-free runs), else a scratch one is made."""
     N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
     _state("bias", bias, v, N, k.shape[-1])
     _state("transition", transition, v, N, k.shape[-1])
     # (the summary's problem is the finish's: dense fp32 states in and out, `bias` standing
     # in for them; its plan reads neither)
-    out = torch.empty_like(v) if isinstance(v, Tensor) else v
+    if out is None:
+        out = torch.empty_like(v) if isinstance(v, Tensor) else v
     call = Call(q, k, v, g, beta, out, A_log, dt_bias, bias, bias, cu_seqlens, scale,
                 lower_bound, None, None, None, None, None, None, None, None, None)
     p, (summary, _) = _plans(call, gate, qk_l2norm, beta_sigmoid, segments, precision)

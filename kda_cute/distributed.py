@@ -100,7 +100,7 @@ def fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float, 
     opts = dict(gate=gate, qk_l2norm=qk_l2norm, beta_sigmoid=beta_sigmoid, segments=segments,
                 precision=precision)
     ws = context_summary(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, transition, bias,
-                         cu_seqlens, **opts)
+                         cu_seqlens, out=out, **opts)
     start = (torch.zeros(N, H, V, K, dtype=F32, device=dev) if initial_state is None
              else initial_state.to(F32).clone())
     mine = message(transition, bias, carry_in, N, start[-1] if initial_state is not None
