@@ -9,9 +9,8 @@ import pytest
 import torch
 
 import kda_cute
-from kda_cute import context_reference as cpr
 from kda_cute.context import combine, context_finish, context_summary
-from kda_cute.reference import kda_reference, preprocess, rel_err
+from kda_cute.reference import kda_reference, rel_err
 from kda_cute.testing import OUT_TOL, STATE_TOL
 
 H, K = 2, 128
@@ -63,7 +62,8 @@ def test_combine_chains_the_pieces():
 @pytest.mark.gpu
 @pytest.mark.parametrize("T, segments", [(1024, None), (2000, 1), (4096, 4)])
 def test_summary_against_float64(T, segments):
-    """One sequence's (transition, bias) against the float64 model's summary of its tokens."""
+    """One sequence's (transition, bias) against the float64 loop's states after its tokens:
+    from zero, and from the identity with v = 0."""
     dev = "cuda"
     q, k, v, g, beta = _tokens(T, dev, T)
     gate = _gate(dev, T)
@@ -72,10 +72,16 @@ def test_summary_against_float64(T, segments):
     context_summary(q, k, v, g, beta, SCALE, gate["A_log"], gate["dt_bias"],
                     gate["lower_bound"], A, B, segments=segments)
     kda_cute.check_errors(sync=True)
-    kn, vv, a, b = preprocess(q.cpu(), k.cpu(), v.cpu(), g.cpu(), beta.cpu(),
-                              A_log=gate["A_log"].cpu(), dt_bias=gate["dt_bias"].cpu(),
-                              lower_bound=-5.0)
-    wA, wB = cpr.summary(kn[0], vv[0], a[0], b[0])
+    # the float64 loop's final states: from zero (the bias), and with v = 0 from the identity
+    # (the transition: K == V)
+    cpu = dict(scale=SCALE, A_log=gate["A_log"].cpu(), dt_bias=gate["dt_bias"].cpu(),
+               lower_bound=-5.0)
+    x = [t.cpu() for t in (q, k, v, g, beta)]
+    _, wB = kda_reference(*x, **cpu)
+    x[2] = torch.zeros_like(x[2])
+    eye = torch.eye(K, dtype=torch.float64).expand(1, H, K, K)
+    _, wA = kda_reference(*x, initial_state=eye, **cpu)
+    wA, wB = wA[0], wB[0]
     assert torch.isfinite(A).all() and torch.isfinite(B).all()
     assert rel_err(A[0].cpu(), wA) < STATE_TOL and rel_err(B[0].cpu(), wB) < STATE_TOL
 
