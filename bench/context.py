@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import kda_cute  # noqa: E402
-from bench import versions  # noqa: E402
+from bench import time_flushed, versions  # noqa: E402
 from kda_cute.context import combine, context_finish, context_summary  # noqa: E402
 
 K = 128
@@ -51,18 +51,8 @@ def _inputs(T, H, dev, seed=0):
 
 
 def _ms(fn, iters=5, warmup=2) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(iters):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        ts.append(s.elapsed_time(e))
-    return statistics.median(ts)
+    """Median ms by CUDA events (no L2 flush: a prefill of this size far exceeds it)."""
+    return time_flushed(fn, iters, lambda: None, warmup)
 
 
 def _bounds(T, R):

@@ -236,3 +236,26 @@ def check_tokens_past_the_last_sequence(config):
     assert rel_err(out[:, :T], ref_o) < OUT_TOL
     assert rel_err(final, ref_s) < STATE_TOL
     assert torch.isnan(out[:, T:].float()).all(), "rows of no sequence were written"
+
+
+def packed_batch(lens, H, K, V, seed=0, device="cpu", cu_dtype=torch.int64):
+    """A packed batch of sequences of `lens` tokens (random bf16 q, k, v, g, beta [1, T, ...])
+    with its cu_seqlens and float64 initial states [N, H, V, K] (scaled 0.3): the context-
+    parallel tests' inputs."""
+    gen = torch.Generator().manual_seed(seed)
+    T = sum(lens)
+
+    def rnd(*s):
+        return torch.randn(*s, generator=gen).to(torch.bfloat16).to(device)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=cu_dtype)
+    S0 = torch.randn(len(lens), H, V, K, generator=gen, dtype=torch.float64) * 0.3
+    return (rnd(1, T, H, K), rnd(1, T, H, K), rnd(1, T, H, V), rnd(1, T, H, K), rnd(1, T, H),
+            cu, S0)
+
+
+def free_port() -> int:
+    """A free local TCP port for a process group's rendezvous."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

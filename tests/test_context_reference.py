@@ -14,6 +14,7 @@ import torch.multiprocessing as mp
 
 from kda_cute import context_reference as cp
 from kda_cute.reference import kda_reference, preprocess
+from kda_cute.testing import packed_batch
 
 H, K, V = 2, 16, 8
 GATE = dict(A_log=torch.tensor([0.3, -0.2]), dt_bias=torch.linspace(-1, 1, H * K),
@@ -21,15 +22,7 @@ GATE = dict(A_log=torch.tensor([0.3, -0.2]), dt_bias=torch.linspace(-1, 1, H * K
 
 
 def _batch(lens, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    T = sum(lens)
-
-    def rnd(*s):
-        return torch.randn(*s, generator=gen).to(torch.bfloat16)
-    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int64)
-    S0 = torch.randn(len(lens), H, V, K, generator=gen, dtype=torch.float64) * 0.3
-    return (rnd(1, T, H, K), rnd(1, T, H, K), rnd(1, T, H, V), rnd(1, T, H, K), rnd(1, T, H),
-            cu, S0)
+    return packed_batch(lens, H, K, V, seed)
 
 
 def test_split_covers_the_tokens_in_aligned_shards():

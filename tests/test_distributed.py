@@ -5,7 +5,6 @@ against kda_cute.context_reference's entry states; the fwd's bad arguments."""
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
@@ -15,6 +14,7 @@ import torch.multiprocessing as mp
 from kda_cute import context_reference as cp
 from kda_cute import distributed as kd
 from kda_cute.reference import preprocess
+from kda_cute.testing import free_port, packed_batch
 
 H, K, V = 2, 16, 16
 GATE = dict(A_log=torch.tensor([0.3, -0.2]), dt_bias=torch.linspace(-1, 1, H * K),
@@ -22,14 +22,7 @@ GATE = dict(A_log=torch.tensor([0.3, -0.2]), dt_bias=torch.linspace(-1, 1, H * K
 
 
 def _batch(lens, seed):
-    gen = torch.Generator().manual_seed(seed)
-    T = sum(lens)
-
-    def rnd(*s):
-        return torch.randn(*s, generator=gen).to(torch.bfloat16)
-    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int64)
-    S0 = torch.randn(len(lens), H, V, K, generator=gen, dtype=torch.float64) * 0.3
-    return rnd(1, T, H, K), rnd(1, T, H, K), rnd(1, T, H, V), rnd(1, T, H, K), rnd(1, T, H), cu, S0
+    return packed_batch(lens, H, K, V, seed)
 
 
 def _messages(lens, ranks, seed):
@@ -108,12 +101,6 @@ def _rank_main(rank, world, port, lens, out):
         dist.destroy_process_group()
 
 
-def _port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("world, lens", [(2, [700]), (4, [100, 30, 570, 1])])
 def test_exchange_over_gloo(world, lens):
     """Each process holds only its shard's summaries; the all-gather of the fixed-size
@@ -121,7 +108,7 @@ def test_exchange_over_gloo(world, lens):
     ctx = mp.get_context("spawn")
     with ctx.Manager() as m:
         out = m.dict()
-        mp.start_processes(_rank_main, args=(world, _port(), lens, out), nprocs=world,
+        mp.start_processes(_rank_main, args=(world, free_port(), lens, out), nprocs=world,
                            join=True, start_method="spawn")
         assert dict(out) == {r: 1 for r in range(world)}
 

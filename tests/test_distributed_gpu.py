@@ -5,12 +5,13 @@ final states gathered against the one-GPU forward and the float64 loop."""
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from kda_cute.testing import free_port
 
 pytestmark = pytest.mark.gpu
 
@@ -58,12 +59,6 @@ def _rank_main(rank, world, port, lens, out_dir):
         dist.destroy_process_group()
 
 
-def _port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("ranks", [2, 4, 8])
 @pytest.mark.parametrize("lens", [[8192], [1500, 4000, 64, 2600]])
 def test_ranks_over_nccl(ranks, lens, tmp_path):
@@ -72,7 +67,7 @@ def test_ranks_over_nccl(ranks, lens, tmp_path):
     import kda_cute
     from kda_cute.reference import kda_reference, rel_err
     from kda_cute.testing import OUT_TOL, STATE_TOL
-    mp.start_processes(_rank_main, args=(ranks, _port(), lens, str(tmp_path)), nprocs=ranks,
+    mp.start_processes(_rank_main, args=(ranks, free_port(), lens, str(tmp_path)), nprocs=ranks,
                        join=True, start_method="spawn")
     x, cu, (a_log, dt_bias), S0 = _batch(lens, seed=ranks)
     T = sum(lens)
