@@ -105,6 +105,9 @@ REPLAY_VARIANTS: tuple[ReplayConfig, ...] = (
     ReplayConfig(128, 128, "bfloat16", 64, 16, 128, unroll=1, ring=8),
     ReplayConfig(128, 128, "bfloat16", 32, 16, 128, unroll=2, ring=8),
     ReplayConfig(128, 128, "bfloat16", 128, 16, 256, unroll=2, ring=8),
+    # a whole head of 8-byte accesses (the ring staged and its entries decayed once a head)
+    *(ReplayConfig(128, 128, "bfloat16", 128, 32, 256, access=8, unroll=2, ring=n)
+      for n in (8, 16)),
 )
 
 
