@@ -219,6 +219,25 @@ def replay(data, name, results):
     return caption(data, name, results) + note + table(head, body, 2)
 
 
+def context(data, name, results):
+    """Context parallelism's scaling (bench/context.py): the one-GPU forward against R ranks'
+    slowest rank, simulated in turn on one GPU or run over NCCL."""
+    rows = data["rows"]
+    if data.get("mode") == "ranks":
+        body = [[str(r["H"]), str(r["T"]), str(r["ranks"]), ms(r["one_gpu_ms"]), ms(r["ms"]),
+                 f"{r['speedup']:.2f}x"] for r in rows]
+        head = ["H", "T", "ranks", "one GPU ms", "ranks ms", "speedup"]
+        return caption(data, name, results) + table(head, body, 0)
+    counts = sorted({int(R) for r in rows for R in r["ranks"]})
+    body = [[str(r["H"]), str(r["T"]), ms(r["one_gpu_ms"])]
+            + [f"{r['ranks'][str(R)]['ms']:.3f} ({r['ranks'][str(R)]['speedup']:.2f}x)"
+               for R in counts] for r in rows]
+    note = wrap("Each rank's work (its shard's summary, the fold, its finish) timed alone on one "
+                "GPU; a rank count's time is its slowest rank's, the exchange left out.")
+    head = ["H", "T", "one GPU ms"] + [f"{R} ranks ms (speedup)" for R in counts]
+    return caption(data, name, results) + note + table(head, body, 0)
+
+
 # (file, marker, table, generator): the text between <!-- marker:begin --> and its end
 SECTIONS = [("README.md", "speed-table", "peers-ten", speed)] + [
     ("docs/results.md", f"results:{m}", key, gen) for m, key, gen in [
@@ -228,7 +247,7 @@ SECTIONS = [("README.md", "speed-table", "peers-ten", speed)] + [
         ("decode", "serving", serving("decode")), ("verify", "serving", serving("verify")),
         ("pool-prefill", "pool-prefill", pool), ("pool-k64-k256", "pool-prefill-k64-k256", pool),
         ("checkpoints", "checkpoints", checkpoints), ("fla-model", "fla-model", fla_model),
-        ("replay", "replay", replay)]]
+        ("replay", "replay", replay), ("context", "context", context)]]
 
 
 def index(results, current, records):
