@@ -43,7 +43,7 @@ def entry_state(transition: Tensor, bias: Tensor, fresh: Tensor, rank: int) -> T
     try:
         for j in range(rank):
             on = torch.baddbmm(bias[j], s, transition[j])
-            s = torch.lerp(on, bias[j], fresh[j])  # fresh: its bias alone
+            s = torch.where(fresh[j] > 0.5, bias[j], on)  # fresh: its bias alone
     finally:
         torch.backends.cuda.matmul.allow_tf32 = tf32
     return s

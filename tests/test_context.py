@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import kda_cute
+from kda_cute import distributed as kd
 from kda_cute.context import combine, context_finish, context_summary
 from kda_cute.reference import kda_reference, rel_err
 from kda_cute.testing import OUT_TOL, STATE_TOL
@@ -90,9 +91,9 @@ def test_summary_against_float64(T, segments):
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_ranks_in_turn(ranks):
     """One sequence over `ranks` shards of whole chunks, each rank's summary in turn, each
-    entry composed from the earlier ranks' summaries and the initial state, each shard
-    finished from it: the outputs and the final state against the float64 loop, and against
-    the one-GPU forward."""
+    rank's message and entry state as kda_cute.distributed makes them (the same arithmetic as
+    the distributed run), each shard finished from it: the outputs and the final state against
+    the float64 loop, and against the one-GPU forward."""
     dev, T = "cuda", 4096
     q, k, v, g, beta = _tokens(T, dev, ranks)
     gate = _gate(dev, ranks)
@@ -101,19 +102,18 @@ def test_ranks_in_turn(ranks):
     bounds = [T * r // ranks // 64 * 64 for r in range(ranks)] + [T]
     shard = [tuple(x[:, a:b] for x in (q, k, v, g, beta))
              for a, b in zip(bounds, bounds[1:], strict=False)]
-    sums, spaces = [], []
-    for x in shard:  # every rank's summary (the exchange: these tensors, in rank order)
+    msgs, spaces = [], []
+    for r, x in enumerate(shard):  # every rank's summary and message, in rank order
         A, B = torch.empty(1, H, K, K, device=dev), torch.empty(1, H, K, K, device=dev)
         spaces.append(context_summary(*x, SCALE, *gp, A, B))
-        sums.append((A, B))
+        msgs.append(kd.message(A, B, r > 0, 1, S0[0] if r == 0 else None))
+    As, Bs, fresh = kd.unpack(torch.cat(msgs), ranks, H, K, K)  # the all-gather's result
     out = torch.full_like(v, float("nan"))
     final = torch.empty(1, H, K, K, device=dev)
     for r, x in enumerate(shard):
-        entry = S0[0]
-        for a, b in sums[:r]:  # the earlier ranks' pieces, in order
-            entry = combine(a, b, entry)
+        entry = S0 if r == 0 else kd.entry_state(As, Bs, fresh, r)[None].contiguous()
         o = torch.empty_like(x[2])
-        context_finish(*x, SCALE, o, *gp, entry[None].contiguous(), final, spaces[r])
+        context_finish(*x, SCALE, o, *gp, entry, final, spaces[r])
         out[:, bounds[r]:bounds[r + 1]] = o
     kda_cute.check_errors(sync=True)
     ref_o, ref_s = kda_reference(*(t.cpu() for t in (q, k, v, g, beta)), scale=SCALE,
