@@ -78,7 +78,7 @@ def rank_work(x, gate, H, a, b, first: bool) -> float:
     def run():
         context_summary(*sh, SCALE, *gate, A, B, workspace=ws)
         entry = init if first else combine(A, B, init[0])[None]
-        context_finish(*sh, SCALE, out, *gate, entry, final, ws)
+        context_finish(*sh, SCALE, out, *gate, entry, final, workspace=ws)
     return _ms(run)
 
 

@@ -5,7 +5,7 @@ and its finish from the entry state the ranks' summaries compose.
                          transition, bias, cu_seqlens=cu)       # K1 and the segments' runs
     # ... the ranks' (transition, bias) exchanged; the entry states composed (combine) ...
     context_finish(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound,
-                   initial_state, final_state, ws, cu_seqlens=cu)  # outputs, final states
+                   initial_state, final_state, cu_seqlens=cu, workspace=ws)  # outputs, finals
 
 Each sequence n of the shard maps a state S entering it to S transition[n] + bias[n]
 (transition [N, H, K, K], bias [N, H, V, K], fp32: the state from zero, and the product of its
@@ -89,12 +89,12 @@ def context_summary(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, sc
 def context_finish(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
                    out: Tensor, A_log: Tensor | None, dt_bias: Tensor | None,
                    lower_bound: float | None, initial_state: Tensor, final_state: Tensor,
-                   workspace: Tensor, cu_seqlens: Tensor | None = None, *,
+                   cu_seqlens: Tensor | None = None, *, workspace: Tensor,
                    gate: str = "bounded", qk_l2norm: bool = True, beta_sigmoid: bool = True,
                    segments: int | None = None, precision: str = "fast") -> None:
     """The shard's forward from `initial_state` (fp32 [N, H, V, K]: row n sequence n's entry
-    state) after `context_summary` with the same inputs and options: writes `out` and
-    `final_state` (fp32 [N, H, V, K], may be initial_state)."""
+    state) after `context_summary` with the same inputs and options, and its `workspace`:
+    writes `out` and `final_state` (fp32 [N, H, V, K], may be initial_state)."""
     N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
     _state("initial_state", initial_state, v, N, k.shape[-1])
     _state("final_state", final_state, v, N, k.shape[-1])

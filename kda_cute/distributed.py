@@ -112,4 +112,4 @@ def fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float, 
         A, B, fresh = unpack(gathered, R, H, V, K)
         start[0] = entry_state(A, B, fresh, dist.get_rank(group))
     context_finish(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, start,
-                   final_state, ws, cu_seqlens, **opts)
+                   final_state, cu_seqlens, workspace=ws, **opts)

@@ -44,7 +44,8 @@ def test_bad_summary_outputs_are_named():
                             outs["bias"])
     with pytest.raises(ValueError, match="initial_state"):
         context_finish(q, k, v, g, beta, SCALE, torch.empty_like(v), None, None, -5.0,
-                       torch.zeros(1, H, K, K + 1), good, torch.empty(0, dtype=torch.uint8))
+                       torch.zeros(1, H, K, K + 1), good,
+                       workspace=torch.empty(0, dtype=torch.uint8))
 
 
 def test_combine_chains_the_pieces():
@@ -113,7 +114,7 @@ def test_ranks_in_turn(ranks):
     for r, x in enumerate(shard):
         entry = S0 if r == 0 else kd.entry_state(As, Bs, fresh, r)[None].contiguous()
         o = torch.empty_like(x[2])
-        context_finish(*x, SCALE, o, *gp, entry, final, spaces[r])
+        context_finish(*x, SCALE, o, *gp, entry, final, workspace=spaces[r])
         out[:, bounds[r]:bounds[r + 1]] = o
     kda_cute.check_errors(sync=True)
     ref_o, ref_s = kda_reference(*(t.cpu() for t in (q, k, v, g, beta)), scale=SCALE,
