@@ -74,7 +74,7 @@ def context_summary(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, sc
     _state("transition", transition, v, N, k.shape[-1])
     # (the summary's problem is the finish's: dense fp32 states in and out, `bias` standing
     # in for them; its plan reads neither)
-    if out is None:
+    if out is None:  # (the rescale run after the value rows may write outputs)
         out = torch.empty_like(v) if isinstance(v, Tensor) else v
     call = Call(q, k, v, g, beta, out, A_log, dt_bias, bias, bias, cu_seqlens, scale,
                 lower_bound, None, None, None, None, None, None, None, None, None)
