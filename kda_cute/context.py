@@ -23,7 +23,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from . import checks, errors, launch, plans
+from . import checks, errors, launch, plans, segments
 from .checks import err
 from .plans import device_info
 from .plans.context import context_plans
@@ -109,14 +109,10 @@ def context_finish(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, sca
 def combine(transition: Tensor, bias: Tensor, entry: Tensor | None = None) -> Tensor:
     """The state after a chain of pieces, each mapping S to S transition[i] + bias[i]
     (transition [R, H, K, K], bias [R, H, V, K], in order): from `entry` [H, V, K] (None:
-    zeros), in fp32 whatever torch's TF32 setting."""
-    R, H, V, K = bias.shape
-    s = torch.zeros(H, V, K, dtype=F32, device=bias.device) if entry is None else entry.float()
-    tf32 = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    try:
-        for i in range(R):
-            s = torch.baddbmm(bias[i].float(), s, transition[i].float())
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = tf32
-    return s
+    zeros), in fp32 whatever torch's TF32 setting (segments.combine over one sequence)."""
+    if bias.shape[0] == 0:
+        return (torch.zeros(bias.shape[1:], dtype=F32, device=bias.device) if entry is None
+                else entry.float())
+    _, final = segments.combine(transition[None].float(), bias[None].float(),
+                                None if entry is None else entry[None])
+    return final[0]

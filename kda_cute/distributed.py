@@ -26,6 +26,7 @@ from torch import Tensor
 
 from .checks import err
 from .context import context_finish, context_summary
+from .segments import fp32_products
 
 F32 = torch.float32
 
@@ -38,14 +39,10 @@ def entry_state(transition: Tensor, bias: Tensor, fresh: Tensor, rank: int) -> T
     whatever torch's TF32 setting."""
     R, H, V, K = bias.shape
     s = torch.zeros(H, V, K, dtype=bias.dtype, device=bias.device)
-    tf32 = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    try:
+    with fp32_products():
         for j in range(rank):
             on = torch.baddbmm(bias[j], s, transition[j])
             s = torch.where(fresh[j] > 0.5, bias[j], on)  # fresh: its bias alone
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = tf32
     return s
 
 
@@ -55,21 +52,17 @@ def message(transition: Tensor, bias: Tensor, carry_in: bool, pieces: int,
     its `pieces` pieces): its last piece's transition and bias, and whether the piece began
     here (not a continued single piece): then its bias from the piece's initial state
     (`initial` [H, V, K], None: zeros). An empty shard's: the identity, zero, not fresh."""
+    H, V, K = bias.shape[1:]
     if pieces == 0:  # an empty shard passes the state on unchanged
-        H, V, K = bias.shape[1:]
+        fresh = False
         A = torch.eye(K, dtype=bias.dtype, device=bias.device).expand(H, K, K)
         B = torch.zeros(H, V, K, dtype=bias.dtype, device=bias.device)
-        flag = torch.zeros(1, dtype=bias.dtype, device=bias.device)
-        return torch.cat([A.reshape(-1), B.reshape(-1), flag])
-    fresh = not (carry_in and pieces == 1)
-    A, B = transition[-1], bias[-1]
-    if fresh and initial is not None:
-        tf32 = torch.backends.cuda.matmul.allow_tf32
-        torch.backends.cuda.matmul.allow_tf32 = False
-        try:
-            B = torch.baddbmm(B, initial.to(A.dtype), A)
-        finally:
-            torch.backends.cuda.matmul.allow_tf32 = tf32
+    else:
+        fresh = not (carry_in and pieces == 1)
+        A, B = transition[-1], bias[-1]
+        if fresh and initial is not None:
+            with fp32_products():
+                B = torch.baddbmm(B, initial.to(A.dtype), A)
     flag = torch.full((1,), float(fresh), dtype=A.dtype, device=A.device)
     return torch.cat([A.reshape(-1), B.reshape(-1), flag])
 

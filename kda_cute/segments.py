@@ -20,6 +20,8 @@ runs the kernels.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 
@@ -55,6 +57,18 @@ def varlen_tables(cu: list[int], chunk: int, segments: int) -> tuple[list[int], 
     return seg_cu, seg_cc
 
 
+@contextlib.contextmanager
+def fp32_products():
+    """Matrix products in full fp32 inside, whatever torch's TF32 setting (the states' chains
+    carry the fp32 state's accuracy)."""
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+
+
 def combine(A: torch.Tensor, Bs: torch.Tensor, initial_state: torch.Tensor | None,
             final: torch.Tensor | None = None):
     """A: [B, P, H, K, K], Bs: [B, P, H, V, K] (fp32) -> (start states [B, P, H, V, K],
@@ -74,14 +88,10 @@ def combine(A: torch.Tensor, Bs: torch.Tensor, initial_state: torch.Tensor | Non
         st[0].copy_(initial_state.reshape(B * H, V, K))
     if final is None or final.dtype != Bs.dtype or not final.is_contiguous():
         final = torch.empty((B, H, V, K), dtype=Bs.dtype, device=Bs.device)
-    tf32 = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    try:
+    with fp32_products():
         for j in range(P):
             dst = st[j + 1] if j + 1 < P else final.view(B * H, V, K)
             torch.baddbmm(b[j], st[j], a[j], out=dst)
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = tf32
     starts = st.view(P, B, H, V, K).transpose(0, 1).contiguous()
     return starts, final
 

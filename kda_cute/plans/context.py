@@ -25,10 +25,9 @@ from dataclasses import replace
 
 from ..specs.recur import INDEX_DENSE, STATE_F32, STATE_NONE
 from .launches import F32, index_values
+from .prefill import SEGMENT_STATES
 from .steps import At, Buffer, Errors, Launch, Plan, Plane, Role, Scalar
 from .workspace import ALIGN
-
-SEGMENT_STATES = ("segment states",)
 
 
 @functools.lru_cache(maxsize=64)
@@ -43,11 +42,10 @@ def context_plans(plan: Plan) -> tuple[Plan, Plan]:
     at = names.index("combine")
     states = _segment_states(plan)
     base = plan.workspace_bytes - ALIGN  # K1's planes end here (aligned); ours follow
-    moved = {states: base}
 
     def home(src):
-        return (Plane("segment states", moved[src.buffer] + src.offset)
-                if isinstance(src, At) and src.buffer in moved else src)
+        return (Plane("segment states", base + src.offset)
+                if isinstance(src, At) and src.buffer == states else src)
 
     steps = tuple(replace(s, sources=tuple(home(x) for x in s.sources))
                   if isinstance(s, Launch) else s for s in plan.steps)

@@ -212,6 +212,10 @@ def forward_plan(p: Problem, opts: Options, cfg: FwdConfig, dev: DeviceInfo) -> 
                 alongside=sched.kind == "alongside", notes=tuple(notes))
 
 
+# the segments' ends, maps and start states (one buffer; plans.context moves it)
+SEGMENT_STATES = ("segment states",)
+
+
 def _segments(p: Problem, cfg: FwdConfig, P: int, vals2: dict, syms: dict,
               dev: DeviceInfo, tables: tuple | None = None) -> list:
     """K2 over B * P segments (kda_cute.segments): the value rows from zero (end states B_j),
@@ -226,7 +230,7 @@ def _segments(p: Problem, cfg: FwdConfig, P: int, vals2: dict, syms: dict,
     cu, cc = ((tables or (vals2["cu_seqlens"], vals2["cu_chunks"])) if p.varlen
               else segment_offsets(B, T, C, P))
     # the end states, the state maps and the combine's start states: one buffer (V == K)
-    states = Buffer("scratch", (3, N, H, K, K), F32, ("segment states",))
+    states = Buffer("scratch", (3, N, H, K, K), F32, SEGMENT_STATES)
     one = N * H * K * K * 4
     ends, maps, starts = At(states), At(states, one), At(states, 2 * one)
     zeros = At(Buffer("zeros", (p.B * T, H, K), BF16))
