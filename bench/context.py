@@ -66,23 +66,26 @@ def one_gpu(x, gate, H) -> float:
     return _ms(lambda: kda_cute.fwd(*x, SCALE, out, *gate, s0, s1))
 
 
-def rank_work(x, gate, H, a, b, first: bool) -> float:
-    """Rank work on tokens a..b: its summary, the fold of one earlier message, its finish."""
+def rank_work(x, gate, H, a, b, first: bool, segments: int | None = None) -> float:
+    """Rank work on tokens a..b: its summary, the fold of one earlier message, its finish
+    (`segments` a sequence: the plan's choice where None)."""
     dev = x[0].device
     sh = tuple(t[:, a:b] for t in x)
     A, B = torch.empty(1, H, K, K, device=dev), torch.empty(1, H, K, K, device=dev)
     out = torch.empty_like(sh[2])
     init, final = torch.zeros(1, H, K, K, device=dev), torch.empty(1, H, K, K, device=dev)
-    ws = context_summary(*sh, SCALE, *gate, A, B)
+    ws = context_summary(*sh, SCALE, *gate, A, B, segments=segments)
 
     def run():
-        context_summary(*sh, SCALE, *gate, A, B, workspace=ws)
+        context_summary(*sh, SCALE, *gate, A, B, workspace=ws, segments=segments)
         entry = init if first else combine(A, B, init[0])[None]
-        context_finish(*sh, SCALE, out, *gate, entry, final, workspace=ws)
+        context_finish(*sh, SCALE, out, *gate, entry, final, workspace=ws, segments=segments)
     return _ms(run)
 
 
-def simulate(tokens, heads) -> list[dict]:
+def simulate(tokens, heads, counts=()) -> list[dict]:
+    """The rows; with `counts`, each rank count's time at each of those segments a shard too
+    (by_segments)."""
     rows = []
     for H in heads:
         for T in sorted(set(tokens) | set(CROSSOVER)):
@@ -93,6 +96,10 @@ def simulate(tokens, heads) -> list[dict]:
                 bd = _bounds(T, R)
                 per = [rank_work(x, gate, H, bd[r], bd[r + 1], r == 0) for r in range(R)]
                 row["ranks"][R] = {"rank_ms": per, "ms": max(per), "speedup": base / max(per)}
+                if counts:
+                    row["ranks"][R]["by_segments"] = {P: max(
+                        rank_work(x, gate, H, bd[r], bd[r + 1], r == 0, P) for r in range(R))
+                        for P in counts}
             rows.append(row)
             print(json.dumps(row), flush=True)
             del x
@@ -154,13 +161,16 @@ def main(argv=None):
     ap.add_argument("--ranks", action="store_true", help="under torchrun: one rank a GPU")
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     ap.add_argument("--heads", default="12,32")
+    ap.add_argument("--segments", default="",
+                    help="--simulate: also each rank count at these segments a shard (1,2,4)")
     ap.add_argument("--out", default="bench/results/context.json")
     a = ap.parse_args(argv)
     tokens = [int(t) for t in a.tokens.split(",")]
     heads = [int(h) for h in a.heads.split(",")]
     if a.simulate == a.ranks:
         ap.error("one of --simulate or --ranks")
-    rows = simulate(tokens, heads) if a.simulate else distributed(tokens, heads)
+    counts = [int(c) for c in a.segments.split(",") if c]
+    rows = simulate(tokens, heads, counts) if a.simulate else distributed(tokens, heads)
     if rows:
         out = Path(a.out)
         out.parent.mkdir(parents=True, exist_ok=True)

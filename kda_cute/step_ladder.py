@@ -75,14 +75,16 @@ STEP_CHUNK: tuple[tuple[int, StepConfig], ...] = (
 _SHIPPED = STEP + tuple(c for _, c in STEP_SINGLE + STEP_MULTI + STEP_CHUNK)
 
 # The replay calls (kda_cute.replay, kda_cute.specs.replay), head dims 128: per ring of 8, 16 or
-# 32 entries a (slot, head), decode on fp32 checkpoints a whole head a CTA (the fewer CTAs read
-# the ring once a head), on bf16 ones 64 rows a CTA with 8-byte accesses (fewer registers);
-# verify (output-only) and flush 64 rows a CTA; commit a CTA a row.
+# 32 entries a (slot, head), decode a whole head a CTA (the fewer CTAs read the ring once a
+# head), bf16 checkpoints by 8-byte accesses (fewer registers) and on a ring of 32 64 rows a CTA
+# (the staged ring's shared memory); verify (output-only) and flush 64 rows a CTA; commit a CTA
+# a row.
 REPLAY_RINGS = (8, 16, 32)
 REPLAY: tuple[ReplayConfig, ...] = tuple(
     c for n in REPLAY_RINGS for c in (
         ReplayConfig(128, 128, "float32", 128, 32, 256, unroll=2, ring=n),
-        ReplayConfig(128, 128, "bfloat16", 64, 32, 128, access=8, unroll=2, ring=n),
+        ReplayConfig(128, 128, "bfloat16", 64 if n > 16 else 128, 32, 128 if n > 16 else 256,
+                     access=8, unroll=2, ring=n),
         ReplayConfig(128, 128, "float32", 64, 32, 128, unroll=2, ring=n, mode="verify"),
         ReplayConfig(128, 128, "bfloat16", 64, 32, 128, access=8, unroll=2, ring=n,
                      mode="verify"),
@@ -97,7 +99,7 @@ REPLAY: tuple[ReplayConfig, ...] = tuple(
            ReplayConfig(128, 128, "bfloat16", 64, 32, 128, access=8, unroll=2, ring=n,
                         mode="verify", drafts=8)) if n > 8 else ())))
 # other replay decode tiles, for the sweep (bench/replay.py --sweep): fp32 64 rows a CTA on rings
-# of 16 and 8, 32 rows on a ring of 8; bf16 tiles of 16 lanes a row, fewer rows or a whole head
+# of 16 and 8, 32 rows on a ring of 8; bf16 tiles of 16 lanes a row, and 64 rows
 REPLAY_VARIANTS: tuple[ReplayConfig, ...] = (
     *(ReplayConfig(128, 128, "float32", 64, 32, 128, unroll=2, ring=n) for n in (16, 8)),
     ReplayConfig(128, 128, "float32", 32, 32, 128, unroll=2, ring=8),
@@ -105,8 +107,8 @@ REPLAY_VARIANTS: tuple[ReplayConfig, ...] = (
     ReplayConfig(128, 128, "bfloat16", 64, 16, 128, unroll=1, ring=8),
     ReplayConfig(128, 128, "bfloat16", 32, 16, 128, unroll=2, ring=8),
     ReplayConfig(128, 128, "bfloat16", 128, 16, 256, unroll=2, ring=8),
-    # a whole head of 8-byte accesses (the ring staged and its entries decayed once a head)
-    *(ReplayConfig(128, 128, "bfloat16", 128, 32, 256, access=8, unroll=2, ring=n)
+    # 64 rows of 8-byte accesses (more CTAs, the ring staged twice a head)
+    *(ReplayConfig(128, 128, "bfloat16", 64, 32, 128, access=8, unroll=2, ring=n)
       for n in (8, 16)),
 )
 
