@@ -121,3 +121,22 @@ def choose(B: int, T: int, H: int, V: int, chunk: int, block_v: int, sms: int) -
         if steps < best_steps:
             best, best_steps = p, steps
     return best
+
+
+def choose_context(B: int, T: int, H: int, V: int, chunk: int, block_v: int, sms: int) -> int:
+    """Segments per sequence of a context-parallel shard (kda_cute.context), whose summary and
+    finish run the value and identity rows, then the rows from the starts, whatever the count:
+    the count whose modelled chain is the shortest, at most 8 and none shorter than 32 chunks.
+    The model counts waves: the value and identity runs share the SMs, a second CTA an SM costs
+    nearly a wave (docs/notes/bytes.md), each wave ceil(chunks / P) steps plus a CTA's fixed
+    cost, and the combine a serial step per segment."""
+    ctas = B * H * (V // block_v)
+    nc = -(-T // chunk)
+
+    def waves(n):
+        return -(-n // sms)
+
+    def steps(p):
+        return ((waves(2 * ctas * p) + waves(ctas * p)) * (-(-nc // p) + _CTA_FIXED_STEPS)
+                + _COMBINE_STEPS * p)
+    return min(range(1, max(1, min(8, nc // 32)) + 1), key=steps)

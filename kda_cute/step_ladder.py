@@ -110,6 +110,12 @@ REPLAY_VARIANTS: tuple[ReplayConfig, ...] = (
     # 64 rows of 8-byte accesses (more CTAs, the ring staged twice a head)
     *(ReplayConfig(128, 128, "bfloat16", 64, 32, 128, access=8, unroll=2, ring=n)
       for n in (8, 16)),
+    # verify a whole head a CTA (the drafts' preparation, the columns and the pairs once a
+    # head): 8 drafts on a ring of 16, 16 on a ring of 32
+    *(ReplayConfig(128, 128, "float32", 128, 32, 256, unroll=2, ring=n, mode="verify",
+                   drafts=d) for n, d in ((16, 8), (32, None))),
+    *(ReplayConfig(128, 128, "bfloat16", 128, 32, 256, access=8, unroll=2, ring=n,
+                   mode="verify", drafts=d) for n, d in ((16, 8), (32, None))),
 )
 
 

@@ -98,3 +98,16 @@ def test_only_segment_plans_split():
         context_plans(serial)
     assert plan(Problem(1, 0, 2, 128, 128, 1, False),
                 Options(context=True)).schedule.kind != "segments"
+
+
+@pytest.mark.parametrize("H, T, want", [(32, 65536, 2), (32, 524288, 2), (12, 131072, 5),
+                                        (4, 65536, 8), (64, 65536, 1), (32, 256, 1)])
+def test_shard_segments(H, T, want):
+    """A shard's segments by the context model (segments.choose_context): 2 at 32 heads, where
+    the one-GPU forward plans the plain recurrence (its summary and finish run the value rows
+    twice whatever the count, so a second segment fills the SMs the identity rows leave); as
+    the one-GPU segments at 12 heads; 1 for a short shard or a grid that fills the SMs."""
+    p = Problem(1, T, H, 128, 128, 1, False, state_in=F32, state_out=F32)
+    assert plan(p, Options(context=True)).schedule.segments == want
+    if H == 32 and T >= 65536:
+        assert plan(p, Options()).schedule.kind != "segments"

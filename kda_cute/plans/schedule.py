@@ -64,12 +64,16 @@ def segmentable(p: Problem, cfg: FwdConfig) -> bool:
 
 def segment_count(p: Problem, opts: Options, cfg: FwdConfig, dev: DeviceInfo) -> int:
     """Segments per sequence for K2 (1: the plain recurrence) where `segmentable` (a varlen
-    batch's chosen for the mean length: its lengths are unknown to the host).
-    Options.segments (an int) overrides the choice."""
+    batch's chosen for the mean length: its lengths are unknown to the host; a
+    context-parallel shard's by its own model). Options.segments (an int) overrides the
+    choice."""
     if not segmentable(p, cfg):
         return 1
     if opts.segments is not None:
         return max(1, min(int(opts.segments), -(-p.T // cfg.chunk)))
+    if opts.context:
+        return seg.choose_context(p.N, -(-p.B * p.T // p.N), p.H, p.V, cfg.chunk,
+                                  cfg.recur.block_v, dev.sms)
     return seg.choose(p.N, -(-p.B * p.T // p.N), p.H, p.V, cfg.chunk, cfg.recur.block_v,
                       dev.sms)
 
