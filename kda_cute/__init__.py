@@ -4,6 +4,8 @@ pool), CuTe DSL compiled ahead of time."""
 import os
 
 from .api import clear_caches, describe, fwd, validate, workspace_bytes
+from .context import combine as context_combine
+from .context import context_finish, context_summary
 from .errors import DeviceValueError
 from .fla_forms import (
     check_chunk_kda,
@@ -23,7 +25,8 @@ __all__ = [
     "SHIPPED", "Bound", "Call", "DeviceValueError", "FwdConfig", "Options", "Plan", "PrepConfig",
     "Problem", "RecurConfig", "Ring", "StepCall", "StepConfig", "StepOptions", "StepProblem",
     "bind", "check_chunk_kda", "check_errors", "check_fused_recurrent_kda_fwd", "chunk_kda",
-    "clear_caches", "commit", "decode", "describe", "fused_recurrent_kda_fwd", "fwd", "new_ring",
+    "clear_caches", "commit", "context_combine", "context_finish", "context_summary", "decode",
+    "describe", "fused_recurrent_kda_fwd", "fwd", "new_ring",
     "plan", "recurrent", "replay_commit", "replay_decode", "replay_flush", "replay_verify", "run",
     "select_config", "validate", "verify", "workspace_bytes"
 ]
