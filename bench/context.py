@@ -103,6 +103,7 @@ def simulate(tokens, heads, counts=()) -> list[dict]:
             rows.append(row)
             print(json.dumps(row), flush=True)
             del x
+            kda_cute.clear_caches()  # (the plans' cached workspaces: tens of GB at 1M tokens)
             torch.cuda.empty_cache()
     return rows
 
