@@ -5,12 +5,13 @@ one-GPU forward, one long sequence, K = V = 128, fp32 states, bounded gate.
     torchrun --nproc-per-node R bench/context.py --ranks [--out P]
 
 --simulate (one GPU): the one-GPU forward of T tokens, and for R = 2, 4, 8 each rank's work
-timed alone (its shard's summary, the entry's fold, its finish): a rank count's time is its
-slowest rank's, the exchange left out (measured by --ranks); the crossover is the shortest T
-where 2 ranks beat 1. --ranks (R processes, one GPU each, NCCL): the one-GPU forward on rank 0,
-then `kda_cute.distributed.fwd` on every rank, each iteration after a barrier, a rank count's
-time its slowest rank's. Each figure is the median of CUDA-event timings after warm-up (a
-prefill of this size far exceeds the L2: no flush).
+timed alone (its shard's summary, the entry's fold, its finish), the forward and the ranks
+taking turns over three rounds (each its median of them): a rank count's time is its slowest
+rank's against the forward of its own turns, the exchange left out (measured by --ranks); the
+crossover is the shortest T where 2 ranks beat 1. --ranks (R processes, one GPU each, NCCL):
+the one-GPU forward on rank 0, then `kda_cute.distributed.fwd` on every rank, each iteration
+after a barrier, a rank count's time its slowest rank's. Each figure is the median of
+CUDA-event timings after warm-up (a prefill of this size far exceeds the L2: no flush).
 """
 
 from __future__ import annotations
@@ -59,16 +60,21 @@ def _bounds(T, R):
     return [T * r // R // 64 * 64 for r in range(R)] + [T]
 
 
-def one_gpu(x, gate, H) -> float:
+def one_gpu(x, gate, H):
+    """The one-GPU forward of all the tokens, as a callable (warmed up)."""
     out = torch.empty_like(x[2])
     s0 = torch.zeros(1, H, K, K, device=x[0].device)
     s1 = torch.empty_like(s0)
-    return _ms(lambda: kda_cute.fwd(*x, SCALE, out, *gate, s0, s1))
+
+    def run():
+        kda_cute.fwd(*x, SCALE, out, *gate, s0, s1)
+    run()
+    return run
 
 
-def rank_work(x, gate, H, a, b, first: bool, segments: int | None = None) -> float:
-    """Rank work on tokens a..b: its summary, the fold of one earlier message, its finish
-    (`segments` a sequence: the plan's choice where None)."""
+def rank_work(x, gate, H, a, b, first: bool, segments: int | None = None):
+    """Rank work on tokens a..b as a callable (warmed up): its summary, the fold of one
+    earlier message, its finish (`segments` a sequence: the plan's choice where None)."""
     dev = x[0].device
     sh = tuple(t[:, a:b] for t in x)
     A, B = torch.empty(1, H, K, K, device=dev), torch.empty(1, H, K, K, device=dev)
@@ -80,30 +86,54 @@ def rank_work(x, gate, H, a, b, first: bool, segments: int | None = None) -> flo
         context_summary(*sh, SCALE, *gate, A, B, workspace=ws, segments=segments)
         entry = init if first else combine(A, B, init[0])[None]
         context_finish(*sh, SCALE, out, *gate, entry, final, workspace=ws, segments=segments)
-    return _ms(run)
+    run()
+    return run
+
+
+def _rounds(fns, rounds: int = 3) -> list[float]:
+    """Each callable's median over `rounds` rounds of its median ms, the callables taking turns
+    within a round (one GPU's clock, which a long run at the power cap lowers, then weighs on
+    each alike)."""
+    samples = [[] for _ in fns]
+    for _ in range(rounds):
+        for got, fn in zip(samples, fns, strict=True):
+            got.append(_ms(fn))
+    return [statistics.median(t) for t in samples]
+
+
+def _ranks(x, gate, H, T, R, segments=None):
+    """(one GPU ms, each rank's ms) for R ranks, timed in turns."""
+    bd = _bounds(T, R)
+    fns = [one_gpu(x, gate, H)] + [rank_work(x, gate, H, bd[r], bd[r + 1], r == 0, segments)
+                                   for r in range(R)]
+    t = _rounds(fns)
+    del fns
+    kda_cute.clear_caches()  # (the plans' cached workspaces: tens of GB at 1M tokens)
+    torch.cuda.empty_cache()
+    return t[0], t[1:]
 
 
 def simulate(tokens, heads, counts=()) -> list[dict]:
     """The rows; with `counts`, each rank count's time at each of those segments a shard too
-    (by_segments)."""
+    (by_segments). The one-GPU time is the median over the rank counts' turns."""
     rows = []
     for H in heads:
         for T in sorted(set(tokens) | set(CROSSOVER)):
             x, gate = _inputs(T, H, "cuda", seed=T + H)
-            base = one_gpu(x, gate, H)
-            row = {"H": H, "T": T, "one_gpu_ms": base, "ranks": {}}
+            row = {"H": H, "T": T, "ranks": {}}
+            bases = []
             for R in (2, 4, 8):
-                bd = _bounds(T, R)
-                per = [rank_work(x, gate, H, bd[r], bd[r + 1], r == 0) for r in range(R)]
-                row["ranks"][R] = {"rank_ms": per, "ms": max(per), "speedup": base / max(per)}
+                base, per = _ranks(x, gate, H, T, R)
+                bases.append(base)
+                row["ranks"][R] = {"rank_ms": per, "one_gpu_ms": base, "ms": max(per),
+                                   "speedup": base / max(per)}
                 if counts:
-                    row["ranks"][R]["by_segments"] = {P: max(
-                        rank_work(x, gate, H, bd[r], bd[r + 1], r == 0, P) for r in range(R))
-                        for P in counts}
+                    row["ranks"][R]["by_segments"] = {P: max(_ranks(x, gate, H, T, R, P)[1])
+                                                      for P in counts}
+            row["one_gpu_ms"] = statistics.median(bases)
             rows.append(row)
             print(json.dumps(row), flush=True)
             del x
-            kda_cute.clear_caches()  # (the plans' cached workspaces: tens of GB at 1M tokens)
             torch.cuda.empty_cache()
     return rows
 
@@ -121,7 +151,7 @@ def distributed(tokens, heads) -> list[dict]:
         for H in heads:
             for T in tokens:
                 x, gate = _inputs(T, H, dev, seed=T + H)
-                base = one_gpu(x, gate, H) if rank == 0 else 0.0
+                base = _ms(one_gpu(x, gate, H)) if rank == 0 else 0.0
                 bd = _bounds(T, R)
                 sh = tuple(t[:, bd[rank]:bd[rank + 1]].contiguous() for t in x)
                 del x

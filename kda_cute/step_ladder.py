@@ -77,29 +77,42 @@ _SHIPPED = STEP + tuple(c for _, c in STEP_SINGLE + STEP_MULTI + STEP_CHUNK)
 # The replay calls (kda_cute.replay, kda_cute.specs.replay), head dims 128: per ring of 8, 16 or
 # 32 entries a (slot, head), decode a whole head a CTA (the fewer CTAs read the ring once a
 # head), bf16 checkpoints by 8-byte accesses (fewer registers) and on a ring of 32 64 rows a CTA
-# (the staged ring's shared memory); verify (output-only) and flush 64 rows a CTA; commit a CTA
-# a row.
+# (the staged ring's shared memory); flush 64 rows a CTA; commit a CTA a row.
 REPLAY_RINGS = (8, 16, 32)
+
+
+def _whole(pool: str, ring: int, **kw) -> ReplayConfig:
+    """A whole head a CTA (256 threads; bf16 by 8-byte accesses)."""
+    return ReplayConfig(128, 128, pool, 128, 32, 256, unroll=2, ring=ring,
+                        **({"access": 8} if pool == "bfloat16" else {}), **kw)
+
+
+def _rows64(pool: str, ring: int, **kw) -> ReplayConfig:
+    """64 rows a CTA (128 threads; bf16 by 8-byte accesses)."""
+    return ReplayConfig(128, 128, pool, 64, 32, 128, unroll=2, ring=ring,
+                        **({"access": 8} if pool == "bfloat16" else {}), **kw)
+
+
+# Verify (output-only): the drafts' preparation, the columns and the pairs are a CTA's, so a
+# whole head a CTA does them once a head: it ships where the drafts' work outweighs its fewer
+# CTAs an SM (16 drafts on a ring of 32; bf16 from 4 drafts); elsewhere 64 rows, up to 8
+# drafts on the longer rings in areas of 8 (more CTAs an SM; fp32 with its registers capped to
+# four CTAs).
 REPLAY: tuple[ReplayConfig, ...] = tuple(
     c for n in REPLAY_RINGS for c in (
-        ReplayConfig(128, 128, "float32", 128, 32, 256, unroll=2, ring=n),
-        ReplayConfig(128, 128, "bfloat16", 64 if n > 16 else 128, 32, 128 if n > 16 else 256,
-                     access=8, unroll=2, ring=n),
-        ReplayConfig(128, 128, "float32", 64, 32, 128, unroll=2, ring=n, mode="verify"),
-        ReplayConfig(128, 128, "bfloat16", 64, 32, 128, access=8, unroll=2, ring=n,
-                     mode="verify"),
-        ReplayConfig(128, 128, "float32", 64, 32, 128, unroll=2, ring=n, mode="flush"),
-        ReplayConfig(128, 128, "bfloat16", 64, 32, 128, access=8, unroll=2, ring=n,
-                     mode="flush"),
-        ReplayConfig(128, 128, "float32", 64, 32, 128, unroll=2, ring=n, mode="commit"),
-        # verify of at most 8 drafts on the longer rings: areas of 8 drafts (more CTAs an SM;
-        # fp32 with its registers capped to four CTAs)
-        *((ReplayConfig(128, 128, "float32", 64, 32, 128, unroll=2, min_blocks=4, ring=n,
-                        mode="verify", drafts=8),
-           ReplayConfig(128, 128, "bfloat16", 64, 32, 128, access=8, unroll=2, ring=n,
-                        mode="verify", drafts=8)) if n > 8 else ())))
-# other replay decode tiles, for the sweep (bench/replay.py --sweep): fp32 64 rows a CTA on rings
-# of 16 and 8, 32 rows on a ring of 8; bf16 tiles of 16 lanes a row, and 64 rows
+        _whole("float32", n),
+        _rows64("bfloat16", n) if n > 16 else _whole("bfloat16", n),
+        _whole("float32", n, mode="verify") if n > 16 else _rows64("float32", n, mode="verify"),
+        _whole("bfloat16", n, mode="verify") if n > 16 else _rows64("bfloat16", n,
+                                                                    mode="verify"),
+        _rows64("float32", n, mode="flush"),
+        _rows64("bfloat16", n, mode="flush"),
+        _rows64("float32", n, mode="commit"),
+        *((_rows64("float32", n, min_blocks=4, mode="verify", drafts=8),) if n > 8 else ()),
+        *((_whole("bfloat16", n, mode="verify", drafts=8),) if n == 16 else ())))
+# other replay tiles, for the sweep (bench/replay.py --sweep): decode fp32 64 rows a CTA on
+# rings of 16 and 8, 32 rows on a ring of 8; bf16 tiles of 16 lanes a row, and 64 rows; verify
+# the whole heads and 64 rows beside the shipped ones
 REPLAY_VARIANTS: tuple[ReplayConfig, ...] = (
     *(ReplayConfig(128, 128, "float32", 64, 32, 128, unroll=2, ring=n) for n in (16, 8)),
     ReplayConfig(128, 128, "float32", 32, 32, 128, unroll=2, ring=8),
@@ -107,15 +120,12 @@ REPLAY_VARIANTS: tuple[ReplayConfig, ...] = (
     ReplayConfig(128, 128, "bfloat16", 64, 16, 128, unroll=1, ring=8),
     ReplayConfig(128, 128, "bfloat16", 32, 16, 128, unroll=2, ring=8),
     ReplayConfig(128, 128, "bfloat16", 128, 16, 256, unroll=2, ring=8),
-    # 64 rows of 8-byte accesses (more CTAs, the ring staged twice a head)
-    *(ReplayConfig(128, 128, "bfloat16", 64, 32, 128, access=8, unroll=2, ring=n)
-      for n in (8, 16)),
-    # verify a whole head a CTA (the drafts' preparation, the columns and the pairs once a
-    # head): 8 drafts on a ring of 16, 16 on a ring of 32
-    *(ReplayConfig(128, 128, "float32", 128, 32, 256, unroll=2, ring=n, mode="verify",
-                   drafts=d) for n, d in ((16, 8), (32, None))),
-    *(ReplayConfig(128, 128, "bfloat16", 128, 32, 256, access=8, unroll=2, ring=n,
-                   mode="verify", drafts=d) for n, d in ((16, 8), (32, None))),
+    *(_rows64("bfloat16", n) for n in (8, 16)),
+    _whole("float32", 16, mode="verify", drafts=8),
+    _rows64("float32", 32, mode="verify"),
+    _rows64("bfloat16", 16, mode="verify", drafts=8),
+    _rows64("bfloat16", 32, mode="verify", drafts=8),
+    _rows64("bfloat16", 32, mode="verify"),
 )
 
 
