@@ -5,12 +5,12 @@ one-GPU forward, one long sequence, K = V = 128, fp32 states, bounded gate.
     torchrun --nproc-per-node R bench/context.py --ranks [--out P]
 
 --simulate (one GPU): the one-GPU forward of T tokens, and for R = 2, 4, 8 each rank's work
-timed alone (its shard's summary, the entry's fold, its finish), the forward and the ranks
-taking turns over three rounds (each its median of them): a rank count's time is its slowest
-rank's against the forward of its own turns, the exchange left out (measured by --ranks); the
-crossover is the shortest T where 2 ranks beat 1. --ranks (R processes, one GPU each, NCCL):
-the one-GPU forward on rank 0, then `kda_cute.distributed.fwd` on every rank, each iteration
-after a barrier, a rank count's time its slowest rank's. Each figure is the median of
+timed alone (its shard's summary, the entry's fold, its finish), each a CUDA graph, the forward
+and the ranks taking turns over three rounds (each its median of them): a rank count's time is
+its slowest rank's against the forward of its own turns, the exchange left out (measured by
+--ranks); the crossover is the shortest T where 2 ranks beat 1. --ranks (R processes, one GPU
+each, NCCL): the one-GPU forward on rank 0, then `kda_cute.distributed.fwd` on every rank, each
+iteration after a barrier, a rank count's time its slowest rank's. Each figure is the median of
 CUDA-event timings after warm-up (a prefill of this size far exceeds the L2: no flush).
 """
 
@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import kda_cute  # noqa: E402
-from bench import time_flushed, versions  # noqa: E402
+from bench import graphed, time_flushed, versions  # noqa: E402
 from kda_cute.context import combine, context_finish, context_summary  # noqa: E402
 
 K = 128
@@ -102,10 +102,11 @@ def _rounds(fns, rounds: int = 3) -> list[float]:
 
 
 def _ranks(x, gate, H, T, R, segments=None):
-    """(one GPU ms, each rank's ms) for R ranks, timed in turns."""
+    """(one GPU ms, each rank's ms) for R ranks, each a CUDA graph (as an engine runs a layer:
+    no host time), timed in turns."""
     bd = _bounds(T, R)
-    fns = [one_gpu(x, gate, H)] + [rank_work(x, gate, H, bd[r], bd[r + 1], r == 0, segments)
-                                   for r in range(R)]
+    fns = [graphed(one_gpu(x, gate, H))] + [
+        graphed(rank_work(x, gate, H, bd[r], bd[r + 1], r == 0, segments)) for r in range(R)]
     t = _rounds(fns)
     del fns
     kda_cute.clear_caches()  # (the plans' cached workspaces: tens of GB at 1M tokens)
@@ -113,12 +114,15 @@ def _ranks(x, gate, H, T, R, segments=None):
     return t[0], t[1:]
 
 
-def simulate(tokens, heads, counts=()) -> list[dict]:
+def simulate(tokens, heads, counts=(), most: int = 1 << 62) -> list[dict]:
     """The rows; with `counts`, each rank count's time at each of those segments a shard too
-    (by_segments). The one-GPU time is the median over the rank counts' turns."""
+    (by_segments); T H above `most` token-heads left out. The one-GPU time is the median over
+    the rank counts' turns."""
     rows = []
     for H in heads:
         for T in sorted(set(tokens) | set(CROSSOVER)):
+            if T * H > most:  # (the forward's and the ranks' workspaces held together)
+                continue
             x, gate = _inputs(T, H, "cuda", seed=T + H)
             row = {"H": H, "T": T, "ranks": {}}
             bases = []
@@ -194,6 +198,8 @@ def main(argv=None):
     ap.add_argument("--heads", default="12,32")
     ap.add_argument("--segments", default="",
                     help="--simulate: also each rank count at these segments a shard (1,2,4)")
+    ap.add_argument("--most", type=int, default=1 << 62,
+                    help="--simulate: leave out T x H above this many token-heads (memory)")
     ap.add_argument("--out", default="bench/results/context.json")
     a = ap.parse_args(argv)
     tokens = [int(t) for t in a.tokens.split(",")]
@@ -201,7 +207,7 @@ def main(argv=None):
     if a.simulate == a.ranks:
         ap.error("one of --simulate or --ranks")
     counts = [int(c) for c in a.segments.split(",") if c]
-    rows = simulate(tokens, heads, counts) if a.simulate else distributed(tokens, heads)
+    rows = simulate(tokens, heads, counts, a.most) if a.simulate else distributed(tokens, heads)
     if rows:
         out = Path(a.out)
         out.parent.mkdir(parents=True, exist_ok=True)

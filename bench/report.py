@@ -45,7 +45,7 @@ CURRENT = {
     "peers-ten": ("peers-ten-h100-2026-12-06-3f0c91c.json",
                   "prefill vs cuDNN fused and FlashKDA, ten cases"),
     "refactor-ab": ("refactor-ab-h100-2026-12-06.json", "one shape for every call, old / new"),
-    "replay": ("replay-h100-2026-12-06-69180b5.json", "replay decode and verify vs today's, fla"),
+    "replay": ("replay-h100-2026-12-06-b879cb3.json", "replay decode and verify vs today's, fla"),
 }
 # files of a table beyond those sharing its JSON's stem, and results with no JSON
 EXTRA = {"host": ("host-stub-cpu-2026-12-05.md", "host-stub-cpu-2026-12-05-6a45ba3.json")}
