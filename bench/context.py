@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import kda_cute  # noqa: E402
-from bench import graphed, time_flushed, versions  # noqa: E402
+from bench import graphed, pyplot, time_flushed, versions  # noqa: E402
 from kda_cute.context import combine, context_finish, context_summary  # noqa: E402
 
 K = 128
@@ -190,6 +190,55 @@ def distributed(tokens, heads) -> list[dict]:
     return rows if rank == 0 else []
 
 
+def markdown(data) -> str:
+    """The simulation's or the ranks' table."""
+    rows = data["rows"]
+    if data.get("mode") == "ranks":
+        lines = ["| H | T | ranks | one GPU ms | ranks ms | speedup |",
+                 "|---:|---:|---:|---:|---:|---:|"]
+        lines += [f"| {r['H']} | {r['T']} | {r['ranks']} | {r['one_gpu_ms']:.3f} | "
+                  f"{r['ms']:.3f} | {r['speedup']:.2f}x |" for r in rows]
+        return "\n".join(lines) + "\n"
+    counts = sorted({int(R) for r in rows for R in r["ranks"]})
+    lines = ["| H | T | one GPU ms | " + " | ".join(f"{R} ranks ms (speedup)" for R in counts)
+             + " |", "|---:|---:|---:|" + "---:|" * len(counts)]
+    for r in rows:
+        cells = [f"{r['ranks'][str(R)]['ms']:.3f} ({r['ranks'][str(R)]['speedup']:.2f}x)"
+                 for R in counts]
+        lines.append(f"| {r['H']} | {r['T']} | {r['one_gpu_ms']:.3f} | " + " | ".join(cells)
+                     + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(data, path) -> None:
+    """Speedup over one GPU against T, a line per (H, ranks)."""
+    plt = pyplot()
+    if plt is None or data.get("mode") == "ranks":
+        return
+    rows = data["rows"]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for H in sorted({r["H"] for r in rows}):
+        mine = sorted((r for r in rows if r["H"] == H), key=lambda r: r["T"])
+        for R in sorted({int(R) for r in mine for R in r["ranks"]}):
+            ax.plot([r["T"] for r in mine], [r["ranks"][str(R)]["speedup"] for r in mine],
+                    marker="o", label=f"H {H}, {R} ranks")
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("tokens T")
+    ax.set_ylabel("speedup over one GPU (slowest rank)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def write(data, out: Path) -> None:
+    """The JSON, its table (.md) and its plot (.png)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(data, indent=1) + "\n")
+    out.with_suffix(".md").write_text(markdown(data))
+    plot(data, out.with_suffix(".png"))
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--simulate", action="store_true", help="R ranks' work in turn on one GPU")
@@ -201,7 +250,11 @@ def main(argv=None):
     ap.add_argument("--most", type=int, default=1 << 62,
                     help="--simulate: leave out T x H above this many token-heads (memory)")
     ap.add_argument("--out", default="bench/results/context.json")
+    ap.add_argument("--render", metavar="JSON", help="write the table and plot of a result")
     a = ap.parse_args(argv)
+    if a.render:
+        write(json.loads(Path(a.render).read_text()), Path(a.render))
+        return
     tokens = [int(t) for t in a.tokens.split(",")]
     heads = [int(h) for h in a.heads.split(",")]
     if a.simulate == a.ranks:
@@ -209,11 +262,8 @@ def main(argv=None):
     counts = [int(c) for c in a.segments.split(",") if c]
     rows = simulate(tokens, heads, counts, a.most) if a.simulate else distributed(tokens, heads)
     if rows:
-        out = Path(a.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        mode = "simulate" if a.simulate else "ranks"
-        out.write_text(json.dumps({"versions": versions(), "mode": mode, "rows": rows,
-                                   "method": __doc__}, indent=1) + "\n")
+        write({"versions": versions(), "mode": "simulate" if a.simulate else "ranks",
+               "rows": rows, "method": __doc__}, Path(a.out))
 
 
 if __name__ == "__main__":

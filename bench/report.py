@@ -46,6 +46,8 @@ CURRENT = {
                   "prefill vs cuDNN fused and FlashKDA, ten cases"),
     "refactor-ab": ("refactor-ab-h100-2026-12-06.json", "one shape for every call, old / new"),
     "replay": ("replay-h100-2026-12-06-b879cb3.json", "replay decode and verify vs today's, fla"),
+    "context": ("context-sim-h100-2026-12-06-5dace26.json",
+                "context parallel, R ranks simulated on one GPU"),
 }
 # files of a table beyond those sharing its JSON's stem, and results with no JSON
 EXTRA = {"host": ("host-stub-cpu-2026-12-05.md", "host-stub-cpu-2026-12-05-6a45ba3.json")}
@@ -232,8 +234,10 @@ def context(data, name, results):
     body = [[str(r["H"]), str(r["T"]), ms(r["one_gpu_ms"])]
             + [f"{r['ranks'][str(R)]['ms']:.3f} ({r['ranks'][str(R)]['speedup']:.2f}x)"
                for R in counts] for r in rows]
-    note = wrap("Each rank's work (its shard's summary, the fold, its finish) timed alone on one "
-                "GPU; a rank count's time is its slowest rank's, the exchange left out.")
+    how = ("each a CUDA graph" if "CUDA graph" in data.get("method", "") else
+           "as eager calls (the host's time counts where a shard is short)")
+    note = wrap(f"Each rank's work (its shard's summary, the fold, its finish) timed alone on one "
+                f"GPU, {how}; a rank count's time is its slowest rank's, the exchange left out.")
     head = ["H", "T", "one GPU ms"] + [f"{R} ranks ms (speedup)" for R in counts]
     return caption(data, name, results) + note + table(head, body, 0)
 
