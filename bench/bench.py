@@ -93,7 +93,8 @@ def time_flushed(fn, iters, flush, warmup=5) -> float:
 
 
 def graphed(fn):
-    """`fn` captured in a CUDA graph (after a warm run on a side stream): its replay."""
+    """`fn` captured in a CUDA graph (after a warm run on a side stream): its replay, which
+    holds `fn` (and so the tensors its closure owns: the captured kernels address them)."""
     fn()
     torch.cuda.synchronize()
     s = torch.cuda.Stream()
@@ -106,7 +107,11 @@ def graphed(fn):
             fn()
     torch.cuda.current_stream().wait_stream(s)
     torch.cuda.synchronize()
-    return g.replay
+
+    def replay():
+        g.replay()
+    replay.holds = (fn, g)
+    return replay
 
 
 def head_slice(inp, nh):
