@@ -89,7 +89,7 @@ def test_summary_against_float64(T, segments):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("ranks", [2, 4])
+@pytest.mark.parametrize("ranks", [2, 4, 8])
 def test_ranks_in_turn(ranks):
     """One sequence over `ranks` shards of whole chunks, each rank's summary in turn, each
     rank's message and entry state as kda_cute.distributed makes them (the same arithmetic as
