@@ -444,9 +444,18 @@ def _words(blob: bytes, names: _Names, maps: list) -> str:
 
 
 def normalise(ops: list, maps: list, names: _Names) -> list:
-    rec = []
+    """The operations with addresses as tensor roles and streams other than the call's (0) as
+    their kind and order of first use in the record (the fake driver numbers the streams of
+    the whole process, so raw handles would depend on the tests run before)."""
+    rec, streams = [], {}
     for op in ops:
         op = dict(op)
+        st = op.get("stream")
+        if st:
+            kind = "high" if st >= 3000 else "side"
+            if st not in streams:
+                streams[st] = f"{kind} {sum(v.startswith(kind) for v in streams.values()) + 1}"
+            op["stream"] = streams[st]
         if op["op"] == "launch":
             op["params"] = [_words(b, names, maps) for b in op["params"]]
         elif op["op"] == "memset_d32":
