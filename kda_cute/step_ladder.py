@@ -81,15 +81,10 @@ _SHIPPED = STEP + tuple(c for _, c in STEP_SINGLE + STEP_MULTI + STEP_CHUNK)
 REPLAY_RINGS = (8, 16, 32)
 
 
-def _whole(pool: str, ring: int, **kw) -> ReplayConfig:
-    """A whole head a CTA (256 threads; bf16 by 8-byte accesses)."""
-    return ReplayConfig(128, 128, pool, 128, 32, 256, unroll=2, ring=ring,
-                        **({"access": 8} if pool == "bfloat16" else {}), **kw)
-
-
-def _rows64(pool: str, ring: int, **kw) -> ReplayConfig:
-    """64 rows a CTA (128 threads; bf16 by 8-byte accesses)."""
-    return ReplayConfig(128, 128, pool, 64, 32, 128, unroll=2, ring=ring,
+def _replay(pool: str, ring: int, rows: int, **kw) -> ReplayConfig:
+    """`rows` rows a CTA (128: a whole head), 32 lanes a row, two threads a row, the row loop
+    unrolled by two; bf16 by 8-byte accesses."""
+    return ReplayConfig(128, 128, pool, rows, 32, 2 * rows, unroll=2, ring=ring,
                         **({"access": 8} if pool == "bfloat16" else {}), **kw)
 
 
@@ -100,32 +95,32 @@ def _rows64(pool: str, ring: int, **kw) -> ReplayConfig:
 # four CTAs).
 REPLAY: tuple[ReplayConfig, ...] = tuple(
     c for n in REPLAY_RINGS for c in (
-        _whole("float32", n),
-        _rows64("bfloat16", n) if n > 16 else _whole("bfloat16", n),
-        _whole("float32", n, mode="verify") if n > 16 else _rows64("float32", n, mode="verify"),
-        _whole("bfloat16", n, mode="verify") if n > 16 else _rows64("bfloat16", n,
-                                                                    mode="verify"),
-        _rows64("float32", n, mode="flush"),
-        _rows64("bfloat16", n, mode="flush"),
-        _rows64("float32", n, mode="commit"),
-        *((_rows64("float32", n, min_blocks=4, mode="verify", drafts=8),) if n > 8 else ()),
-        *((_whole("bfloat16", n, mode="verify", drafts=8),) if n == 16 else ())))
+        _replay("float32", n, 128),
+        _replay("bfloat16", n, 64 if n > 16 else 128),
+        _replay("float32", n, 128 if n > 16 else 64, mode="verify"),
+        _replay("bfloat16", n, 128 if n > 16 else 64, mode="verify"),
+        _replay("float32", n, 64, mode="flush"),
+        _replay("bfloat16", n, 64, mode="flush"),
+        _replay("float32", n, 64, mode="commit"),
+        *((_replay("float32", n, 64, min_blocks=4, mode="verify", drafts=8),)
+          if n > 8 else ()),
+        *((_replay("bfloat16", n, 128, mode="verify", drafts=8),) if n == 16 else ())))
 # other replay tiles, for the sweep (bench/replay.py --sweep): decode fp32 64 rows a CTA on
 # rings of 16 and 8, 32 rows on a ring of 8; bf16 tiles of 16 lanes a row, and 64 rows; verify
 # the whole heads and 64 rows beside the shipped ones
 REPLAY_VARIANTS: tuple[ReplayConfig, ...] = (
-    *(ReplayConfig(128, 128, "float32", 64, 32, 128, unroll=2, ring=n) for n in (16, 8)),
+    *(_replay("float32", n, 64) for n in (16, 8)),
     ReplayConfig(128, 128, "float32", 32, 32, 128, unroll=2, ring=8),
     *(ReplayConfig(128, 128, "bfloat16", 64, 16, 128, unroll=2, ring=n) for n in (16, 8)),
     ReplayConfig(128, 128, "bfloat16", 64, 16, 128, unroll=1, ring=8),
     ReplayConfig(128, 128, "bfloat16", 32, 16, 128, unroll=2, ring=8),
     ReplayConfig(128, 128, "bfloat16", 128, 16, 256, unroll=2, ring=8),
-    *(_rows64("bfloat16", n) for n in (8, 16)),
-    _whole("float32", 16, mode="verify", drafts=8),
-    _rows64("float32", 32, mode="verify"),
-    _rows64("bfloat16", 16, mode="verify", drafts=8),
-    _rows64("bfloat16", 32, mode="verify", drafts=8),
-    _rows64("bfloat16", 32, mode="verify"),
+    *(_replay("bfloat16", n, 64) for n in (8, 16)),
+    _replay("float32", 16, 128, mode="verify", drafts=8),
+    _replay("float32", 32, 64, mode="verify"),
+    _replay("bfloat16", 16, 64, mode="verify", drafts=8),
+    _replay("bfloat16", 32, 64, mode="verify", drafts=8),
+    _replay("bfloat16", 32, 64, mode="verify"),
 )
 
 
