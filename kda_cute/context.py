@@ -47,6 +47,11 @@ def _plans(call: Call, gate, qk_l2norm, beta_sigmoid, segments, precision):
     return p, context_plans(pl)
 
 
+def sequences(q: Tensor, cu_seqlens: Tensor | None) -> int:
+    """The shard's sequences (pieces): q's batch, or cu_seqlens' entries less one."""
+    return q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+
+
 def _state(name: str, t, like: Tensor, rows: int, K: int) -> None:
     H, V = like.shape[2], like.shape[3]
     want = (rows, H, V if name != "transition" else K, K)
@@ -69,7 +74,7 @@ def context_summary(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, sc
     `context_finish` takes: the given one (uint8, at least the plan's bytes) or a new one.
     Inputs as `kda_cute.fwd`'s; `out`, where given, may be written with values the finish
     overwrites (a build without K2's output-free runs), else a scratch one is made."""
-    N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    N = sequences(q, cu_seqlens)
     _state("bias", bias, v, N, k.shape[-1])
     _state("transition", transition, v, N, k.shape[-1])
     # (the summary's problem is the finish's: dense fp32 states in and out, `bias` standing
@@ -77,7 +82,7 @@ def context_summary(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, sc
     if out is None:  # (the rescale run after the value rows may write outputs)
         out = torch.empty_like(v) if isinstance(v, Tensor) else v
     call = Call(q, k, v, g, beta, out, A_log, dt_bias, bias, bias, cu_seqlens, scale,
-                lower_bound, None, None, None, None, None, None, None, None, None)
+                lower_bound)
     p, (summary, _) = _plans(call, gate, qk_l2norm, beta_sigmoid, segments, precision)
     if workspace is None:
         workspace = torch.empty(summary.workspace_bytes, dtype=torch.uint8, device=q.device)
@@ -95,11 +100,11 @@ def context_finish(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, sca
     """The shard's forward from `initial_state` (fp32 [N, H, V, K]: row n sequence n's entry
     state) after `context_summary` with the same inputs and options, and its `workspace`:
     writes `out` and `final_state` (fp32 [N, H, V, K], may be initial_state)."""
-    N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    N = sequences(q, cu_seqlens)
     _state("initial_state", initial_state, v, N, k.shape[-1])
     _state("final_state", final_state, v, N, k.shape[-1])
     call = Call(q, k, v, g, beta, out, A_log, dt_bias, initial_state, final_state, cu_seqlens,
-                scale, lower_bound, None, None, None, None, None, None, None, None, None)
+                scale, lower_bound)
     p, (_, finish) = _plans(call, gate, qk_l2norm, beta_sigmoid, segments, precision)
     checks.workspace(workspace, finish.workspace_bytes, q.device)
     errors.raise_pending(q.device)

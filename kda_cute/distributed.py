@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .checks import err
-from .context import context_finish, context_summary
+from .context import context_finish, context_summary, sequences
 from .segments import fp32_products
 
 F32 = torch.float32
@@ -85,7 +85,7 @@ def fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float, 
     `final_state`. Every rank of `group` calls it once for the layer."""
     if not isinstance(carry_in, bool):
         raise err("carry_in", "a bool", repr(carry_in))
-    N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    N = sequences(q, cu_seqlens)
     H, K, V = q.shape[2], q.shape[3], v.shape[3]
     dev = q.device
     transition = torch.empty(N, H, K, K, dtype=F32, device=dev)
