@@ -12,7 +12,8 @@ Each sequence n of the shard maps a state S entering it to S transition[n] + bia
 tokens' maps); `combine` chains them. The finish runs the same forward's remaining launches
 from `initial_state` (fp32 [N, H, V, K], row n sequence n's entry state), so it takes the
 summary's workspace and the same inputs. K == V (the identity rows reuse K2's config); dense
-fp32 states; no checkpoints yet.
+fp32 states. Checkpoints as kda_cute.fwd's (a fixed-length shard): both calls take the same
+ones; the summary prepares their tables beside K1, the finish writes them.
 """
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ def _plans(call: Call, gate, qk_l2norm, beta_sigmoid, segments, precision):
     p = checks.forward(call, opts)
     pl = plans.plan(p, opts, device_info(call.q.device))
     if pl.schedule.kind != "segments":
+        if p.varlen and p.ckpt is not None:
+            raise err("cu_seqlens", "None with checkpoints (a varlen shard's segments take "
+                      "no checkpoints)", f"a tensor of {p.N + 1} offsets")
         raise err("q", "K == V and tokens (the summary's identity rows reuse K2's config)",
                   f"K={p.K}, V={p.V}, {p.B * p.T} tokens")
     return p, context_plans(pl)
@@ -68,12 +72,17 @@ def context_summary(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, sc
                     workspace: Tensor | None = None, out: Tensor | None = None, *,
                     gate: str = "bounded",
                     qk_l2norm: bool = True, beta_sigmoid: bool = True,
-                    segments: int | None = None, precision: str = "fast") -> Tensor:
+                    segments: int | None = None, precision: str = "fast",
+                    checkpoint_state: Tensor | None = None,
+                    checkpoint_offsets: Tensor | None = None,
+                    checkpoint_slots: Tensor | None = None, checkpoint_every: int | None = None,
+                    checkpoint_first: Tensor | None = None) -> Tensor:
     """Each sequence's summary of a shard: writes transition [N, H, K, K] and bias
     [N, H, V, K] (fp32) and returns the workspace (K1's outputs and the segments' states) that
     `context_finish` takes: the given one (uint8, at least the plan's bytes) or a new one.
     Inputs as `kda_cute.fwd`'s; `out`, where given, may be written with values the finish
-    overwrites (a build without K2's output-free runs), else a scratch one is made."""
+    overwrites (a build without K2's output-free runs), else a scratch one is made.
+    checkpoint_*: the finish's (their tables go into the workspace)."""
     N = sequences(q, cu_seqlens)
     _state("bias", bias, v, N, k.shape[-1])
     _state("transition", transition, v, N, k.shape[-1])
@@ -82,7 +91,8 @@ def context_summary(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, sc
     if out is None:  # (the rescale run after the value rows may write outputs)
         out = torch.empty_like(v) if isinstance(v, Tensor) else v
     call = Call(q, k, v, g, beta, out, A_log, dt_bias, bias, bias, cu_seqlens, scale,
-                lower_bound)
+                lower_bound, None, None, None, None, checkpoint_state,
+                checkpoint_offsets, checkpoint_slots, checkpoint_every, checkpoint_first)
     p, (summary, _) = _plans(call, gate, qk_l2norm, beta_sigmoid, segments, precision)
     if workspace is None:
         workspace = torch.empty(summary.workspace_bytes, dtype=torch.uint8, device=q.device)
@@ -96,15 +106,21 @@ def context_finish(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, sca
                    lower_bound: float | None, initial_state: Tensor, final_state: Tensor,
                    cu_seqlens: Tensor | None = None, *, workspace: Tensor,
                    gate: str = "bounded", qk_l2norm: bool = True, beta_sigmoid: bool = True,
-                   segments: int | None = None, precision: str = "fast") -> None:
+                   segments: int | None = None, precision: str = "fast",
+                   checkpoint_state: Tensor | None = None,
+                   checkpoint_offsets: Tensor | None = None,
+                   checkpoint_slots: Tensor | None = None, checkpoint_every: int | None = None,
+                   checkpoint_first: Tensor | None = None) -> None:
     """The shard's forward from `initial_state` (fp32 [N, H, V, K]: row n sequence n's entry
     state) after `context_summary` with the same inputs and options, and its `workspace`:
-    writes `out` and `final_state` (fp32 [N, H, V, K], may be initial_state)."""
+    writes `out` and `final_state` (fp32 [N, H, V, K], may be initial_state), and the
+    checkpoints (kda_cute.fwd's arguments, the summary's too; cu_seqlens None)."""
     N = sequences(q, cu_seqlens)
     _state("initial_state", initial_state, v, N, k.shape[-1])
     _state("final_state", final_state, v, N, k.shape[-1])
     call = Call(q, k, v, g, beta, out, A_log, dt_bias, initial_state, final_state, cu_seqlens,
-                scale, lower_bound)
+                scale, lower_bound, None, None, None, None, checkpoint_state,
+                checkpoint_offsets, checkpoint_slots, checkpoint_every, checkpoint_first)
     p, (_, finish) = _plans(call, gate, qk_l2norm, beta_sigmoid, segments, precision)
     checks.workspace(workspace, finish.workspace_bytes, q.device)
     errors.raise_pending(q.device)

@@ -177,3 +177,151 @@ def test_ranks_in_a_cuda_graph():
         kda_cute.check_errors(sync=True)
         for a, b in zip(got, eo + ef, strict=True):
             assert torch.isfinite(a.float()).all() and torch.equal(a, b)
+
+
+def _in_turn(shards, **kw):
+    """kda_cute.distributed.shard_steps of every rank in turn on one device: each rank's
+    message, their concatenation (the all-gather's result), each rank finished from it."""
+    steps = [kd.shard_steps(*args, rank=r, **kw, **own) for r, (args, own) in enumerate(shards)]
+    gathered = torch.cat([next(s) for s in steps])
+    for s in steps:
+        with pytest.raises(StopIteration):
+            s.send(gathered)
+
+
+def _bits(t):
+    return t.view(torch.int32 if t.dtype == F32 else torch.int16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ranks, dtype", [(2, F32), (3, F32), (3, BF)])
+def test_pool_form_in_turn(ranks, dtype):
+    """A packed batch (a padding sequence among them) split over `ranks` shards in the pool
+    form, each rank its own copy of the pool in which the slots it must not touch hold NaN:
+    the rank holding a sequence's first token reads its slot, the one holding its last writes
+    it, nothing else is read or written. The outputs and the written slots against the one-GPU
+    forward's pool form (1e-5; bf16 slots within a rounding) and the float64 loop."""
+    from kda_cute import context_reference as cp
+    dev = "cuda"
+    lens = [700, 1500, 96, 1800]
+    cu = [0, *torch.tensor(lens).cumsum(0).tolist()]
+    T = cu[-1]
+    x = _tokens(T, dev, ranks)
+    gate = _gate(dev, ranks)
+    gp = (gate["A_log"], gate["dt_bias"], gate["lower_bound"])
+    slots = torch.tensor([5, 2, -1, 7], device=dev)  # sequence 2 padding
+    pool = torch.randn(9, H, K, K, device=dev).mul_(0.3).to(dtype)
+    shards = cp.split(cu, ranks, align=64)
+    first = {n: min(r for r, sh in enumerate(shards) if n in sh.seqs) for n in range(len(lens))}
+    last = {n: max(r for r, sh in enumerate(shards) if n in sh.seqs) for n in range(len(lens))}
+    pools, work = [], []
+    for r, sh in enumerate(shards):
+        mine = pool.clone()
+        for n in range(len(lens)):  # a slot this rank must not read: poisoned
+            if slots[n] >= 0 and first[n] != r:
+                mine[slots[n]] = float("nan")
+        idx = slots[list(sh.seqs)].to(torch.int32)
+        toks = [t[:, sh.start:sh.end] for t in x]
+        out = torch.full_like(toks[2], float("nan"))
+        lcu = torch.tensor(sh.cu, dtype=torch.int32, device=dev)
+        pools.append(mine)
+        work.append(((*toks, SCALE, out, *gp, mine, mine, lcu),
+                     dict(carry_in=sh.carry_in, carry_out=sh.carry_out, state_indices=idx)))
+    before = [p.clone() for p in pools]
+    _in_turn(work)
+    kda_cute.check_errors(sync=True)
+    out = torch.cat([w[0][6] for w in work], dim=1)
+    one_pool, one_out = pool.clone(), torch.empty_like(x[2])
+    kda_cute.fwd(*x, SCALE, one_out, *gp, one_pool, one_pool,
+                 torch.tensor(cu, dtype=torch.int32, device=dev), state_indices=slots)
+    torch.cuda.synchronize()
+    live = torch.cat([torch.arange(cu[n], cu[n + 1]) for n in range(len(lens)) if slots[n] >= 0])
+    assert rel_err(out[:, live], one_out[:, live]) < 1e-5
+    for n, s in enumerate(slots.tolist()):
+        if s < 0:
+            continue
+        tol = 1e-5 if dtype == F32 else 2e-3
+        assert rel_err(pools[last[n]][s].float(), one_pool[s].float()) < tol, n
+        for r in range(ranks):  # every other rank's copy of the slot untouched
+            if r != last[n]:
+                assert torch.equal(_bits(pools[r][s]), _bits(before[r][s])), (n, r)
+    untouched = [s for s in range(9) if s not in slots.tolist()]
+    for r in range(ranks):
+        assert torch.equal(_bits(pools[r][untouched]), _bits(before[r][untouched]))
+    ref_o, ref_s = kda_reference(*(t.cpu() for t in x), scale=SCALE,
+                                 initial_state=pool[slots.clamp(min=0)].float().cpu(),
+                                 A_log=gp[0].cpu(), dt_bias=gp[1].cpu(), lower_bound=gp[2],
+                                 cu_seqlens=torch.tensor(cu))
+    assert rel_err(out[:, live].cpu(), ref_o[:, live]) < OUT_TOL
+    n = 3  # a sequence over several ranks
+    assert first[n] < last[n]
+    assert rel_err(pools[last[n]][slots[n]].float().cpu(), ref_s[n]) < (
+        STATE_TOL if dtype == F32 else 1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ranks, form", [(2, "every"), (4, "every"), (3, "offsets")])
+def test_checkpoints_on_absolute_positions(ranks, form):
+    """One sequence over `ranks` fixed-length shards, checkpoints on positions counted from the
+    sequence's start (every 512 from 300, so mid-chunk; or given offsets), each rank writing
+    those in its shard into its own slots: every checkpoint written once, equal to the one-GPU
+    forward's (1e-5) and the float64 loop's state at that position; the outputs and the final
+    state as the one-GPU forward's."""
+    dev, T, E, F = "cuda", 4096, 512, 300
+    x = _tokens(T, dev, 10 + ranks)
+    gate = _gate(dev, ranks)
+    gp = (gate["A_log"], gate["dt_bias"], gate["lower_bound"])
+    S0 = torch.randn(1, H, K, K, device=dev) * 0.3
+    marks = (list(range(F, T + 1, E)) if form == "every"
+             else [1, 63, 64, 1000, 1025, 2047, 3001, 4096])
+    bounds = [T * r // ranks // 64 * 64 for r in range(ranks)] + [T]
+    M = len(marks)
+    ck = torch.full((M + 1, H, K, K), float("nan"), device=dev)
+    work = []
+    for r in range(ranks):
+        a, b = bounds[r], bounds[r + 1]
+        own = [i for i, m in enumerate(marks) if a < m <= b]
+        kw = dict(carry_in=r > 0, position=a, checkpoint_state=ck)
+        if form == "every":
+            kw.update(checkpoint_every=E, checkpoint_first=torch.tensor([F], device=dev),
+                      checkpoint_slots=torch.tensor([own + [-1]], dtype=torch.int32,
+                                                    device=dev))
+        else:  # every mark to every rank: those in its shard written, at their columns
+            kw.update(checkpoint_offsets=torch.tensor([marks], device=dev),
+                      checkpoint_state=torch.full((1, M, H, K, K), float("nan"), device=dev))
+        toks = [t[:, a:b] for t in x]
+        out = torch.full_like(toks[2], float("nan"))
+        work.append(((*toks, SCALE, out, *gp, S0 if r == 0 else S0.clone(),
+                      torch.empty(1, H, K, K, device=dev)), kw))
+    _in_turn(work)
+    kda_cute.check_errors(sync=True)
+    out = torch.cat([w[0][6] for w in work], dim=1)
+    final = work[-1][0][-1]
+    if form == "offsets":  # mark i from the rank whose shard holds it; NaN elsewhere
+        got = torch.full((M, H, K, K), float("nan"), device=dev)
+        for r, (_, kw) in enumerate(work):
+            mine = kw["checkpoint_state"][0]
+            for i, m in enumerate(marks):
+                if bounds[r] < m <= bounds[r + 1]:
+                    got[i] = mine[i]
+                else:
+                    assert torch.isnan(mine[i]).all(), (r, m)
+    else:
+        got = ck[:M]
+    one_o, one_s = torch.empty_like(x[2]), torch.empty(1, H, K, K, device=dev)
+    one_ck = torch.full((1, M, H, K, K), float("nan"), device=dev)
+    kda_cute.fwd(*x, SCALE, one_o, *gp, S0.clone(), one_s, checkpoint_state=one_ck,
+                 checkpoint_offsets=torch.tensor([marks], device=dev))
+    torch.cuda.synchronize()
+    assert torch.isfinite(got).all()
+    assert rel_err(got, one_ck[0]) < 1e-5
+    assert rel_err(out, one_o) < 1e-5 and rel_err(final, one_s) < 1e-5
+    if form == "every":
+        assert torch.isnan(ck[M]).all()  # the slot past the marks untouched
+    xs = [t.cpu() for t in x]
+    for i in (0, M // 2, M - 1):
+        m = marks[i]
+        _, want = kda_reference(*(t[:, :m] for t in xs), scale=SCALE,
+                                initial_state=S0.cpu(), A_log=gp[0].cpu(),
+                                dt_bias=gp[1].cpu(), lower_bound=gp[2])
+        assert rel_err(got[i].cpu(), want[0]) < STATE_TOL, m

@@ -111,3 +111,61 @@ def test_shard_segments(H, T, want):
     assert plan(p, Options(context=True)).schedule.segments == want
     if H == 32 and T >= 65536:
         assert plan(p, Options()).schedule.kind != "segments"
+
+
+def _checkpointed(first: bool):
+    """A fixed-length shard's forward plan with every-4096 checkpoints (`first`: from a
+    boundary mid-chunk, so the side runs too), planned for context."""
+    from dataclasses import replace as with_
+
+    from kda_cute import Call, checks, plans
+    from kda_cute.plans import H200
+    B, T, H, K = 1, 16384, 4, 128
+    x = torch.empty(B, T, H, K, dtype=torch.bfloat16)
+    s = torch.empty(B, H, K, K, dtype=F32)
+    kw = dict(checkpoint_state=torch.empty(8, H, K, K, dtype=torch.bfloat16),
+              checkpoint_slots=torch.zeros(B, 4, dtype=torch.int32), checkpoint_every=4096)
+    if first:
+        kw["checkpoint_first"] = torch.full((B,), 4096 - 100, dtype=torch.int32)
+    call = Call(x, x, x, x, torch.empty(B, T, H, dtype=torch.bfloat16), x, torch.empty(H),
+                torch.empty(H, K), s, s, None, 0.1, -1.0, **kw)
+    o = with_(checks.options(segments=4), context=True)
+    return plans.plan(checks.forward(call, o, cuda=False), o, H200)
+
+
+def _scratch(pl):
+    return {x.buffer.params for s in pl.steps
+            for x in (s.sources if hasattr(s, "sources") else (getattr(s, "target", None),))
+            if isinstance(x, At) and x.buffer.kind == "scratch"}
+
+
+@pytest.mark.parametrize("first", [False, True])
+def test_checkpoint_tables_live_in_the_workspace(first):
+    """A checkpointed shard: the preparation (the checkpoints kernel, K1's side run) in the
+    summary beside K1, K2's checkpoint stores and side run in the finish; every table the
+    preparation writes and the finish reads is a plane of the workspace, at the same address
+    in both plans, so nothing crosses the calls in the launcher's scratch (only the rescale
+    words, which each call's K2 writes before its rescale run reads them)."""
+    full = _checkpointed(first)
+    summary, finish = context_plans(full)
+    names = [s.name for s in summary.steps]
+    assert "checkpoints" in names and ("K1 side" in names) == first
+    fnames = [s.name for s in finish.steps]
+    assert fnames[:2] == ["combine", "K2 from starts"] and ("K2 side" in fnames) == first
+    assert _scratch(summary) & _scratch(finish) == {("rescale",)}
+    k2 = finish.step("K2 from starts")
+    tables = {a: k2.source(a) for a in ("ck_at", "ck_to")}
+    assert all(isinstance(x, Plane) for x in tables.values())
+    prep = summary.step("checkpoints")
+    assert {a: prep.source(a) for a in ("ck_at", "ck_to")} == tables
+    if first:
+        side = finish.step("K2 side")
+        for a, b in (("cu_seqlens", "side_cu"), ("state_index", "side_read"),
+                     ("out_index", "side_write")):
+            assert side.source(a) == prep.source(b) and isinstance(side.source(a), Plane)
+        zero = next(s for s in summary.steps if s.name == "zero side slots")
+        assert zero.target == prep.source("side_cu")
+    planes = sorted({x.offset for s in summary.launches() for x in s.sources
+                     if isinstance(x, Plane) and x.name.startswith("checkpoints")})
+    assert planes[0] >= full.workspace_bytes - 512 and planes[-1] < summary.workspace_bytes
+    assert summary.workspace_bytes == finish.workspace_bytes

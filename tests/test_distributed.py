@@ -118,3 +118,20 @@ def test_bad_carry_in_is_named():
     with pytest.raises(ValueError, match="carry_in"):
         kd.fwd(x, x, x, x, x[..., 0], K ** -0.5, x, None, None, -5.0, None,
                torch.zeros(1, H, V, K), carry_in=1)
+
+
+@pytest.mark.parametrize("kw, name", [
+    (dict(carry_in=True, state_indices=torch.zeros(1, dtype=torch.int32)), "carry_out"),
+    (dict(carry_in=False, position=64), "position"),
+    (dict(carry_in=True, position=-1), "position"),
+    (dict(carry_in=True, position=64.0), "position")])
+def test_bad_pool_and_position_are_named(kw, name):
+    """The pool form needs carry_out (which rank writes the slot); position is the shard's
+    offset in a continued sequence."""
+    x = torch.zeros(1, 64, H, K, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=name):
+        kd.fwd(x, x, x, x, x[..., 0], K ** -0.5, x, None, None, -5.0, None,
+               torch.zeros(1, H, V, K), **kw)
+    with pytest.raises(ValueError, match=name):
+        next(kd.shard_steps(x, x, x, x, x[..., 0], K ** -0.5, x, None, None, -5.0, None,
+                            torch.zeros(1, H, V, K), rank=0, **kw))

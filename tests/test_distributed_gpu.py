@@ -33,7 +33,7 @@ def _batch(lens, seed):
             rnd(1, T, H)), cu, gate, S0
 
 
-def _rank_main(rank, world, port, lens, out_dir):
+def _rank_main(rank, world, port, lens, out_dir, pool=False):
     from kda_cute import context_reference as cp
     from kda_cute import distributed as kd
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -49,8 +49,15 @@ def _rank_main(rank, world, port, lens, out_dir):
         init = S0[list(sh.seqs)].to(dev)
         out = torch.empty_like(toks[2])
         final = torch.empty(len(sh.seqs), H, K, K, device=dev)
-        kd.fwd(*toks, SCALE, out, a_log.to(dev), dt_bias.to(dev), LB, init, final, lcu,
-               carry_in=sh.carry_in)
+        if pool:  # sequence n at slot 2n + 1 of a pool of every sequence's initial state
+            final = torch.zeros(2 * len(lens) + 1, H, K, K, device=dev)
+            final[1::2] = S0.to(dev)
+            kd.fwd(*toks, SCALE, out, a_log.to(dev), dt_bias.to(dev), LB, final, final, lcu,
+                   carry_in=sh.carry_in, carry_out=sh.carry_out,
+                   state_indices=torch.tensor([2 * n + 1 for n in sh.seqs], device=dev))
+        else:
+            kd.fwd(*toks, SCALE, out, a_log.to(dev), dt_bias.to(dev), LB, init, final, lcu,
+                   carry_in=sh.carry_in)
         torch.cuda.synchronize()
         torch.save({"out": out.cpu(), "final": final.cpu(), "seqs": sh.seqs,
                     "carry_out": sh.carry_out, "start": sh.start, "end": sh.end},
@@ -60,15 +67,19 @@ def _rank_main(rank, world, port, lens, out_dir):
 
 
 @pytest.mark.parametrize("ranks", [2, 4, 8])
-@pytest.mark.parametrize("lens", [[8192], [1500, 4000, 64, 2600]])
-def test_ranks_over_nccl(ranks, lens, tmp_path):
+@pytest.mark.parametrize("lens, pool", [([8192], False), ([1500, 4000, 64, 2600], False),
+                                        ([1500, 4000, 64, 2600], True)])
+def test_ranks_over_nccl(ranks, lens, pool, tmp_path):
+    """Each rank its shard (dense states, or its own copy of the pool: the rank holding a
+    sequence's last token writes its slot): the outputs and final states against the float64
+    loop and the one-GPU forward."""
     if torch.cuda.device_count() < ranks:
         pytest.skip(f"{ranks} GPUs needed, {torch.cuda.device_count()} here")
     import kda_cute
     from kda_cute.reference import kda_reference, rel_err
     from kda_cute.testing import OUT_TOL, STATE_TOL
-    mp.start_processes(_rank_main, args=(ranks, free_port(), lens, str(tmp_path)), nprocs=ranks,
-                       join=True, start_method="spawn")
+    mp.start_processes(_rank_main, args=(ranks, free_port(), lens, str(tmp_path), pool),
+                       nprocs=ranks, join=True, start_method="spawn")
     x, cu, (a_log, dt_bias), S0 = _batch(lens, seed=ranks)
     T = sum(lens)
     out = torch.zeros(1, T, H, K, dtype=torch.bfloat16)
@@ -78,7 +89,7 @@ def test_ranks_over_nccl(ranks, lens, tmp_path):
         out[:, d["start"]:d["end"]] = d["out"]
         for i, n in enumerate(d["seqs"]):
             if i < len(d["seqs"]) - 1 or not d["carry_out"]:  # the sequence ends here
-                final[n] = d["final"][i]
+                final[n] = d["final"][2 * n + 1] if pool else d["final"][i]
     dev = torch.device("cuda", 0)
     one_o = torch.empty(1, T, H, K, dtype=torch.bfloat16, device=dev)
     one_s = torch.empty(len(lens), H, K, K, device=dev)

@@ -26,7 +26,7 @@ from dataclasses import replace
 from ..specs.recur import INDEX_DENSE, STATE_F32, STATE_NONE
 from .launches import F32, index_values
 from .prefill import SEGMENT_STATES
-from .steps import At, Buffer, Errors, Launch, Plan, Plane, Role, Scalar
+from .steps import At, Buffer, Errors, Launch, Memset, Plan, Plane, Role, Scalar
 from .workspace import ALIGN
 
 
@@ -43,14 +43,23 @@ def context_plans(plan: Plan) -> tuple[Plan, Plan]:
     states = _segment_states(plan)
     base = plan.workspace_bytes - ALIGN  # K1's planes end here (aligned); ours follow
 
+    # the buffers the finish reads after the summary wrote them: the segments' states, and
+    # a checkpointed forward's tables (its preparation runs beside the summary's K1)
+    homes, ws = {}, base
+    for buf in (states, *_checkpoint_tables(plan.steps[:at], plan.steps[at:])):
+        homes[buf] = ws
+        ws += _aligned(math.prod(buf.shape) * buf.dtype.itemsize)
+
     def home(src):
-        return (Plane("segment states", base + src.offset)
-                if isinstance(src, At) and src.buffer == states else src)
+        if isinstance(src, At) and src.buffer in homes:
+            return Plane(" ".join(src.buffer.params), homes[src.buffer] + src.offset)
+        return src
 
     steps = tuple(replace(s, sources=tuple(home(x) for x in s.sources))
-                  if isinstance(s, Launch) else s for s in plan.steps)
-    size = math.prod(states.shape) * 4
-    ws = base + (size + ALIGN - 1) // ALIGN * ALIGN + ALIGN
+                  if isinstance(s, Launch) else
+                  replace(s, target=home(s.target)) if isinstance(s, Memset) else s
+                  for s in plan.steps)
+    ws += ALIGN
     # the summary's combines: every sequence's own (dense, no index tables), fp32 out
     dense = index_values(p, N, INDEX_DENSE, has_init=False)
     zeros = At(Buffer("zeros", (N * plan.schedule.segments, H, K, K), F32))
@@ -76,6 +85,24 @@ def context_plans(plan: Plan) -> tuple[Plan, Plan]:
     finish = replace(plan, steps=offsets + steps[at:], workspace_bytes=ws,
                      notes=plan.notes + ("context finish",))
     return summary, finish
+
+
+def _aligned(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def _scratch_in(steps) -> set:
+    return {x.buffer for s in steps
+            for x in (s.sources if isinstance(s, Launch) else
+                      (s.target,) if isinstance(s, Memset) else ())
+            if isinstance(x, At) and x.buffer.kind == "scratch"}
+
+
+def _checkpoint_tables(before, after) -> list[Buffer]:
+    """The checkpoints' scratch tables steps `before` and `after` the split both address, in
+    a fixed order (the preparation writes them before K1, K2 and its side run read them)."""
+    both = _scratch_in(before) & _scratch_in(after)
+    return sorted((b for b in both if b.params[:1] == ("checkpoints",)), key=lambda b: b.params)
 
 
 def _segment_states(plan: Plan) -> Buffer:
