@@ -325,3 +325,59 @@ def test_checkpoints_on_absolute_positions(ranks, form):
                                 initial_state=S0.cpu(), A_log=gp[0].cpu(),
                                 dt_bias=gp[1].cpu(), lower_bound=gp[2])
         assert rel_err(got[i].cpu(), want[0]) < STATE_TOL, m
+
+
+@pytest.mark.gpu
+def test_pool_form_in_a_cuda_graph():
+    """Two ranks' shard_steps in the pool form with checkpoints captured in one CUDA graph,
+    replayed with new tokens, new slots and a new initial pool written into the captured
+    tensors: bit for bit the eager run's (pools, outputs and checkpoints)."""
+    dev, T, E = "cuda", 2048, 256
+    x = [t.clone() for t in _tokens(T, dev, 21)]
+    gate = _gate(dev, 21)
+    gp = (gate["A_log"], gate["dt_bias"], gate["lower_bound"])
+    bounds = [0, 1088, T]
+    idx = torch.tensor([3], dtype=torch.int32, device=dev)
+    ck_slots = [torch.tensor([[0, 1, 2, 3, -1]], dtype=torch.int32, device=dev),
+                torch.tensor([[4, 5, 6, 7, -1]], dtype=torch.int32, device=dev)]
+    first = torch.tensor([100], device=dev)
+
+    def run(pools, outs, cks):
+        work = []
+        for r in range(2):
+            a, b = bounds[r], bounds[r + 1]
+            work.append(((*(t[:, a:b] for t in x), SCALE, outs[r], *gp, pools[r], pools[r]),
+                         dict(carry_in=r > 0, carry_out=r == 0, state_indices=idx,
+                              position=a, checkpoint_state=cks[r], checkpoint_every=E,
+                              checkpoint_first=first, checkpoint_slots=ck_slots[r])))
+        _in_turn(work)
+
+    def fresh(seed):
+        gen = torch.Generator(device=dev).manual_seed(seed)
+        p = torch.randn(6, H, K, K, generator=gen, device=dev) * 0.3
+        return ([p.clone(), p.clone()],
+                [torch.full((1, b - a, H, K), float("nan"), device=dev, dtype=BF)
+                 for a, b in zip(bounds, bounds[1:], strict=False)],
+                [torch.full((9, H, K, K), float("nan"), device=dev) for _ in range(2)])
+
+    pools, outs, cks = fresh(1)
+    run(pools, outs, cks)  # plans, warm
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run(pools, outs, cks)
+    for seed, slot in ((2, 5), (3, 0)):
+        for t, new in zip(x, _tokens(T, dev, seed), strict=True):
+            t.copy_(new)
+        idx.fill_(slot)
+        p2, o2, c2 = fresh(seed)
+        for a, b in zip(pools + outs + cks, p2 + o2 + c2, strict=True):
+            a.copy_(b)
+        graph.replay()
+        got = [t.clone() for t in pools + outs + cks]
+        run(p2, o2, c2)
+        kda_cute.check_errors(sync=True)
+        assert torch.isfinite(got[1][slot]).all() and torch.isfinite(got[2].float()).all()
+        for a, b in zip(got, p2 + o2 + c2, strict=True):
+            assert torch.equal(_bits(a) if a.dtype == F32 else a, _bits(b) if b.dtype == F32
+                               else b)
