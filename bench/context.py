@@ -29,6 +29,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+import report  # noqa: E402
+
 import kda_cute  # noqa: E402
 from bench import graphed, pyplot, time_flushed, versions  # noqa: E402
 from kda_cute.context import combine, context_finish, context_summary  # noqa: E402
@@ -191,23 +193,8 @@ def distributed(tokens, heads) -> list[dict]:
 
 
 def markdown(data) -> str:
-    """The simulation's or the ranks' table."""
-    rows = data["rows"]
-    if data.get("mode") == "ranks":
-        lines = ["| H | T | ranks | one GPU ms | ranks ms | speedup |",
-                 "|---:|---:|---:|---:|---:|---:|"]
-        lines += [f"| {r['H']} | {r['T']} | {r['ranks']} | {r['one_gpu_ms']:.3f} | "
-                  f"{r['ms']:.3f} | {r['speedup']:.2f}x |" for r in rows]
-        return "\n".join(lines) + "\n"
-    counts = sorted({int(R) for r in rows for R in r["ranks"]})
-    lines = ["| H | T | one GPU ms | " + " | ".join(f"{R} ranks ms (speedup)" for R in counts)
-             + " |", "|---:|---:|---:|" + "---:|" * len(counts)]
-    for r in rows:
-        cells = [f"{r['ranks'][str(R)]['ms']:.3f} ({r['ranks'][str(R)]['speedup']:.2f}x)"
-                 for R in counts]
-        lines.append(f"| {r['H']} | {r['T']} | {r['one_gpu_ms']:.3f} | " + " | ".join(cells)
-                     + " |")
-    return "\n".join(lines) + "\n"
+    """The simulation's or the ranks' table (report.py's, as docs/results.md shows it)."""
+    return "\n".join(report.context_table(data)) + "\n"
 
 
 def plot(data, path) -> None:

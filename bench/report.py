@@ -221,15 +221,15 @@ def replay(data, name, results):
     return caption(data, name, results) + note + table(head, body, 2)
 
 
-def context(data, name, results):
-    """Context parallelism's scaling (bench/context.py): the one-GPU forward against R ranks'
-    slowest rank, simulated in turn on one GPU or run over NCCL."""
+def context_table(data):
+    """Context parallelism's scaling as lines (a note, the table), without the caption: the
+    one-GPU forward against R ranks' slowest rank, simulated in turn on one GPU or run over
+    NCCL (bench/context.py writes it beside its JSON)."""
     rows = data["rows"]
     if data.get("mode") == "ranks":
         body = [[str(r["H"]), str(r["T"]), str(r["ranks"]), ms(r["one_gpu_ms"]), ms(r["ms"]),
                  f"{r['speedup']:.2f}x"] for r in rows]
-        head = ["H", "T", "ranks", "one GPU ms", "ranks ms", "speedup"]
-        return caption(data, name, results) + table(head, body, 0)
+        return table(["H", "T", "ranks", "one GPU ms", "ranks ms", "speedup"], body, 0)
     counts = sorted({int(R) for r in rows for R in r["ranks"]})
     body = [[str(r["H"]), str(r["T"]), ms(r["one_gpu_ms"])]
             + [f"{r['ranks'][str(R)]['ms']:.3f} ({r['ranks'][str(R)]['speedup']:.2f}x)"
@@ -239,7 +239,12 @@ def context(data, name, results):
     note = wrap(f"Each rank's work (its shard's summary, the fold, its finish) timed alone on one "
                 f"GPU, {how}; a rank count's time is its slowest rank's, the exchange left out.")
     head = ["H", "T", "one GPU ms"] + [f"{R} ranks ms (speedup)" for R in counts]
-    return caption(data, name, results) + note + table(head, body, 0)
+    return note + table(head, body, 0)
+
+
+def context(data, name, results):
+    """bench/context.py's result (context_table) under its caption."""
+    return caption(data, name, results) + context_table(data)
 
 
 # (file, marker, table, generator): the text between <!-- marker:begin --> and its end
