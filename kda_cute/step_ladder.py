@@ -121,6 +121,12 @@ REPLAY_VARIANTS: tuple[ReplayConfig, ...] = (
     _replay("bfloat16", 16, 64, mode="verify", drafts=8),
     _replay("bfloat16", 32, 64, mode="verify", drafts=8),
     _replay("bfloat16", 32, 64, mode="verify"),
+    # the checkpoint's products with the drafts on mma.sync, at the shipped verify tiles
+    *(_replay(pool, n, 128 if n > 16 else 64, mode="verify", mma=True)
+      for n in REPLAY_RINGS for pool in ("float32", "bfloat16")),
+    *(_replay("float32", n, 64, min_blocks=4, mode="verify", drafts=8, mma=True)
+      for n in (16, 32)),
+    _replay("bfloat16", 16, 128, mode="verify", drafts=8, mma=True),
 )
 
 

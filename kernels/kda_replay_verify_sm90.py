@@ -30,8 +30,10 @@ over the accepted drafts. A row of more than 16 drafts, or whose drafts would pa
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils as utils
+from cutlass.cute.nvgpu import warp as warp_mma
 
 from kda_cute.specs.replay import MAX_DRAFTS
+from kernels.common import bits_f32, f32_bits, tf32_rna
 from kernels.kda_replay_sm90 import KdaReplaySm90, Ring
 from kernels.step_rows import (
     E_LEN,
@@ -55,6 +57,10 @@ class KdaReplayVerifySm90(KdaReplaySm90):
         # a warp a row group, and its 32 lanes end with one of the group's 2R sums each
         assert self.TPR == 32 and 2 * self.R == 32 and self.BV <= self.threads, cfg
         self.D = cfg.drafts or min(self.L, MAX_DRAFTS)  # the drafts' areas
+        self.MMA = cfg.mma
+        if self.MMA:  # a warp 16 rows (row grp + G i its MMA row i); k steps of KT columns
+            assert self.BV == 16 * self.G and self.D % 4 == 0 and self.K % 32 == 0, cfg
+            self.KT = 8 if self.pdt is cutlass.Float32 else 16
 
     def _shared_storage(self):
         """The ring's entries (keys, log-decays then rescaled keys, inverse norms, the tile's
@@ -65,7 +71,8 @@ class KdaReplayVerifySm90(KdaReplaySm90):
         fields = {"rk": A[MR[cutlass.BFloat16, L * K], 128], "rg": A[MR[f32, L * K], 128],
                   "rr": A[MR[f32, L], 128], "ru": A[MR[self.udt, L * BV], 128],
                   "kn": A[MR[f32, D * K], 128], "qn": A[MR[f32, D * K], 128],
-                  "xk": A[MR[f32, D * K], 128], "xq": A[MR[f32, D * K], 128],
+                  **({"xkq": A[MR[f32, 2 * D * K], 128]} if self.MMA else
+                     {"xk": A[MR[f32, D * K], 128], "xq": A[MR[f32, D * K], 128]}),
                   "gref": A[MR[f32, K], 128], "ab": A[MR[f32, 2 * L * D], 128],
                   "vv": A[MR[f32, D * BV], 128], "bt": A[MR[f32, D], 128],
                   "sk": A[MR[f32, 2 * D * BV], 128]}
@@ -77,10 +84,16 @@ class KdaReplayVerifySm90(KdaReplaySm90):
         def grid(area, n, m):
             return area.get_tensor(cute.make_layout((n, m), stride=(m, 1)))
 
+        if cutlass.const_expr(self.MMA):  # (the q vectors D K after the k ones: one operand)
+            xkq = shared.xkq.get_tensor(cute.make_layout(2 * D * K))
+            xk = cute.make_tensor(xkq.iterator, cute.make_layout((D, K), stride=(K, 1)))
+            xq = cute.make_tensor(xkq.iterator + D * K, cute.make_layout((D, K), stride=(K, 1)))
+        else:
+            xk, xq = grid(shared.xk, D, K), grid(shared.xq, D, K)
         return (grid(shared.rk, L, K), grid(shared.rg, L, K),
                 shared.rr.get_tensor(cute.make_layout(L)), grid(shared.ru, L, BV),
-                grid(shared.kn, D, K), grid(shared.qn, D, K), grid(shared.xk, D, K),
-                grid(shared.xq, D, K), shared.gref.get_tensor(cute.make_layout(K)),
+                grid(shared.kn, D, K), grid(shared.qn, D, K), xk,
+                xq, shared.gref.get_tensor(cute.make_layout(K)),
                 shared.ab.get_tensor(cute.make_layout((2, L, D), stride=(L * D, D, 1))),
                 grid(shared.vv, D, BV), shared.bt.get_tensor(cute.make_layout(D)),
                 shared.sk.get_tensor(cute.make_layout((2, D, BV), stride=(D * BV, BV, 1))))
@@ -247,6 +260,122 @@ class KdaReplayVerifySm90(KdaReplaySm90):
                     sums[i] = keep + cute.arch.shuffle_sync_bfly(send, offset=o)
             sk_s[kind, t, rho] = sums[0]
 
+    # ------------------------------------------------ the products on mma.sync (cfg.mma)
+    def _mma_atom(self):
+        """(the tiled MMA, its operand type): m16n8k8 tf32 for an fp32 checkpoint (split into
+        hi and lo), m16n8k16 bf16 for a bf16 one (exact)."""
+        f32 = cutlass.Float32
+        if cutlass.const_expr(self.pdt is f32):
+            return cute.make_tiled_mma(warp_mma.MmaTF32Op((16, 8, 8))), cutlass.TFloat32
+        return (cute.make_tiled_mma(warp_mma.MmaF16BF16Op(cutlass.BFloat16, f32, (16, 8, 16))),
+                cutlass.BFloat16)
+
+    def _k_mode(self, s):
+        """(shape, stride, column offset) of k step s's k mode: the MMA's k index of a lane's
+        operand values mapped to adjacent head columns, and a lane's columns over the steps
+        of a 32-column block contiguous (the products are sums over the columns, so any one
+        mapping serves A and B alike): m16n8k8's k tig and tig + 4 to columns 8 tig + 2 s' +
+        (0, 1), m16n8k16's 2 tig + (0, 1) and 2 tig + 8 + (0, 1) to 8 tig + 4 s' + (0 .. 3)."""
+        per = 32 // self.KT  # k steps a block
+        if cutlass.const_expr(self.KT == 8):
+            return (4, 2), (8, 1), 32 * (s // per) + 2 * (s % per)
+        return (2, 4, 2), (1, 8, 2), 32 * (s // per) + 4 * (s % per)
+
+    def _mma_frags(self):
+        """A lane's A operands, one fragment a k step (the checkpoint's values as loaded)."""
+        mma, _ = self._mma_atom()
+        shape = mma.get_slice(0).partition_shape_A((16, self.KT))
+        return [cute.make_rmem_tensor(shape, self.pdt) for _ in range(self.K // self.KT)]
+
+    @cute.jit
+    def _mma_load(self, pool: cute.Tensor, frags, slot, h, vb, grp, lane):
+        """The warp's 16 rows of the checkpoint (row grp + G i its MMA row i) into the lane's
+        fragments, straight from memory."""
+        mma, _ = self._mma_atom()
+        thr = mma.get_slice(lane)
+        base = pool[slot, h, vb * self.BV + grp, None].iterator
+        for s in cutlass.range_constexpr(self.K // self.KT):
+            shape, stride, off = self._k_mode(s)
+            view = cute.make_tensor(base + off, cute.make_layout(
+                (16, shape), stride=(self.G * self.K, stride)))
+            frags[s].store(thr.partition_A(view).load())
+
+    @cute.jit
+    def _mma_products(self, areas, frags, length, grp, lane):
+        """The checkpoint's products with each draft's vectors on mma.sync, into sk[0 / 1, t,
+        row]: n tile i the columns [k of drafts 4i .. 4i + 3, q of the same], as many tiles
+        as the row's drafts need. e^(G_ref) column by column into an fp32 checkpoint's values,
+        split into tf32 hi and lo as the vectors are (hi hi + hi lo + lo hi: about fp32's
+        products); for a bf16 one into the vectors (the checkpoint an exact operand), split
+        into bf16 hi and lo."""
+        f32, K, D, KT = cutlass.Float32, self.K, self.D, self.KT
+        _, _, _, _, _, _, xk_s, _, gref_s, _, _, _, sk_s = areas
+        mma, op_t = self._mma_atom()
+        thr = mma.get_slice(lane)
+        is_f32 = self.pdt is f32
+        steps = K // KT
+        # e^(G_ref) column by column: into an fp32 checkpoint's values (split below), else
+        # kept for each k step's B values (the same columns in every n tile)
+        egs = []
+        for s in cutlass.range_constexpr(steps):
+            shape, stride, off = self._k_mode(s)
+            rows = 16 if is_f32 else 8
+            gview = cute.make_tensor(gref_s.iterator + off, cute.make_layout(
+                (rows, shape), stride=(0, stride)))
+            pg = thr.partition_A(gview) if is_f32 else thr.partition_B(gview)
+            eg = cute.make_rmem_tensor(pg.shape, f32)
+            eg.store(pg.load())
+            for e in cutlass.range_constexpr(cute.size(eg)):
+                eg[e] = cute.math.exp(eg[e], fastmath=True)
+            if cutlass.const_expr(is_f32):
+                for e in cutlass.range_constexpr(cute.size(eg)):
+                    frags[s][e] = frags[s][e] * eg[e]
+            else:
+                egs.append(eg)
+        acc = cute.make_rmem_tensor(thr.partition_shape_C((16, 8)), f32)
+        cC = thr.partition_C(cute.make_identity_tensor((16, 8)))
+        for nt in cutlass.range(-(-length // 4)):
+            acc.fill(0.0)
+            for s in cutlass.range_constexpr(steps):
+                shape, stride, off = self._k_mode(s)
+                bview = cute.make_tensor(xk_s.iterator + 4 * nt * K + off, cute.make_layout(
+                    ((4, 2), shape), stride=((K, D * K), stride)))
+                pb = thr.partition_B(bview)
+                xb = cute.make_rmem_tensor(pb.shape, f32)
+                xb.store(pb.load())
+                bh = cute.make_rmem_tensor(pb.shape, op_t)
+                bl = cute.make_rmem_tensor(pb.shape, op_t)
+                for e in cutlass.range_constexpr(cute.size(xb)):
+                    if cutlass.const_expr(is_f32):
+                        b = xb[e]
+                        hb = tf32_rna(b)
+                        bh[e] = hb
+                        bl[e] = b - hb  # exact; the MMA reads its top 19 bits
+                    else:
+                        b = xb[e] * egs[s][e]
+                        hb = b.to(cutlass.BFloat16)
+                        bh[e] = hb
+                        bl[e] = (b - hb.to(f32)).to(cutlass.BFloat16)
+                if cutlass.const_expr(is_f32):
+                    fa = cute.make_rmem_tensor(frags[s].shape, op_t)
+                    fl = cute.make_rmem_tensor(frags[s].shape, op_t)
+                    for e in cutlass.range_constexpr(cute.size(fa)):
+                        x = frags[s][e]
+                        hi = bits_f32(f32_bits(x) & cutlass.Int32(-8192))
+                        fa[e] = hi
+                        fl[e] = x - hi
+                    cute.gemm(mma, acc, fa, bh, acc)
+                    cute.gemm(mma, acc, fa, bl, acc)
+                    cute.gemm(mma, acc, fl, bh, acc)
+                else:
+                    cute.gemm(mma, acc, frags[s], bh, acc)
+                    cute.gemm(mma, acc, frags[s], bl, acc)
+            for e in cutlass.range_constexpr(cute.size(acc)):
+                i, n = cC[e]
+                t = 4 * nt + n % 4
+                if t < length:
+                    sk_s[n // 4, t, grp + self.G * i] = acc[e]
+
     @cute.jit
     def _rows(self, areas, tk: Tokens, ring: Ring, bos, length, c, slot, h, vb, tidx, keep):
         """A thread a row: draft by draft, u (to the shared ring for the next drafts, and to
@@ -297,15 +426,23 @@ class KdaReplayVerifySm90(KdaReplaySm90):
             keep = i32(0)  # a row without a slot appends nothing
             if slot >= 0:
                 keep = i32(1)
-            raw = cute.make_rmem_tensor(cute.make_layout((self.VEC, self.NJ, self.R)),
-                                        self.pdt)
-            raw.fill(0.0)
+            if cutlass.const_expr(self.MMA):
+                raw = self._mma_frags()
+                for f in raw:
+                    f.fill(0.0)
+            else:
+                raw = cute.make_rmem_tensor(cute.make_layout((self.VEC, self.NJ, self.R)),
+                                            self.pdt)
+                raw.fill(0.0)
             if start != 0:
                 self._stage_ring(ring, (rk_s, rg_s, rr_s, ru_s), slot, h, vb, c, tidx)
-                for r in cutlass.range_constexpr(self.R):
-                    vecs = self._row_vecs(st.pool, slot, h, vb * self.BV + grp + self.G * r)
-                    for j in cutlass.range_constexpr(self.NJ):
-                        raw[None, j, r].store(vecs[None, sub + self.TPR * j].load())
+                if cutlass.const_expr(self.MMA):
+                    self._mma_load(st.pool, raw, slot, h, vb, grp, sub)
+                else:
+                    for r in cutlass.range_constexpr(self.R):
+                        vecs = self._row_vecs(st.pool, slot, h, vb * self.BV + grp + self.G * r)
+                        for j in cutlass.range_constexpr(self.NJ):
+                            raw[None, j, r].store(vecs[None, sub + self.TPR * j].load())
             cute.arch.cp_async_commit_group()
             self._prep_drafts(areas, tk, gp, bos, length, c, h, vb, grp, sub, tidx, gate)
             cute.arch.cp_async_wait_group(0)
@@ -313,6 +450,9 @@ class KdaReplayVerifySm90(KdaReplaySm90):
             self._columns(areas, ring, slot, h, vb, c, length, tidx, keep)
             cute.arch.sync_threads()
             self._pairs(areas, c, length, grp, sub)
-            self._state_products(areas, raw, length, grp, sub)
+            if cutlass.const_expr(self.MMA):
+                self._mma_products(areas, raw, length, grp, sub)
+            else:
+                self._state_products(areas, raw, length, grp, sub)
             cute.arch.sync_threads()
             self._rows(areas, tk, ring, bos, length, c, slot, h, vb, tidx, keep)

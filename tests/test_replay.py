@@ -677,7 +677,32 @@ def test_every_tile(cfg):
         assert rel_err(state[idx[live].long()], m_state[idx[live].long().cpu()].cuda()) < \
             STATE_TOL[dtype]
         return
-    T = min(6, cfg.drafts or min(cfg.ring, 16), cfg.ring - 2)
+    _verify_tile(cfg, min(6, cfg.drafts or min(cfg.ring, 16), cfg.ring - 2), gen, state, ring,
+                 idx, gate, m_state, m_ring)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", [c for c in _TILES if c.mma],
+                         ids=lambda c: c.name.removeprefix("kda_replay_"))
+def test_mma_tiles_with_every_draft(cfg):
+    """The verify tiles whose checkpoint products run on mma.sync, with as many drafts as the
+    tile holds (every n tile of the products) past cursor 2, against the float64 model."""
+    N, slots = 5, 12
+    dtype = torch.float32 if cfg.pool == "float32" else torch.bfloat16
+    gen = _gen(cfg.ring + cfg.block_v + 1)
+    state = (torch.randn(slots, H, K, K, generator=gen, device="cuda") * 0.3).to(dtype)
+    ring = rp.new_ring(state, cfg.ring, torch.float16)
+    idx = torch.randperm(slots, generator=gen, device="cuda")[:N].int()
+    idx[1] = -1
+    m_state, m_ring = _model(state, ring)
+    _verify_tile(cfg, min(cfg.drafts or min(cfg.ring, 16), cfg.ring - 2), gen, state, ring,
+                 idx, _gate(gen), m_state, m_ring)
+
+
+def _verify_tile(cfg, T, gen, state, ring, idx, gate, m_state, m_ring):
+    """A verify of T drafts past cursor 2 through config=cfg against the float64 model."""
+    N = idx.shape[0]
+    live = idx >= 0
     ring.cursor.fill_(2)
     m_ring.cursor.fill_(2)
     q, k, v, g, beta = _toks(N, T, gen)

@@ -41,6 +41,7 @@ class ReplayConfig(StepConfig):
     u_dtype: str = "float16"
     mode: str = "decode"  # one of MODES
     drafts: int = 0  # verify: the most drafts a row (its shared areas); 0: min(ring, 16)
+    mma: bool = False  # verify: the checkpoint's products with the drafts on mma.sync
 
     @property
     def name(self) -> str:
@@ -50,7 +51,7 @@ class ReplayConfig(StepConfig):
             return f"kda_replay_commit_l{self.ring}"
         return f"kda_replay_{base}_l{self.ring}_{u}" + (
             "" if self.mode == "decode" else f"_{self.mode}") + (
-            f"_d{self.drafts}" if self.drafts else "")
+            f"_d{self.drafts}" if self.drafts else "") + ("_mma" if self.mma else "")
 
 
 def supports(cfg: ReplayConfig) -> tuple[bool, str]:
@@ -69,6 +70,11 @@ def supports(cfg: ReplayConfig) -> tuple[bool, str]:
                        or cfg.drafts > cfg.ring):
         return False, (f"drafts must be 0, or for verify 2, 4, 8 or 16 and at most the ring, "
                        f"got {cfg.drafts} ({cfg.mode}, ring {cfg.ring})")
+    if cfg.mma and (cfg.mode != "verify" or (cfg.drafts or min(cfg.ring, MAX_DRAFTS)) % 4
+                    or cfg.block_v % 16 or cfg.head_dim_k % 32):
+        return False, (f"mma is a verify's with drafts areas of a multiple of 4 and rows and "
+                       f"head columns in whole MMA tiles, got {cfg.mode}, drafts {cfg.drafts}, "
+                       f"block_v {cfg.block_v}, K {cfg.head_dim_k}")
     if cfg.mode == "verify" and (cfg.tpr != 32 or 2 * cfg.block_v != cfg.threads):
         return False, (f"verify tiles are 32 lanes a row and two threads a row "
                        f"(threads = 2 block_v), got tpr={cfg.tpr}, block_v={cfg.block_v}, "
