@@ -131,11 +131,11 @@ def simulate(tokens, heads, counts=(), most: int = 1 << 62) -> list[dict]:
             for R in (2, 4, 8):
                 base, per = _ranks(x, gate, H, T, R)
                 bases.append(base)
-                row["ranks"][R] = {"rank_ms": per, "one_gpu_ms": base, "ms": max(per),
-                                   "speedup": base / max(per)}
-                if counts:
-                    row["ranks"][R]["by_segments"] = {P: max(_ranks(x, gate, H, T, R, P)[1])
-                                                      for P in counts}
+                row["ranks"][str(R)] = {"rank_ms": per, "one_gpu_ms": base, "ms": max(per),
+                                        "speedup": base / max(per)}
+                if counts:  # (keys as the JSON holds them)
+                    row["ranks"][str(R)]["by_segments"] = {
+                        str(P): max(_ranks(x, gate, H, T, R, P)[1]) for P in counts}
             row["one_gpu_ms"] = statistics.median(bases)
             rows.append(row)
             print(json.dumps(row), flush=True)

@@ -245,8 +245,8 @@ def _read_slots(pool: Tensor, idx: Tensor, has_initial: Tensor | None, null_slot
                       tuple(has_initial.shape) if isinstance(has_initial, Tensor)
                       else type(has_initial).__name__)
         read &= has_initial.to(torch.bool)
-    if carry_in:  # the first piece's entry comes from the ranks before
-        read[0] = False
+    if carry_in:  # the first piece's entry comes from the ranks before (a fill: no copy
+        read[:1].fill_(False)  # from the host, as a graph's capture needs)
     held = torch.zeros(N, H, V, K, dtype=pool.dtype, device=pool.device)
     ss = pool.stride(0) if pool.shape[0] > 1 else H * V * K
     rows = pool.as_strided((pool.shape[0], 1, H, V, K), (ss, ss, V * K, K, 1))
@@ -266,6 +266,6 @@ def _write_slots(pool: Tensor, states: Tensor, idx: Tensor, null_slot, carry_out
                   tuple(pool.shape) if isinstance(pool, Tensor) else type(pool).__name__)
     step = torch.zeros(N, dtype=torch.int32, device=states.device)
     if carry_out and N:
-        step[-1] = -1
+        step[-1:].fill_(-1)
     serving.commit(pool, states.to(pool.dtype)[:, None], idx, step, null_slot=null_slot)
     errors.note(pool.device, "distributed.fwd", ((E_WRITE, "output_state_indices"),))

@@ -92,22 +92,26 @@ def _replay(pool: str, ring: int, rows: int, **kw) -> ReplayConfig:
 # whole head a CTA does them once a head: it ships where the drafts' work outweighs its fewer
 # CTAs an SM (16 drafts on a ring of 32; bf16 from 4 drafts); elsewhere 64 rows, up to 8
 # drafts on the longer rings in areas of 8 (more CTAs an SM; fp32 with its registers capped to
-# four CTAs).
+# four CTAs). The checkpoint's products with the drafts on mma.sync where they outweigh its
+# fragment loads: bf16 but for 2 drafts on a ring of 16 (areas of 2, on the CUDA cores), fp32
+# on a ring of 32.
 REPLAY: tuple[ReplayConfig, ...] = tuple(
     c for n in REPLAY_RINGS for c in (
         _replay("float32", n, 128),
         _replay("bfloat16", n, 64 if n > 16 else 128),
-        _replay("float32", n, 128 if n > 16 else 64, mode="verify"),
-        _replay("bfloat16", n, 128 if n > 16 else 64, mode="verify"),
+        _replay("float32", n, 128 if n > 16 else 64, mode="verify", mma=n > 16),
+        _replay("bfloat16", n, 128 if n > 16 else 64, mode="verify", mma=True),
         _replay("float32", n, 64, mode="flush"),
         _replay("bfloat16", n, 64, mode="flush"),
         _replay("float32", n, 64, mode="commit"),
         *((_replay("float32", n, 64, min_blocks=4, mode="verify", drafts=8),)
           if n > 8 else ()),
-        *((_replay("bfloat16", n, 128, mode="verify", drafts=8),) if n == 16 else ())))
+        *((_replay("bfloat16", n, 128, mode="verify", drafts=8, mma=True),
+           _replay("bfloat16", n, 128, mode="verify", drafts=2)) if n == 16 else ())))
 # other replay tiles, for the sweep (bench/replay.py --sweep): decode fp32 64 rows a CTA on
 # rings of 16 and 8, 32 rows on a ring of 8; bf16 tiles of 16 lanes a row, and 64 rows; verify
-# the whole heads and 64 rows beside the shipped ones
+# the whole heads and 64 rows beside the shipped ones, each shipped verify tile's twin with
+# the products on the other units
 REPLAY_VARIANTS: tuple[ReplayConfig, ...] = (
     *(_replay("float32", n, 64) for n in (16, 8)),
     ReplayConfig(128, 128, "float32", 32, 32, 128, unroll=2, ring=8),
@@ -121,12 +125,12 @@ REPLAY_VARIANTS: tuple[ReplayConfig, ...] = (
     _replay("bfloat16", 16, 64, mode="verify", drafts=8),
     _replay("bfloat16", 32, 64, mode="verify", drafts=8),
     _replay("bfloat16", 32, 64, mode="verify"),
-    # the checkpoint's products with the drafts on mma.sync, at the shipped verify tiles
-    *(_replay(pool, n, 128 if n > 16 else 64, mode="verify", mma=True)
+    *(_replay(pool, n, 128 if n > 16 else 64, mode="verify",
+              mma=pool == "float32" and n <= 16)
       for n in REPLAY_RINGS for pool in ("float32", "bfloat16")),
     *(_replay("float32", n, 64, min_blocks=4, mode="verify", drafts=8, mma=True)
       for n in (16, 32)),
-    _replay("bfloat16", 16, 128, mode="verify", drafts=8, mma=True),
+    _replay("bfloat16", 16, 128, mode="verify", drafts=8),
 )
 
 
