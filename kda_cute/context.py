@@ -12,8 +12,9 @@ Each sequence n of the shard maps a state S entering it to S transition[n] + bia
 tokens' maps); `combine` chains them. The finish runs the same forward's remaining launches
 from `initial_state` (fp32 [N, H, V, K], row n sequence n's entry state), so it takes the
 summary's workspace and the same inputs. K == V (the identity rows reuse K2's config); dense
-fp32 states. Checkpoints as kda_cute.fwd's (a fixed-length shard): both calls take the same
-ones; the summary prepares their tables beside K1, the finish writes them.
+fp32 states. Checkpoints as kda_cute.fwd's: both calls take the same ones; the summary
+prepares their tables beside K1, the finish writes them (a shard's rows run in segments, whose
+chunk grids never shift to first boundaries: partial chunks take side runs).
 """
 
 from __future__ import annotations
@@ -43,9 +44,6 @@ def _plans(call: Call, gate, qk_l2norm, beta_sigmoid, segments, precision):
     p = checks.forward(call, opts)
     pl = plans.plan(p, opts, device_info(call.q.device))
     if pl.schedule.kind != "segments":
-        if p.varlen and p.ckpt is not None:
-            raise err("cu_seqlens", "None with checkpoints (a varlen shard's segments take "
-                      "no checkpoints)", f"a tensor of {p.N + 1} offsets")
         raise err("q", "K == V and tokens (the summary's identity rows reuse K2's config)",
                   f"K={p.K}, V={p.V}, {p.B * p.T} tokens")
     return p, context_plans(pl)
@@ -114,7 +112,7 @@ def context_finish(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, sca
     """The shard's forward from `initial_state` (fp32 [N, H, V, K]: row n sequence n's entry
     state) after `context_summary` with the same inputs and options, and its `workspace`:
     writes `out` and `final_state` (fp32 [N, H, V, K], may be initial_state), and the
-    checkpoints (kda_cute.fwd's arguments, the summary's too; cu_seqlens None)."""
+    checkpoints (kda_cute.fwd's arguments, the summary's too)."""
     N = sequences(q, cu_seqlens)
     _state("initial_state", initial_state, v, N, k.shape[-1])
     _state("final_state", final_state, v, N, k.shape[-1])

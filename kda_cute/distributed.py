@@ -104,11 +104,11 @@ def fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float, 
     reads and writes no state (the piece runs from zeros); has_initial_state [N] bool as
     kda_cute.fwd's; a slot past the pool is raised as kda_cute.DeviceValueError like the
     serving calls'.
-    Checkpoints on absolute positions (a fixed-length shard, cu_seqlens None): `position` is
-    the shard's first token's offset in its sequence (0 unless carry_in); the checkpoint
-    arguments as kda_cute.fwd's, counted from each sequence's start: checkpoint_first (default
-    checkpoint_every) or checkpoint_offsets name positions in the whole sequence, and the
-    shard writes those that fall in it (the i-th of its own into checkpoint_slots[n, i])."""
+    Checkpoints on absolute positions: `position` is the shard's first token's offset in its
+    sequence (0 unless carry_in); the checkpoint arguments as kda_cute.fwd's, counted from each
+    sequence's start: checkpoint_first (default checkpoint_every) or checkpoint_offsets name
+    positions in the whole sequence, and each piece writes those that fall in it (the i-th of
+    its own into checkpoint_slots[n, i])."""
     _flags(carry_in, carry_out, position, state_indices)  # (before the group is asked)
     steps = shard_steps(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound,
                         initial_state, final_state, cu_seqlens, carry_in=carry_in,

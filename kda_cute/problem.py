@@ -46,6 +46,7 @@ class Checkpoints:
     f_wide: int = 0
     f_words: int = 0
     dest_min: int = 0
+    fixed_grid: int = 0  # a context shard's: its rows' chunk grids never shift (segments)
 
     @property
     def aligned(self) -> bool:
@@ -57,8 +58,9 @@ class Checkpoints:
     def shifts(self) -> bool:
         """The every-n form from first boundaries: a forward that runs its rows whole (every
         schedule but segments) shifts each row's chunk grid to its first boundary's phase, so
-        that every boundary ends a chunk (kda_cute.specs.checkpoints)."""
-        return self.every > 0 and bool(self.first_on)
+        that every boundary ends a chunk (kda_cute.specs.checkpoints); a context shard's run
+        in segments, which never shift (fixed_grid)."""
+        return self.every > 0 and bool(self.first_on) and not self.fixed_grid
 
 
 class PoolForm(NamedTuple):

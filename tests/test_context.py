@@ -382,3 +382,73 @@ def test_pool_form_in_a_cuda_graph():
         for a, b in zip(got, p2 + o2 + c2, strict=True):
             assert torch.equal(_bits(a) if a.dtype == F32 else a, _bits(b) if b.dtype == F32
                                else b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_varlen_checkpoints_in_turn(ranks):
+    """A packed batch over `ranks` shards with checkpoints every 256 tokens from 100 of each
+    sequence (mid-chunk), every piece writing those in it into its rank's own pool (NaN
+    elsewhere): each checkpoint written once, by the rank holding its position, equal to the
+    float64 loop's state there; the outputs and final states as the float64 loop's."""
+    from kda_cute import context_reference as cp
+    dev, E, F = "cuda", 256, 100
+    lens = [1300, 2500, 800]
+    cu = [0, *torch.tensor(lens).cumsum(0).tolist()]
+    x = _tokens(cu[-1], dev, 30 + ranks)
+    gate = _gate(dev, ranks)
+    gp = (gate["A_log"], gate["dt_bias"], gate["lower_bound"])
+    S0 = torch.randn(len(lens), H, K, K, device=dev) * 0.3
+    marks = {n: list(range(F, lens[n] + 1, E)) for n in range(len(lens))}
+    slot = {}
+    for n in range(len(lens)):
+        for i in range(len(marks[n])):
+            slot[n, i] = len(slot)
+    shards = cp.split(cu, ranks, align=64)
+    work = []
+    for sh in shards:
+        rows = []
+        for j, n in enumerate(sh.seqs):
+            a = sh.start - cu[n] if j == 0 and sh.carry_in else 0  # the piece's offset
+            b = min(sh.end, cu[n + 1]) - cu[n]
+            rows.append([slot[n, i] for i, m in enumerate(marks[n]) if a < m <= b])
+        M = max(1, *(len(r) for r in rows))
+        table = torch.tensor([r + [-1] * (M - len(r)) for r in rows], dtype=torch.int32,
+                             device=dev)
+        toks = [t[:, sh.start:sh.end] for t in x]
+        seqs = list(sh.seqs)
+        work.append(((*toks, SCALE, torch.full_like(toks[2], float("nan")), *gp,
+                      S0[seqs].clone(), torch.empty(len(seqs), H, K, K, device=dev),
+                      torch.tensor(sh.cu, dtype=torch.int32, device=dev)),
+                     dict(carry_in=sh.carry_in,
+                          position=sh.start - cu[seqs[0]] if sh.carry_in else 0,
+                          checkpoint_state=torch.full((len(slot), H, K, K), float("nan"),
+                                                      device=dev),
+                          checkpoint_every=E, checkpoint_slots=table,
+                          checkpoint_first=torch.full((len(seqs),), F, device=dev))))
+    _in_turn(work)
+    kda_cute.check_errors(sync=True)
+    got = torch.full((len(slot), H, K, K), float("nan"))
+    for (n, i), s in slot.items():
+        m = cu[n] + marks[n][i]
+        r = next(r for r, sh in enumerate(shards) if sh.start < m <= sh.end)
+        got[s] = work[r][1]["checkpoint_state"][s].cpu()
+        for o in range(ranks):  # written by that rank alone
+            if o != r:
+                assert torch.isnan(work[o][1]["checkpoint_state"][s]).all(), (n, i, o)
+    xs = [t.cpu() for t in x]
+    for (n, i), s in slot.items():
+        a, m = cu[n], cu[n] + marks[n][i]
+        _, want = kda_reference(*(t[:, a:m] for t in xs), scale=SCALE,
+                                initial_state=S0[n:n + 1].cpu(), A_log=gp[0].cpu(),
+                                dt_bias=gp[1].cpu(), lower_bound=gp[2])
+        assert rel_err(got[s], want[0]) < STATE_TOL, (n, i)
+    out = torch.cat([w[0][6] for w in work], dim=1)
+    ref_o, ref_s = kda_reference(*xs, scale=SCALE, initial_state=S0.cpu(), A_log=gp[0].cpu(),
+                                 dt_bias=gp[1].cpu(), lower_bound=gp[2],
+                                 cu_seqlens=torch.tensor(cu))
+    assert rel_err(out.cpu(), ref_o) < OUT_TOL
+    for n in range(len(lens)):
+        r = max(r for r, sh in enumerate(shards) if n in sh.seqs)
+        final = work[r][0][11][list(shards[r].seqs).index(n)]
+        assert rel_err(final.cpu(), ref_s[n]) < STATE_TOL, n

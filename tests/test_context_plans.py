@@ -169,3 +169,45 @@ def test_checkpoint_tables_live_in_the_workspace(first):
                      if isinstance(x, Plane) and x.name.startswith("checkpoints")})
     assert planes[0] >= full.workspace_bytes - 512 and planes[-1] < summary.workspace_bytes
     assert summary.workspace_bytes == finish.workspace_bytes
+
+
+@pytest.mark.parametrize("first", [False, True])
+def test_varlen_shard_checkpoints_run_in_segments(first):
+    """A varlen shard with every-n checkpoints (from first boundaries, or not) plans the
+    segments (its grids never shift: fixed_grid), the checkpoints kernel reading the segments'
+    offsets as K2 does, the tables in the workspace; the same batch through kda_cute.fwd keeps
+    its rows whole (the plain recurrence, grids shifted where first boundaries are given)."""
+    from dataclasses import replace as with_
+
+    from kda_cute import Call, checks, plans
+    from kda_cute.plans import H200
+    H, K, lens = 12, 128, [5000, 7000, 4384]
+    T, N = sum(lens), len(lens)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    x = torch.empty(1, T, H, K, dtype=torch.bfloat16)
+    s = torch.empty(N, H, K, K, dtype=F32)
+    kw = dict(checkpoint_state=torch.empty(16, H, K, K, dtype=torch.bfloat16),
+              checkpoint_slots=torch.zeros(N, 4, dtype=torch.int32), checkpoint_every=2048)
+    if first:
+        kw["checkpoint_first"] = torch.full((N,), 2000, dtype=torch.int32)
+    call = Call(x, x, x, x, torch.empty(1, T, H, dtype=torch.bfloat16), x, torch.empty(H),
+                torch.empty(H, K), s, s, cu, 0.1, -1.0, **kw)
+    o = with_(checks.options(), context=True)
+    p = checks.forward(call, o, cuda=False)
+    assert p.ckpt.fixed_grid and not p.ckpt.shifts
+    full = plans.plan(p, o, H200)
+    assert full.schedule.kind == "segments" and full.schedule.segments > 1
+    seg_cu = full.step("K2 from starts").source("cu_seqlens")
+    assert seg_cu.buffer.params == ("segments cu_seqlens",)
+    assert full.step("checkpoints").source("cu_seqlens") == seg_cu
+    assert full.step("checkpoints").source("row_segments") == Scalar(full.schedule.segments)
+    summary, finish = context_plans(full)
+    assert [x.name for x in finish.steps][:3] == ["offsets", "combine", "K2 from starts"]
+    assert ("K2 side" in [x.name for x in finish.steps]) == first
+    assert _scratch(summary) & _scratch(finish) <= {("rescale",), ("segments cu_seqlens",),
+                                                    ("segments cu_chunks",), ("cu_seqlens",),
+                                                    ("cu_chunks",)}
+    plain = checks.options()
+    q = checks.forward(call, plain, cuda=False)
+    assert not q.ckpt.fixed_grid and q.ckpt.shifts == first
+    assert plans.plan(q, plain, H200).schedule.kind != "segments"

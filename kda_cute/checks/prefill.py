@@ -15,6 +15,7 @@ error is found on a CPU too); `validate` is its form with fwd's argument list.
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 
 import torch
 
@@ -160,6 +161,8 @@ def problem(c: Call, opts: Options) -> Problem:
             raise err("has_initial_state", "None without initial_state", "a tensor")
         flags("has_initial_state", hi, N, dev)
     ckpt = _checkpoints(c, N, H, V, K, dev)
+    if ckpt is not None and opts.context:  # (a shard's segments: its grids stay as they are)
+        ckpt = replace(ckpt, fixed_grid=1)
     return Problem(
         B, T, H, K, V, N, cu is not None,
         strides=(q.stride(1), k.stride(1), g.stride(1), v.stride(1), out.stride(1),

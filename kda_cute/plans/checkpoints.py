@@ -48,7 +48,7 @@ class CheckpointSteps:
     run after the forward."""
 
     def __init__(self, p: Problem, cfg: FwdConfig, sched, offs, vals1: dict, syms: dict,
-                 dev: DeviceInfo, shift: bool):
+                 dev: DeviceInfo, shift: bool, seg_tables=None):
         self.p, self.cfg, self.dev, self.vals1, self.syms = p, cfg, dev, vals1, syms
         # shift: the rows' grids start at their first boundaries' phase (no partial chunks)
         self.shift = shift
@@ -57,8 +57,10 @@ class CheckpointSteps:
         self.S = S = p.N * ck.per_row  # side slots: one an entry
         self.P = P = sched.segments if sched.kind == "segments" else 1
         self.rows = p.N * P  # K2's rows: the sequences, or their segments
-        # K2's rows' token offsets: the checked cu_seqlens, or the fixed-length rows' segments
-        self.cu = offs[0] if p.varlen else segment_offsets(p.B, p.T, cfg.chunk, P)[0]
+        # K2's rows' token offsets: the checked cu_seqlens, a varlen batch's segments (built
+        # by the offsets kernel), or the fixed-length rows' segments
+        self.cu = ((seg_tables[0] if P > 1 else offs[0]) if p.varlen
+                   else segment_offsets(p.B, p.T, cfg.chunk, P)[0])
         self.in_place = ck.dtype == F32
         scratch = (lambda use, n, dt=I32: At(Buffer("scratch", (n,), dt, ("checkpoints", use))))
         # (K2 reads up to two entries past a row's end mark, a checkpoint ahead)

@@ -150,7 +150,7 @@ def forward_plan(p: Problem, opts: Options, cfg: FwdConfig, dev: DeviceInfo) -> 
     # run only) runs beside it on the side stream, off the forward's path
     k1_first = sched.kind != "alongside" and Tt > 0 and H > 0
     if p.ckpt is not None and sched.k2_grid is not None:
-        ck = CheckpointSteps(p, cfg, sched, offs, vals1, syms, dev, shift)
+        ck = CheckpointSteps(p, cfg, sched, offs, vals1, syms, dev, shift, seg_tables)
         if k1_first:
             # (of the greatest priority: K1's grid fills the device, and a side stream of
             # the same priority had the checkpoints kernel start when K1's last blocks did,

@@ -55,11 +55,14 @@ def decide(p: Problem, opts: Options, cfg: FwdConfig, dev: DeviceInfo) -> Schedu
 
 def segmentable(p: Problem, cfg: FwdConfig) -> bool:
     """Whether K2 can run over segments: K == V (the identity run reuses K2's config), a
-    combine kernel for K, tokens, and for a varlen batch dense states without checkpoints (its
-    segments are built on the device from cu_seqlens)."""
+    combine kernel for K, tokens, and for a varlen batch dense states, and checkpoints only in
+    a context shard's (its segments are built on the device from cu_seqlens; a forward's
+    every-n checkpoints from first boundaries shift its rows' grids, and its workspace counts
+    no side slots for them)."""
     return not (p.K != p.V or cfg.recur.mma != "wgmma" or p.B * p.T == 0 or p.N == 0
                 or combine_config(p.K) is None
-                or (p.varlen and (p.pool is not None or p.ckpt is not None)))
+                or (p.varlen and (p.pool is not None
+                                  or (p.ckpt is not None and not p.ckpt.fixed_grid))))
 
 
 def segment_count(p: Problem, opts: Options, cfg: FwdConfig, dev: DeviceInfo) -> int:
