@@ -111,7 +111,7 @@ REPLAY: tuple[ReplayConfig, ...] = tuple(
 # other replay tiles, for the sweep (bench/replay.py --sweep): decode fp32 64 rows a CTA on
 # rings of 16 and 8, 32 rows on a ring of 8; bf16 tiles of 16 lanes a row, and 64 rows; verify
 # the whole heads and 64 rows beside the shipped ones, each shipped verify tile's twin with
-# the products on the other units
+# the products on the other units, and 2 drafts' areas on a ring of 32 (bf16)
 REPLAY_VARIANTS: tuple[ReplayConfig, ...] = (
     *(_replay("float32", n, 64) for n in (16, 8)),
     ReplayConfig(128, 128, "float32", 32, 32, 128, unroll=2, ring=8),
@@ -131,6 +131,7 @@ REPLAY_VARIANTS: tuple[ReplayConfig, ...] = (
     *(_replay("float32", n, 64, min_blocks=4, mode="verify", drafts=8, mma=True)
       for n in (16, 32)),
     _replay("bfloat16", 16, 128, mode="verify", drafts=8),
+    _replay("bfloat16", 32, 128, mode="verify", drafts=2),
 )
 
 
