@@ -158,8 +158,8 @@ def shard_steps(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale:
     opts = dict(gate=gate, qk_l2norm=qk_l2norm, beta_sigmoid=beta_sigmoid, segments=segments,
                 precision=precision,
                 **_local_checkpoints(checkpoint_state, checkpoint_offsets, checkpoint_slots,
-                                     checkpoint_every, checkpoint_first,
-                                     position if carry_in else 0, N, dev))
+                                     checkpoint_every, checkpoint_first, position, N,
+                                     dev))
     ws = context_summary(q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, transition, bias,
                          cu_seqlens, out=out, **opts)
     if pooled:
