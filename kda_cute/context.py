@@ -49,8 +49,15 @@ def _plans(call: Call, gate, qk_l2norm, beta_sigmoid, segments, precision):
     return p, context_plans(pl)
 
 
-def sequences(q: Tensor, cu_seqlens: Tensor | None) -> int:
-    """The shard's sequences (pieces): q's batch, or cu_seqlens' entries less one."""
+def sequences(q: Tensor, cu_seqlens: Tensor | None, v=None) -> int:
+    """The shard's sequences (pieces): q's batch, or cu_seqlens' entries less one (q, v where
+    given, and cu_seqlens checked for what the shapes are read from: a named error)."""
+    for arg, t, dims in (("q", q, (4,)), ("v", q if v is None else v, (4,)),
+                         ("cu_seqlens", cu_seqlens, (1, None))):
+        if not (isinstance(t, Tensor) and t.dim() in dims) and not (t is None and None in dims):
+            raise err(arg, "a tensor [B, T, H, D]" if arg != "cu_seqlens" else
+                      "None or a tensor [N + 1]", tuple(t.shape) if isinstance(t, Tensor)
+                      else type(t).__name__)
     return q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
 
 
@@ -81,9 +88,9 @@ def context_summary(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, sc
     Inputs as `kda_cute.fwd`'s; `out`, where given, may be written with values the finish
     overwrites (a build without K2's output-free runs), else a scratch one is made.
     checkpoint_*: the finish's (their tables go into the workspace)."""
-    N = sequences(q, cu_seqlens)
-    _state("bias", bias, v, N, k.shape[-1])
-    _state("transition", transition, v, N, k.shape[-1])
+    N = sequences(q, cu_seqlens, v)
+    _state("bias", bias, v, N, q.shape[-1])
+    _state("transition", transition, v, N, q.shape[-1])
     # (the summary's problem is the finish's: dense fp32 states in and out, `bias` standing
     # in for them; its plan reads neither)
     if out is None:  # (the rescale run after the value rows may write outputs)
@@ -113,9 +120,9 @@ def context_finish(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, sca
     state) after `context_summary` with the same inputs and options, and its `workspace`:
     writes `out` and `final_state` (fp32 [N, H, V, K], may be initial_state), and the
     checkpoints (kda_cute.fwd's arguments, the summary's too)."""
-    N = sequences(q, cu_seqlens)
-    _state("initial_state", initial_state, v, N, k.shape[-1])
-    _state("final_state", final_state, v, N, k.shape[-1])
+    N = sequences(q, cu_seqlens, v)
+    _state("initial_state", initial_state, v, N, q.shape[-1])
+    _state("final_state", final_state, v, N, q.shape[-1])
     call = Call(q, k, v, g, beta, out, A_log, dt_bias, initial_state, final_state, cu_seqlens,
                 scale, lower_bound, None, None, None, None, checkpoint_state,
                 checkpoint_offsets, checkpoint_slots, checkpoint_every, checkpoint_first)

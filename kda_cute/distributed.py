@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import errors, serving
-from .checks import err
+from .checks import base, err
 from .context import context_finish, context_summary, sequences
 from .segments import fp32_products
 from .specs.step import E_READ, E_WRITE
@@ -109,7 +109,8 @@ def fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float, 
     sequence's start: checkpoint_first (default checkpoint_every) or checkpoint_offsets name
     positions in the whole sequence, and each piece writes those that fall in it (the i-th of
     its own into checkpoint_slots[n, i])."""
-    _flags(carry_in, carry_out, position, state_indices)  # (before the group is asked)
+    _checked(q, v, cu_seqlens, carry_in, carry_out, position, initial_state, final_state,
+             state_indices, output_state_indices, has_initial_state)  # (before the group is)
     steps = shard_steps(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound,
                         initial_state, final_state, cu_seqlens, carry_in=carry_in,
                         carry_out=carry_out, rank=dist.get_rank(group), gate=gate,
@@ -148,7 +149,8 @@ def shard_steps(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale:
     turn on one device): the first step yields this rank's message (fp32, the same size on
     every rank); sent the ranks' messages in rank order (one tensor, as all_gather_into_tensor
     makes it), it finishes the shard. `rank`: this rank's place in that order."""
-    _flags(carry_in, carry_out, position, state_indices)
+    _checked(q, v, cu_seqlens, carry_in, carry_out, position, initial_state, final_state,
+             state_indices, output_state_indices, has_initial_state)
     pooled = state_indices is not None
     N = sequences(q, cu_seqlens)
     H, K, V = q.shape[2], q.shape[3], v.shape[3]
@@ -184,6 +186,26 @@ def shard_steps(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale:
         _write_slots(final_state, start,
                      state_indices if output_state_indices is None else output_state_indices,
                      null_slot, carry_out)
+
+
+def _checked(q, v, cu_seqlens, carry_in, carry_out, position, pool, out_pool, idx, out_idx,
+             has_initial) -> None:
+    """The flags, and the pool form's arguments as kda_cute.fwd's pool form checks them (the
+    slots' values are checked on the device by the copies' kernel), before any work; the rest
+    the shard's calls check."""
+    _flags(carry_in, carry_out, position, idx)
+    N, dev = sequences(q, cu_seqlens, v), q.device
+    if idx is None:
+        return
+    H, K, V = q.shape[2], q.shape[3], v.shape[3]
+    base.pool("initial_state", pool, H, V, K, dev)
+    if out_pool is not None:
+        base.pool("final_state", out_pool, H, V, K, dev)
+    base.index_table("state_indices", idx, (N,), dev)
+    if out_idx is not None:
+        base.index_table("output_state_indices", out_idx, (N,), dev)
+    if has_initial is not None:
+        base.flags("has_initial_state", has_initial, N, dev)
 
 
 def _flags(carry_in, carry_out, position, state_indices) -> None:
@@ -228,22 +250,10 @@ def _read_slots(pool: Tensor, idx: Tensor, has_initial: Tensor | None, null_slot
     """Each piece's initial state from the pool (fp32 [N, H, V, K]): the slots of the pieces
     beginning here, zeros elsewhere; by commit's kernel, which checks the slots on the
     device."""
-    if not isinstance(pool, Tensor) or pool.dim() != 4:
-        raise err("initial_state", "a state pool [slots, H, V, K] with state_indices",
-                  tuple(pool.shape) if isinstance(pool, Tensor) else type(pool).__name__)
-    if not isinstance(idx, Tensor) or tuple(idx.shape) != (N,) \
-            or idx.dtype not in (torch.int32, torch.int64):
-        raise err("state_indices", f"an int32 / int64 tensor [{N}]",
-                  f"{idx.dtype} {list(idx.shape)}" if isinstance(idx, Tensor)
-                  else type(idx).__name__)
     read = idx >= 0
     if null_slot is not None:
         read &= idx != null_slot
     if has_initial is not None:
-        if not isinstance(has_initial, Tensor) or tuple(has_initial.shape) != (N,):
-            raise err("has_initial_state", f"a bool tensor [{N}]",
-                      tuple(has_initial.shape) if isinstance(has_initial, Tensor)
-                      else type(has_initial).__name__)
         read &= has_initial.to(torch.bool)
     if carry_in:  # the first piece's entry comes from the ranks before (a fill: no copy
         read[:1].fill_(False)  # from the host, as a graph's capture needs)
@@ -261,9 +271,6 @@ def _write_slots(pool: Tensor, states: Tensor, idx: Tensor, null_slot, carry_out
     """The final states of the pieces ending here into the pool at `idx` (padding and the last
     piece where it goes on skipped), in the pool's dtype."""
     N = states.shape[0]
-    if not isinstance(pool, Tensor) or pool.dim() != 4 or pool.dtype not in (F32, torch.bfloat16):
-        raise err("final_state", "a state pool [slots, H, V, K] (fp32 or bf16) or None",
-                  tuple(pool.shape) if isinstance(pool, Tensor) else type(pool).__name__)
     step = torch.zeros(N, dtype=torch.int32, device=states.device)
     if carry_out and N:
         step[-1:].fill_(-1)

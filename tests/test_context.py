@@ -452,3 +452,18 @@ def test_varlen_checkpoints_in_turn(ranks):
         r = max(r for r, sh in enumerate(shards) if n in sh.seqs)
         final = work[r][0][11][list(shards[r].seqs).index(n)]
         assert rel_err(final.cpu(), ref_s[n]) < STATE_TOL, n
+
+
+@pytest.mark.parametrize("arg", ["q", "v", "cu_seqlens"])
+def test_bad_shapes_source_is_named(arg):
+    """q, v and cu_seqlens, whose shapes size the summary's outputs, are checked first."""
+    q, k, v, g, beta = _tokens(64, "cpu", 0)
+    a = {"q": q, "v": v, "cu_seqlens": None, arg: "bad"}
+    good = torch.zeros(1, H, K, K)
+    with pytest.raises(ValueError, match=arg):
+        context_summary(a["q"], k, a["v"], g, beta, SCALE, None, None, -5.0, good, good,
+                        a["cu_seqlens"])
+    with pytest.raises(ValueError, match=arg):
+        context_finish(a["q"], k, a["v"], g, beta, SCALE, torch.empty_like(v), None, None,
+                       -5.0, good, good, a["cu_seqlens"],
+                       workspace=torch.empty(0, dtype=torch.uint8))

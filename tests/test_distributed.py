@@ -135,3 +135,46 @@ def test_bad_pool_and_position_are_named(kw, name):
     with pytest.raises(ValueError, match=name):
         next(kd.shard_steps(x, x, x, x, x[..., 0], K ** -0.5, x, None, None, -5.0, None,
                             torch.zeros(1, H, V, K), rank=0, **kw))
+
+
+def _pool_case(**over):
+    x = torch.zeros(1, 64, H, K, dtype=torch.bfloat16)
+    kw = dict(initial_state=torch.zeros(4, H, V, K), final_state=torch.zeros(4, H, V, K),
+              state_indices=torch.zeros(1, dtype=torch.int32), carry_in=False, carry_out=False)
+    kw.update(over)
+    init, final = kw.pop("initial_state"), kw.pop("final_state")
+    return (x, x, x, x, x[..., 0], K ** -0.5, x, None, None, -5.0, init, final), kw
+
+
+@pytest.mark.parametrize("over, name", [
+    (dict(initial_state=torch.zeros(4, H, V, K + 1)), "initial_state"),
+    (dict(initial_state=torch.zeros(4, H, V, K, dtype=torch.float16)), "initial_state"),
+    (dict(initial_state=None), "initial_state"),
+    (dict(final_state=torch.zeros(4, H + 1, V, K)), "final_state"),
+    (dict(state_indices=torch.zeros(2, dtype=torch.int32)), "state_indices"),
+    (dict(state_indices=torch.zeros(1)), "state_indices"),
+    (dict(output_state_indices=torch.zeros(3, dtype=torch.int64)), "output_state_indices"),
+    (dict(has_initial_state=torch.ones(2, dtype=torch.bool)), "has_initial_state")])
+def test_bad_pool_arguments_are_named_before_any_work(over, name):
+    """The pool form's pools, index tables and flags are checked as kda_cute.fwd's pool form
+    checks them, before the shard's summary runs (here on the CPU, where it could not)."""
+    args, kw = _pool_case(**over)
+    with pytest.raises((ValueError, TypeError), match=name):
+        next(kd.shard_steps(*args, rank=0, **kw))
+    with pytest.raises((ValueError, TypeError), match=name):
+        kd.fwd(*args, **kw)
+
+
+@pytest.mark.parametrize("over, name", [
+    (dict(q=None), "q"), (dict(q=torch.zeros(64, H, K)), "q"), (dict(v="v"), "v"),
+    (dict(cu_seqlens=[0, 64]), "cu_seqlens")])
+def test_bad_shard_tensors_are_named(over, name):
+    """What the shard's shapes are read from is checked first (a named error, not a crash)."""
+    x = torch.zeros(1, 64, H, K, dtype=torch.bfloat16)
+    a = {"q": x, "v": x, "cu_seqlens": None, **over}
+    args = (a["q"], x, a["v"], x, x[..., 0], K ** -0.5, x, None, None, -5.0, None,
+            torch.zeros(1, H, V, K), a["cu_seqlens"])
+    with pytest.raises(ValueError, match=name):
+        next(kd.shard_steps(*args, rank=0, carry_in=False))
+    with pytest.raises(ValueError, match=name):
+        kd.fwd(*args, carry_in=False)
