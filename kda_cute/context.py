@@ -52,12 +52,11 @@ def _plans(call: Call, gate, qk_l2norm, beta_sigmoid, segments, precision):
 def sequences(q: Tensor, cu_seqlens: Tensor | None, v=None) -> int:
     """The shard's sequences (pieces): q's batch, or cu_seqlens' entries less one (q, v where
     given, and cu_seqlens checked for what the shapes are read from: a named error)."""
-    for arg, t, dims in (("q", q, (4,)), ("v", q if v is None else v, (4,)),
-                         ("cu_seqlens", cu_seqlens, (1, None))):
-        if not (isinstance(t, Tensor) and t.dim() in dims) and not (t is None and None in dims):
-            raise err(arg, "a tensor [B, T, H, D]" if arg != "cu_seqlens" else
-                      "None or a tensor [N + 1]", tuple(t.shape) if isinstance(t, Tensor)
-                      else type(t).__name__)
+    checks.tensor("q", q, (torch.bfloat16,), 4)
+    if v is not None:
+        checks.tensor("v", v, (torch.bfloat16,), 4)
+    if cu_seqlens is not None:
+        checks.tensor("cu_seqlens", cu_seqlens, checks.INDEX_DTYPES, 1)
     return q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
 
 

@@ -149,10 +149,9 @@ def shard_steps(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale:
     turn on one device): the first step yields this rank's message (fp32, the same size on
     every rank); sent the ranks' messages in rank order (one tensor, as all_gather_into_tensor
     makes it), it finishes the shard. `rank`: this rank's place in that order."""
-    _checked(q, v, cu_seqlens, carry_in, carry_out, position, initial_state, final_state,
-             state_indices, output_state_indices, has_initial_state)
+    N = _checked(q, v, cu_seqlens, carry_in, carry_out, position, initial_state, final_state,
+                 state_indices, output_state_indices, has_initial_state)
     pooled = state_indices is not None
-    N = sequences(q, cu_seqlens)
     H, K, V = q.shape[2], q.shape[3], v.shape[3]
     dev = q.device
     transition = torch.empty(N, H, K, K, dtype=F32, device=dev)
@@ -189,14 +188,14 @@ def shard_steps(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale:
 
 
 def _checked(q, v, cu_seqlens, carry_in, carry_out, position, pool, out_pool, idx, out_idx,
-             has_initial) -> None:
+             has_initial) -> int:
     """The flags, and the pool form's arguments as kda_cute.fwd's pool form checks them (the
     slots' values are checked on the device by the copies' kernel), before any work; the rest
-    the shard's calls check."""
+    the shard's calls check. Returns the shard's sequences."""
     _flags(carry_in, carry_out, position, idx)
     N, dev = sequences(q, cu_seqlens, v), q.device
     if idx is None:
-        return
+        return N
     H, K, V = q.shape[2], q.shape[3], v.shape[3]
     base.pool("initial_state", pool, H, V, K, dev)
     if out_pool is not None:
@@ -206,6 +205,7 @@ def _checked(q, v, cu_seqlens, carry_in, carry_out, position, pool, out_pool, id
         base.index_table("output_state_indices", out_idx, (N,), dev)
     if has_initial is not None:
         base.flags("has_initial_state", has_initial, N, dev)
+    return N
 
 
 def _flags(carry_in, carry_out, position, state_indices) -> None:
@@ -227,8 +227,7 @@ def _local_checkpoints(state, offsets, slots, every, first, position: int, N: in
                  checkpoint_every=every, checkpoint_first=first)
     if not position or (offsets is None and every is None):
         return given
-    if offsets is not None and isinstance(offsets, Tensor) and offsets.dim() == 2 \
-            and offsets.shape[0] == N:
+    if isinstance(offsets, Tensor) and offsets.dim() == 2 and offsets.shape[0] == N:
         local = offsets.clone()
         local[0] = offsets[0] - position  # (those on earlier ranks fall below 1: unused)
         given["checkpoint_offsets"] = local
