@@ -356,6 +356,12 @@ def tf32_rna(x, *, loc=None, ip=None) -> cutlass.Float32:
         loc=loc, ip=ip)), loc=loc, ip=ip)
 
 
+def tf32_trunc(x) -> cutlass.Float32:
+    """x truncated to tf32 (its low 13 mantissa bits cleared: one AND), as the fp32 value:
+    x - tf32_trunc(x) is exact, the lo part of a 3xTF32 split."""
+    return bits_f32(f32_bits(x) & cutlass.Int32(-8192))
+
+
 def bf16x2_lo(w) -> cutlass.Float32:
     """The low bf16 of a word, as fp32 (exact: a shift)."""
     return bits_f32(w << 16)

@@ -33,7 +33,7 @@ import cutlass.utils as utils
 from cutlass.cute.nvgpu import warp as warp_mma
 
 from kda_cute.specs.replay import MAX_DRAFTS
-from kernels.common import bits_f32, f32_bits, tf32_rna
+from kernels.common import tf32_rna, tf32_trunc
 from kernels.kda_replay_sm90 import KdaReplaySm90, Ring
 from kernels.step_rows import (
     E_LEN,
@@ -361,7 +361,7 @@ class KdaReplayVerifySm90(KdaReplaySm90):
                     fl = cute.make_rmem_tensor(frags[s].shape, op_t)
                     for e in cutlass.range_constexpr(cute.size(fa)):
                         x = frags[s][e]
-                        hi = bits_f32(f32_bits(x) & cutlass.Int32(-8192))
+                        hi = tf32_trunc(x)
                         fa[e] = hi
                         fl[e] = x - hi
                     cute.gemm(mma, acc, fa, bh, acc)

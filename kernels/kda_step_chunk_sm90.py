@@ -20,7 +20,7 @@ import cutlass.utils as utils
 from cutlass.cute.nvgpu import cpasync
 from cutlass.cute.nvgpu import warp as warp_mma
 
-from kernels.common import bits_f32, f32_bits, tf32_rna
+from kernels.common import tf32_rna, tf32_trunc
 from kernels.step_rows import (
     E_LEN,
     Accepted,
@@ -183,7 +183,7 @@ class KdaStepChunkSm90(StepRows):
                 for e in cutlass.range_constexpr(cute.size(xa)):
                     # hi truncated (one AND; the planes' hi are rounded): with lo, the
                     # products lose 2^-20 of |S| instead of 2^-21
-                    hi = bits_f32(f32_bits(xa[e]) & cutlass.Int32(-8192))
+                    hi = tf32_trunc(xa[e])
                     fa[e] = hi
                     fl[e] = xa[e] - hi  # exact; the MMA reads its top 19 bits
             else:
