@@ -4,8 +4,11 @@ ladder."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from .specs import HEAD_DIMS
 from .specs.replay import ReplayConfig
+from .specs.replay import supports as replay_supports
 from .specs.step import WRITE_START, StepConfig
 from .specs.step import supports as step_supports
 
@@ -125,12 +128,8 @@ REPLAY_VARIANTS: tuple[ReplayConfig, ...] = (
     _replay("bfloat16", 16, 64, mode="verify", drafts=8),
     _replay("bfloat16", 32, 64, mode="verify", drafts=8),
     _replay("bfloat16", 32, 64, mode="verify"),
-    *(_replay(pool, n, 128 if n > 16 else 64, mode="verify",
-              mma=pool == "float32" and n <= 16)
-      for n in REPLAY_RINGS for pool in ("float32", "bfloat16")),
-    *(_replay("float32", n, 64, min_blocks=4, mode="verify", drafts=8, mma=True)
-      for n in (16, 32)),
-    _replay("bfloat16", 16, 128, mode="verify", drafts=8),
+    *(replace(c, mma=not c.mma) for c in REPLAY
+      if c.mode == "verify" and replay_supports(replace(c, mma=not c.mma))[0]),
     _replay("bfloat16", 32, 128, mode="verify", drafts=2),
 )
 
