@@ -654,17 +654,8 @@ def test_every_tile(cfg):
     """Each built decode and verify tile, shipped or for the sweep, through config=: two
     decode steps (the second at the window's end: a fold), or a verify of as many drafts as
     the tile holds (at most 6) past cursor 2, against the float64 model."""
-    N, slots = 5, 12
-    dtype = torch.float32 if cfg.pool == "float32" else torch.bfloat16
-    gen = _gen(cfg.ring + cfg.block_v)
-    state = (torch.randn(slots, H, K, K, generator=gen, device="cuda") * 0.3).to(dtype)
-    ring = rp.new_ring(state, cfg.ring, torch.float16 if cfg.u_dtype == "float16" else
-                       torch.float32)
-    idx = torch.randperm(slots, generator=gen, device="cuda")[:N].int()
-    idx[3] = -1
-    gate = _gate(gen)
-    m_state, m_ring = _model(state, ring)
-    live = idx >= 0
+    gen, state, ring, idx, gate, m_state, m_ring = _tile_inputs(cfg, cfg.ring + cfg.block_v, 3)
+    N, live = idx.shape[0], idx >= 0
     if cfg.mode == "decode":
         for _ in range(2):
             q, k, v, g, beta = _toks(N, 1, gen)
@@ -675,7 +666,7 @@ def test_every_tile(cfg):
             kda_cute.check_errors(sync=True)
             assert rel_err(out[live], o[live.cpu()].cuda()) < OUT_TOL
         assert rel_err(state[idx[live].long()], m_state[idx[live].long().cpu()].cuda()) < \
-            STATE_TOL[dtype]
+            STATE_TOL[state.dtype]
         return
     _verify_tile(cfg, min(6, cfg.drafts or min(cfg.ring, 16), cfg.ring - 2), gen, state, ring,
                  idx, gate, m_state, m_ring)
@@ -687,16 +678,25 @@ def test_every_tile(cfg):
 def test_mma_tiles_with_every_draft(cfg):
     """The verify tiles whose checkpoint products run on mma.sync, with as many drafts as the
     tile holds (every n tile of the products) past cursor 2, against the float64 model."""
+    gen, state, ring, idx, gate, m_state, m_ring = _tile_inputs(cfg, cfg.ring + cfg.block_v + 1,
+                                                                1)
+    _verify_tile(cfg, min(cfg.drafts or min(cfg.ring, 16), cfg.ring - 2), gen, state, ring,
+                 idx, gate, m_state, m_ring)
+
+
+def _tile_inputs(cfg, seed, pad):
+    """A tile test's inputs: 5 rows over 12 slots of random states (row `pad` padding), a new
+    ring of cfg's, the gate, and the float64 model's copies."""
     N, slots = 5, 12
     dtype = torch.float32 if cfg.pool == "float32" else torch.bfloat16
-    gen = _gen(cfg.ring + cfg.block_v + 1)
+    gen = _gen(seed)
     state = (torch.randn(slots, H, K, K, generator=gen, device="cuda") * 0.3).to(dtype)
-    ring = rp.new_ring(state, cfg.ring, torch.float16)
+    ring = rp.new_ring(state, cfg.ring, torch.float16 if cfg.u_dtype == "float16" else
+                       torch.float32)
     idx = torch.randperm(slots, generator=gen, device="cuda")[:N].int()
-    idx[1] = -1
-    m_state, m_ring = _model(state, ring)
-    _verify_tile(cfg, min(cfg.drafts or min(cfg.ring, 16), cfg.ring - 2), gen, state, ring,
-                 idx, _gate(gen), m_state, m_ring)
+    idx[pad] = -1
+    gate = _gate(gen)
+    return (gen, state, ring, idx, gate, *_model(state, ring))
 
 
 def _verify_tile(cfg, T, gen, state, ring, idx, gate, m_state, m_ring):
