@@ -10,7 +10,9 @@ the ring visible to every row group. With the token's log-decay a and G = G_(c-1
   shared memory, and its products with the token's k and q (a_j, b_j): an entry a warp, the
   token's G, k and q put in shared memory by the first row group (two more CTA barriers);
 - each row: Sd = S_c e^G, u = beta (v - Sd k - sum_j u_j a_j), o = Sd q + sum_j u_j b_j +
-  u (k . q) (the ring's sums for row sub taken on lane sub, as v is: step_rows._v_ahead);
+  u (k . q) (the ring's sums for row sub taken on lane sub, as v is: step_rows._v_ahead); the
+  rows do not depend on each other, so where a group's lanes are twice its rows every row's
+  two products are taken first and reduced together, lane r ending with row r's;
 - below the window's last token (c < window - 1): u to the ring (every tile its rows), k, G
   and r (the head's first tile), the cursor + 1; from it: the row's state Sd + sum_j u_j w_j^T
   + u k^T (the w_j from shared memory) to the checkpoint slot and the cursor 0;
@@ -338,6 +340,70 @@ class KdaReplaySm90(StepRows):
         b = f32(cutlass.select_(odd, m, other))
         return b, beta * a
 
+    @cute.jit
+    def _rows_by_lanes(self, stage, src, eg, keys, sums, beta, kq, sub):
+        """Every row's two products, reduced as one transposed reduction of the group's 2R
+        sums over its 2R lanes (a shuffle a sum instead of log2(TPR) a row; the rows are
+        independent but for the fold): lane r < R ends with row r's Sd k and, one shuffle
+        on, its Sd q. Returns (output, u) of row sub, on lanes sub < R."""
+        f32, NC = cutlass.Float32, self.NC
+        kv, qv = keys
+        v_me, ca, cb = sums
+        kd = cute.make_rmem_tensor((NC,), f32)
+        qd = cute.make_rmem_tensor((NC,), f32)
+        for q in cutlass.range_constexpr(NC):
+            kd[q] = kv[q] * eg[q]
+            qd[q] = qv[q] * eg[q]
+        x = cute.make_rmem_tensor((NC,), f32)
+        sdk = self._reduced(0, 1, (x, stage, src, kd, qd, sub))
+        sdq = cute.arch.shuffle_sync_bfly(sdk, offset=self.R)
+        u = beta * (v_me - ca - sdk)
+        return sdq + cb + u * kq, u
+
+    def _reduced(self, i, d, ctx):
+        """Sum i of the transposed reduction after its level of offset d (d = R: row i's two
+        products, paired over the lanes R apart; below: sums i and i + d of the level above),
+        built depth first so that a few partial sums are live at a time, not 2R."""
+        f32 = cutlass.Float32
+        x, stage, src, kd, qd, sub = ctx
+        if d == self.R:
+            self._checkpoint_row(x, stage, src, i)
+            lo = f32(0.0)
+            hi_v = f32(0.0)
+            for q in range(self.NC):  # not a jit function: Python's loop, unrolled
+                lo = lo + x[q] * kd[q]
+                hi_v = hi_v + x[q] * qd[q]
+        else:
+            lo = self._reduced(i, 2 * d, ctx)
+            hi_v = self._reduced(i + d, 2 * d, ctx)
+        hi = (sub & d) != 0
+        keep = f32(cutlass.select_(hi, hi_v, lo))
+        send = f32(cutlass.select_(hi, lo, hi_v))
+        return keep + cute.arch.shuffle_sync_bfly(send, offset=d)
+
+    @cute.jit
+    def _fold_rows(self, x, stage, src, eg, kv, u, areas, dst: cute.Tensor, where, c, grp,
+                   sub):
+        """The flush: every row's state after this token, Sd + u k^T + sum_j u_j w_j^T (row
+        r's u from lane r), to the checkpoint pool dst's rows (where: slot, head, tile)."""
+        ru_s, rg_s = areas
+        slot, h, vb = where
+        lane0 = (cute.arch.lane_idx() // self.TPR) * self.TPR
+        for r in cutlass.range(self.R, unroll=self.U, unroll_full=self.U == 0):
+            self._checkpoint_row(x, stage, src, r)
+            ur = cute.arch.shuffle_sync(u, offset=lane0 + r)
+            for q in cutlass.range_constexpr(self.NC):
+                x[q] = x[q] * eg[q] + ur * kv[q]
+            rho = grp + self.G * r
+            # a run-time loop over the entries: every row's same keys, read again a row, not
+            # hoisted out of the rows into registers the whole kernel would be sized by
+            for j in cutlass.range(c):
+                uj = ru_s[j, rho].to(cutlass.Float32)
+                for q in cutlass.range_constexpr(self.NC):
+                    x[q] = x[q] + uj * rg_s[j, self._col(q, sub)]
+            self._put(x, self._row_vecs(dst, slot, h, vb * self.BV + rho), sub,
+                      self.pdt)
+
     @cute.kernel
     def kernel(self, tk: Tokens, gp: GateParams, st: States, tab: Tables, ring: Ring,
                seqs: Seqs, rd: Read, acc: Accepted, starts: Starts, wr: Write, par: Parents,
@@ -401,22 +467,29 @@ class KdaReplaySm90(StepRows):
             if length > 0:
                 self._zero_outputs(tk.out, bos, h, vb, grp, sub)
         else:
-            # row r's output and u kept by lane r, stored once after the rows (a row's own
-            # stores would cost every lane their address arithmetic)
-            o_mine = f32(0.0)
-            u_mine = f32(0.0)
-            for r in cutlass.range(self.R, unroll=self.U, unroll_full=self.U == 0):
-                self._checkpoint_row(x, stage, src, r)
-                m, u = self._row_step(x, eg, (kv, qv), (v_me, ca, cb), beta, sub, r)
-                mine = sub == r
-                o_mine = f32(cutlass.select_(mine, m + u * kq, o_mine))
-                u_mine = f32(cutlass.select_(mine, u, u_mine))
+            if cutlass.const_expr(2 * self.R == self.TPR):
+                o_mine, u_mine = self._rows_by_lanes(stage, src, eg, (kv, qv), (v_me, ca, cb),
+                                                     beta, kq, sub)
                 if flush:  # the state after this token is the new checkpoint
-                    for q in cutlass.range_constexpr(NC):
-                        x[q] = x[q] + u * kv[q]
-                    self._fold_entries(x, ru_s, rg_s, c, grp + self.G * r, sub)
-                    self._put(x, self._row_vecs(st.dst, slot, h, vb * BV + grp + self.G * r),
-                              sub, self.pdt)
+                    self._fold_rows(x, stage, src, eg, kv, u_mine, (ru_s, rg_s), st.dst,
+                                    (slot, h, vb), c, grp, sub)
+            else:
+                # row r's output and u kept by lane r, stored once after the rows (a row's own
+                # stores would cost every lane their address arithmetic)
+                o_mine = f32(0.0)
+                u_mine = f32(0.0)
+                for r in cutlass.range(self.R, unroll=self.U, unroll_full=self.U == 0):
+                    self._checkpoint_row(x, stage, src, r)
+                    m, u = self._row_step(x, eg, (kv, qv), (v_me, ca, cb), beta, sub, r)
+                    mine = sub == r
+                    o_mine = f32(cutlass.select_(mine, m + u * kq, o_mine))
+                    u_mine = f32(cutlass.select_(mine, u, u_mine))
+                    if flush:  # the state after this token is the new checkpoint
+                        for q in cutlass.range_constexpr(NC):
+                            x[q] = x[q] + u * kv[q]
+                        self._fold_entries(x, ru_s, rg_s, c, grp + self.G * r, sub)
+                        self._put(x, self._row_vecs(st.dst, slot, h,
+                                                    vb * BV + grp + self.G * r), sub, self.pdt)
             if sub < self.R:
                 v_idx = vb * BV + grp + self.G * sub
                 tk.out[bos, h * self.V + v_idx] = o_mine.to(cutlass.BFloat16)
