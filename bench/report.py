@@ -45,10 +45,8 @@ CURRENT = {
     "peers-ten": ("peers-ten-h100-2026-12-06-3f0c91c.json",
                   "prefill vs cuDNN fused and FlashKDA, ten cases"),
     "refactor-ab": ("refactor-ab-h100-2026-12-06.json", "one shape for every call, old / new"),
-    "replay": ("replay-h100-2026-12-06-b879cb3.json",
-               "replay decode and verify vs today's, fla, H100 (verify before the mma tiles)"),
-    "replay-h200": ("replay-h200-2026-12-06-1ebca17.json",
-                    "replay decode and verify vs today's, fla, H200"),
+    "replay": ("replay-h100-2026-12-07-a3a159d.json",
+               "replay decode and verify vs today's, fla, H100"),
     "context": ("context-sim-h200-2026-12-06-1ebca17.json",
                 "context parallel, R ranks simulated on one GPU as CUDA graphs, H200"),
     "context-h100": ("context-sim-h100-2026-12-06-a6304a9.json",
@@ -261,7 +259,7 @@ SECTIONS = [("README.md", "speed-table", "peers-ten", speed)] + [
         ("decode", "serving", serving("decode")), ("verify", "serving", serving("verify")),
         ("pool-prefill", "pool-prefill", pool), ("pool-k64-k256", "pool-prefill-k64-k256", pool),
         ("checkpoints", "checkpoints", checkpoints), ("fla-model", "fla-model", fla_model),
-        ("replay", "replay", replay), ("replay-h200", "replay-h200", replay),
+        ("replay", "replay", replay),
         ("context", "context", context), ("context-h100", "context-h100", context)]]
 
 
