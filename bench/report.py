@@ -55,7 +55,7 @@ CURRENT = {
 # files of a table beyond those sharing its JSON's stem, and results with no JSON
 EXTRA = {"host": ("host-stub-cpu-2026-12-05.md", "host-stub-cpu-2026-12-05-6a45ba3.json")}
 RECORDS = {"gate-params": ("gate-params-ab-h100-2026-12-06.md", "gate parameters as held, A/B"),
-           "gpu-suite": ("gpu-tests-h100-2026-12-06-2d433af.log", "the GPU suite's last run")}
+           "gpu-suite": ("gpu-tests-h100-2026-12-07-2094c0b.log", "the GPU suite's last run")}
 
 
 def table(head, rows, left=1):
