@@ -275,14 +275,25 @@ class KdaReplaySm90(StepRows):
         return ca, cb
 
     @cute.jit
-    def _fold_entries(self, x, ru_s, rg_s, c, rho, sub):
-        """Row rho's sum of the c entries' u_j w_j (the decayed keys in rg_s) added to x."""
-        f32 = cutlass.Float32
-        for j in cutlass.range_constexpr(self.L - 1):
-            if j < c:
-                uj = ru_s[j, rho].to(f32)
-                for q in cutlass.range_constexpr(self.NC):
-                    x[q] = x[q] + uj * rg_s[j, self._col(q, sub)]
+    def _fold_entries(self, x, ru_s, rg_s, c, rho, sub, unrolled=True):
+        """Row rho's sum of the c entries' u_j w_j (the decayed keys in rg_s) added to x; the
+        entries unrolled, or (unrolled=False) a run-time loop, for a caller over many rows
+        whose every row reads the same keys: unrolled, the compiler hoists them out of its
+        rows into registers the whole kernel is then sized by."""
+        if cutlass.const_expr(unrolled):
+            for j in cutlass.range_constexpr(self.L - 1):
+                if j < c:
+                    self._fold_entry(x, ru_s, rg_s, j, rho, sub)
+        else:
+            for j in cutlass.range(c):
+                self._fold_entry(x, ru_s, rg_s, j, rho, sub)
+
+    @cute.jit
+    def _fold_entry(self, x, ru_s, rg_s, j, rho, sub):
+        """Entry j's u_j w_j of row rho added to x."""
+        uj = ru_s[j, rho].to(cutlass.Float32)
+        for q in cutlass.range_constexpr(self.NC):
+            x[q] = x[q] + uj * rg_s[j, self._col(q, sub)]
 
     @cute.jit
     def _move_cursor(self, ring: Ring, slot, tidx, c, folded):
@@ -395,12 +406,7 @@ class KdaReplaySm90(StepRows):
             for q in cutlass.range_constexpr(self.NC):
                 x[q] = x[q] * eg[q] + ur * kv[q]
             rho = grp + self.G * r
-            # a run-time loop over the entries: every row's same keys, read again a row, not
-            # hoisted out of the rows into registers the whole kernel would be sized by
-            for j in cutlass.range(c):
-                uj = ru_s[j, rho].to(cutlass.Float32)
-                for q in cutlass.range_constexpr(self.NC):
-                    x[q] = x[q] + uj * rg_s[j, self._col(q, sub)]
+            self._fold_entries(x, ru_s, rg_s, c, rho, sub, unrolled=False)
             self._put(x, self._row_vecs(dst, slot, h, vb * self.BV + rho), sub,
                       self.pdt)
 
