@@ -128,8 +128,8 @@ REPLAY_VARIANTS: tuple[ReplayConfig, ...] = (
     _replay("bfloat16", 16, 64, mode="verify", drafts=8),
     _replay("bfloat16", 32, 64, mode="verify", drafts=8),
     _replay("bfloat16", 32, 64, mode="verify"),
-    *(replace(c, mma=not c.mma) for c in REPLAY
-      if c.mode == "verify" and replay_supports(replace(c, mma=not c.mma))[0]),
+    *(t for t in (replace(c, mma=not c.mma) for c in REPLAY if c.mode == "verify")
+      if replay_supports(t)[0]),
     _replay("bfloat16", 32, 128, mode="verify", drafts=2),
 )
 
