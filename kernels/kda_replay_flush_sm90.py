@@ -49,6 +49,7 @@ class KdaReplayFlushSm90(KdaReplaySm90):
         _, _, pad, slot, start, c = self._ring_row(
             (tk, st, tab, ring), (seqs, rd, acc, starts), n, lead)
         if pad == 0 and start != 0 and c > 0:
+            taken = self._ticket(ring, slot, tidx)
             shared = utils.SmemAllocator().allocate(self.shared_storage)
             stage, rk_s, rg_s, rr_s, ru_s, vs, ab_s = self._areas(shared, tidx)
             self._stage_rows(stage, st.pool, slot, h, vb, grp, sub)
@@ -56,6 +57,7 @@ class KdaReplayFlushSm90(KdaReplaySm90):
             cute.arch.cp_async_commit_group()
             cute.arch.cp_async_wait_group(0)
             cute.arch.sync_threads()
+            self._move_cursor(ring, slot, tidx, c, True, taken)  # the ring emptied
             gt = cute.make_rmem_tensor((NC,), f32)
             eg = cute.make_rmem_tensor((NC,), f32)
             zero = cute.make_rmem_tensor((NC,), f32)
@@ -73,4 +75,3 @@ class KdaReplayFlushSm90(KdaReplaySm90):
                     x[q] = x[q] * eg[q]
                 self._fold_entries(x, ru_s, rg_s, c, rho, sub)
                 self._put(x, self._row_vecs(st.dst, slot, h, vb * BV + rho), sub, self.pdt)
-            self._move_cursor(ring, slot, tidx, c, True)  # the ring emptied

@@ -17,8 +17,9 @@ the ring visible to every row group. With the token's log-decay a and G = G_(c-1
   and r (the head's first tile), the cursor + 1; from it: the row's state Sd + sum_j u_j w_j^T
   + u k^T (the w_j from shared memory) to the checkpoint slot and the cursor 0;
 - the cursor moves in place, by the row's last tile: every tile takes a ticket (an atomic add
-  on the slot's word) after it has read the cursor, and the one that takes the last writes the
-  cursor and puts the ticket word back to zero, so one launch moves it and a graph replays.
+  on the slot's word) as soon as it has read the cursor, and the one that takes the last writes
+  the cursor once its loads are in (before any store of its own) and puts the ticket word back
+  to zero, so one launch moves it and a graph replays.
 """
 
 from dataclasses import dataclass
@@ -296,21 +297,30 @@ class KdaReplaySm90(StepRows):
             x[q] = x[q] + uj * rg_s[j, self._col(q, sub)]
 
     @cute.jit
-    def _move_cursor(self, ring: Ring, slot, tidx, c, folded):
-        """The row's last tile to take its ticket (an atomic on the slot's word, taken by every
-        tile after its cursor read) writes the cursor, c + 1 or 0 where the row folded, and
-        puts the word back to zero."""
-        i32 = cutlass.Int32
+    def _ticket(self, ring: Ring, slot, tidx):
+        """This tile's ticket on the slot's word (thread 0; -1 elsewhere), taken once its cursor
+        read is done and before anything else is issued: a release (the read before it) with no
+        store of the tile's yet to wait on, its round trip in flight with the tile's loads."""
+        taken = cutlass.Int32(-1)
+        if tidx == 0:
+            taken = cute.arch.atomic_add(ring.tickets.iterator + slot, cutlass.Int32(1),
+                                         sem="release", scope="gpu")
+        return taken
+
+    @cute.jit
+    def _move_cursor(self, ring: Ring, slot, tidx, c, folded, taken):
+        """The tile that took the row's last ticket (every tile has read the cursor) writes it,
+        c + 1 or 0 where the row folded, and puts the word back to zero; called before the
+        tile's first store, so that the acquiring fence waits on nothing."""
         if tidx == 0:
             gx, gy, _ = cute.arch.grid_dim()
-            taken = cute.arch.atomic_add(ring.tickets.iterator + slot, i32(1),
-                                         sem="acq_rel", scope="gpu")
             if taken == gx * gy - 1:
+                cute.arch.fence_acq_rel_gpu()
                 nxt = c + 1
                 if folded:
-                    nxt = i32(0)
+                    nxt = cutlass.Int32(0)
                 ring.cursor[slot] = nxt
-                ring.tickets[slot] = i32(0)
+                ring.tickets[slot] = cutlass.Int32(0)
 
     @cute.jit
     def _checkpoint_row(self, x, stage, src, r):
@@ -423,6 +433,9 @@ class KdaReplaySm90(StepRows):
         lead = self._lead(tidx, vb, h)
         bos, length, pad, slot, start, c = self._ring_row(
             (tk, st, tab, ring), (seqs, rd, acc, starts), n, lead)
+        taken = i32(-1)
+        if pad == 0:
+            taken = self._ticket(ring, slot, tidx)
         shared = utils.SmemAllocator().allocate(self.shared_storage)
         stage, rk_s, rg_s, rr_s, ru_s, vs, ab_s = self._areas(shared, tidx)
         src = i32(SRC_ZERO)
@@ -453,6 +466,9 @@ class KdaReplaySm90(StepRows):
         v_me = vals.to(f32)
         cute.arch.cp_async_wait_group(0)
         cute.arch.sync_threads()  # the ring's entries, staged by every thread, visible to all
+        flush = c >= window - 1  # the window is full with this token: fold
+        if pad == 0:
+            self._move_cursor(ring, slot, tidx, c, flush, taken)
 
         # G and e^G of this thread's columns
         gt = cute.make_rmem_tensor((NC,), f32)
@@ -467,7 +483,6 @@ class KdaReplaySm90(StepRows):
         self._put_token(vs, gt, kv, qv, grp, sub)
         self._entries(areas, rg_s, c, tidx)
         ca, cb = self._row_sums(ru_s, ab_s, c, grp, sub)
-        flush = c >= window - 1  # the window is full with this token: fold
 
         if pad != 0:
             if length > 0:
@@ -509,4 +524,3 @@ class KdaReplaySm90(StepRows):
                         ring.g[slot, h, c, d] = gt[q]
                     if sub == 0:
                         ring.r[slot, h, c] = rkn
-            self._move_cursor(ring, slot, tidx, c, flush)
