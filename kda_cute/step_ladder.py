@@ -82,6 +82,10 @@ _SHIPPED = STEP + tuple(c for _, c in STEP_SINGLE + STEP_MULTI + STEP_CHUNK)
 # head), bf16 checkpoints by 8-byte accesses (fewer registers) and on a ring of 32 64 rows a CTA
 # (the staged ring's shared memory); flush 64 rows a CTA; commit a CTA a row.
 REPLAY_RINGS = (8, 16, 32)
+# a decode fold's entries whose decayed keys a thread holds across its rows (ReplayConfig.hoist):
+# on the fp32 tiles (their shared memory, not their registers, bounds their CTAs an SM) and the
+# bf16 tile of a ring of 16; the other bf16 tiles would lose a CTA an SM to the registers
+HOIST = 7
 
 
 def _replay(pool: str, ring: int, rows: int, **kw) -> ReplayConfig:
@@ -100,8 +104,8 @@ def _replay(pool: str, ring: int, rows: int, **kw) -> ReplayConfig:
 # on a ring of 32.
 REPLAY: tuple[ReplayConfig, ...] = tuple(
     c for n in REPLAY_RINGS for c in (
-        _replay("float32", n, 128),
-        _replay("bfloat16", n, 64 if n > 16 else 128),
+        _replay("float32", n, 128, hoist=HOIST),
+        _replay("bfloat16", n, 64 if n > 16 else 128, hoist=HOIST if n == 16 else 0),
         _replay("float32", n, 128 if n > 16 else 64, mode="verify", mma=n > 16),
         _replay("bfloat16", n, 128 if n > 16 else 64, mode="verify", mma=True),
         _replay("float32", n, 64, mode="flush"),
@@ -114,7 +118,8 @@ REPLAY: tuple[ReplayConfig, ...] = tuple(
 # other replay tiles, for the sweep (bench/replay.py --sweep): decode fp32 64 rows a CTA on
 # rings of 16 and 8, 32 rows on a ring of 8; bf16 tiles of 16 lanes a row, and 64 rows; verify
 # the whole heads and 64 rows beside the shipped ones, each shipped verify tile's twin with
-# the products on the other units, and 2 drafts' areas on a ring of 32 (bf16)
+# the products on the other units, and 2 drafts' areas on a ring of 32 (bf16); each shipped
+# decode tile's twin with the other fold (keys held or read a row)
 REPLAY_VARIANTS: tuple[ReplayConfig, ...] = (
     *(_replay("float32", n, 64) for n in (16, 8)),
     ReplayConfig(128, 128, "float32", 32, 32, 128, unroll=2, ring=8),
@@ -131,6 +136,7 @@ REPLAY_VARIANTS: tuple[ReplayConfig, ...] = (
     *(t for t in (replace(c, mma=not c.mma) for c in REPLAY if c.mode == "verify")
       if replay_supports(t)[0]),
     _replay("bfloat16", 32, 128, mode="verify", drafts=2),
+    *(replace(c, hoist=0 if c.hoist else HOIST) for c in REPLAY if c.mode == "decode"),
 )
 
 

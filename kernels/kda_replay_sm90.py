@@ -276,17 +276,12 @@ class KdaReplaySm90(StepRows):
         return ca, cb
 
     @cute.jit
-    def _fold_entries(self, x, ru_s, rg_s, c, rho, sub, unrolled=True):
-        """Row rho's sum of the c entries' u_j w_j (the decayed keys in rg_s) added to x; the
-        entries unrolled, or (unrolled=False) a run-time loop, for a caller over many rows
-        whose every row reads the same keys: unrolled, the compiler hoists them out of its
-        rows into registers the whole kernel is then sized by."""
-        if cutlass.const_expr(unrolled):
-            for j in cutlass.range_constexpr(self.L - 1):
-                if j < c:
-                    self._fold_entry(x, ru_s, rg_s, j, rho, sub)
-        else:
-            for j in cutlass.range(c):
+    def _fold_entries(self, x, ru_s, rg_s, c, rho, sub):
+        """Row rho's sum of the c entries' u_j w_j (the decayed keys in rg_s) added to x, the
+        entries unrolled (for a caller of a row at a time: over many rows the compiler would
+        hoist every entry's keys out of them)."""
+        for j in cutlass.range_constexpr(self.L - 1):
+            if j < c:
                 self._fold_entry(x, ru_s, rg_s, j, rho, sub)
 
     @cute.jit
@@ -406,19 +401,34 @@ class KdaReplaySm90(StepRows):
     def _fold_rows(self, x, stage, src, eg, kv, u, areas, dst: cute.Tensor, where, c, grp,
                    sub):
         """The flush: every row's state after this token, Sd + u k^T + sum_j u_j w_j^T (row
-        r's u from lane r), to the checkpoint pool dst's rows (where: slot, head, tile)."""
+        r's u from lane r), to the checkpoint pool dst's rows (where: slot, head, tile). The
+        first HB entries' decayed keys are read once into registers for all rows (every row
+        of a thread takes the same columns), the rest a row from shared memory; the row loop
+        is not unrolled where keys are held (unrolled, each would cost twice its registers)."""
         ru_s, rg_s = areas
         slot, h, vb = where
+        HB, NC = self.cfg.hoist, self.NC
         lane0 = (cute.arch.lane_idx() // self.TPR) * self.TPR
-        for r in cutlass.range(self.R, unroll=self.U, unroll_full=self.U == 0):
+        held = cute.make_rmem_tensor((max(HB, 1) * NC,), cutlass.Float32)
+        for j in cutlass.range_constexpr(HB):
+            if j < c:
+                for q in cutlass.range_constexpr(NC):
+                    held[j * NC + q] = rg_s[j, self._col(q, sub)]
+        U = 1 if HB else self.U
+        for r in cutlass.range(self.R, unroll=U, unroll_full=U == 0):
             self._checkpoint_row(x, stage, src, r)
             ur = cute.arch.shuffle_sync(u, offset=lane0 + r)
-            for q in cutlass.range_constexpr(self.NC):
+            for q in cutlass.range_constexpr(NC):
                 x[q] = x[q] * eg[q] + ur * kv[q]
             rho = grp + self.G * r
-            self._fold_entries(x, ru_s, rg_s, c, rho, sub, unrolled=False)
-            self._put(x, self._row_vecs(dst, slot, h, vb * self.BV + rho), sub,
-                      self.pdt)
+            for j in cutlass.range_constexpr(HB):
+                if j < c:
+                    uj = ru_s[j, rho].to(cutlass.Float32)
+                    for q in cutlass.range_constexpr(NC):
+                        x[q] = x[q] + uj * held[j * NC + q]
+            for j in cutlass.range(HB, c):
+                self._fold_entry(x, ru_s, rg_s, j, rho, sub)
+            self._put(x, self._row_vecs(dst, slot, h, vb * self.BV + rho), sub, self.pdt)
 
     @cute.kernel
     def kernel(self, tk: Tokens, gp: GateParams, st: States, tab: Tables, ring: Ring,
@@ -467,8 +477,7 @@ class KdaReplaySm90(StepRows):
         cute.arch.cp_async_wait_group(0)
         cute.arch.sync_threads()  # the ring's entries, staged by every thread, visible to all
         flush = c >= window - 1  # the window is full with this token: fold
-        if pad == 0:
-            self._move_cursor(ring, slot, tidx, c, flush, taken)
+        self._move_cursor(ring, slot, tidx, c, flush, taken)  # a padding row took no ticket
 
         # G and e^G of this thread's columns
         gt = cute.make_rmem_tensor((NC,), f32)

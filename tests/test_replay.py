@@ -26,7 +26,7 @@ from kda_cute.plans.replay import replay_plan
 from kda_cute.plans.steps import At, Role, Scalar
 from kda_cute.reference import rel_err
 from kda_cute.specs.replay import ReplayConfig
-from kda_cute.step_ladder import REPLAY, REPLAY_VARIANTS
+from kda_cute.step_ladder import HOIST, REPLAY, REPLAY_VARIANTS
 from tests.mutations import must_refuse, odd_swaps, outcome, tensor_swaps
 
 BF = torch.bfloat16
@@ -651,17 +651,19 @@ _TILES = [c for c in REPLAY + REPLAY_VARIANTS if c.mode in ("decode", "verify")]
 @pytest.mark.gpu
 @pytest.mark.parametrize("cfg", _TILES, ids=lambda c: c.name.removeprefix("kda_replay_"))
 def test_every_tile(cfg):
-    """Each built decode and verify tile, shipped or for the sweep, through config=: two
-    decode steps (the second at the window's end: a fold), or a verify of as many drafts as
-    the tile holds (at most 6) past cursor 2, against the float64 model."""
+    """Each built decode and verify tile, shipped or for the sweep, through config=: decode
+    steps over a window of HOIST + 2 (at most the ring), the last a fold of entries both held
+    in registers and read from shared memory, or a verify of as many drafts as the tile holds
+    (at most 6) past cursor 2, against the float64 model."""
     gen, state, ring, idx, gate, m_state, m_ring = _tile_inputs(cfg, cfg.ring + cfg.block_v, 3)
     N, live = idx.shape[0], idx >= 0
     if cfg.mode == "decode":
-        for _ in range(2):
+        window = min(cfg.ring, HOIST + 2)
+        for _ in range(window):
             q, k, v, g, beta = _toks(N, 1, gen)
             out = kda_cute.replay_decode(q, k, v, g, beta, state, **ring, state_indices=idx,
-                                         window=2, config=cfg, **gate)
-            o = ref.decode(m_state, m_ring, idx.cpu(), *_cpu(q, k, v, g, beta), window=2,
+                                         window=window, config=cfg, **gate)
+            o = ref.decode(m_state, m_ring, idx.cpu(), *_cpu(q, k, v, g, beta), window=window,
                            **_ref_gate(gate))
             kda_cute.check_errors(sync=True)
             assert rel_err(out[live], o[live.cpu()].cuda()) < OUT_TOL

@@ -9,7 +9,7 @@ import pytest
 
 from kda_cute.specs import args_for, spec_of, step
 from kda_cute.specs.replay import ReplayConfig, supports
-from kda_cute.step_ladder import REPLAY, REPLAY_VARIANTS, select_replay
+from kda_cute.step_ladder import HOIST, REPLAY, REPLAY_VARIANTS, select_replay
 
 BASE = ReplayConfig(128, 128, "float32", 64, 32, 128, unroll=2, ring=8)
 
@@ -26,6 +26,8 @@ def test_tiles_are_supported_and_named_apart():
     (dict(persist=2), "persist"), (dict(prep=4), "prep"), (dict(chunk=2), "chunk"),
     (dict(ahead=True), "ahead"), (dict(tpr=1, block_v=4, threads=32), "tpr"),
     (dict(block_v=48), "block_v"), (dict(ring=4), "ring"),
+    (dict(hoist=8), "hoist"), (dict(hoist=-1), "hoist"), (dict(mode="flush", hoist=2), "hoist"),
+    (dict(mode="verify", hoist=2), "hoist"),
 ])
 def test_unsupported_tiles_say_why(change, word):
     ok, why = supports(dataclasses.replace(BASE, **change))
@@ -83,3 +85,15 @@ def test_name_encodes_the_ring_and_u_dtype():
     assert BASE.name == "kda_replay_k128_v128_f32_bv64_r32_t128_u2_l8_uh"
     assert dataclasses.replace(BASE, ring=16).name != BASE.name
     assert dataclasses.replace(BASE, u_dtype="float32").name.endswith("_uf")
+
+
+def test_hoist_is_named_and_each_shipped_decode_tile_has_its_twin():
+    assert dataclasses.replace(BASE, hoist=HOIST).name == BASE.name + f"_h{HOIST}"
+    assert supports(dataclasses.replace(BASE, hoist=BASE.ring - 1)) == (True, "")
+    decode = [c for c in REPLAY if c.mode == "decode"]
+    assert {(c.pool, c.ring) for c in decode if c.hoist} == {
+        ("float32", 8), ("float32", 16), ("float32", 32), ("bfloat16", 16)}
+    assert all(c.hoist in (0, HOIST) for c in decode)
+    for c in decode:
+        assert dataclasses.replace(c, hoist=0 if c.hoist else HOIST) in REPLAY_VARIANTS
+    assert not any(c.hoist for c in REPLAY + REPLAY_VARIANTS if c.mode != "decode")

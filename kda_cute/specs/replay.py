@@ -42,6 +42,9 @@ class ReplayConfig(StepConfig):
     mode: str = "decode"  # one of MODES
     drafts: int = 0  # verify: the most drafts a row (its shared areas); 0: min(ring, 16)
     mma: bool = False  # verify: the checkpoint's products with the drafts on mma.sync
+    # decode: the fold's first `hoist` entries' decayed keys held in registers across its rows
+    # (0: every entry read from shared memory a row)
+    hoist: int = 0
 
     @property
     def name(self) -> str:
@@ -51,7 +54,8 @@ class ReplayConfig(StepConfig):
             return f"kda_replay_commit_l{self.ring}"
         return f"kda_replay_{base}_l{self.ring}_{u}" + (
             "" if self.mode == "decode" else f"_{self.mode}") + (
-            f"_d{self.drafts}" if self.drafts else "") + ("_mma" if self.mma else "")
+            f"_d{self.drafts}" if self.drafts else "") + ("_mma" if self.mma else "") + (
+            f"_h{self.hoist}" if self.hoist else "")
 
 
 def supports(cfg: ReplayConfig) -> tuple[bool, str]:
@@ -75,6 +79,9 @@ def supports(cfg: ReplayConfig) -> tuple[bool, str]:
         return False, (f"mma is a verify's with drafts areas of a multiple of 4 and rows and "
                        f"head columns in whole MMA tiles, got {cfg.mode}, drafts {cfg.drafts}, "
                        f"block_v {cfg.block_v}, K {cfg.head_dim_k}")
+    if cfg.hoist and (cfg.mode != "decode" or not 0 < cfg.hoist < cfg.ring):
+        return False, (f"hoist must be 0, or for decode above 0 and below the ring, got "
+                       f"{cfg.hoist} ({cfg.mode}, ring {cfg.ring})")
     if cfg.mode == "verify" and (cfg.tpr != 32 or 2 * cfg.block_v != cfg.threads):
         return False, (f"verify tiles are 32 lanes a row and two threads a row "
                        f"(threads = 2 block_v), got tpr={cfg.tpr}, block_v={cfg.block_v}, "
