@@ -45,7 +45,7 @@ CURRENT = {
     "peers-ten": ("peers-ten-h100-2026-12-06-3f0c91c.json",
                   "prefill vs cuDNN fused and FlashKDA, ten cases"),
     "refactor-ab": ("refactor-ab-h100-2026-12-06.json", "one shape for every call, old / new"),
-    "replay": ("replay-h100-2026-12-07-dbb5fbc.json",
+    "replay": ("replay-h100-2026-12-07-7bee323.json",
                "replay decode and verify vs today's, fla, H100"),
     "context": ("context-sim-h200-2026-12-06-1ebca17.json",
                 "context parallel, R ranks simulated on one GPU as CUDA graphs, H200"),
