@@ -15,7 +15,8 @@ the ring visible to every row group. With the token's log-decay a and G = G_(c-1
   two products are taken first and reduced together, lane r ending with row r's;
 - below the window's last token (c < window - 1): u to the ring (every tile its rows), k, G
   and r (the head's first tile), the cursor + 1; from it: the row's state Sd + sum_j u_j w_j^T
-  + u k^T (the w_j from shared memory) to the checkpoint slot and the cursor 0;
+  + u k^T (the w_j from shared memory, the tile's first `hoist` read once into registers) to
+  the checkpoint slot and the cursor 0;
 - the cursor moves in place, by the row's last tile: every tile takes a ticket (an atomic add
   on the slot's word) as soon as it has read the cursor, and the one that takes the last writes
   the cursor once its loads are in (before any store of its own) and puts the ticket word back
@@ -409,7 +410,7 @@ class KdaReplaySm90(StepRows):
         slot, h, vb = where
         HB, NC = self.cfg.hoist, self.NC
         lane0 = (cute.arch.lane_idx() // self.TPR) * self.TPR
-        held = cute.make_rmem_tensor((max(HB, 1) * NC,), cutlass.Float32)
+        held = cute.make_rmem_tensor((HB * NC,), cutlass.Float32) if HB else None
         for j in cutlass.range_constexpr(HB):
             if j < c:
                 for q in cutlass.range_constexpr(NC):
